@@ -1,0 +1,59 @@
+"""The ``m2po`` command.
+
+Each subcommand lives next to the code it drives and exposes ``register(subparsers)``, which
+adds its parser and sets ``func``; this file only lists them, so ``m2po --help`` stays cheap
+(heavy imports such as Megatron happen inside the chosen subcommand).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from megatron_m2po.config import ConfigError
+
+# name -> module defining register(subparsers)
+COMMANDS: dict[str, str] = {
+    "train": "megatron_m2po.trainer.cli",
+    "eval": "megatron_m2po.evaluation",
+    "store": "megatron_m2po.store.cli",
+    "convert": "megatron_m2po.actor.convert",
+    "plan": "megatron_m2po.planner",
+    "experiment": "megatron_m2po.experiment",
+    "config": "megatron_m2po.config_cli",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="m2po", description="Off-policy RL post-training on Megatron-Core with M2PO.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for name, module in COMMANDS.items():
+        try:
+            mod = importlib.import_module(module)
+        except ModuleNotFoundError as e:
+            if e.name == module:  # subcommand not shipped in this build
+                continue
+            raise
+        mod.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        rc = args.func(args)
+    except ConfigError as e:
+        print(f"m2po {args.command}: configuration error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"m2po {args.command}: interrupted", file=sys.stderr)
+        return 130
+    return int(rc or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,497 @@
+"""One typed configuration tree for the whole product.
+
+A run is described by a YAML file whose top-level keys are the sections below (``model``,
+``parallel``, ``algo``, ``optim``, ``rollout``, ``store``, ``data``, ``reward``, ``trainer``,
+``checkpoint``, ``logging``), plus dotted command-line overrides::
+
+    m2po train examples/tiny_cpu.yaml algo.m2_threshold=0.02 trainer.mode=stale_k
+
+Every field carries its documentation (``help``) and, where it has one, its allowed range or
+choices in the dataclass field metadata. Loading validates every field and the cross-field
+rules; a violation raises :class:`ConfigError` (a ``ValueError``) naming the dotted key, the
+value and what is allowed. Nothing in the library reads global arguments: components receive
+the section they need.
+
+Example:
+    >>> cfg = load_config(None, ["algo.m2_threshold=0.02", "trainer.mode=sync"])
+    >>> cfg.algo.m2_threshold
+    0.02
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+import yaml
+
+__all__ = [
+    "ConfigError",
+    "ModelConfig",
+    "ParallelConfig",
+    "AlgoConfig",
+    "OptimConfig",
+    "RolloutConfig",
+    "StoreConfig",
+    "DataConfig",
+    "RewardConfig",
+    "TrainerConfig",
+    "CheckpointConfig",
+    "LoggingConfig",
+    "Config",
+    "load_config",
+    "config_from_dict",
+    "config_to_dict",
+    "apply_overrides",
+    "dump_config",
+]
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, of the wrong type, or out of its allowed range."""
+
+
+def _f(default: Any = dataclasses.MISSING, *, help: str, ge: float | None = None,
+       gt: float | None = None, le: float | None = None, lt: float | None = None,
+       factory: Any = None) -> Any:
+    """A dataclass field with documentation and an optional numeric range."""
+    meta = {"help": help, "ge": ge, "gt": gt, "le": le, "lt": lt}
+    if factory is not None:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+# --------------------------------------------------------------------------------------------
+# Sections
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ModelConfig:
+    """The policy model."""
+
+    hf_path: str = _f("tiny", help="Local HF model directory (config.json, safetensors, tokenizer). "
+                      "'tiny' builds/reuses the tiny CPU base model (tools/make_tiny_base.py).")
+    dtype: Literal["float32", "bfloat16", "float16"] = _f(
+        "float32", help="Parameter and compute dtype of the actor (bf16 on GPU).")
+    tiny_cache_dir: str = _f("~/.cache/megatron_m2po/tiny_base",
+                             help="Where the tiny base model is built and cached.")
+    attention_dropout: float = _f(0.0, ge=0.0, lt=1.0, help="Attention dropout (0 for RL).")
+    hidden_dropout: float = _f(0.0, ge=0.0, lt=1.0, help="Hidden dropout (0 for RL).")
+
+
+@dataclass
+class ParallelConfig:
+    """Megatron-Core parallel layout. Data parallel size is world_size / (tp * pp * cp)."""
+
+    tensor_parallel: int = _f(1, ge=1, help="Tensor (model) parallel size.")
+    pipeline_parallel: int = _f(1, ge=1, help="Pipeline parallel size.")
+    context_parallel: int = _f(1, ge=1, help="Context parallel size.")
+    virtual_pipeline_parallel: Optional[int] = _f(None, ge=1, help="Interleaved pipeline chunks per rank.")
+    sequence_parallel: bool = _f(False, help="Megatron sequence parallelism (needs TP > 1 and TE/apex norms on GPU).")
+    use_distributed_optimizer: bool = _f(False, help="Shard optimizer states over data-parallel ranks (ZeRO-1).")
+    micro_batch_size: int = _f(1, ge=1, help="Sequences per micro-batch.")
+    recompute: Literal["none", "selective", "full"] = _f("none", help="Activation recomputation.")
+    backend: Literal["auto", "nccl", "gloo"] = _f("auto", help="torch.distributed backend; auto = nccl with CUDA, gloo without.")
+    logprob_chunk_rows: int = _f(1024, ge=1, help="Rows per chunk of the fused vocab-parallel log-prob.")
+    timeout_s: float = _f(1800.0, gt=0, help="Collective timeout for the training process groups.")
+
+
+@dataclass
+class AlgoConfig:
+    """Policy loss and advantage estimation (DESIGN §3)."""
+
+    loss: Literal["m2po", "grpo", "no_tr", "gspo", "cispo"] = _f("m2po", help="Policy loss (registry in algo/losses.py).")
+    m2_threshold: float = _f(0.04, ge=0.0, help="M2PO budget tau on the mean of (log r)^2 over trust-region tokens.")
+    m2_rule: Literal["remove", "cap"] = _f("remove", help="'remove' = paper Algorithm 1; 'cap' = the released code's rule.")
+    m2_scope: Literal["global", "microbatch"] = _f("global", help="'global' = whole optimizer mini-batch over all DP x CP ranks; "
+                                                   "'microbatch' = per micro-batch per rank (released code).")
+    eps_low: float = _f(0.2, gt=0.0, lt=1.0, help="PPO clip: ratio lower bound 1 - eps_low.")
+    eps_high: float = _f(0.2, gt=0.0, help="PPO clip: ratio upper bound 1 + eps_high (clip-higher when > eps_low).")
+    dual_clip_c: Optional[float] = _f(None, gt=1.0, help="Dual-clip constant c (> 1) for negative advantages; None = off.")
+    gspo_eps_low: float = _f(3e-4, gt=0.0, help="GSPO sequence-ratio clip, low side.")
+    gspo_eps_high: float = _f(4e-4, gt=0.0, help="GSPO sequence-ratio clip, high side.")
+    cispo_eps_high: float = _f(2.0, gt=0.0, help="CISPO: the stop-grad ratio is clipped to at most 1 + cispo_eps_high.")
+    logratio_clamp: float = _f(20.0, gt=0.0, help="log(pi_theta / pi_behav) is clamped to [-c, c] before exp.")
+    tis: bool = _f(False, help="Truncated importance sampling weight min(p_train_behav / p_engine_behav, C) (paper eq. 6).")
+    tis_cap: float = _f(2.0, gt=0.0, help="C of the TIS weight.")
+    recompute_behav_logprobs: bool = _f(False, help="Recompute behaviour log-probs with the trainer at generation time "
+                                        "(enables TIS and the mismatch KL).")
+    advantage: Literal["grpo", "grpo_no_std"] = _f("grpo", help="Advantage estimator: GRPO group normalisation.")
+    adv_eps: float = _f(1e-6, gt=0.0, help="Added to the group std in the GRPO advantage.")
+    entropy_coef: float = _f(0.0, ge=0.0, help="Entropy bonus coefficient.")
+
+
+@dataclass
+class OptimConfig:
+    """Optimizer (Megatron's distributed-aware Adam) and schedule."""
+
+    lr: float = _f(1e-6, gt=0.0, help="Learning rate.")
+    min_lr: float = _f(0.0, ge=0.0, help="Floor of the schedule.")
+    lr_schedule: Literal["constant", "cosine", "linear"] = _f("constant", help="Learning-rate schedule after warm-up.")
+    warmup_updates: int = _f(0, ge=0, help="Linear warm-up, in optimizer updates.")
+    adam_beta1: float = _f(0.9, ge=0.0, lt=1.0, help="AdamW beta1.")
+    adam_beta2: float = _f(0.999, ge=0.0, lt=1.0, help="AdamW beta2.")
+    adam_eps: float = _f(1e-8, gt=0.0, help="AdamW epsilon.")
+    weight_decay: float = _f(0.01, ge=0.0, help="AdamW weight decay.")
+    grad_clip: float = _f(1.0, ge=0.0, help="Global gradient-norm clip (0 = off).")
+
+
+@dataclass
+class RolloutConfig:
+    """Rollout engines and sampling."""
+
+    engine: Literal["cpu_worker", "sglang"] = _f("cpu_worker", help="Engine kind: SGLang on GPU, the CPU worker otherwise.")
+    launcher: Literal["local", "ray", "external"] = _f("local", help="Engines as local subprocesses, Ray actors, or given by address.")
+    num_engines: int = _f(1, ge=0, help="Number of engines to launch (ignored for external).")
+    engine_tp: int = _f(1, ge=1, help="Tensor parallel size of each SGLang engine.")
+    engine_mem_fraction: float = _f(0.7, gt=0.0, le=1.0, help="SGLang --mem-fraction-static.")
+    engine_gpu_ids: list[int] = _f(factory=list, help="GPUs for the engines (disaggregated); empty = after the trainer's.")
+    external_addrs: list[str] = _f(factory=list, help="http://host:port of engines started elsewhere (launcher=external).")
+    use_router: bool = _f(True, help="Put sglang-router in front of the engines.")
+    router_addr: Optional[str] = _f(None, help="Attach to an existing router at this address instead of starting one.")
+    host: str = _f("127.0.0.1", help="Bind address of locally launched engines and router.")
+    base_port: int = _f(30000, ge=1024, le=65000, help="First port for engines; the router takes base_port - 1. 0 = pick free ports.")
+    n_samples_per_prompt: int = _f(8, ge=1, help="Samples per prompt (GRPO group size).")
+    max_new_tokens: int = _f(1024, ge=1, help="Maximum response length.")
+    temperature: float = _f(1.0, gt=0.0, help="Sampling temperature (the trainer divides logits by it too).")
+    top_p: float = _f(1.0, gt=0.0, le=1.0, help="Nucleus sampling.")
+    concurrency: int = _f(64, ge=1, help="Maximum in-flight generate requests per client.")
+    request_timeout_s: float = _f(600.0, gt=0, help="Timeout of one generate request.")
+    max_retries: int = _f(3, ge=0, help="Retries with backoff for failed requests.")
+    weight_sync: Literal["disk", "distributed"] = _f("disk", help="How weights reach the engines.")
+    weight_sync_dir: str = _f("", help="Shared directory for disk weight sync (default: <run_dir>/weights).")
+    weight_sync_bucket_mb: float = _f(512.0, gt=0, help="Bucket size of the distributed weight broadcast.")
+    weight_sync_timeout_s: float = _f(300.0, gt=0, help="Timeout of a weight update (a dead engine cannot hang training).")
+    producer: str = _f("megatron_m2po.rollout.producer:default_producer",
+                       help="Rollout producer, 'module:function' (slime-style custom rollout functions allowed).")
+    fp8_weights: bool = _f(False, help="Quantise exported weights to FP8 for engines that serve FP8 (nvidia-modelopt).")
+
+
+@dataclass
+class StoreConfig:
+    """The staleness-tagged rollout store."""
+
+    path: str = _f("", help="SQLite file (default: <run_dir>/rollouts.sqlite).")
+    policy: Literal["exact_stale_k", "bounded", "fifo"] = _f("exact_stale_k", help="Consumption policy (trainer.mode picks a default).")
+    max_staleness: int = _f(256, ge=0, help="Data older than this many updates is never trained on.")
+    retire_overage: bool = _f(False, help="Retire (and count) over-age data instead of raising.")
+    order: Literal["oldest", "freshest"] = _f("oldest", help="Order of the bounded policy.")
+    synchronous: Literal["FULL", "NORMAL"] = _f("FULL", help="SQLite synchronous setting (FULL: an acknowledged group survives power loss).")
+    serve_host: str = _f("127.0.0.1", help="Bind address of `m2po store serve`.")
+    serve_port: int = _f(8765, ge=0, le=65535, help="Port of `m2po store serve` (0 = any free port).")
+    token_env: str = _f("M2PO_STORE_TOKEN", help="Environment variable holding the ingestion bearer token.")
+    token_file: str = _f("", help="File holding the ingestion bearer token (used when the env var is unset).")
+    max_request_mb: float = _f(256.0, gt=0, help="Largest accepted ingestion request.")
+
+
+@dataclass
+class DataConfig:
+    """Prompt datasets."""
+
+    train: str = _f("synthetic", help="'synthetic' (arithmetic task) or a local .jsonl / .parquet file in the DeepScaleR schema.")
+    eval: list[str] = _f(factory=list, help="Benchmark files (same schema) for `m2po eval` and held-out accuracy.")
+    template: Literal["paper", "chat", "raw"] = _f("paper", help="Prompt template: the paper's, the tokenizer's chat template, or the problem as is.")
+    max_prompt_tokens: int = _f(1024, ge=1, help="Longer prompts are rejected at load with their index.")
+    synthetic_num_problems: int = _f(20000, ge=1, help="Size of the synthetic training set.")
+    synthetic_min_operand: int = _f(0, ge=0, help="Synthetic task: smallest operand.")
+    synthetic_max_operand: int = _f(20, ge=1, help="Synthetic task: largest operand.")
+    synthetic_num_operands: int = _f(2, ge=2, help="Synthetic task: operands per problem.")
+    synthetic_ops: str = _f("+-", help="Synthetic task: operators drawn from these characters (+-*).")
+    synthetic_eval_size: int = _f(256, ge=0, help="Held-out synthetic problems for evaluation.")
+    shuffle: bool = _f(True, help="Shuffle deterministically per epoch.")
+
+
+@dataclass
+class RewardConfig:
+    """Reward function (DESIGN §3, paper appendix B)."""
+
+    fn: str = _f("math", help="'math' (math-verify) or a custom 'module:function'.")
+    correct: float = _f(1.0, help="Reward of a verified-correct final answer.")
+    wrong: float = _f(0.1, help="Reward of an extracted but wrong answer.")
+    no_answer: float = _f(0.0, help="Reward when no \\boxed{} answer is found.")
+    timeout_s: float = _f(5.0, gt=0, help="Per-response scoring timeout (a timeout scores no_answer and is counted).")
+    num_workers: int = _f(2, ge=1, help="Scoring processes.")
+
+
+@dataclass
+class TrainerConfig:
+    """The training loop (DESIGN §3)."""
+
+    mode: Literal["sync", "stale_k", "async"] = _f("stale_k", help="sync (on-policy), stale_k (controlled staleness), async (bounded lag).")
+    stale_k: int = _f(0, ge=0, help="Staleness k of stale_k mode (updates between generation and first use).")
+    num_steps: int = _f(100, ge=1, help="Training steps (each does num_updates_per_step optimizer updates).")
+    prompts_per_step: int = _f(256, ge=1, help="Prompts per training step (x n_samples_per_prompt trajectories).")
+    prompts_per_update: int = _f(64, ge=1, help="Prompts per optimizer mini-batch.")
+    sync_every_updates: int = _f(1, ge=1, help="async: push weights to the engines every N optimizer updates.")
+    seed: int = _f(1234, help="Global seed (data order, sampling, init).")
+    run_dir: str = _f("runs/default", help="Output directory: metrics, checkpoints, store, weights.")
+    eval_every_steps: int = _f(0, ge=0, help="Held-out evaluation every N steps (0 = off).")
+    eval_samples: int = _f(1, ge=1, help="Samples per held-out problem (avg@k).")
+
+    @property
+    def num_updates_per_step(self) -> int:
+        return self.prompts_per_step // self.prompts_per_update
+
+
+@dataclass
+class CheckpointConfig:
+    """Checkpointing (Megatron distributed checkpoint + extra state)."""
+
+    dir: str = _f("", help="Checkpoint directory (default: <run_dir>/checkpoints).")
+    save_every_steps: int = _f(10, ge=0, help="Save every N steps (0 = only at the end and on a signal).")
+    keep_last: int = _f(2, ge=1, help="Checkpoints kept on disk.")
+    resume: bool = _f(True, help="Resume from the newest complete checkpoint when one exists.")
+    export_hf_at_end: bool = _f(True, help="Export HF safetensors of the final weights.")
+
+
+@dataclass
+class LoggingConfig:
+    """Metrics sinks. JSONL and TensorBoard are always written."""
+
+    wandb_project: str = _f("", help="Weights & Biases project (empty = off).")
+    wandb_run_name: str = _f("", help="W&B run name.")
+    progress: bool = _f(True, help="Rich progress display on rank 0.")
+    log_every_updates: int = _f(1, ge=1, help="Metrics record every N updates.")
+
+
+@dataclass
+class Config:
+    """The whole run."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    store: StoreConfig = field(default_factory=StoreConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def validate(self) -> "Config":
+        """Cross-field rules; raises ConfigError naming the values."""
+        for sect in dataclasses.fields(self):
+            _validate_ranges(getattr(self, sect.name), sect.name)
+        t, a, p = self.trainer, self.algo, self.parallel
+        if t.prompts_per_step % t.prompts_per_update:
+            raise ConfigError(
+                f"trainer.prompts_per_step={t.prompts_per_step} must be a multiple of "
+                f"trainer.prompts_per_update={t.prompts_per_update} (each step does a whole number of updates)")
+        if a.m2_rule == "remove" and a.m2_scope == "microbatch":
+            raise ConfigError("algo.m2_rule='remove' with algo.m2_scope='microbatch' is not a supported pairing: "
+                              "use m2_scope=global (paper) or m2_rule=cap (released code)")
+        if a.eps_high < a.eps_low and a.loss == "grpo":
+            raise ConfigError(f"algo.eps_high={a.eps_high} < algo.eps_low={a.eps_low}: clip-higher needs eps_high >= eps_low")
+        if a.tis and not a.recompute_behav_logprobs:
+            raise ConfigError("algo.tis=true needs algo.recompute_behav_logprobs=true (TIS compares trainer and engine "
+                              "behaviour log-probs)")
+        if self.store.max_staleness < t.stale_k + t.num_updates_per_step - 1 and t.mode == "stale_k":
+            raise ConfigError(
+                f"store.max_staleness={self.store.max_staleness} is below the largest staleness stale_k produces "
+                f"(trainer.stale_k + updates per step - 1 = {t.stale_k + t.num_updates_per_step - 1}); raise it")
+        if p.sequence_parallel and p.tensor_parallel == 1:
+            raise ConfigError("parallel.sequence_parallel=true needs parallel.tensor_parallel > 1")
+        if p.virtual_pipeline_parallel is not None and p.pipeline_parallel == 1:
+            raise ConfigError("parallel.virtual_pipeline_parallel needs parallel.pipeline_parallel > 1")
+        if self.rollout.launcher == "external" and not self.rollout.external_addrs and not self.rollout.router_addr:
+            raise ConfigError("rollout.launcher=external needs rollout.external_addrs (or rollout.router_addr)")
+        if self.rollout.n_samples_per_prompt == 1 and a.advantage.startswith("grpo"):
+            raise ConfigError("rollout.n_samples_per_prompt=1 gives GRPO groups of one sample (all advantages 0); use >= 2")
+        return self
+
+    # Convenience paths derived from run_dir.
+    def resolved_path(self, value: str, default_name: str) -> Path:
+        return Path(os.path.expanduser(value)) if value else Path(self.trainer.run_dir) / default_name
+
+
+# --------------------------------------------------------------------------------------------
+# Loading, overrides, validation
+# --------------------------------------------------------------------------------------------
+
+
+def _is_optional(tp: Any) -> tuple[bool, Any]:
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1 and len(typing.get_args(tp)) == 2:
+            return True, args[0]
+    return False, tp
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Convert a YAML value to the annotated type, or raise naming the key."""
+    optional, inner = _is_optional(tp)
+    if value is None:
+        if optional:
+            return None
+        raise ConfigError(f"{key}: null is not allowed (expected {_type_name(tp)})")
+    tp = inner
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value not in choices:
+            raise ConfigError(f"{key}={value!r} is not one of {list(choices)}")
+        return value
+    if origin in (list, tuple):
+        (elem,) = typing.get_args(tp)[:1] or (Any,)
+        if isinstance(value, str):  # "a,b" from the command line
+            value = [v for v in value.split(",") if v] if value else []
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}={value!r} must be a list")
+        return [_coerce(v, elem, f"{key}[{i}]") for i, v in enumerate(value)]
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}={value!r} must be true or false")
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            if isinstance(value, float) and value.is_integer():
+                return int(value)
+            raise ConfigError(f"{key}={value!r} must be an integer")
+        return value
+    if tp is float:
+        if isinstance(value, str):  # YAML 1.1 reads "1e-6" (no dot) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                raise ConfigError(f"{key}={value!r} must be a number") from None
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key}={value!r} must be a number")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+            raise ConfigError(f"{key}={value!r} must be a string")
+        return str(value)
+    if tp is Any:
+        return value
+    raise TypeError(f"unsupported config type {tp} at {key}")
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", str(tp))
+
+
+def _validate_ranges(section: Any, prefix: str) -> None:
+    for f in dataclasses.fields(section):
+        v = getattr(section, f.name)
+        if v is None or isinstance(v, (bool, str, list)):
+            continue
+        m = f.metadata
+        key = f"{prefix}.{f.name}"
+        bounds = [("ge", lambda a, b: a >= b, ">="), ("gt", lambda a, b: a > b, ">"),
+                  ("le", lambda a, b: a <= b, "<="), ("lt", lambda a, b: a < b, "<")]
+        for name, ok, sym in bounds:
+            b = m.get(name)
+            if b is not None and not ok(v, b):
+                raise ConfigError(f"{key}={v!r} is out of range: must be {sym} {b} ({m.get('help', '')})")
+
+
+def _section_from_dict(cls: type, data: dict, prefix: str) -> Any:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix}: expected a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for k, v in data.items():
+        if k not in names:
+            near = difflib.get_close_matches(k, names, n=1)
+            hint = f"; did you mean {prefix}.{near[0]}?" if near else f"; known keys: {sorted(names)}"
+            raise ConfigError(f"unknown config key {prefix}.{k}{hint}")
+        tp = hints[k]
+        if dataclasses.is_dataclass(tp):
+            kwargs[k] = _section_from_dict(tp, v or {}, f"{prefix}.{k}" if prefix else k)
+        else:
+            kwargs[k] = _coerce(v, tp, f"{prefix}.{k}" if prefix else k)
+    return cls(**kwargs)
+
+
+def config_from_dict(data: dict | None) -> Config:
+    """Build and validate a Config from a nested dict (YAML content)."""
+    return _section_from_dict(Config, data or {}, "").validate()
+
+
+def config_to_dict(cfg: Any) -> dict:
+    """Nested plain dict of a config (for YAML dumps and checkpoints)."""
+    return dataclasses.asdict(cfg)
+
+
+def _set_dotted(data: dict, dotted: str, raw: str) -> None:
+    parts = dotted.split(".")
+    node: Any = data
+    cls: Any = Config
+    for i, p in enumerate(parts):
+        names = {f.name: f for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else {}
+        if p not in names:
+            where = ".".join(parts[:i]) or "<top>"
+            near = difflib.get_close_matches(p, names, n=1)
+            hint = f"; did you mean {'.'.join(parts[:i] + [near[0]])}?" if near else f"; keys under {where}: {sorted(names)}"
+            raise ConfigError(f"unknown config key {dotted}{hint}")
+        tp = typing.get_type_hints(cls)[p]
+        if i == len(parts) - 1:
+            if dataclasses.is_dataclass(tp):
+                raise ConfigError(f"{dotted} is a section; override one of its fields, e.g. {dotted}.<field>=...")
+            optional, inner = _is_optional(tp)
+            if inner is str:  # keep strings verbatim ("007" stays "007")
+                node[p] = None if optional and raw.lower() in ("null", "none", "~") else raw
+            else:
+                node[p] = yaml.safe_load(raw) if raw != "" else None
+        else:
+            if not isinstance(node.get(p), dict):
+                node[p] = {}
+            node = node[p]
+            cls = tp
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """Apply ``a.b=value`` overrides to a nested dict; values parse as YAML scalars."""
+    for ov in overrides:
+        if "=" not in ov:
+            raise ConfigError(f"override {ov!r} must look like section.key=value (e.g. algo.m2_threshold=0.02)")
+        key, raw = ov.split("=", 1)
+        _set_dotted(data, key.strip(), raw.strip())
+    return data
+
+
+def load_config(path: str | os.PathLike | None, overrides: list[str] | None = None) -> Config:
+    """Load a YAML config file (or the defaults when path is None) and apply dotted overrides."""
+    data: dict = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {str(p)!r} does not exist")
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {str(p)!r} is not valid YAML: {e}") from e
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {str(p)!r} must hold a mapping of sections, got {type(data).__name__}")
+    apply_overrides(data, list(overrides or []))
+    return config_from_dict(data)
+
+
+def dump_config(cfg: Config) -> str:
+    """YAML text of a resolved config."""
+    return yaml.safe_dump(config_to_dict(cfg), sort_keys=False)
+
+
+def describe(cls: type = Config, prefix: str = "") -> list[tuple[str, str, str]]:
+    """(dotted key, default, help) for every field, for `m2po config --help`-style listings."""
+    rows = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        key = f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(hints[f.name]):
+            rows += describe(hints[f.name], key + ".")
+        else:
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+            rows.append((key, repr(default), f.metadata.get("help", "")))
+    return rows

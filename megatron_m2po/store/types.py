@@ -1,0 +1,163 @@
+"""Typed records that cross process boundaries: a trajectory and a prompt group.
+
+A :class:`Trajectory` is one sampled response to one prompt. Its response tokens carry the
+behaviour log-probs the engine reported and, per token, the weight *version* (number of
+optimizer updates applied) of the weights that produced it: a partial rollout that spanned a
+weight update carries several versions. A :class:`Group` is the ``n`` samples of one prompt;
+groups are the unit of storage and consumption because GRPO normalises within a group.
+
+``validate()`` checks the contract and raises ``ValueError`` naming the field and the value.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import numpy as np
+
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+def _arr(x: Any, dtype: Any) -> np.ndarray:
+    a = np.asarray(x, dtype=dtype)
+    return a.reshape(-1)
+
+
+@dataclass(slots=True)
+class Trajectory:
+    """One response.
+
+    Attributes:
+        uid: globally unique id of this sample (idempotency key; canonical order key).
+        group_id: id of the prompt group (all samples of one prompt share it).
+        prompt_ids: prompt token ids, int32 [P].
+        response_ids: response token ids, int32 [R].
+        behav_logprobs: behaviour-policy log-prob of each response token, float32 [R], finite, <= 0.
+        versions: weight version that produced each response token, int64 [R], non-decreasing.
+        reward: scalar reward, or None until scored.
+        loss_mask: 1 where a response token is trained on (0 for tool/env tokens), uint8 [R].
+        finish_reason: "stop", "length" or "abort".
+        metadata: free-form JSON-serialisable dict (prompt index, answer, engine, ...).
+        recomputed_behav_logprobs: optional trainer-side behaviour log-probs [R] (TIS / mismatch).
+    """
+
+    uid: str
+    group_id: str
+    prompt_ids: np.ndarray
+    response_ids: np.ndarray
+    behav_logprobs: np.ndarray
+    versions: np.ndarray
+    reward: Optional[float] = None
+    loss_mask: Optional[np.ndarray] = None
+    finish_reason: str = "stop"
+    metadata: dict = field(default_factory=dict)
+    recomputed_behav_logprobs: Optional[np.ndarray] = None
+
+    def __post_init__(self) -> None:
+        self.prompt_ids = _arr(self.prompt_ids, np.int32)
+        self.response_ids = _arr(self.response_ids, np.int32)
+        self.behav_logprobs = _arr(self.behav_logprobs, np.float32)
+        v = np.asarray(self.versions, dtype=np.int64)
+        if v.ndim == 0:  # a single version for the whole response
+            v = np.full(self.response_ids.shape[0], int(v), dtype=np.int64)
+        self.versions = v.reshape(-1)
+        if self.loss_mask is None:
+            self.loss_mask = np.ones(self.response_ids.shape[0], dtype=np.uint8)
+        else:
+            self.loss_mask = _arr(self.loss_mask, np.uint8)
+        if self.recomputed_behav_logprobs is not None:
+            self.recomputed_behav_logprobs = _arr(self.recomputed_behav_logprobs, np.float32)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.prompt_ids.shape[0] + self.response_ids.shape[0])
+
+    @property
+    def min_version(self) -> int:
+        return int(self.versions.min()) if self.versions.size else -1
+
+    @property
+    def max_version(self) -> int:
+        return int(self.versions.max()) if self.versions.size else -1
+
+    def validate(self, *, current_version: Optional[int] = None, allow_empty: bool = False) -> None:
+        """Raise ValueError naming the offending field and value."""
+        who = f"trajectory {self.uid!r}"
+        if not isinstance(self.uid, str) or not self.uid:
+            raise ValueError(f"trajectory uid must be a non-empty string, got {self.uid!r}")
+        if not isinstance(self.group_id, str) or not self.group_id:
+            raise ValueError(f"{who}: group_id must be a non-empty string, got {self.group_id!r}")
+        r = self.response_ids.shape[0]
+        if self.prompt_ids.shape[0] == 0:
+            raise ValueError(f"{who}: prompt_ids is empty")
+        if r == 0 and not allow_empty:
+            raise ValueError(f"{who}: response_ids is empty (an empty response cannot be trained on; "
+                             "drop it or allow empty responses explicitly)")
+        for name in ("behav_logprobs", "versions", "loss_mask"):
+            n = getattr(self, name).shape[0]
+            if n != r:
+                raise ValueError(f"{who}: {name} has {n} entries but response_ids has {r}")
+        if self.recomputed_behav_logprobs is not None and self.recomputed_behav_logprobs.shape[0] != r:
+            raise ValueError(f"{who}: recomputed_behav_logprobs has {self.recomputed_behav_logprobs.shape[0]} "
+                             f"entries but response_ids has {r}")
+        lp = self.behav_logprobs
+        if r:
+            bad = np.flatnonzero(~np.isfinite(lp))
+            if bad.size:
+                raise ValueError(f"{who}: behav_logprobs[{bad[0]}]={lp[bad[0]]} is not finite")
+            bad = np.flatnonzero(lp > 1e-6)
+            if bad.size:
+                raise ValueError(f"{who}: behav_logprobs[{bad[0]}]={lp[bad[0]]} > 0 is not a log-probability")
+            if (self.prompt_ids < 0).any() or (self.response_ids < 0).any():
+                raise ValueError(f"{who}: token ids must be >= 0")
+            if (self.versions < 0).any():
+                raise ValueError(f"{who}: versions[{int(np.flatnonzero(self.versions < 0)[0])}] is negative")
+            if (np.diff(self.versions) < 0).any():
+                i = int(np.flatnonzero(np.diff(self.versions) < 0)[0])
+                raise ValueError(f"{who}: versions decrease at token {i + 1} "
+                                 f"({self.versions[i]} -> {self.versions[i + 1]}); weights only move forward")
+            if current_version is not None and self.max_version > current_version:
+                raise ValueError(f"{who}: versions reach {self.max_version}, ahead of the trainer's current "
+                                 f"version {current_version} (a producer cannot use weights that do not exist yet)")
+            if not np.isin(self.loss_mask, (0, 1)).all():
+                raise ValueError(f"{who}: loss_mask must hold only 0 and 1")
+        if self.reward is not None and (not isinstance(self.reward, (int, float)) or not math.isfinite(self.reward)):
+            raise ValueError(f"{who}: reward={self.reward!r} must be a finite number or None")
+        if self.finish_reason not in FINISH_REASONS:
+            raise ValueError(f"{who}: finish_reason={self.finish_reason!r} is not one of {list(FINISH_REASONS)}")
+        if not isinstance(self.metadata, dict):
+            raise ValueError(f"{who}: metadata must be a dict, got {type(self.metadata).__name__}")
+
+
+@dataclass(slots=True)
+class Group:
+    """All samples of one prompt; stored and served atomically."""
+
+    group_id: str
+    trajectories: list[Trajectory]
+
+    def validate(self, *, current_version: Optional[int] = None, allow_empty: bool = False) -> None:
+        if not self.trajectories:
+            raise ValueError(f"group {self.group_id!r} has no trajectories")
+        seen = set()
+        for t in self.trajectories:
+            if t.group_id != self.group_id:
+                raise ValueError(f"group {self.group_id!r}: trajectory {t.uid!r} has group_id {t.group_id!r}")
+            if t.uid in seen:
+                raise ValueError(f"group {self.group_id!r}: duplicate uid {t.uid!r}")
+            seen.add(t.uid)
+            t.validate(current_version=current_version, allow_empty=allow_empty)
+
+    @property
+    def min_version(self) -> int:
+        return min(t.min_version for t in self.trajectories)
+
+    @property
+    def max_version(self) -> int:
+        return max(t.max_version for t in self.trajectories)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(t.num_tokens for t in self.trajectories)

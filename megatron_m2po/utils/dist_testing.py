@@ -1,0 +1,72 @@
+"""Run a function on N local processes joined by a gloo process group (tests, benchmarks).
+
+    results = run_distributed(fn, world_size=2, args=(x,))
+
+``fn(rank, world_size, *args)`` runs in each spawned process after
+``torch.distributed.init_process_group("gloo")`` on a free loopback port; the list of return
+values (one per rank, picklable) comes back. An exception on any rank is re-raised here with
+that rank's traceback. ``fn`` must be importable (module level), as spawn pickles it by name.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from typing import Any, Callable
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue: Any,
+            env: dict[str, str]) -> None:
+    os.environ.update(env)
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+                       "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank)})
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        out = fn(rank, world_size, *args)
+        queue.put((rank, True, out))
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        queue.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(fn: Callable, world_size: int, args: tuple = (), timeout_s: float = 120.0,
+                    env: dict[str, str] | None = None) -> list[Any]:
+    """Spawn ``world_size`` gloo ranks running ``fn(rank, world_size, *args)``; return results."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    env = {"OMP_NUM_THREADS": "1", **(env or {})}
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue, env), daemon=True)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    errors: list[str] = []
+    try:
+        for _ in range(world_size):
+            rank, ok, out = queue.get(timeout=timeout_s)
+            if ok:
+                results[rank] = out
+            else:
+                errors.append(f"rank {rank} failed:\n{out}")
+                break
+    finally:
+        for p in procs:
+            p.join(timeout=5 if not errors else 0.5)
+            if p.is_alive():
+                p.kill()
+    if errors:
+        raise RuntimeError("\n".join(errors))
+    return [results[r] for r in range(world_size)]

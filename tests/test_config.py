@@ -1,0 +1,64 @@
+import pytest
+
+from megatron_m2po.config import ConfigError, config_to_dict, dump_config, load_config
+
+
+def test_defaults_validate():
+    cfg = load_config(None)
+    assert cfg.algo.loss == "m2po" and cfg.algo.m2_threshold == 0.04
+    assert cfg.trainer.num_updates_per_step == 4  # paper: 256 prompts, mini-batch 64
+
+
+def test_yaml_and_overrides(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("algo:\n  m2_threshold: 0.03\ntrainer:\n  mode: sync\n")
+    cfg = load_config(p, ["algo.m2_threshold=0.02", "rollout.external_addrs=http://a:1,http://b:2",
+                          "model.hf_path=007", "algo.dual_clip_c=3"])
+    assert cfg.algo.m2_threshold == 0.02
+    assert cfg.trainer.mode == "sync"
+    assert cfg.rollout.external_addrs == ["http://a:1", "http://b:2"]
+    assert cfg.model.hf_path == "007"
+    assert cfg.algo.dual_clip_c == 3.0
+
+
+def test_roundtrip_dump(tmp_path):
+    cfg = load_config(None, ["optim.lr=3e-6"])
+    p = tmp_path / "d.yaml"
+    p.write_text(dump_config(cfg))
+    assert config_to_dict(load_config(p)) == config_to_dict(cfg)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("algo.m2_treshold=0.1", "did you mean algo.m2_threshold"),
+    ("algo.m2_threshold=-0.1", "algo.m2_threshold=-0.1 is out of range: must be >= 0.0"),
+    ("trainer.mode=offpolicy", "trainer.mode='offpolicy' is not one of"),
+    ("parallel.tensor_parallel=two", "parallel.tensor_parallel='two' must be an integer"),
+    ("algo.tis=yes please", "algo.tis='yes please' must be true or false"),
+    ("algo", "must look like section.key=value"),
+    ("trainer.prompts_per_update=48", "must be a multiple of"),
+    ("algo.eps_low=1.5", "algo.eps_low=1.5 is out of range: must be < 1.0"),
+])
+def test_bad_values_name_key_value_and_range(override, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(".", r"\.")):
+        load_config(None, [override])
+
+
+def test_bad_files(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("algo: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+    bad.write_text("algo:\n  nope: 1\n")
+    with pytest.raises(ConfigError, match="unknown config key algo.nope"):
+        load_config(bad)
+
+
+def test_cross_field_rules():
+    with pytest.raises(ConfigError, match="max_staleness"):
+        load_config(None, ["trainer.mode=stale_k", "trainer.stale_k=300", "store.max_staleness=256"])
+    with pytest.raises(ConfigError, match="tis=true needs"):
+        load_config(None, ["algo.tis=true"])
+    with pytest.raises(ConfigError, match="sequence_parallel"):
+        load_config(None, ["parallel.sequence_parallel=true"])
