@@ -1,0 +1,103 @@
+"""The CPU emulation layer: torch-level redirections and Megatron-Core running on gloo.
+
+Everything runs in spawned processes: ``enable()`` patches torch for the whole process and must
+not leak into the pytest process.
+"""
+
+import pytest
+import torch
+
+from megatron_m2po.utils.dist_testing import run_distributed
+
+
+def _torch_level(rank, world_size):
+    from megatron_m2po.platform import cpu
+
+    cpu.enable()
+    cpu.enable()  # idempotent
+    out = {}
+    out["empty"] = str(torch.empty(3, device="cuda").device)
+    out["int_dev"] = str(torch.zeros(2, device=torch.cuda.current_device()).device)
+    out["dev_obj"] = str(torch.ones(2, device=torch.device("cuda", 0)).device)
+    out["to"] = str(torch.ones(2).to("cuda").device) + str(torch.ones(2).to(0).device)
+    out["to_kw"] = str(torch.ones(2).to(device="cuda:0", dtype=torch.float64).dtype)
+    out["cuda"] = str(torch.ones(2).cuda().device)
+    out["module_cuda"] = str(next(torch.nn.Linear(2, 2).cuda().parameters()).device)
+    out["type"] = [torch.ones(1).type(), torch.ones(1, dtype=torch.bfloat16).type(),
+                   torch.ones(1, dtype=torch.float16).type()]
+    out["type_conv"] = torch.ones(1).type(torch.float64).dtype == torch.float64
+    out["pin"] = str(torch.ones(2).pin_memory().device)
+    torch.cuda.manual_seed(7)
+    a = torch.rand(3)
+    st = torch.cuda.get_rng_state()
+    b = torch.rand(3)
+    torch.cuda.set_rng_state(st)
+    out["rng_restore"] = torch.equal(b, torch.rand(3))
+    torch.manual_seed(7)  # torch.manual_seed calls cuda.manual_seed_all: no recursion
+    out["rng_seed"] = torch.equal(a, torch.rand(3))
+    torch.cuda.synchronize()
+    out["mem"] = torch.cuda.memory_allocated() + torch.cuda.max_memory_allocated()
+    with torch.cuda.stream(torch.cuda.Stream()):
+        pass
+    return out
+
+
+def test_torch_level_redirections():
+    (out,) = run_distributed(_torch_level, 1, timeout_s=60)
+    assert out["empty"] == out["int_dev"] == out["dev_obj"] == out["cuda"] == out["module_cuda"] == "cpu"
+    assert out["to"] == "cpucpu" and out["to_kw"] == "torch.float64" and out["pin"] == "cpu"
+    assert out["type"] == ["torch.cuda.FloatTensor", "torch.cuda.BFloat16Tensor", "torch.cuda.HalfTensor"]
+    assert out["type_conv"] and out["rng_restore"] and out["rng_seed"] and out["mem"] == 0
+
+
+def _refuses_on_cuda(rank, world_size):
+    from megatron_m2po.platform import cpu
+
+    torch.cuda.is_available = lambda: True  # pretend a GPU machine
+    try:
+        cpu.enable()
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def test_refuses_when_cuda_available():
+    (msg,) = run_distributed(_refuses_on_cuda, 1, timeout_s=60)
+    assert msg is not None and "CUDA" in msg
+
+
+def _megatron_tp2(rank, world_size):
+    from megatron_m2po.platform import cpu
+
+    cpu.enable()
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer import TransformerConfig
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=2)
+    tensor_parallel.model_parallel_cuda_manual_seed(123)
+    cfg = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+                            ffn_hidden_size=64, normalization="RMSNorm", gated_linear_unit=True,
+                            activation_func=torch.nn.functional.silu, add_bias_linear=False,
+                            bias_dropout_fusion=False, masked_softmax_fusion=False, bias_activation_fusion=False,
+                            gradient_accumulation_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
+                            hidden_dropout=0.0, attention_dropout=0.0, qk_layernorm=True,
+                            tensor_model_parallel_size=2)
+    model = GPTModel(cfg, get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm"), vocab_size=64,
+                     max_sequence_length=32, position_embedding_type="rope")
+    torch.manual_seed(0)
+    ids = torch.randint(0, 64, (2, 8))
+    logits = model(ids, torch.arange(8).expand(2, 8), None)  # [B, S, V/TP]
+    logits.float().sum().backward()
+    grads_ok = all(p.grad is not None or getattr(p, "main_grad", None) is not None
+                   for p in model.parameters())
+    ps.destroy_model_parallel()
+    return tuple(logits.shape), bool(torch.isfinite(logits).all()), grads_ok
+
+
+def test_megatron_gpt_forward_backward_tp2_on_gloo():
+    out = run_distributed(_megatron_tp2, 2, timeout_s=120)
+    for shape, finite, grads in out:
+        assert shape == (2, 8, 32) and finite and grads
