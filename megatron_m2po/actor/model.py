@@ -1,0 +1,283 @@
+"""Build Megatron-Core GPT models from local Hugging Face directories (through mbridge).
+
+Supported families: Qwen2 / Qwen2.5 (``qwen2``), Qwen3 (``qwen3``, qk-norm) and Llama 3
+(``llama``). mbridge supplies the HF -> Megatron name mapping, QKV / gate-up fusion and TP
+splitting; this module adds what it lacks:
+
+* the layer spec: Transformer Engine when it is importable (GPU), Megatron's local spec
+  otherwise. The local spec keeps the two pre-norms as separate modules
+  (``input_layernorm`` / ``pre_mlp_layernorm``) instead of TE's fused
+  ``linear_qkv.layer_norm_weight`` / ``linear_fc1.layer_norm_weight``, so two name mappings are
+  added for it;
+* ``rope_theta`` copied from ``rope_parameters`` (transformers >= 5 moved it there);
+* tied embeddings handled for every family (mbridge's Llama bridge ignores them, and its Qwen2
+  bridge mutates a class-level dict, so each bridge here gets its own mapping tables);
+* a ``GPTModel`` whose last stage returns the final-normed hidden states instead of logits: the
+  actor applies the vocab-parallel output weight only to response rows
+  (``parallel/logprobs.py``), so ``[tokens, vocab]`` logits are never materialised.
+
+:func:`build_transformer_config` is the one place that turns our config into Megatron's
+``TransformerConfig``; nothing else in the package sets Megatron model flags.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Iterator, Optional
+
+import torch
+
+from megatron_m2po.config import Config
+
+__all__ = [
+    "SUPPORTED_MODEL_TYPES",
+    "HIDDEN_STATES_OUTPUT",
+    "have_transformer_engine",
+    "load_hf_config",
+    "make_bridge",
+    "build_transformer_config",
+    "build_model",
+    "output_weight",
+    "iter_hf_weights",
+    "export_hf",
+    "TOKENIZER_FILES",
+]
+
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
+HIDDEN_STATES_OUTPUT = "hidden_states"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
+                   "merges.txt", "tokenizer.model", "generation_config.json", "chat_template.jinja",
+                   "added_tokens.json")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def have_transformer_engine() -> bool:
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+def load_hf_config(hf_path: str):
+    """Read ``config.json`` of a local HF model and normalise it for mbridge."""
+    from transformers import AutoConfig
+
+    if not os.path.isfile(os.path.join(hf_path, "config.json")):
+        raise ValueError(f"model.hf_path={hf_path!r} has no config.json: pass a local HF model directory")
+    hf_config = AutoConfig.from_pretrained(hf_path)
+    if hf_config.model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"model type {hf_config.model_type!r} of {hf_path} is not supported; "
+                         f"supported: {list(SUPPORTED_MODEL_TYPES)}")
+    rope = getattr(hf_config, "rope_parameters", None) or {}
+    if getattr(hf_config, "rope_theta", None) is None and "rope_theta" in rope:
+        hf_config.rope_theta = rope["rope_theta"]
+    rope_type = rope.get("rope_type", "default")
+    if rope_type not in ("default", "llama3"):
+        raise ValueError(f"rope_type={rope_type!r} of {hf_path} is not supported (default, llama3)")
+    return hf_config
+
+
+def _bridge_class(base: type) -> type:
+    """A per-instance subclass of an mbridge bridge with its own mapping tables (see module doc)."""
+    layer = "model.layers.{layer_number}."
+    attention = dict(base._ATTENTION_MAPPING)
+    mlp = dict(base._MLP_MAPPING)
+    mlp["pre_mlp_layernorm.weight"] = [layer + "post_attention_layernorm.weight"]
+    other = {"input_layernorm.weight": [layer + "input_layernorm.weight"]}
+    direct = {"embedding.word_embeddings.weight": "model.embed_tokens.weight",
+              "decoder.final_layernorm.weight": "model.norm.weight",
+              "output_layer.weight": "lm_head.weight"}
+
+    def adjust(self):
+        if getattr(self.hf_config, "tie_word_embeddings", False):
+            self._DIRECT_MAPPING["output_layer.weight"] = "model.embed_tokens.weight"
+
+    def shared(self):
+        return ["model.embed_tokens.weight"] if getattr(self.hf_config, "tie_word_embeddings", False) else []
+
+    return type(f"M2po{base.__name__}", (base,), {
+        "_ATTENTION_MAPPING": attention, "_MLP_MAPPING": mlp, "_OTHER_MAPPING": other,
+        "_DIRECT_MAPPING": direct, "_adjust_mapping_for_shared_weights": adjust,
+        "_get_hf_shared_weight_keys": shared})
+
+
+def make_bridge(hf_path: str, dtype: str = "float32"):
+    """An mbridge bridge for the model at ``hf_path`` (Megatron parallel state must be initialised)."""
+    from mbridge.core.bridge import _MODEL_REGISTRY
+    import mbridge.models  # noqa: F401  (registers the families)
+
+    hf_config = load_hf_config(hf_path)
+    cls = _bridge_class(_MODEL_REGISTRY[hf_config.model_type])
+    bridge = cls(hf_config, dtype=_DTYPES[dtype])
+    bridge.hf_path = hf_path
+    return bridge
+
+
+def build_transformer_config(cfg: Config, bridge=None):
+    """Our config -> Megatron ``TransformerConfig`` (the only place Megatron model flags are set).
+
+    mbridge derives the architecture (layers, heads, GQA, norms, qk-norm, biases) from the HF
+    config and the parallel sizes from Megatron's parallel state; the run-level choices below
+    override its defaults. Fused kernels are on only with Transformer Engine (GPU).
+    ``calculate_per_token_loss=True`` tells Megatron not to divide losses by micro-batch counts
+    nor average gradients over data parallel ranks: the actor's loss is already normalised by the
+    global response-token count (see ``actor.py``).
+    """
+    if bridge is None:
+        bridge = make_bridge(cfg.model.hf_path, cfg.model.dtype)
+    p, m = cfg.parallel, cfg.model
+    fused = have_transformer_engine()
+    extra = dict(
+        sequence_parallel=p.sequence_parallel,
+        attention_dropout=m.attention_dropout,
+        hidden_dropout=m.hidden_dropout,
+        masked_softmax_fusion=fused,
+        bias_activation_fusion=fused,
+        bias_dropout_fusion=fused,
+        apply_rope_fusion=fused,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        cross_entropy_loss_fusion=False,
+        calculate_per_token_loss=True,
+        variable_seq_lengths=True,
+        fp16=m.dtype == "float16",
+        bf16=m.dtype == "bfloat16",
+    )
+    if p.recompute == "selective":
+        extra.update(recompute_granularity="selective")
+    elif p.recompute == "full":
+        extra.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    bridge.set_extra_args(**extra)
+    return bridge.config
+
+
+def _layer_spec(config):
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+
+    if have_transformer_engine():
+        return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
+    return specs.get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization=config.normalization)
+
+
+def _hidden_gpt_model_class():
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    class HiddenStateGPTModel(GPTModel):
+        """GPTModel whose last stage returns final-normed hidden states [S, B, H], not logits.
+
+        The decoder (TransformerBlock) applies the final norm on the last stage; only the output
+        projection is skipped. The actor applies ``output_weight(model)`` to response rows.
+        """
+
+        def _postprocess(self, hidden_states, *args, **kwargs):
+            return hidden_states
+
+    return HiddenStateGPTModel
+
+
+def build_model(cfg: Config, *, load_weights: bool = True, bridge=None):
+    """Build the model chunks of this pipeline rank (a list, one per virtual stage) and the bridge.
+
+    Weights are loaded from ``cfg.model.hf_path`` when ``load_weights``. The chunks are plain
+    ``GPTModel`` modules on the current device (callers wrap them with Megatron's DDP).
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+
+    bridge = bridge or make_bridge(cfg.model.hf_path, cfg.model.dtype)
+    config = build_transformer_config(cfg, bridge)
+    hf = bridge.hf_config
+    tp = ps.get_tensor_model_parallel_world_size()
+    if hf.vocab_size % tp:
+        raise ValueError(f"vocab_size={hf.vocab_size} is not divisible by parallel.tensor_parallel={tp}: "
+                         "padded vocabulary rows would change the log-prob normaliser; choose another TP size")
+    rope = getattr(hf, "rope_parameters", None) or {}
+    rope_kwargs = {}
+    if rope.get("rope_type") == "llama3":
+        rope_kwargs = dict(rope_scaling=True, rope_scaling_factor=float(rope.get("factor", 8.0)))
+    cls = _hidden_gpt_model_class()
+    spec = _layer_spec(config)
+    vpp = ps.get_virtual_pipeline_model_parallel_world_size()
+    stages = list(range(vpp)) if vpp and ps.get_pipeline_model_parallel_world_size() > 1 else [None]
+    chunks = []
+    for vp in stages:
+        kw = {} if vp is None else {"vp_stage": vp}
+        pre = ps.is_pipeline_first_stage(ignore_virtual=vp is None, **kw)
+        post = ps.is_pipeline_last_stage(ignore_virtual=vp is None, **kw)
+        model = cls(config=config, transformer_layer_spec=spec, vocab_size=hf.vocab_size,
+                    max_sequence_length=hf.max_position_embeddings, pre_process=pre, post_process=post,
+                    share_embeddings_and_output_weights=bool(getattr(hf, "tie_word_embeddings", False)),
+                    position_embedding_type="rope", rotary_base=hf.rope_theta, **rope_kwargs, **kw)
+        for param in model.parameters():
+            tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(param)
+        if torch.cuda.is_available():
+            model.cuda(torch.cuda.current_device())
+        model.vp_stage = vp
+        chunks.append(model)
+    bridge.vocab_size = bridge.padded_vocab_size = hf.vocab_size
+    if load_weights:
+        with torch.no_grad():
+            bridge.load_weights(chunks, cfg.model.hf_path)
+    return chunks, bridge
+
+
+def output_weight(model) -> Optional[torch.Tensor]:
+    """The vocab-parallel output weight [V/TP, H] on the last stage (tied embedding or lm_head)."""
+    if not model.post_process:
+        return None
+    if model.share_embeddings_and_output_weights:
+        return model.shared_embedding_or_output_weight()
+    return model.output_layer.weight
+
+
+def iter_hf_weights(chunks, bridge) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(hf_name, full tensor)`` with TP / PP shards gathered; every rank must iterate.
+
+    Collective over the tensor and pipeline groups: all ranks of a model replica iterate in step.
+    A tied output weight is yielded once (as ``model.embed_tokens.weight``).
+    """
+    seen: set[str] = set()
+    for name, tensor in bridge.export_weights(chunks):
+        if name in seen:
+            continue
+        seen.add(name)
+        yield name, tensor.detach()
+
+
+def export_hf(chunks, bridge, out_dir: str, *, tokenizer_src: Optional[str] = None) -> None:
+    """Write HF safetensors + config (+ tokenizer files from ``tokenizer_src``); rank 0 writes.
+
+    Collective (every rank calls it). The directory is complete when ``config.json`` exists: weights
+    are written first, into a temporary sibling directory that is renamed at the end.
+    """
+    from safetensors.torch import save_file
+
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    tensors = {}
+    for name, t in iter_hf_weights(chunks, bridge):
+        if rank == 0:
+            tensors[name] = t.to("cpu", copy=True).contiguous()
+    if rank != 0:
+        return
+    out = Path(out_dir)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    with open(tmp / "model.safetensors.index.json", "w") as f:
+        json.dump({"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
+                   "weight_map": {k: "model.safetensors" for k in sorted(tensors)}}, f, indent=1)
+    src = tokenizer_src or getattr(bridge, "hf_path", None)
+    if src:
+        for fname in TOKENIZER_FILES:
+            if os.path.isfile(os.path.join(src, fname)):
+                shutil.copy2(os.path.join(src, fname), tmp / fname)
+    if src and os.path.isfile(os.path.join(src, "config.json")):
+        shutil.copy2(os.path.join(src, "config.json"), tmp / "config.json")  # faithful to the source
+    else:
+        bridge.hf_config.save_pretrained(str(tmp))
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)

@@ -1,0 +1,75 @@
+"""Tiny random HF models built locally (no downloads) for the actor tests."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+KINDS = ("qwen2", "qwen3", "llama")
+
+
+def make_tiny_hf(kind: str, out_dir: str, *, seed: int = 0, tie: bool = False, vocab: int = 128) -> str:
+    """Save a 2-layer, hidden-64, GQA (4 heads / 2 kv heads) random model of ``kind`` in ``out_dir``."""
+    import transformers as tr
+
+    if os.path.isfile(os.path.join(out_dir, "config.json")):
+        return out_dir
+    common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                  rms_norm_eps=1e-6, tie_word_embeddings=tie)
+    if kind == "qwen2":
+        cfg, cls = tr.Qwen2Config(**common), tr.Qwen2ForCausalLM
+    elif kind == "qwen3":
+        cfg, cls = tr.Qwen3Config(head_dim=16, **common), tr.Qwen3ForCausalLM
+    elif kind == "llama":
+        cfg, cls = tr.LlamaConfig(**common), tr.LlamaForCausalLM
+    else:
+        raise ValueError(kind)
+    torch.manual_seed(seed)
+    model = cls(cfg).float()
+    with torch.no_grad():  # random norms and biases so the mapping of every tensor is exercised
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith(".bias"):
+                p.copy_(1.0 + 0.1 * torch.randn_like(p) if "norm" in name else 0.1 * torch.randn_like(p))
+    model.save_pretrained(out_dir, safe_serialization=True)
+    return out_dir
+
+
+def init_megatron(tp: int = 1, pp: int = 1, seed: int = 1234) -> None:
+    """CPU emulation + Megatron parallel state on the already initialised gloo group."""
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+
+    from megatron_m2po.platform import cpu
+
+    cpu.enable()
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def read_safetensors_dir(d: str) -> dict:
+    import glob
+
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in sorted(glob.glob(os.path.join(d, "*.safetensors"))):
+        out.update(load_file(f))
+    return out
+
+
+def hf_logprobs(hf_dir: str, prompt_ids, response_ids, temperature: float = 1.0):
+    """Reference per-token log-probs of the response tokens from HF transformers (fp32)."""
+    import transformers as tr
+
+    model = tr.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    ids = torch.tensor(list(prompt_ids) + list(response_ids))[None]
+    with torch.no_grad():
+        logits = model(ids).logits[0].double() / temperature
+    lp = torch.log_softmax(logits, -1)
+    p = len(prompt_ids)
+    rows = torch.arange(p - 1, p - 1 + len(response_ids))
+    return lp[rows, torch.tensor(response_ids)].float().numpy()
