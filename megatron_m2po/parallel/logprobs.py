@@ -1,0 +1,280 @@
+"""Vocab-parallel fused token log-probs and entropy that never materialise ``[T, V]`` logits.
+
+Megatron-based RL stacks usually compute ``output_layer(hidden)`` -> fp32 logits ``[T, V/TP]``
+-> vocab-parallel log-softmax; with a 152k vocabulary and long responses that single tensor is
+tens of GiB (slime #2253, #1951). Here the log-probs of the target tokens and the entropy of the
+(temperature-scaled) sampling distribution come straight from the final hidden states and the
+vocab-parallel output weight, ``chunk_rows`` rows at a time, so the working memory is
+``O(chunk_rows * V/TP)`` plus the gradients themselves.
+
+Math (per row, ``z = h @ W.T / temperature`` over the true vocabulary, split over TP ranks):
+
+- forward: ``m = allreduce_max(max_j z_j)``; then one stacked SUM all-reduce of
+  ``s = sum_j exp(z_j - m)``, ``e = sum_j exp(z_j - m) * (z_j - m)``, ``z_t - m`` (only the rank
+  owning the target contributes) and an ownership count (checked to be exactly 1 per row).
+  ``logp = (z_t - m) - log s``, ``lse = m + log s``, ``entropy = log s - e / s`` (= lse - E_p[z],
+  computed on shifted logits to avoid cancellation).
+- backward recomputes each chunk's logits. With ``p = exp(z - lse)``:
+  ``d logp / dz = onehot(t) - p`` and ``d entropy / dz_j = -p_j (z_j - E_p[z])``
+  (from ``H = lse - sum_k p_k z_k`` and ``dp_k/dz_j = p_k (delta_kj - p_j)``), where
+  ``z - E_p[z] = (z - lse) + entropy``. So ``dz = g_logp * onehot - p * (g_logp + g_ent * (z -
+  E_p[z]))``, divided by ``temperature``; ``grad_hidden += dz @ W`` (all-reduced SUM over the TP
+  group: ``hidden`` is replicated over TP, and its returned gradient is the full gradient, as in
+  Megatron's ``ColumnParallelLinear``), ``grad_weight_shard += dz.T @ hidden`` (exactly this
+  rank's rows of the full gradient). The entropy term is skipped when its gradient is None.
+- Saved for backward: hidden, weight, targets and two fp32 values per row (lse, entropy); never
+  the logits. Cost: the backward recomputes the logits (4 matmuls instead of 3).
+
+Precision: arithmetic in float32 (float64 when an input is float64); bf16 / fp16 weights are
+cast to fp32 one vocab block (``_W_BLOCK`` rows) at a time, so no full fp32 copy of the weight
+exists. Outputs ``logp`` / ``entropy`` are in the compute dtype (fp32); gradients accumulate in
+the compute dtype and are returned in the inputs' dtypes.
+
+Padded vocabulary: Megatron pads the vocabulary to a multiple of
+``make_vocab_size_divisible_by * TP``; the padded rows of the output weight are not tokens. Pass
+``vocab_size`` (the true vocabulary) and the columns ``>= vocab_size`` (global index) are left
+out of the softmax (equivalent to masking them to -inf; their weight gradient is 0). Targets must
+be in ``[0, vocab_size)``; anything else raises ``ValueError``.
+
+How the actor calls it (Megatron-Core ``GPTModel`` with ``post_process=True``)::
+
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.utils import VocabUtility
+
+    # hidden: the input of model.output_layer (after the final layer norm), [s, b, H]; with
+    # sequence_parallel it is sequence-sharded: gather it over TP first
+    # (megatron.core.tensor_parallel.gather_from_sequence_parallel_region).
+    # Keep only response rows: hidden at position i predicts token i + 1.
+    weight = (model.shared_embedding_or_output_weight()
+              if model.share_embeddings_and_output_weights else model.output_layer.weight)
+    tp_rank, tp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+    vocab_start, _ = VocabUtility.vocab_range_from_per_partition_vocab_size(
+        weight.shape[0], tp_rank, tp_size)
+    logp, entropy = fused_logprobs_entropy(
+        hidden_rows,                # [T, H], response positions only, flattened over the batch
+        weight,                     # [V_padded / TP, H]
+        target_ids,                 # [T] int64, the next tokens
+        tp_group=ps.get_tensor_model_parallel_group(),
+        vocab_start=vocab_start,
+        vocab_size=hf_config.vocab_size,   # true vocab; excludes Megatron's padding
+        chunk_rows=1024,
+        temperature=rollout_temperature,   # as the engine sampled
+        compute_entropy=with_entropy)
+
+Autograd then sends the weight gradient to the parameter (Megatron's DDP hooks add it to
+``main_grad``) and the hidden gradient back through the final layer norm.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["fused_logprobs_entropy"]
+
+# Rows of a low-precision weight cast to the compute dtype at once (2048 x 5120 fp32 = 40 MiB).
+_W_BLOCK = 2048
+
+
+def _weight_blocks(weight: torch.Tensor, n_valid: int, cd: torch.dtype
+                   ) -> Iterator[tuple[int, int, torch.Tensor]]:
+    """Yield ``(start, end, weight[start:end] in compute dtype)`` over the valid vocab rows."""
+    if weight.dtype == cd:
+        if n_valid > 0:
+            yield 0, n_valid, weight[:n_valid]
+        return
+    for s in range(0, n_valid, _W_BLOCK):
+        e = min(s + _W_BLOCK, n_valid)
+        yield s, e, weight[s:e].to(cd)
+
+
+def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, n_valid: int, inv_temp: float
+                  ) -> torch.Tensor:
+    """``h @ weight[:n_valid].T * inv_temp`` in the dtype of ``h`` without a full weight cast."""
+    if weight.dtype == h.dtype:
+        z = h @ weight[:n_valid].T
+    else:
+        z = torch.empty(h.shape[0], n_valid, dtype=h.dtype, device=h.device)
+        for s, e, wb in _weight_blocks(weight, n_valid, h.dtype):
+            z[:, s:e] = h @ wb.T
+    if inv_temp != 1.0:
+        z.mul_(inv_temp)
+    return z
+
+
+def _all_reduce(t: torch.Tensor, op, group) -> None:
+    if group is not None:
+        dist.all_reduce(t, op=op, group=group)
+
+
+class _FusedLogprobsEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, tp_group, vocab_start, n_valid, chunk_rows,
+                temperature, compute_entropy):
+        cd = torch.float64 if torch.float64 in (hidden.dtype, weight.dtype) else torch.float32
+        T = hidden.shape[0]
+        inv_temp = 1.0 / temperature
+        dev = hidden.device
+        logp = torch.empty(T, dtype=cd, device=dev)
+        lse = torch.empty(T, dtype=cd, device=dev)
+        ent = torch.empty(T, dtype=cd, device=dev)
+        bad_rows = torch.zeros((), dtype=torch.int64, device=dev)
+        with torch.no_grad():
+            for r0 in range(0, T, chunk_rows):
+                r1 = min(r0 + chunk_rows, T)
+                c = r1 - r0
+                local = targets[r0:r1] - vocab_start
+                owned = (local >= 0) & (local < n_valid)
+                if n_valid > 0:
+                    z = _chunk_logits(hidden[r0:r1].to(cd), weight, n_valid, inv_temp)
+                    m = z.amax(dim=1)
+                else:  # this rank's shard is all padding
+                    z = None
+                    m = torch.full((c,), float("-inf"), dtype=cd, device=dev)
+                _all_reduce(m, dist.ReduceOp.MAX, tp_group)
+                stats = torch.zeros(4, c, dtype=cd, device=dev)  # sum exp, sum exp*z, z_t, owned
+                if z is not None:
+                    z.sub_(m[:, None])  # shifted logits
+                    ex = torch.exp(z)
+                    stats[0] = ex.sum(dim=1)
+                    if compute_entropy:
+                        stats[1] = ex.mul_(z).sum(dim=1)
+                    del ex
+                    zt = z.gather(1, local.clamp(0, n_valid - 1)[:, None]).squeeze(1)
+                    stats[2] = torch.where(owned, zt, torch.zeros_like(zt))
+                    del z
+                stats[3] = owned.to(cd)
+                _all_reduce(stats, dist.ReduceOp.SUM, tp_group)
+                log_s = torch.log(stats[0])
+                logp[r0:r1] = stats[2] - log_s
+                lse[r0:r1] = m + log_s
+                ent[r0:r1] = log_s - stats[1] / stats[0] if compute_entropy else 0.0
+                bad_rows += (stats[3] != 1).sum()
+        if T > 0 and int(bad_rows) > 0:
+            vocab_end = "vocab_size" if n_valid < weight.shape[0] else "V"
+            raise ValueError(
+                f"fused_logprobs_entropy: {int(bad_rows)} of {T} targets are not owned by exactly "
+                f"one tensor-parallel rank (targets range [{int(targets.min())}, "
+                f"{int(targets.max())}]); targets must lie in [0, {vocab_end}) of the true "
+                f"vocabulary and each rank's vocab_start must be tp_rank * V/TP "
+                f"(this rank: vocab_start={vocab_start}, valid rows={n_valid}).")
+        ctx.save_for_backward(hidden, weight, targets, lse, ent)
+        ctx.cfg = (tp_group, vocab_start, n_valid, chunk_rows, temperature, cd)
+        ctx.set_materialize_grads(False)
+        if compute_entropy:
+            return logp, ent.clone()
+        return logp, None
+
+    @staticmethod
+    def backward(ctx, g_logp, g_ent):
+        hidden, weight, targets, lse, ent = ctx.saved_tensors
+        tp_group, vocab_start, n_valid, chunk_rows, temperature, cd = ctx.cfg
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        T, H = hidden.shape
+        inv_temp = 1.0 / temperature
+        grad_h = torch.empty_like(hidden) if need_h else None
+        grad_w = None
+        if need_w:
+            grad_w = torch.zeros(weight.shape, dtype=cd, device=weight.device)
+        if (g_logp is None and g_ent is None) or T == 0 or not (need_h or need_w):
+            if grad_h is not None:
+                grad_h.zero_()
+            return (grad_h, grad_w.to(weight.dtype) if grad_w is not None else None,
+                    None, None, None, None, None, None, None)
+        # Fold 1/temperature (d z / d logits_raw) into the per-row upstream gradients.
+        gl = g_logp.to(cd) * inv_temp if g_logp is not None else None
+        ge = g_ent.to(cd) * inv_temp if g_ent is not None else None
+        for r0 in range(0, T, chunk_rows):
+            r1 = min(r0 + chunk_rows, T)
+            h = hidden[r0:r1].to(cd)
+            gh = torch.zeros(r1 - r0, H, dtype=cd, device=hidden.device)
+            if n_valid > 0:
+                dz = _chunk_logits(h, weight, n_valid, inv_temp)
+                dz.sub_(lse[r0:r1, None])  # log p
+                if ge is not None:
+                    p = torch.exp(dz)
+                    # dz = -p * (g_logp + g_ent * (z - E_p[z])),  z - E_p[z] = log p + entropy
+                    dz.add_(ent[r0:r1, None]).mul_(ge[r0:r1, None])
+                    if gl is not None:
+                        dz.add_(gl[r0:r1, None])
+                    dz.mul_(p).neg_()
+                    del p
+                else:
+                    dz.exp_().mul_(-gl[r0:r1, None])
+                if gl is not None:
+                    local = targets[r0:r1] - vocab_start
+                    owned = (local >= 0) & (local < n_valid)
+                    rows = owned.nonzero().squeeze(1)
+                    dz.index_put_((rows, local[rows]), gl[r0:r1][rows], accumulate=True)
+                if need_h:
+                    for s, e, wb in _weight_blocks(weight, n_valid, cd):
+                        gh.addmm_(dz[:, s:e], wb)
+                if need_w:
+                    grad_w[:n_valid].addmm_(dz.T, h)
+                del dz
+            if need_h:
+                _all_reduce(gh, dist.ReduceOp.SUM, tp_group)
+                grad_h[r0:r1] = gh.to(hidden.dtype)
+        if grad_w is not None and grad_w.dtype != weight.dtype:
+            grad_w = grad_w.to(weight.dtype)
+        return grad_h, grad_w, None, None, None, None, None, None, None
+
+
+def fused_logprobs_entropy(hidden: torch.Tensor, weight_shard: torch.Tensor,
+                           targets: torch.Tensor, *, tp_group=None, vocab_start: int = 0,
+                           chunk_rows: int = 1024, temperature: float = 1.0,
+                           compute_entropy: bool = True, vocab_size: int | None = None
+                           ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-prob of ``targets`` and entropy of ``softmax(hidden @ W.T / temperature)``, vocab-parallel.
+
+    Args:
+        hidden: ``[T, H]`` final hidden states (same on every TP rank), any float dtype.
+        weight_shard: ``[V/TP, H]`` this rank's rows of the output weight (global rows
+            ``[vocab_start, vocab_start + V/TP)``).
+        targets: ``[T]`` integer global token ids in ``[0, vocab_size)``, same on every TP rank.
+        tp_group: tensor-parallel process group; ``None`` means the weight holds the whole
+            vocabulary and nothing is communicated.
+        vocab_start: first global vocab row of ``weight_shard`` (``tp_rank * V/TP``).
+        chunk_rows: rows processed at once; memory is ``~3 * chunk_rows * V/TP`` floats.
+        temperature: logits are divided by it before the softmax (as the rollout engine does).
+        compute_entropy: also return the entropy (else ``None``; saves one pass per chunk).
+        vocab_size: the true global vocabulary; columns ``>= vocab_size`` (Megatron's padding)
+            are excluded from the softmax. ``None``: every row of every shard is a token.
+
+    Returns:
+        ``(logp [T], entropy [T] or None)`` in float32 (float64 for float64 inputs); both carry
+        gradients to ``hidden`` (the full gradient, all-reduced over ``tp_group``) and
+        ``weight_shard`` (its rows of the full gradient), returned in the inputs' dtypes.
+        Collective calls: per chunk one MAX and one SUM all-reduce in forward and one SUM
+        all-reduce of ``[chunk_rows, H]`` in backward; every TP rank must call it with the same
+        ``T`` and ``chunk_rows``.
+    """
+    if hidden.dim() != 2 or weight_shard.dim() != 2 or hidden.shape[1] != weight_shard.shape[1]:
+        raise ValueError(f"fused_logprobs_entropy expects hidden [T, H] and weight_shard [V/TP, H]; "
+                         f"got {tuple(hidden.shape)} and {tuple(weight_shard.shape)}")
+    if targets.dim() != 1 or targets.shape[0] != hidden.shape[0]:
+        raise ValueError(f"targets must be [T] = [{hidden.shape[0]}]; got {tuple(targets.shape)}")
+    if targets.dtype.is_floating_point or targets.dtype == torch.bool:
+        raise ValueError(f"targets must be integer token ids; got dtype {targets.dtype}")
+    if not (hidden.dtype.is_floating_point and weight_shard.dtype.is_floating_point):
+        raise ValueError(f"hidden and weight_shard must be floating point; got {hidden.dtype}, "
+                         f"{weight_shard.dtype}")
+    if int(chunk_rows) < 1:
+        raise ValueError(f"chunk_rows must be >= 1; got {chunk_rows}")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0; got {temperature}")
+    if vocab_start < 0:
+        raise ValueError(f"vocab_start must be >= 0; got {vocab_start}")
+    v_shard = weight_shard.shape[0]
+    if vocab_size is None:
+        n_valid = v_shard
+    else:
+        if vocab_size < 1:
+            raise ValueError(f"vocab_size must be >= 1; got {vocab_size}")
+        n_valid = max(0, min(v_shard, int(vocab_size) - int(vocab_start)))
+    targets = targets.to(device=hidden.device, dtype=torch.int64)
+    return _FusedLogprobsEntropy.apply(hidden, weight_shard, targets, tp_group, int(vocab_start),
+                                       n_valid, int(chunk_rows), float(temperature),
+                                       bool(compute_entropy))
