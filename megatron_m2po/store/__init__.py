@@ -1,1 +1,30 @@
+"""Staleness-tagged, durable rollout store (DESIGN §3).
 
+* :mod:`.types` — :class:`Trajectory` / :class:`Group` records (per-token weight versions).
+* :mod:`.store` — :class:`RolloutStore`: the API and state machine; consumption policies
+  :func:`exact_stale_k`, :func:`bounded`, :func:`fifo`; lease / ack; consumer cursor; metrics.
+* :mod:`.sqlite` — the embedded SQLite backend (WAL, ``synchronous=FULL``, compact arrays).
+* :mod:`.codec` — JSON and binary wire encodings of groups, strict decoding.
+* :mod:`.server` — ``m2po store serve``: authenticated HTTP ingestion for external producers.
+* :mod:`.client` — :class:`StoreClient` / :class:`AsyncStoreClient` for producers.
+
+Trainer side::
+
+    store = RolloutStore(path)
+    store.set_version(actor.version)                     # published to external producers
+    lease = store.lease(exact_stale_k(k), n_groups=G, current_version=u, step=s)
+    # or, before version k exists: store.lease_exact(generated_at=0, n_groups=G, current_version=u, step=s)
+    train_on(lease.groups); store.ack(lease)
+    extra_state["store_cursor"] = store.cursor_state()   # in the checkpoint
+    ...
+    store.restore_cursor(extra_state["store_cursor"])    # on resume: exact replay
+"""
+
+from megatron_m2po.store.store import (Bounded, ConflictError, ExactStaleK, Fifo, Lease, NotReadyError,
+                                       PutResult, RolloutStore, StoreFullError, bounded, exact_stale_k, fifo,
+                                       policy_from_config)
+from megatron_m2po.store.types import Group, Trajectory
+
+__all__ = ["RolloutStore", "Lease", "PutResult", "Group", "Trajectory", "exact_stale_k", "bounded", "fifo",
+           "ExactStaleK", "Bounded", "Fifo", "NotReadyError", "ConflictError", "StoreFullError",
+           "policy_from_config"]

@@ -1,0 +1,373 @@
+"""Wire and storage encodings of prompt groups.
+
+Two encodings of a batch of :class:`~megatron_m2po.store.types.Group` for the HTTP ingestion
+API (``POST /v1/groups``), both decoded strictly: any malformed field raises
+:class:`PayloadError` (a ``ValueError``) naming the field, before anything is stored.
+
+**JSON** (``Content-Type: application/json``)::
+
+    {"groups": [{"group_id": "g1", "trajectories": [
+        {"uid": "g1/0", "group_id": "g1", "prompt_ids": [1, 2], "response_ids": [3, 4],
+         "behav_logprobs": [-0.1, -2.3], "versions": [7, 7],     # or 7, or {"runs": [[7, 2]]}
+         "reward": 1.0, "loss_mask": [1, 1], "finish_reason": "stop", "metadata": {},
+         "recomputed_behav_logprobs": null}]}]}
+
+``group_id`` inside a trajectory may be omitted (it defaults to the group's); ``reward``,
+``loss_mask``, ``finish_reason``, ``metadata`` and ``recomputed_behav_logprobs`` are optional.
+``NaN`` / ``Infinity`` literals are rejected.
+
+**Binary** (``Content-Type: application/x-m2po-groups``), for large batches — a JSON header
+followed by raw little-endian arrays, no third-party dependency::
+
+    b"M2RG" | u16 format=1 | u16 flags=0 | u32 header_len | header (UTF-8 JSON) | payload
+
+The header is ``{"groups": [{"group_id": ..., "trajectories": [T, ...]}]}`` where each ``T``
+holds the scalar fields of a trajectory (uid, reward, finish_reason, metadata) plus the counts
+``n_prompt``, ``n_response``, ``n_runs`` and the flags ``has_loss_mask``,
+``has_recomputed``. The payload holds, per trajectory in header order: ``prompt_ids`` (<i4 x
+n_prompt), ``response_ids`` (<i4 x n_response), ``behav_logprobs`` (<f4 x n_response), the
+version runs (<i8 x 2 x n_runs: version, count pairs), ``loss_mask`` (u1 x n_response, when
+flagged), ``recomputed_behav_logprobs`` (<f4 x n_response, when flagged). The payload length
+must match the header exactly.
+
+Versions are run-length encoded everywhere (a response generated at one version is one run).
+:func:`group_digest` is the content hash used for idempotency: a re-sent group with the same
+digest is a duplicate; a different digest under a known id is a conflict.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import struct
+from typing import Any, Iterable, Optional
+
+import numpy as np
+
+from megatron_m2po.store.types import Group, Trajectory
+
+__all__ = [
+    "PayloadError", "JSON_CONTENT_TYPE", "BINARY_CONTENT_TYPE", "rle_encode", "rle_decode",
+    "encode_json", "decode_json", "encode_binary", "decode_binary", "decode_payload",
+    "group_digest", "group_to_dict", "group_from_dict",
+]
+
+JSON_CONTENT_TYPE = "application/json"
+BINARY_CONTENT_TYPE = "application/x-m2po-groups"
+MAGIC = b"M2RG"
+FORMAT = 1
+_PREAMBLE = struct.Struct("<4sHHI")
+_ARRAY_FIELDS = ("prompt_ids", "response_ids", "behav_logprobs", "loss_mask", "recomputed_behav_logprobs")
+
+
+class PayloadError(ValueError):
+    """A request body cannot be decoded into groups; the message names the field."""
+
+
+# ----------------------------------------------------------------------------- versions (RLE)
+
+def rle_encode(versions: np.ndarray) -> np.ndarray:
+    """Per-token versions -> int64 [n_runs, 2] of (version, count)."""
+    v = np.asarray(versions, dtype=np.int64).reshape(-1)
+    if v.size == 0:
+        return np.zeros((0, 2), dtype=np.int64)
+    starts = np.concatenate(([0], np.flatnonzero(np.diff(v)) + 1))
+    counts = np.diff(np.concatenate((starts, [v.size])))
+    return np.stack([v[starts], counts], axis=1).astype(np.int64)
+
+
+def rle_decode(runs: np.ndarray) -> np.ndarray:
+    runs = np.asarray(runs, dtype=np.int64).reshape(-1, 2)
+    if (runs[:, 1] < 0).any():
+        raise PayloadError(f"version runs have a negative count: {runs.tolist()}")
+    return np.repeat(runs[:, 0], runs[:, 1])
+
+
+# ----------------------------------------------------------------------------- JSON
+
+def _reject_constant(name: str) -> Any:
+    raise PayloadError(f"JSON constant {name} is not allowed (numbers must be finite)")
+
+
+def _int_list(where: str, x: Any) -> np.ndarray:
+    if not isinstance(x, list):
+        raise PayloadError(f"{where} must be a list of integers, got {type(x).__name__}")
+    for i, e in enumerate(x):
+        if isinstance(e, bool) or not isinstance(e, int):
+            raise PayloadError(f"{where}[{i}]={e!r} is not an integer")
+    try:
+        return np.asarray(x, dtype=np.int64)
+    except OverflowError:
+        raise PayloadError(f"{where} holds an integer out of the int64 range") from None
+
+
+def _float_list(where: str, x: Any) -> np.ndarray:
+    if not isinstance(x, list):
+        raise PayloadError(f"{where} must be a list of numbers, got {type(x).__name__}")
+    for i, e in enumerate(x):
+        if isinstance(e, bool) or not isinstance(e, (int, float)):
+            raise PayloadError(f"{where}[{i}]={e!r} is not a number")
+    return np.asarray(x, dtype=np.float32)
+
+
+def _check_int32(where: str, a: np.ndarray) -> np.ndarray:
+    if a.size and (a.min() < 0 or a.max() > np.iinfo(np.int32).max):
+        raise PayloadError(f"{where} holds token ids outside [0, 2^31): min {a.min()}, max {a.max()}")
+    return a.astype(np.int32)
+
+
+def _str_field(where: str, x: Any) -> str:
+    if not isinstance(x, str) or not x:
+        raise PayloadError(f"{where} must be a non-empty string, got {x!r}")
+    return x
+
+
+def _reward(where: str, x: Any) -> Optional[float]:
+    if x is None:
+        return None
+    if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x):
+        raise PayloadError(f"{where}={x!r} must be a finite number or null")
+    return float(x)
+
+
+def _versions_from_json(where: str, x: Any, n: int) -> np.ndarray:
+    if isinstance(x, int) and not isinstance(x, bool):
+        return np.full(n, x, dtype=np.int64)
+    if isinstance(x, dict):
+        if set(x) != {"runs"}:
+            raise PayloadError(f"{where} as an object must be {{\"runs\": [[version, count], ...]}}")
+        runs = x["runs"]
+        if not isinstance(runs, list) or not all(isinstance(r, list) and len(r) == 2 for r in runs):
+            raise PayloadError(f"{where}.runs must be a list of [version, count] pairs")
+        flat = _int_list(f"{where}.runs", [e for r in runs for e in r])
+        return rle_decode(flat.reshape(-1, 2))
+    return _int_list(where, x)
+
+
+def traj_from_dict(d: Any, group_id: str, where: str) -> Trajectory:
+    if not isinstance(d, dict):
+        raise PayloadError(f"{where} must be an object, got {type(d).__name__}")
+    known = {"uid", "group_id", "prompt_ids", "response_ids", "behav_logprobs", "versions", "reward",
+             "loss_mask", "finish_reason", "metadata", "recomputed_behav_logprobs"}
+    extra = sorted(set(d) - known)
+    if extra:
+        raise PayloadError(f"{where} has unknown field(s) {extra}; known: {sorted(known)}")
+    for req in ("uid", "prompt_ids", "response_ids", "behav_logprobs", "versions"):
+        if req not in d:
+            raise PayloadError(f"{where} is missing the required field {req!r}")
+    uid = _str_field(f"{where}.uid", d["uid"])
+    w = f"trajectory {uid!r}"
+    gid = _str_field(f"{w}.group_id", d.get("group_id", group_id))
+    if gid != group_id:
+        raise PayloadError(f"{w}.group_id={gid!r} differs from its group's group_id {group_id!r}")
+    resp = _check_int32(f"{w}.response_ids", _int_list(f"{w}.response_ids", d["response_ids"]))
+    mask = d.get("loss_mask")
+    rec = d.get("recomputed_behav_logprobs")
+    fr = d.get("finish_reason", "stop")
+    if not isinstance(fr, str):
+        raise PayloadError(f"{w}.finish_reason must be a string, got {fr!r}")
+    md = d.get("metadata", {})
+    if not isinstance(md, dict):
+        raise PayloadError(f"{w}.metadata must be an object, got {type(md).__name__}")
+    return Trajectory(
+        uid=uid, group_id=gid,
+        prompt_ids=_check_int32(f"{w}.prompt_ids", _int_list(f"{w}.prompt_ids", d["prompt_ids"])),
+        response_ids=resp,
+        behav_logprobs=_float_list(f"{w}.behav_logprobs", d["behav_logprobs"]),
+        versions=_versions_from_json(f"{w}.versions", d["versions"], resp.shape[0]),
+        reward=_reward(f"{w}.reward", d.get("reward")),
+        loss_mask=None if mask is None else _int_list(f"{w}.loss_mask", mask).clip(-1, 2).astype(np.int16),
+        finish_reason=fr, metadata=md,
+        recomputed_behav_logprobs=None if rec is None else _float_list(f"{w}.recomputed_behav_logprobs", rec),
+    )
+
+
+def _groups_list(doc: Any) -> list:
+    if not isinstance(doc, dict) or "groups" not in doc:
+        raise PayloadError("body must be an object with a 'groups' list")
+    extra = sorted(set(doc) - {"groups"})
+    if extra:
+        raise PayloadError(f"body has unknown field(s) {extra}; only 'groups' is allowed")
+    gl = doc["groups"]
+    if not isinstance(gl, list) or not gl:
+        raise PayloadError("'groups' must be a non-empty list")
+    return gl
+
+
+def _group_header(i: int, g: Any) -> tuple[str, list]:
+    if not isinstance(g, dict):
+        raise PayloadError(f"groups[{i}] must be an object, got {type(g).__name__}")
+    extra = sorted(set(g) - {"group_id", "trajectories"})
+    if extra:
+        raise PayloadError(f"groups[{i}] has unknown field(s) {extra}")
+    gid = _str_field(f"groups[{i}].group_id", g.get("group_id"))
+    tl = g.get("trajectories")
+    if not isinstance(tl, list) or not tl:
+        raise PayloadError(f"group {gid!r}: 'trajectories' must be a non-empty list")
+    return gid, tl
+
+
+def group_from_dict(i: int, g: Any) -> Group:
+    gid, tl = _group_header(i, g)
+    return Group(gid, [traj_from_dict(t, gid, f"group {gid!r} trajectories[{j}]") for j, t in enumerate(tl)])
+
+
+def _traj_to_dict(t: Trajectory) -> dict:
+    return {
+        "uid": t.uid, "group_id": t.group_id, "prompt_ids": t.prompt_ids.tolist(),
+        "response_ids": t.response_ids.tolist(), "behav_logprobs": t.behav_logprobs.tolist(),
+        "versions": {"runs": rle_encode(t.versions).tolist()}, "reward": t.reward,
+        "loss_mask": t.loss_mask.tolist(), "finish_reason": t.finish_reason, "metadata": t.metadata,
+        "recomputed_behav_logprobs": (None if t.recomputed_behav_logprobs is None
+                                      else t.recomputed_behav_logprobs.tolist()),
+    }
+
+
+def group_to_dict(g: Group) -> dict:
+    return {"group_id": g.group_id, "trajectories": [_traj_to_dict(t) for t in g.trajectories]}
+
+
+def encode_json(groups: Iterable[Group]) -> bytes:
+    return json.dumps({"groups": [group_to_dict(g) for g in groups]}, allow_nan=False).encode()
+
+
+def _load_json(body: bytes, what: str) -> Any:
+    try:
+        return json.loads(body.decode("utf-8"), parse_constant=_reject_constant)
+    except PayloadError:
+        raise
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise PayloadError(f"{what} is not valid UTF-8 JSON: {e}") from None
+    except RecursionError:
+        raise PayloadError(f"{what} is nested too deeply") from None
+
+
+def decode_json(body: bytes) -> list[Group]:
+    return [group_from_dict(i, g) for i, g in enumerate(_groups_list(_load_json(body, "body")))]
+
+
+# ----------------------------------------------------------------------------- binary
+
+def encode_binary(groups: Iterable[Group]) -> bytes:
+    header: list[dict] = []
+    parts: list[bytes] = []
+    for g in groups:
+        tl = []
+        for t in g.trajectories:
+            runs = rle_encode(t.versions)
+            tl.append({"uid": t.uid, "reward": t.reward, "finish_reason": t.finish_reason,
+                       "metadata": t.metadata, "n_prompt": int(t.prompt_ids.size),
+                       "n_response": int(t.response_ids.size), "n_runs": int(runs.shape[0]),
+                       "has_loss_mask": True, "has_recomputed": t.recomputed_behav_logprobs is not None})
+            parts += [t.prompt_ids.astype("<i4").tobytes(), t.response_ids.astype("<i4").tobytes(),
+                      t.behav_logprobs.astype("<f4").tobytes(), runs.astype("<i8").tobytes(),
+                      t.loss_mask.astype("u1").tobytes()]
+            if t.recomputed_behav_logprobs is not None:
+                parts.append(t.recomputed_behav_logprobs.astype("<f4").tobytes())
+        header.append({"group_id": g.group_id, "trajectories": tl})
+    hb = json.dumps({"groups": header}, allow_nan=False).encode()
+    return b"".join([_PREAMBLE.pack(MAGIC, FORMAT, 0, len(hb)), hb, *parts])
+
+
+def _count(where: str, t: dict, key: str) -> int:
+    n = t.get(key)
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise PayloadError(f"{where}.{key}={n!r} must be a non-negative integer")
+    return n
+
+
+def decode_binary(body: bytes) -> list[Group]:
+    if len(body) < _PREAMBLE.size:
+        raise PayloadError(f"binary body has {len(body)} bytes, shorter than the {_PREAMBLE.size}-byte preamble")
+    magic, fmt, flags, hlen = _PREAMBLE.unpack_from(body, 0)
+    if magic != MAGIC:
+        raise PayloadError(f"binary body starts with {magic!r}, expected {MAGIC!r}")
+    if fmt != FORMAT or flags != 0:
+        raise PayloadError(f"binary format {fmt} flags {flags} unsupported (this server reads format {FORMAT}, flags 0)")
+    if _PREAMBLE.size + hlen > len(body):
+        raise PayloadError(f"binary header_len={hlen} runs past the end of the {len(body)}-byte body")
+    doc = _load_json(body[_PREAMBLE.size:_PREAMBLE.size + hlen], "binary header")
+    mv = memoryview(body)
+    off = _PREAMBLE.size + hlen
+    groups = []
+    for i, g in enumerate(_groups_list(doc)):
+        gid, tl = _group_header(i, g)
+        trajs = []
+        for j, t in enumerate(tl):
+            where = f"group {gid!r} trajectories[{j}]"
+            if not isinstance(t, dict):
+                raise PayloadError(f"{where} must be an object")
+            known = {"uid", "reward", "finish_reason", "metadata", "n_prompt", "n_response", "n_runs",
+                     "has_loss_mask", "has_recomputed"}
+            if set(t) - known:
+                raise PayloadError(f"{where} has unknown field(s) {sorted(set(t) - known)}")
+            uid = _str_field(f"{where}.uid", t.get("uid"))
+            where = f"trajectory {uid!r}"
+            npr, nr, nrun = (_count(where, t, k) for k in ("n_prompt", "n_response", "n_runs"))
+            sizes = [("prompt_ids", "<i4", npr), ("response_ids", "<i4", nr), ("behav_logprobs", "<f4", nr),
+                     ("versions", "<i8", 2 * nrun)]
+            if t.get("has_loss_mask", False):
+                sizes.append(("loss_mask", "u1", nr))
+            if t.get("has_recomputed", False):
+                sizes.append(("recomputed_behav_logprobs", "<f4", nr))
+            arrs = {}
+            for name, dt, n in sizes:
+                nb = np.dtype(dt).itemsize * n
+                if off + nb > len(body):
+                    raise PayloadError(f"{where}.{name}: payload ends at byte {len(body)}, "
+                                       f"{nb} more bytes expected at {off} (lengths disagree with the header)")
+                arrs[name] = np.frombuffer(mv[off:off + nb], dtype=dt).copy()
+                off += nb
+            runs = arrs.pop("versions").reshape(-1, 2)
+            versions = rle_decode(runs)
+            if versions.size != nr:
+                raise PayloadError(f"{where}.versions: runs cover {versions.size} tokens, n_response={nr}")
+            fr = t.get("finish_reason", "stop")
+            md = t.get("metadata", {})
+            if not isinstance(fr, str):
+                raise PayloadError(f"{where}.finish_reason must be a string, got {fr!r}")
+            if not isinstance(md, dict):
+                raise PayloadError(f"{where}.metadata must be an object")
+            trajs.append(Trajectory(
+                uid=uid, group_id=gid, prompt_ids=_check_int32(f"{where}.prompt_ids", arrs["prompt_ids"]),
+                response_ids=_check_int32(f"{where}.response_ids", arrs["response_ids"]),
+                behav_logprobs=arrs["behav_logprobs"], versions=versions,
+                reward=_reward(f"{where}.reward", t.get("reward")), loss_mask=arrs.get("loss_mask"),
+                finish_reason=fr, metadata=md,
+                recomputed_behav_logprobs=arrs.get("recomputed_behav_logprobs")))
+        groups.append(Group(gid, trajs))
+    if off != len(body):
+        raise PayloadError(f"binary body has {len(body) - off} trailing bytes after the last array "
+                           "(lengths disagree with the header)")
+    return groups
+
+
+def decode_payload(body: bytes, content_type: str) -> list[Group]:
+    """Decode a request body by its content type (JSON or the binary framing)."""
+    ct = (content_type or "").split(";")[0].strip().lower()
+    if ct == JSON_CONTENT_TYPE:
+        return decode_json(body)
+    if ct == BINARY_CONTENT_TYPE:
+        return decode_binary(body)
+    raise PayloadError(f"Content-Type {content_type!r} unsupported; use {JSON_CONTENT_TYPE!r} "
+                       f"or {BINARY_CONTENT_TYPE!r}")
+
+
+# ----------------------------------------------------------------------------- digest
+
+def group_digest(g: Group) -> str:
+    """SHA-256 over a canonical encoding of the group (order of trajectories included)."""
+    h = hashlib.sha256()
+    h.update(g.group_id.encode())
+    for t in g.trajectories:
+        scal = json.dumps([t.uid, t.group_id, t.reward, t.finish_reason, t.metadata,
+                           t.recomputed_behav_logprobs is not None], sort_keys=True, allow_nan=False)
+        h.update(struct.pack("<Q", len(scal)) + scal.encode())
+        for a in (t.prompt_ids.astype("<i4"), t.response_ids.astype("<i4"), t.behav_logprobs.astype("<f4"),
+                  rle_encode(t.versions).astype("<i8"), t.loss_mask.astype("u1"),
+                  t.recomputed_behav_logprobs.astype("<f4") if t.recomputed_behav_logprobs is not None
+                  else np.zeros(0, "<f4")):
+            b = a.tobytes()
+            h.update(struct.pack("<Q", len(b)) + b)
+    return h.hexdigest()
