@@ -1,0 +1,249 @@
+"""Reward functions: the built-in math reward, custom functions by dotted path, batch scoring.
+
+Trainer-facing API::
+
+    reward = get_reward_fn(cfg.reward)            # starts the scoring pool (checks custom fns)
+    res = reward.score_batch(texts, answers)      # RewardResult; never raises on timeout/crash
+    res.scores, res.statuses, res.n_timeouts, res.n_errors, res.n_no_answer, res.metrics()
+    reward.close()
+
+``cfg.reward.fn`` selects the scorer:
+
+- ``"math"`` (built in, paper appendix B): the last ``\\boxed{}`` of the response verified
+  against the ground truth with math-verify; ``correct`` / ``wrong`` / ``no_answer`` scores
+  come from :class:`~megatron_m2po.config.RewardConfig` (1.0 / 0.1 / 0.0 by default).
+- ``"package.module:function"`` (a custom function), one of two shapes, checked at start-up
+  (in the trainer process, before any worker starts) with a ``ValueError`` naming the path and
+  the problem:
+
+  * per item: ``fn(response: str, answer: str) -> float``. It must accept exactly these two
+    positional arguments (extra parameters need defaults; ``**kw`` is allowed, nothing is
+    passed through it today). Each call gets ``reward.timeout_s``.
+  * batch: ``fn(responses: list[str], answers: list[str]) -> list[float]``, marked with the
+    :func:`batch_reward` decorator (or an attribute ``m2po_batch = True``). The batch is split
+    into one chunk per worker; a chunk of ``m`` items gets ``m * reward.timeout_s``, and a
+    timeout or error fails the whole chunk.
+
+  The module must be importable in a fresh process (the workers are ``spawn``-ed and receive
+  the trainer's ``sys.path``). Coroutine functions are rejected. Scores must be finite numbers;
+  anything else is an ``"error"`` item.
+
+Every call runs in :class:`~megatron_m2po.rewards.pool.ScoringPool` (``reward.num_workers``
+processes). A timeout or a crashed worker scores ``no_answer``, is counted
+(``n_timeouts`` / ``n_errors``) and the worker is replaced; scoring never blocks training
+beyond the deadline.
+
+Item statuses: ``"correct"``, ``"wrong"``, ``"no_answer"`` (math), ``"ok"`` (custom function
+returned a score), ``"timeout"``, ``"error"`` (the scorer raised, returned garbage, or its
+worker crashed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+from megatron_m2po.rewards.pool import ScorerSpec, ScoringPool, load_target
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["RewardResult", "RewardFunction", "get_reward_fn", "batch_reward", "BUILTIN_REWARDS",
+           "check_reward_target"]
+
+BUILTIN_REWARDS = ("math",)
+STATUSES = ("correct", "wrong", "no_answer", "ok", "timeout", "error")
+
+
+def batch_reward(fn: Callable) -> Callable:
+    """Mark ``fn(responses: list[str], answers: list[str]) -> list[float]`` as a batch reward."""
+    fn.m2po_batch = True  # type: ignore[attr-defined]
+    return fn
+
+
+@dataclass(slots=True)
+class RewardResult:
+    """Scores of one batch, in input order.
+
+    Attributes:
+        scores: one float per response (timeouts and errors score ``no_answer``).
+        statuses: one of ``STATUSES`` per response.
+        messages: per-response detail for ``timeout`` / ``error`` (else "").
+        n_timeouts / n_errors / n_no_answer / n_correct / n_wrong: counts over the batch
+            (``n_no_answer`` counts only genuine missing answers, not timeouts or errors).
+        elapsed_s: wall time of the scoring call.
+    """
+
+    scores: list[float] = field(default_factory=list)
+    statuses: list[str] = field(default_factory=list)
+    messages: list[str] = field(default_factory=list)
+    n_timeouts: int = 0
+    n_errors: int = 0
+    n_no_answer: int = 0
+    n_correct: int = 0
+    n_wrong: int = 0
+    elapsed_s: float = 0.0
+
+    def __len__(self) -> int:
+        return len(self.scores)
+
+    @property
+    def accuracy(self) -> float:
+        """Fraction verified correct (math reward); 0 for an empty batch."""
+        return self.n_correct / len(self.scores) if self.scores else 0.0
+
+    def metrics(self, prefix: str = "reward/") -> dict[str, float]:
+        """Flat metrics for logging (counts are sums; reduce across producers by summing)."""
+        n = len(self.scores)
+        return {
+            f"{prefix}mean": sum(self.scores) / n if n else 0.0,
+            f"{prefix}acc": self.accuracy,
+            f"{prefix}n": float(n),
+            f"{prefix}n_timeouts": float(self.n_timeouts),
+            f"{prefix}n_errors": float(self.n_errors),
+            f"{prefix}n_no_answer": float(self.n_no_answer),
+            f"{prefix}score_s": self.elapsed_s,
+        }
+
+
+def _describe(fn: Callable) -> str:
+    try:
+        return f"{fn.__name__}{inspect.signature(fn)}"
+    except (TypeError, ValueError):
+        return repr(fn)
+
+
+def check_reward_target(target: str) -> tuple[str, Callable]:
+    """Import ``target`` and check its shape; returns ("item" | "batch", fn).
+
+    Raises ValueError naming the path and the problem.
+    """
+    if ":" not in target and "." not in target:
+        raise ValueError(f"reward.fn={target!r} is neither a built-in reward {list(BUILTIN_REWARDS)} nor "
+                         "a dotted path 'package.module:function'")
+    try:
+        fn = load_target(target)
+    except ValueError as e:
+        raise ValueError(f"reward.fn={target!r}: {e}") from None
+    except ImportError as e:
+        raise ValueError(f"reward.fn={target!r}: cannot import the module ({e}); is it on PYTHONPATH?") from e
+    except AttributeError as e:
+        raise ValueError(f"reward.fn={target!r}: the module has no such attribute ({e})") from e
+    if not callable(fn):
+        raise ValueError(f"reward.fn={target!r} is a {type(fn).__name__}, not a function")
+    if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None)):
+        raise ValueError(f"reward.fn={target!r} is a coroutine function; reward functions must be "
+                         "synchronous (they run in worker processes)")
+    kind = "batch" if getattr(fn, "m2po_batch", False) else "item"
+    shape = ("fn(responses: list[str], answers: list[str]) -> list[float]" if kind == "batch"
+             else "fn(response: str, answer: str) -> float")
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return kind, fn  # builtins without a signature: trust them
+    try:
+        sig.bind("response", "answer")
+    except TypeError as e:
+        raise ValueError(f"reward.fn={target!r} has signature {_describe(fn)}, which cannot be called as "
+                         f"{shape} ({e}); give extra parameters defaults") from None
+    return kind, fn
+
+
+class RewardFunction:
+    """A reward scorer backed by a process pool. Build with :func:`get_reward_fn`."""
+
+    def __init__(self, spec: ScorerSpec, *, num_workers: int, timeout_s: float, no_answer: float,
+                 correct: float = 1.0):
+        self.spec = spec
+        self.name = spec.target or spec.kind
+        self.no_answer = float(no_answer)
+        self.correct = float(correct)
+        self.timeout_s = float(timeout_s)
+        self._pool = ScoringPool(spec, num_workers=num_workers, timeout_s=timeout_s)
+
+    @property
+    def num_workers(self) -> int:
+        return self._pool.num_workers
+
+    @property
+    def n_restarts(self) -> int:
+        """Workers replaced so far (after timeouts or crashes)."""
+        return self._pool.n_restarts
+
+    def score_batch(self, responses: list[str], answers: list[str]) -> RewardResult:
+        """Score ``responses[i]`` against ``answers[i]``; thread-safe (calls are serialised)."""
+        responses, answers = list(responses), list(answers)
+        if len(responses) != len(answers):
+            raise ValueError(f"score_batch got {len(responses)} responses but {len(answers)} answers")
+        for name, seq in (("responses", responses), ("answers", answers)):
+            for i, x in enumerate(seq):
+                if not isinstance(x, str):
+                    raise ValueError(f"score_batch: {name}[{i}] is {type(x).__name__} {x!r}, expected str")
+        t0 = time.perf_counter()
+        res = RewardResult()
+        if not responses:
+            return res
+        if self.spec.kind == "batch":
+            n_chunks = min(self.num_workers, len(responses))
+            bounds = [len(responses) * k // n_chunks for k in range(n_chunks + 1)]
+            calls = [(responses[a:b], answers[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
+        else:
+            calls = [([r], [a]) for r, a in zip(responses, answers)]
+        for outcome in self._pool.run(calls):
+            for score, status, msg in outcome.items:
+                if status in ("timeout", "error"):
+                    score = self.no_answer
+                    if status == "timeout":
+                        res.n_timeouts += 1
+                    else:
+                        res.n_errors += 1
+                        logger.warning("reward %s: error while scoring: %s", self.name, msg)
+                elif status == "no_answer":
+                    res.n_no_answer += 1
+                elif status == "correct":
+                    res.n_correct += 1
+                elif status == "wrong":
+                    res.n_wrong += 1
+                res.scores.append(float(score))
+                res.statuses.append(status)
+                res.messages.append(msg)
+        res.elapsed_s = time.perf_counter() - t0
+        return res
+
+    async def score_batch_async(self, responses: list[str], answers: list[str]) -> RewardResult:
+        """``score_batch`` in a thread, for asyncio producers (the pool itself needs no signals)."""
+        return await asyncio.to_thread(self.score_batch, responses, answers)
+
+    def score(self, response: str, answer: str) -> float:
+        """Score one response (convenience; batches are much cheaper per item)."""
+        return self.score_batch([response], [answer]).scores[0]
+
+    def close(self) -> None:
+        """Stop the workers (idempotent)."""
+        self._pool.close()
+
+    def __enter__(self) -> "RewardFunction":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def get_reward_fn(reward_cfg) -> RewardFunction:
+    """Build the reward of ``reward_cfg`` (a :class:`~megatron_m2po.config.RewardConfig`).
+
+    Starts ``reward_cfg.num_workers`` processes and waits until they have loaded the scorer
+    (about a second each). Raises ValueError for an unknown name or a bad custom function.
+    """
+    values = (float(reward_cfg.correct), float(reward_cfg.wrong), float(reward_cfg.no_answer))
+    fn_name = str(reward_cfg.fn).strip()
+    if fn_name == "math":
+        spec = ScorerSpec("math", "", values)
+    else:
+        kind, _ = check_reward_target(fn_name)
+        spec = ScorerSpec(kind, fn_name, values)
+    return RewardFunction(spec, num_workers=int(reward_cfg.num_workers), timeout_s=float(reward_cfg.timeout_s),
+                          no_answer=values[2], correct=values[0])

@@ -1,0 +1,52 @@
+"""Custom reward functions used by the reward tests (imported by dotted path in the workers)."""
+
+import os
+import time
+
+from megatron_m2po.rewards import batch_reward
+
+
+def exact(response, answer):
+    """1.0 for an exact match; misbehaves on purpose for a few trigger responses."""
+    if response == "sleep":
+        time.sleep(3600)
+    if response == "crash":
+        os._exit(3)
+    if response == "raise":
+        raise RuntimeError("scorer bug")
+    if response == "not-a-number":
+        return "high"
+    if response == "nan":
+        return float("nan")
+    return 1.0 if response == answer else 0.0
+
+
+def with_kwargs(response, answer, *, bonus=0.0, **kw):
+    return float(response == answer) + bonus
+
+
+@batch_reward
+def lengths(responses, answers):
+    if "sleep" in responses:
+        time.sleep(3600)
+    return [float(len(r)) for r in responses]
+
+
+@batch_reward
+def wrong_length(responses, answers):
+    return [1.0]
+
+
+def three_args(response, answer, problem):
+    return 0.0
+
+
+def one_arg(response):
+    return 0.0
+
+
+async def coroutine_fn(response, answer):
+    return 0.0
+
+
+NOT_CALLABLE = 3
