@@ -197,8 +197,11 @@ class DataConfig:
 
     train: str = _f("synthetic", help="'synthetic' (arithmetic task) or a local .jsonl / .parquet file in the DeepScaleR schema.")
     eval: list[str] = _f(factory=list, help="Benchmark files (same schema) for `m2po eval` and held-out accuracy.")
-    template: Literal["paper", "chat", "raw"] = _f("paper", help="Prompt template: the paper's, the tokenizer's chat template, or the problem as is.")
+    template: Literal["paper", "chat", "raw", "synthetic"] = _f(
+        "paper", help="Prompt template: the paper's, the paper's text inside the tokenizer's chat template, the problem "
+        "as is, or the short 'Solve: {problem}' line of the synthetic task (megatron_m2po/data/templates.py).")
     max_prompt_tokens: int = _f(1024, ge=1, help="Longer prompts are rejected at load with their index.")
+    drop_long_prompts: bool = _f(False, help="Drop (and count) prompts longer than max_prompt_tokens instead of raising.")
     synthetic_num_problems: int = _f(20000, ge=1, help="Size of the synthetic training set.")
     synthetic_min_operand: int = _f(0, ge=0, help="Synthetic task: smallest operand.")
     synthetic_max_operand: int = _f(20, ge=1, help="Synthetic task: largest operand.")
