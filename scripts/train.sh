@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# Launch `m2po train` with torchrun on this node; run the same command on every training node.
+#
+#   NNODES=4 NODE_RANK=0 MASTER_ADDR=node0 GPUS_PER_NODE=8 scripts/train.sh CONFIG.yaml [key=value ...]
+#   scripts/train.sh --dry-run CONFIG.yaml [key=value ...]   # print + validate, launch nothing
+#
+# Environment (defaults): NNODES (1), NODE_RANK (0), MASTER_ADDR (127.0.0.1; required when
+# NNODES > 1), MASTER_PORT (29500), GPUS_PER_NODE (trainer processes per node: all visible GPUs,
+# 1 without a GPU), PYTHON (the repo's .venv python if present, else python3), TORCHRUN (torchrun
+# next to PYTHON, else `torchrun`). Convenience overrides, appended before "$@": MODEL_PATH ->
+# model.hf_path, DATA_TRAIN -> data.train, ROUTER_ADDR -> rollout.router_addr, RUN_DIR ->
+# trainer.run_dir. Arguments starting with "-" go to `m2po train` only; the config file and
+# key=value overrides also go to `m2po config` / `m2po plan` in --dry-run.
+set -euo pipefail
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+
+if [ -z "${PYTHON:-}" ]; then
+  if [ -x "$REPO/.venv/bin/python" ]; then PYTHON="$REPO/.venv/bin/python"; else PYTHON=python3; fi
+fi
+if [ -z "${TORCHRUN:-}" ]; then
+  TORCHRUN=torchrun
+  [ -x "$(dirname "$PYTHON")/torchrun" ] && TORCHRUN="$(dirname "$PYTHON")/torchrun"
+fi
+if [ -z "${GPUS_PER_NODE:-}" ]; then
+  GPUS_PER_NODE=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+  [ "${GPUS_PER_NODE:-0}" -ge 1 ] 2>/dev/null || GPUS_PER_NODE=1
+fi
+NNODES=${NNODES:-1}
+NODE_RANK=${NODE_RANK:-0}
+MASTER_PORT=${MASTER_PORT:-29500}
+
+die() { echo "train.sh: $*" >&2; exit 2; }
+for v in NNODES NODE_RANK MASTER_PORT GPUS_PER_NODE; do
+  [[ "${!v}" =~ ^[0-9]+$ ]] || die "$v=${!v} must be a non-negative integer"
+done
+[ "$NNODES" -ge 1 ] || die "NNODES=$NNODES must be >= 1"
+[ "$GPUS_PER_NODE" -ge 1 ] || die "GPUS_PER_NODE=$GPUS_PER_NODE must be >= 1"
+[ "$NODE_RANK" -lt "$NNODES" ] || die "NODE_RANK=$NODE_RANK must be < NNODES=$NNODES"
+
+dry_run=0
+train_args=()   # everything for `m2po train`
+cfg_args=()     # config file + key=value overrides (for `m2po config` / `m2po plan`)
+[ -n "${MODEL_PATH:-}" ] && set -- "$@" "model.hf_path=$MODEL_PATH"
+[ -n "${DATA_TRAIN:-}" ] && set -- "$@" "data.train=$DATA_TRAIN"
+[ -n "${ROUTER_ADDR:-}" ] && set -- "$@" "rollout.router_addr=$ROUTER_ADDR"
+[ -n "${RUN_DIR:-}" ] && set -- "$@" "trainer.run_dir=$RUN_DIR"
+for a in "$@"; do
+  case "$a" in
+    --dry-run) dry_run=1 ;;
+    -*) train_args+=("$a") ;;
+    *) train_args+=("$a"); cfg_args+=("$a") ;;
+  esac
+done
+
+if [ -z "${MASTER_ADDR:-}" ]; then
+  if [ "$NNODES" -gt 1 ] && [ "$dry_run" -eq 0 ]; then
+    die "NNODES=$NNODES needs MASTER_ADDR (the address of node 0, reachable from every node)"
+  fi
+  MASTER_ADDR=127.0.0.1
+  [ "$NNODES" -gt 1 ] && MASTER_ADDR='<node0-address>'
+fi
+
+torchrun_cmd() {  # $1 = node rank
+  local cmd=("$TORCHRUN" --nnodes "$NNODES" --node-rank "$1" --nproc-per-node "$GPUS_PER_NODE"
+             --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT"
+             -m megatron_m2po.cli train)
+  printf '%s\n' "${cmd[@]}" ${train_args[@]+"${train_args[@]}"}
+}
+
+if [ "$dry_run" -eq 1 ]; then
+  echo "# resolved config"
+  "$PYTHON" -m megatron_m2po.cli config ${cfg_args[@]+"${cfg_args[@]}"} || exit $?
+  echo "# commands (one per training node; run each on its node)"
+  [ "$MASTER_ADDR" = '<node0-address>' ] && echo "# note: set MASTER_ADDR to node 0's address before launching"
+  for ((r = 0; r < NNODES; r++)); do
+    mapfile -t c < <(torchrun_cmd "$r")
+    echo "node $r: $(printf '%q ' "${c[@]}")"
+  done
+  echo "# plan"
+  exec "$PYTHON" -m megatron_m2po.cli plan --nnodes "$NNODES" --gpus-per-node "$GPUS_PER_NODE" \
+    ${cfg_args[@]+"${cfg_args[@]}"}
+fi
+
+mapfile -t c < <(torchrun_cmd "$NODE_RANK")
+exec "${c[@]}"
