@@ -426,7 +426,7 @@ class RolloutStore:
             if isinstance(policy, Bounded):
                 over = [r for r in avail if cv - r[2] > policy.max_staleness]
                 if policy.retire:
-                    retire = over
+                    retire = sorted(over, key=lambda r: (r[2], r[0]))  # oldest first, then arrival
                     avail = [r for r in avail if cv - r[2] <= policy.max_staleness]
             if len(avail) < n_groups:
                 where = f"generated at version {gen}" if gen is not None else f"under {spec}"
@@ -545,7 +545,7 @@ class RolloutStore:
             raise ValueError(f"cursor is at lease {last} but the store has recorded only {mx} leases")
         return {r[0] for r in self._conn.execute(
             "SELECT lease_id FROM leases WHERE (lease_id>? OR lease_id IN (%s)) AND state IN ('open','acked','replay')"
-            % ",".join("?" * len(state["unacked"]) or "NULL"), (last, *[int(x) for x in state["unacked"]]))}
+            % (",".join("?" * len(state["unacked"])) or "NULL"), (last, *[int(x) for x in state["unacked"]]))}
 
     def restore_cursor(self, state: Mapping) -> int:
         """Rewind consumption to ``state``; the leases after it are served again, identically.
