@@ -1,0 +1,222 @@
+"""Policy losses: a registry of pure tensor functions (DESIGN §3, "M2PO" and "Baselines").
+
+Every loss is token-level over the 1-D tokens of one micro-batch:
+
+    loss = -(1 / denominator) * sum_i loss_mask_i * w_i * obj_i
+
+with ``w_i`` the optional TIS weight (paper eq. 6, no gradient) and ``denominator`` given by the
+caller: the global number of response tokens of the optimizer mini-batch (all DP ranks, all
+micro-batches, masked M2PO tokens included -- paper footnote 2). Summing the micro-batch losses
+of all ranks therefore gives the token mean over the mini-batch, however it is split.
+
+``delta_i = clamp(logp_i - behav_logp_i, -c, c)`` with ``c = algo_cfg.logratio_clamp`` (20) and
+``r_i = exp(delta_i)``; the clamp keeps ``exp`` finite on very stale data (its gradient is zero
+beyond the clamp).
+
+Per-token objectives ``obj_i``:
+
+* ``m2po``: ``keep_i * r_i * A_i`` (``keep`` from ``algo.m2_mask.m2po_mask``, required).
+* ``grpo``: PPO clip ``min(r A, clip(r, 1 - eps_low, 1 + eps_high) A)`` (clip-higher when
+  ``eps_high > eps_low``); with ``dual_clip_c`` = c, for ``A < 0`` also ``max(., c A)``.
+* ``no_tr``: ``r A`` (no trust region).
+* ``gspo``: sequence ratio ``s = exp(mean_{i in seq} delta_i)`` (geometric mean of the token
+  ratios over the sequence's loss tokens in this call, gradient through the mean), per token
+  ``min(s A, clip(s, 1 - gspo_eps_low, 1 + gspo_eps_high) A)``. Needs ``seq_index`` and whole
+  sequences in one call (a context-parallel split of a sequence would need the mean reduced
+  over the CP group first).
+* ``cispo``: ``sg(min(r, 1 + cispo_eps_high)) * A * logp`` (stop-gradient clipped ratio).
+
+Non-finite ``logp``, ``behav_logp``, ``advantages`` (or TIS weights) on loss tokens raise
+ValueError saying how many and where; values on non-loss tokens (padding) are ignored and get
+zero gradient.
+
+Metrics (``algo.metrics.Metric``): ``loss/policy`` (sum: adds up to the mini-batch loss),
+``policy/ratio_mean`` (token mean), ``policy/ratio_max`` (max), ``policy/kl_k1`` = mean(-delta),
+``policy/kl_k3`` = mean(r - 1 - delta) (estimates of KL(behav || theta) from behaviour samples),
+``loss/clip_frac`` (token mean; grpo, gspo, cispo), ``loss/dual_clip_frac`` (grpo with dual
+clip), ``tis/weight_mean`` (with TIS). Means are weighted by the number of loss tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from megatron_m2po.algo.metrics import Metric
+
+Objective = tuple[torch.Tensor, dict[str, Metric]]
+
+
+@dataclass
+class LossInputs:
+    """Validated, sanitised inputs shared by every loss (1-D, one entry per token)."""
+
+    logp: torch.Tensor  # with grad; 0 on non-loss tokens
+    behav_logp: torch.Tensor
+    advantages: torch.Tensor
+    mask: torch.Tensor  # bool loss mask
+    delta: torch.Tensor  # clamped log-ratio (with grad)
+    ratio: torch.Tensor
+    n_tokens: int
+    keep: Optional[torch.Tensor]
+    seq_index: Optional[torch.Tensor]
+
+    def token_mean(self, x: torch.Tensor) -> Metric:
+        x = x.detach().to(torch.float64)
+        val = torch.where(self.mask, x, 0.0).sum() / max(self.n_tokens, 1)
+        return Metric(val, "mean", weight=float(self.n_tokens))
+
+    def frac(self, cond: torch.Tensor) -> Metric:
+        return self.token_mean(cond.to(torch.float64))
+
+
+LossFn = Callable[[LossInputs, object], Objective]
+LOSSES: dict[str, LossFn] = {}
+
+
+def register_loss(name: str) -> Callable[[LossFn], LossFn]:
+    """Decorator adding a loss ``fn(inputs: LossInputs, algo_cfg) -> (obj, metrics)`` to the registry."""
+
+    def deco(fn: LossFn) -> LossFn:
+        if name in LOSSES:
+            raise ValueError(f"register_loss: {name!r} is already registered")
+        LOSSES[name] = fn
+        return fn
+
+    return deco
+
+
+def get_loss(name: str) -> LossFn:
+    try:
+        return LOSSES[name]
+    except KeyError:
+        raise ValueError(f"unknown policy loss {name!r}; available: {sorted(LOSSES)}") from None
+
+
+@register_loss("m2po")
+def _m2po(x: LossInputs, cfg) -> Objective:
+    if x.keep is None:
+        raise ValueError("loss 'm2po' needs keep= (the mask from algo.m2_mask.m2po_mask over the mini-batch)")
+    return x.keep.to(x.ratio.dtype) * x.ratio * x.advantages, {}
+
+
+@register_loss("no_tr")
+def _no_tr(x: LossInputs, cfg) -> Objective:
+    return x.ratio * x.advantages, {}
+
+
+@register_loss("grpo")
+def _grpo(x: LossInputs, cfg) -> Objective:
+    a, r = x.advantages, x.ratio
+    unclipped = r * a
+    clipped = r.clamp(1.0 - cfg.eps_low, 1.0 + cfg.eps_high) * a
+    obj = torch.minimum(unclipped, clipped)
+    metrics = {"loss/clip_frac": x.frac(clipped < unclipped)}
+    if cfg.dual_clip_c is not None:
+        floor = cfg.dual_clip_c * a
+        dual = (a < 0) & (obj < floor)
+        obj = torch.where(dual, floor, obj)
+        metrics["loss/dual_clip_frac"] = x.frac(dual)
+    return obj, metrics
+
+
+@register_loss("gspo")
+def _gspo(x: LossInputs, cfg) -> Objective:
+    if x.seq_index is None:
+        raise ValueError("loss 'gspo' needs seq_index= (an integer sequence id per token)")
+    _, inv = torch.unique(x.seq_index, return_inverse=True)
+    n_seq = int(inv.max()) + 1 if inv.numel() else 0
+    m = x.mask.to(x.delta.dtype)
+    sums = torch.zeros(n_seq, dtype=x.delta.dtype, device=x.delta.device).index_add(0, inv, x.delta * m)
+    counts = torch.zeros(n_seq, dtype=x.delta.dtype, device=x.delta.device).index_add(0, inv, m)
+    s = torch.exp(sums / counts.clamp_min(1.0))[inv]
+    a = x.advantages
+    unclipped = s * a
+    clipped = s.clamp(1.0 - cfg.gspo_eps_low, 1.0 + cfg.gspo_eps_high) * a
+    seq_has = counts > 0
+    seq_ratio = torch.exp(sums / counts.clamp_min(1.0))[seq_has].detach()
+    metrics = {"loss/clip_frac": x.frac(clipped < unclipped),
+               "gspo/seq_ratio_mean": Metric(seq_ratio.double().mean() if seq_ratio.numel() else 0.0, "mean",
+                                             weight=float(seq_ratio.numel()))}
+    return torch.minimum(unclipped, clipped), metrics
+
+
+@register_loss("cispo")
+def _cispo(x: LossInputs, cfg) -> Objective:
+    bound = 1.0 + cfg.cispo_eps_high
+    weight = x.ratio.detach().clamp(max=bound)
+    return weight * x.advantages * x.logp, {"loss/clip_frac": x.frac(x.ratio.detach() > bound)}
+
+
+def _check_finite(name: str, t: torch.Tensor, mask: torch.Tensor) -> None:
+    bad = mask & ~torch.isfinite(t)
+    if bool(bad.any()):
+        idx = bad.nonzero().flatten()
+        raise ValueError(f"compute_policy_loss: {name} has {idx.numel()} non-finite values on loss tokens "
+                         f"(of {int(mask.sum())}), at token indices {idx[:10].tolist()} with values "
+                         f"{t.detach()[idx[:10]].tolist()}; check the rollout log-probs / rewards of those samples")
+
+
+def compute_policy_loss(name: str, logp: torch.Tensor, behav_logp: torch.Tensor, advantages: torch.Tensor,
+                        loss_mask: torch.Tensor, *, denominator, algo_cfg, keep: Optional[torch.Tensor] = None,
+                        seq_index: Optional[torch.Tensor] = None, tis_weight: Optional[torch.Tensor] = None
+                        ) -> tuple[torch.Tensor, dict[str, Metric]]:
+    """Loss ``name`` on one micro-batch; returns ``(loss, metrics)`` (see the module docstring).
+
+    ``logp`` carries the gradient; ``behav_logp``, ``advantages``, ``keep``, ``tis_weight`` are
+    treated as constants. ``algo_cfg`` is a ``megatron_m2po.config.AlgoConfig``.
+    """
+    fn = get_loss(name)
+    mask = loss_mask.to(torch.bool)
+    shapes = {"logp": tuple(logp.shape), "behav_logp": tuple(behav_logp.shape),
+              "advantages": tuple(advantages.shape), "loss_mask": tuple(loss_mask.shape)}
+    for k, t in (("keep", keep), ("seq_index", seq_index), ("tis_weight", tis_weight)):
+        if t is not None:
+            shapes[k] = tuple(t.shape)
+    if logp.dim() != 1 or len(set(shapes.values())) != 1:
+        raise ValueError(f"compute_policy_loss: expects 1-D tensors of equal length, got shapes {shapes}")
+    denom = float(denominator)
+    if not denom > 0 or denom == float("inf"):
+        raise ValueError(f"compute_policy_loss: denominator={denominator!r}; pass the (positive) global number "
+                         "of response tokens of the mini-batch")
+    _check_finite("logp", logp, mask)
+    _check_finite("behav_logp", behav_logp, mask)
+    _check_finite("advantages", advantages, mask)
+    if tis_weight is not None:
+        _check_finite("tis_weight", tis_weight, mask)
+        if bool((mask & (tis_weight < 0)).any()):
+            raise ValueError("compute_policy_loss: tis_weight must be >= 0")
+
+    dtype = logp.dtype if logp.dtype == torch.float64 else torch.float32
+    lp = torch.where(mask, logp.to(dtype), 0.0)
+    blp = torch.where(mask, behav_logp.detach().to(dtype), 0.0)
+    adv = torch.where(mask, advantages.detach().to(dtype), 0.0)
+    clamp = float(algo_cfg.logratio_clamp)
+    delta = (lp - blp).clamp(-clamp, clamp)
+    ratio = torch.exp(delta)
+    x = LossInputs(logp=lp, behav_logp=blp, advantages=adv, mask=mask, delta=delta, ratio=ratio,
+                   n_tokens=int(mask.sum()), keep=None if keep is None else keep.to(torch.bool),
+                   seq_index=seq_index)
+    obj, metrics = fn(x, algo_cfg)
+    w = mask.to(dtype)
+    if tis_weight is not None:
+        tw = torch.where(mask, tis_weight.detach().to(dtype), 0.0)
+        w = w * tw
+        metrics["tis/weight_mean"] = x.token_mean(tw)
+    loss = -(torch.where(mask, obj, 0.0) * w).sum() / denom
+
+    r = ratio.detach()
+    metrics["loss/policy"] = Metric(loss.detach(), "sum")
+    metrics["policy/ratio_mean"] = x.token_mean(r)
+    metrics["policy/ratio_max"] = Metric(r[mask].max() if x.n_tokens else torch.zeros(()), "max")
+    metrics["policy/kl_k1"] = x.token_mean(-delta)
+    metrics["policy/kl_k3"] = x.token_mean(r - 1.0 - delta.detach())
+    return loss, metrics
+
+
+def tis_weights(train_behav_logp: torch.Tensor, engine_logp: torch.Tensor, cap: float) -> torch.Tensor:
+    """Truncated importance weight ``min(p_train_behav / p_engine_behav, cap)`` per token (paper eq. 6)."""
+    d = (train_behav_logp.detach().double() - engine_logp.detach().double()).clamp(max=50.0)
+    return torch.exp(d).clamp(max=cap).to(train_behav_logp.dtype)
