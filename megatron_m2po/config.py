@@ -199,7 +199,7 @@ class DataConfig:
     eval: list[str] = _f(factory=list, help="Benchmark files (same schema) for `m2po eval` and held-out accuracy.")
     template: Literal["paper", "chat", "raw", "synthetic"] = _f(
         "paper", help="Prompt template: the paper's, the paper's text inside the tokenizer's chat template, the problem "
-        "as is, or the short 'Solve: {problem}' line of the synthetic task (megatron_m2po/data/templates.py).")
+        "as is, or '{problem}=' (the tiny base model's warm-up format; megatron_m2po/data/templates.py).")
     max_prompt_tokens: int = _f(1024, ge=1, help="Longer prompts are rejected at load with their index.")
     drop_long_prompts: bool = _f(False, help="Drop (and count) prompts longer than max_prompt_tokens instead of raising.")
     synthetic_num_problems: int = _f(20000, ge=1, help="Size of the synthetic training set.")

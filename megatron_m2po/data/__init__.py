@@ -11,7 +11,7 @@ Trainer-facing API (contracts in :mod:`megatron_m2po.data.dataset`)::
 
 Templates: :data:`PAPER_TEMPLATE` (DESIGN §3), "chat", "raw", "synthetic"
 (:mod:`megatron_m2po.data.templates`); the synthetic task's canonical response format is
-:func:`synthetic_response` (``"3+14-2=15 \\boxed{15}"``).
+:func:`synthetic_response` (prompt ``"3+14-2="``, response ``"\\boxed{15}"``).
 """
 
 from megatron_m2po.data.dataset import (

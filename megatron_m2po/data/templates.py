@@ -7,10 +7,11 @@ Templates (``DataConfig.template``):
 - ``"chat"``: the same text as the single user message of the tokenizer's chat template,
   ``add_generation_prompt=True`` (instruct / thinking models).
 - ``"raw"``: the problem text unchanged.
-- ``"synthetic"``: :data:`SYNTHETIC_TEMPLATE`, the short line the tiny CPU base model is
-  warmed up on. :func:`synthetic_response` is the matching target response
-  (``"3+14-2=15 \\boxed{15}"``), which the tiny base's SFT warm-up uses so that training and
-  warm-up agree on the format.
+- ``"synthetic"``: :data:`SYNTHETIC_TEMPLATE` = ``"{problem}="``, the exact prompt format the
+  tiny CPU base model is warmed up on (``megatron_m2po.utils.tiny_base.PROMPT_TEMPLATE``);
+  :func:`synthetic_response` is the matching target response (``"\\boxed{15}"``, tiny_base's
+  ``RESPONSE_TEMPLATE``). Use it (or ``"raw"``) for the tiny runs: ``"chat"`` puts the
+  paper's long text in the user message, far from the warm-up format.
 
 Tokenization: chat prompts are rendered with ``tokenize=False`` and tokenized without adding
 special tokens (the chat template already contains them); the other templates are tokenized
@@ -29,7 +30,7 @@ PAPER_TEMPLATE = (
     "reasoning process step by step and then provides the user with the answer. Return the final "
     "answer in \\boxed{} tags, for example \\boxed{1}. Let's solve this step by step."
 )
-SYNTHETIC_TEMPLATE = "Solve: {problem}\n"
+SYNTHETIC_TEMPLATE = "{problem}="
 TEMPLATES = ("paper", "chat", "raw", "synthetic")
 
 
@@ -71,5 +72,6 @@ def tokenize_prompts(texts: list[str], template: str, tokenizer: Any) -> list[li
 
 
 def synthetic_response(problem: str, answer: str) -> str:
-    """The canonical response of the synthetic task: ``"3+14-2=15 \\boxed{15}"``."""
-    return f"{problem}={answer} \\boxed{{{answer}}}"
+    """The canonical response of the synthetic task to ``SYNTHETIC_TEMPLATE``: ``"\\boxed{15}"``."""
+    del problem  # the prompt already ends with "problem="
+    return f"\\boxed{{{answer}}}"

@@ -94,7 +94,7 @@ def test_load_state_dict_errors(char_tokenizer):
 
 def test_max_prompt_tokens_names_the_rows(char_tokenizer):
     data = rows(3) + [{"problem": "x" * 50, "answer": "1"}, {"problem": "1", "answer": "1"}]
-    with pytest.raises(ValueError, match=r"1 prompt\(s\) exceed data.max_prompt_tokens=20: row 3 \(58 tokens\)"):
+    with pytest.raises(ValueError, match=r"1 prompt\(s\) exceed data.max_prompt_tokens=20: row 3 \(51 tokens\)"):
         PromptDataset(data, char_tokenizer, template="synthetic", seed=0, max_prompt_tokens=20)
     ds = PromptDataset(data, char_tokenizer, template="synthetic", seed=0, max_prompt_tokens=20, drop_long=True)
     assert ds.n_dropped == 1 and [it.index for it in ds.items] == [0, 1, 2, 4]
@@ -119,7 +119,7 @@ def test_build_synthetic_and_eval_sets(tmp_path, char_tokenizer):
     assert [len(v) for v in sets.values()] == [30, 4, 2]
     assert [it.index for it in sets["math500"]] == [0, 1, 2, 3]  # file order, no shuffle
     assert not {it.problem for it in ds.items} & {it.problem for it in sets["synthetic"]}
-    assert sets["synthetic"][0].prompt == f"Solve: {sets['synthetic'][0].problem}\n"
+    assert sets["synthetic"][0].prompt == f"{sets['synthetic'][0].problem}="
     dup = DataConfig(eval=[str(b1), str(b1)], train=str(b2))
     with pytest.raises(ValueError, match="two evaluation sets are named 'math500'"):
         build_eval_sets(dup, char_tokenizer, seed=0)

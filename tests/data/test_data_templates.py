@@ -46,9 +46,10 @@ def test_chat_template_errors():
 
 
 def test_synthetic_template_and_response_are_graded_correct(char_tokenizer):
-    assert render_prompt("3+14-2", "synthetic") == "Solve: 3+14-2\n"
+    # The tiny base model's warm-up format (megatron_m2po/utils/tiny_base.py): "12+7=" -> "\\boxed{19}".
+    assert render_prompt("3+14-2", "synthetic") == "3+14-2="
     resp = synthetic_response("3+14-2", "15")
-    assert resp == "3+14-2=15 \\boxed{15}"
-    assert grade_math(resp, "15") == "correct"
-    ids = tokenize_prompts(["Solve: 3+14-2\n"], "synthetic", char_tokenizer)[0]
-    assert len(ids) == len("Solve: 3+14-2\n")  # one id per character
+    assert resp == "\\boxed{15}"
+    assert grade_math("3+14-2=" + resp, "15") == "correct"
+    ids = tokenize_prompts(["3+14-2="], "synthetic", char_tokenizer)[0]
+    assert len(ids) == len("3+14-2=")  # one id per character
