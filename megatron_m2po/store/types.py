@@ -121,7 +121,7 @@ class Trajectory:
             if current_version is not None and self.max_version > current_version:
                 raise ValueError(f"{who}: versions reach {self.max_version}, ahead of the trainer's current "
                                  f"version {current_version} (a producer cannot use weights that do not exist yet)")
-            if not np.isin(self.loss_mask, (0, 1)).all():
+            if self.loss_mask.size and (int(self.loss_mask.max()) > 1 or int(self.loss_mask.min()) < 0):
                 raise ValueError(f"{who}: loss_mask must hold only 0 and 1")
         if self.reward is not None and (not isinstance(self.reward, (int, float)) or not math.isfinite(self.reward)):
             raise ValueError(f"{who}: reward={self.reward!r} must be a finite number or None")

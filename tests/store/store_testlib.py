@@ -78,3 +78,31 @@ def stop(proc) -> None:
         except Exception:
             proc.kill()
             proc.wait()
+
+
+def crash_group(gid: str) -> Group:
+    """A group whose content follows from its id alone (so a checker can regenerate it)."""
+    n_tok = 200 + zlib.crc32(gid.encode()) % 1500
+    return make_group(gid, version=zlib.crc32(gid.encode()) % 3, n=4, resp_len=n_tok)
+
+
+def check_store_integrity(path: str) -> dict:
+    """Every stored group is complete and byte-identical to ``crash_group(id)``; returns {id: state}."""
+    import sqlite3
+
+    from megatron_m2po.store import sqlite as db
+
+    conn = sqlite3.connect(path)
+    try:
+        rows = conn.execute("SELECT seq, group_id, n_traj, state FROM groups").fetchall()
+        for seq, gid, n_traj, _ in rows:
+            (n,) = conn.execute("SELECT COUNT(*) FROM trajectories WHERE group_seq=?", (seq,)).fetchone()
+            assert n == n_traj, f"partial group {gid}: {n} of {n_traj} trajectories"
+            (g,) = db.load_groups(conn, [seq])
+            assert same_group(g, crash_group(gid)), f"group {gid} differs from what was sent"
+        (orphans,) = conn.execute("SELECT COUNT(*) FROM trajectories WHERE group_seq NOT IN "
+                                  "(SELECT seq FROM groups)").fetchone()
+        assert orphans == 0, f"{orphans} trajectories without a group"
+        return {gid: state for _, gid, _, state in rows}
+    finally:
+        conn.close()
