@@ -7,10 +7,10 @@
 # Environment (defaults): NNODES (1), NODE_RANK (0), MASTER_ADDR (127.0.0.1; required when
 # NNODES > 1), MASTER_PORT (29500), GPUS_PER_NODE (trainer processes per node: all visible GPUs,
 # 1 without a GPU), PYTHON (the repo's .venv python if present, else python3), TORCHRUN (torchrun
-# next to PYTHON, else `torchrun`). Convenience overrides, appended before "$@": MODEL_PATH ->
-# model.hf_path, DATA_TRAIN -> data.train, ROUTER_ADDR -> rollout.router_addr, RUN_DIR ->
-# trainer.run_dir. Arguments starting with "-" go to `m2po train` only; the config file and
-# key=value overrides also go to `m2po config` / `m2po plan` in --dry-run.
+# next to PYTHON, else `torchrun`). Convenience overrides, appended after the arguments (so they
+# win): MODEL_PATH -> model.hf_path, DATA_TRAIN -> data.train, ROUTER_ADDR -> rollout.router_addr,
+# RUN_DIR -> trainer.run_dir. Arguments starting with "-" go to `m2po train` only; the config file
+# and key=value overrides also go to `m2po config` / `m2po plan` in --dry-run.
 set -euo pipefail
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 

