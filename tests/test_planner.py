@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -17,6 +18,7 @@ from megatron_m2po.cli import main
 from megatron_m2po.config import load_config
 
 GiB = 1024 ** 3
+EX = Path(__file__).resolve().parents[1] / "examples"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -260,7 +262,7 @@ RECIPES = {"qwen2.5-32b": (4, 8), "qwen3-32b": (4, 8), "qwen2.5-math-7b": (1, 4)
 
 @pytest.mark.parametrize("name", sorted(RECIPES))
 def test_recipes_are_feasible_with_paper_hyperparameters(name):
-    cfg = load_config(f"examples/{name}.yaml")
+    cfg = load_config(EX / f"{name}.yaml")
     assert (cfg.trainer.prompts_per_step, cfg.rollout.n_samples_per_prompt, cfg.trainer.prompts_per_update) == (256, 8, 64)
     assert cfg.trainer.num_updates_per_step == 4
     assert (cfg.optim.lr, cfg.optim.lr_schedule, cfg.optim.adam_beta1, cfg.optim.adam_beta2,
@@ -278,31 +280,31 @@ def test_recipes_are_feasible_with_paper_hyperparameters(name):
 
 
 def test_colocated_engines_reserve_their_memory_fraction():
-    cfg = load_config("examples/qwen2.5-math-7b.yaml", ["rollout.engine_gpu_ids=[0,1,2,3]",
+    cfg = load_config(EX / "qwen2.5-math-7b.yaml", ["rollout.engine_gpu_ids=[0,1,2,3]",
                                                         "rollout.engine_mem_fraction=0.5"])
     p = P.plan_from_config(cfg, P.MODELS["qwen2.5-math-7b"], nnodes=1, gpus_per_node=4)
     assert p.layout.reserved_gib == 40.0
     assert not p.ok and "colocated engines" in p.errors[0]
-    cfg = load_config("examples/qwen2.5-math-7b.yaml", ["rollout.engine_gpu_ids=[6,7,8,9]"])
+    cfg = load_config(EX / "qwen2.5-math-7b.yaml", ["rollout.engine_gpu_ids=[6,7,8,9]"])
     p = P.plan_from_config(cfg, P.MODELS["qwen2.5-math-7b"], nnodes=1, gpus_per_node=4)
     assert any("do not exist on a 8-GPU node" in e for e in p.errors)
 
 
 def test_math7b_context_warning():
-    cfg = load_config("examples/qwen2.5-math-7b.yaml", ["rollout.max_new_tokens=4096"])
+    cfg = load_config(EX / "qwen2.5-math-7b.yaml", ["rollout.max_new_tokens=4096"])
     p = P.plan_from_config(cfg, P.MODELS["qwen2.5-math-7b"], gpus_per_node=4)
     assert any("max_position_embeddings 4096" in w for w in p.warnings)
 
 
 def test_cli_ok_and_rejected(capsys):
-    assert main(["plan", "--nnodes", "4", "--gpus-per-node", "8", "examples/qwen2.5-32b.yaml"]) == 0
+    assert main(["plan", "--nnodes", "4", "--gpus-per-node", "8", str(EX / "qwen2.5-32b.yaml")]) == 0
     out = capsys.readouterr().out
     assert "qwen2.5-32b" in out and "OK" in out and "optimizer states" in out
     rc = main(["plan", "--model", "qwen2.5-32b", "--nnodes", "2", "--tp", "16",
-               "examples/qwen2.5-32b.yaml", "parallel.pipeline_parallel=1"])
+               str(EX / "qwen2.5-32b.yaml"), "parallel.pipeline_parallel=1"])
     out = capsys.readouterr().out
     assert rc == 1 and "tp=16 exceeds GPUs per node 8" in out
-    assert main(["plan", "--json", "--gpus-per-node", "4", "examples/qwen3-8b.yaml"]) == 0
+    assert main(["plan", "--json", "--gpus-per-node", "4", str(EX / "qwen3-8b.yaml")]) == 0
     d = json.loads(capsys.readouterr().out)
     assert d["ok"] and math.isclose(d["worst_total_gib"], max(s["total"] for s in d["stages"]) / GiB)
     assert main(["plan", "--list-models"]) == 0
