@@ -1,0 +1,343 @@
+"""Asyncio client for an SGLang engine or an sglang-router (and for our CPU worker).
+
+Routes and field names follow SGLang 0.5.x; checked against the source of
+``sgl-project/sglang`` (stored copies, versions 0.5.3rc2 and later 0.5.x):
+
+- ``python/sglang/srt/entrypoints/http_server.py``: ``/generate`` (POST|PUT, body =
+  ``GenerateReqInput``), ``/health`` and ``/health_generate`` (200, or 503 while starting or
+  unhealthy), ``/get_model_info`` {model_path, tokenizer_path, is_generation,
+  preferred_sampling_params, weight_version}, ``/get_server_info`` (server args + scheduler info
+  + ``version``), ``/get_weight_version`` {weight_version}, ``/flush_cache`` (GET|POST; 200, or
+  400 while requests run), ``/abort_request`` {rid, abort_all}, ``/pause_generation`` and
+  ``/continue_generation`` ({"message", "status": "ok"}), ``/update_weights_from_disk``
+  {success, message, num_paused_requests}, ``/init_weights_update_group``,
+  ``/update_weights_from_distributed``, ``/destroy_weights_update_group``,
+  ``/update_weight_version`` {new_version, abort_all_requests}. The update routes set
+  ``server_args.weight_version`` when the request carries ``weight_version``.
+- ``python/sglang/srt/managers/io_struct.py``: ``UpdateWeightFromDiskReqInput`` {model_path,
+  load_format, abort_all_requests, weight_version, ...}; ``InitWeightsUpdateGroupReqInput``
+  {master_address, master_port, rank_offset, world_size, group_name="weight_update_group",
+  backend="nccl"}; ``UpdateWeightsFromDistributedReqInput`` {names, dtypes, shapes, group_name,
+  flush_cache, abort_all_requests, weight_version, load_format}; ``PauseGenerationReqInput``
+  {mode: "abort" (default) | "retract" | "in_place"} -- SGLang <= 0.5.5 takes no body and
+  always aborts in-flight requests, so ``pause_generation(mode="in_place")`` degrades to abort
+  there (the aborted requests come back with ``finish_reason.type == "abort"``).
+- ``python/sglang/srt/managers/tokenizer_manager.py``: ``meta_info`` = {id, finish_reason,
+  prompt_tokens, weight_version, completion_tokens, cached_tokens, e2e_latency,
+  output_token_logprobs: [[logprob, token_id, text|None], ...]}; ``finish_reason`` is
+  {"type": "stop", "matched": id|str} | {"type": "length", "length": n} | {"type": "abort", ...}.
+- ``python/sglang/srt/layers/sampler.py``: returned log-probs are ``log(softmax(logits / T))``
+  before top-p/top-k truncation (``SGLANG_RETURN_ORIGINAL_LOGPROB`` switches to T = 1).
+- sglang-router 0.3.2 (the Rust ``smg`` router, installed here): forwards ``/generate``,
+  ``/get_model_info``, ``/flush_cache``, ``/health_generate``; registers workers with
+  ``POST /workers {"url"}`` (202, asynchronous) / ``GET /workers`` / ``DELETE /workers/{id}``.
+  It does *not* forward ``/abort_request``, pause/continue or weight updates: send those to each
+  engine (``EngineFleet.engine_urls``).
+
+Retries: connection errors, timeouts of non-generate calls, HTTP 502/503/504 and other 5xx are
+retried with exponential backoff and jitter; 4xx never (the request is wrong). A generate that
+timed out is aborted on the engine (best effort) before the error is raised.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import uuid
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import aiohttp
+
+
+class EngineError(RuntimeError):
+    """An engine answered with an error, or could not be reached after the retries."""
+
+    def __init__(self, url: str, route: str, message: str, status: Optional[int] = None) -> None:
+        super().__init__(f"{url}{route}: {message}" + (f" (HTTP {status})" if status else ""))
+        self.url, self.route, self.status = url, route, status
+
+
+@dataclass(slots=True)
+class GenerateOutput:
+    """One finished generation.
+
+    ``output_logprobs[i]`` is the log-prob of ``output_ids[i]`` under the temperature-scaled
+    distribution it was sampled from (SGLang convention); ``finish_reason`` is SGLang's dict
+    (``type`` in stop / length / abort); ``weight_version`` is the engine's version string when
+    the request finished; ``token_weight_versions`` gives the version per token when the engine
+    reports it (our CPU worker does; SGLang 0.5 does not -> None).
+    """
+
+    output_ids: list[int]
+    output_logprobs: Optional[list[float]]
+    finish_reason: dict
+    weight_version: str
+    text: str
+    rid: str = ""
+    prompt_tokens: int = 0
+    token_weight_versions: Optional[list[str]] = None
+
+    @property
+    def finish_type(self) -> str:
+        return str((self.finish_reason or {}).get("type", ""))
+
+    @property
+    def aborted(self) -> bool:
+        return self.finish_type == "abort"
+
+    def version(self) -> int:
+        """The weight version as an int (our versions are optimizer-update counts)."""
+        try:
+            return int(self.weight_version)
+        except (TypeError, ValueError):
+            raise ValueError(f"engine weight_version {self.weight_version!r} is not an integer; "
+                             "start engines with an integer version (--weight-version 0)") from None
+
+    @classmethod
+    def from_json(cls, d: dict) -> "GenerateOutput":
+        meta = d.get("meta_info", {})
+        lps = meta.get("output_token_logprobs")
+        ids = d.get("output_ids")
+        if ids is None and lps is not None:
+            ids = [int(x[1]) for x in lps]
+        return cls(output_ids=list(ids or []),
+                   output_logprobs=None if lps is None else [float(x[0]) for x in lps],
+                   finish_reason=meta.get("finish_reason") or {}, weight_version=str(meta.get("weight_version")),
+                   text=d.get("text", ""), rid=str(meta.get("id", "")),
+                   prompt_tokens=int(meta.get("prompt_tokens", 0)),
+                   token_weight_versions=meta.get("output_token_weight_versions"))
+
+
+_RETRY_STATUS = {500, 502, 503, 504}
+
+
+class SGLangClient:
+    """Client of one base URL (an engine or a router).
+
+    Example::
+
+        async with SGLangClient("http://127.0.0.1:30000", concurrency=64) as c:
+            out = await c.generate([1, 2, 3], {"temperature": 1.0, "max_new_tokens": 64})
+            await c.pause_generation(); await c.update_weights_from_disk(path, weight_version="7")
+            await c.continue_generation()
+
+    ``concurrency`` bounds in-flight ``generate`` calls; ``timeout_s`` is the total time of one
+    generate request; control calls use ``control_timeout_s``. Use one client per event loop.
+    """
+
+    def __init__(self, base_url: str, *, concurrency: int = 64, timeout_s: float = 600.0,
+                 max_retries: int = 3, backoff_s: float = 0.5, control_timeout_s: float = 60.0) -> None:
+        if concurrency < 1 or timeout_s <= 0 or max_retries < 0:
+            raise ValueError(f"SGLangClient: concurrency={concurrency} (>=1), timeout_s={timeout_s} "
+                             f"(>0), max_retries={max_retries} (>=0)")
+        self.base_url = base_url.rstrip("/")
+        self.timeout_s, self.max_retries, self.backoff_s = timeout_s, max_retries, backoff_s
+        self.control_timeout_s = control_timeout_s
+        self.concurrency = concurrency
+        self._sem: Optional[asyncio.Semaphore] = None
+        self._session: Optional[aiohttp.ClientSession] = None
+
+    async def __aenter__(self) -> "SGLangClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def _sess(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=self.concurrency + 16))
+            self._sem = asyncio.Semaphore(self.concurrency)
+        return self._session
+
+    async def request(self, method: str, route: str, payload: Any = None, *,
+                      timeout_s: Optional[float] = None, retry: bool = True,
+                      expect_json: bool = True) -> Any:
+        """One HTTP call with retries; returns parsed JSON (or text), raises ``EngineError``."""
+        url = self.base_url + route
+        timeout = aiohttp.ClientTimeout(total=timeout_s or self.control_timeout_s)
+        attempts = (self.max_retries if retry else 0) + 1
+        last = ""
+        for attempt in range(attempts):
+            if attempt:
+                await asyncio.sleep(self.backoff_s * (2 ** (attempt - 1)) * (0.5 + random.random()))
+            try:
+                async with self._sess().request(method, url, json=payload, timeout=timeout) as r:
+                    text = await r.text()
+                    if r.status in _RETRY_STATUS:
+                        last = f"HTTP {r.status}: {text[:300]}"
+                        continue
+                    if r.status >= 400:
+                        raise EngineError(self.base_url, route, text[:2000], r.status)
+                    if not expect_json:
+                        return text
+                    if not text:
+                        return None
+                    try:
+                        return await r.json(content_type=None)
+                    except ValueError:
+                        return text
+            except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as e:
+                last = f"{type(e).__name__}: {e}"
+            except asyncio.TimeoutError:
+                last = f"timed out after {timeout.total:.0f}s"
+        raise EngineError(self.base_url, route, f"failed after {attempts} attempt(s): {last}")
+
+    # ------------------------------------------------------------------ generation
+    async def generate(self, input_ids: Sequence[int], sampling_params: dict, return_logprob: bool = True,
+                       *, rid: Optional[str] = None) -> GenerateOutput:
+        """POST /generate for one prompt. ``rid`` lets ``abort(rid)`` stop it later."""
+        rid = rid or uuid.uuid4().hex
+        payload = {"input_ids": [int(t) for t in input_ids], "sampling_params": dict(sampling_params),
+                   "return_logprob": bool(return_logprob), "rid": rid}
+        self._sess()
+        async with self._sem:
+            try:
+                # A generate that timed out is not retried: the engine may still be running it.
+                out = await self._generate_with_retry(payload)
+            except asyncio.CancelledError:
+                await self._abort_quietly(rid)
+                raise
+            except EngineError as e:
+                if "timed out" in str(e):
+                    await self._abort_quietly(rid)
+                raise
+        return GenerateOutput.from_json(out)
+
+    async def _generate_with_retry(self, payload: dict) -> dict:
+        timeout = aiohttp.ClientTimeout(total=self.timeout_s)
+        url, last = self.base_url + "/generate", ""
+        for attempt in range(self.max_retries + 1):
+            if attempt:
+                await asyncio.sleep(self.backoff_s * (2 ** (attempt - 1)) * (0.5 + random.random()))
+            try:
+                async with self._sess().post(url, json=payload, timeout=timeout) as r:
+                    text = await r.text()
+                    if r.status in _RETRY_STATUS:
+                        last = f"HTTP {r.status}: {text[:300]}"
+                        continue
+                    if r.status >= 400:
+                        raise EngineError(self.base_url, "/generate", text[:2000], r.status)
+                    return await r.json(content_type=None)
+            except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as e:
+                last = f"{type(e).__name__}: {e}"
+            except asyncio.TimeoutError:
+                raise EngineError(self.base_url, "/generate", f"timed out after {self.timeout_s:.0f}s") from None
+        raise EngineError(self.base_url, "/generate", f"failed after {self.max_retries + 1} attempt(s): {last}")
+
+    async def generate_many(self, prompts: Sequence[Sequence[int]], sampling_params: dict,
+                            return_logprob: bool = True) -> list[GenerateOutput]:
+        """Concurrent ``generate`` (bounded by ``concurrency``), results in prompt order."""
+        return list(await asyncio.gather(*(self.generate(p, sampling_params, return_logprob)
+                                           for p in prompts)))
+
+    async def abort(self, rid: Optional[str] = None, *, abort_all: bool = False) -> None:
+        """POST /abort_request (engines only; sglang-router 0.3.2 does not forward it)."""
+        await self.request("POST", "/abort_request", {"rid": rid or "", "abort_all": abort_all})
+
+    async def _abort_quietly(self, rid: str) -> None:
+        try:
+            await asyncio.shield(self.request("POST", "/abort_request", {"rid": rid}, timeout_s=5, retry=False))
+        except (EngineError, asyncio.CancelledError):
+            pass
+
+    # ------------------------------------------------------------------ info
+    async def health(self, timeout_s: float = 5.0) -> bool:
+        """GET /health -> True on 200 (no retries)."""
+        try:
+            await self.request("GET", "/health", timeout_s=timeout_s, retry=False, expect_json=False)
+            return True
+        except EngineError:
+            return False
+
+    async def health_generate(self, timeout_s: float = 30.0) -> bool:
+        try:
+            await self.request("GET", "/health_generate", timeout_s=timeout_s, retry=False, expect_json=False)
+            return True
+        except EngineError:
+            return False
+
+    async def get_model_info(self) -> dict:
+        return await self.request("GET", "/get_model_info")
+
+    async def get_server_info(self) -> dict:
+        """GET /get_server_info (newer SGLang also serves /server_info)."""
+        try:
+            return await self.request("GET", "/get_server_info")
+        except EngineError as e:
+            if e.status != 404:
+                raise
+            return await self.request("GET", "/server_info")
+
+    async def get_weight_version(self) -> str:
+        return str((await self.request("GET", "/get_weight_version"))["weight_version"])
+
+    # ------------------------------------------------------------------ control
+    async def pause_generation(self, mode: str = "in_place") -> dict:
+        """Pause; ``in_place`` keeps in-flight requests with their KV cache (SGLang >= 0.5.6)."""
+        if mode not in ("abort", "retract", "in_place"):
+            raise ValueError(f"pause mode {mode!r}: use 'in_place', 'retract' or 'abort'")
+        return await self.request("POST", "/pause_generation", {"mode": mode})
+
+    async def continue_generation(self) -> dict:
+        return await self.request("POST", "/continue_generation", {})
+
+    async def flush_cache(self) -> bool:
+        """True when flushed; False when the engine refused (requests still running)."""
+        try:
+            await self.request("POST", "/flush_cache", timeout_s=self.control_timeout_s, retry=False,
+                               expect_json=False)
+            return True
+        except EngineError as e:
+            if e.status == 400:
+                return False
+            raise
+
+    async def update_weights_from_disk(self, model_path: str, *, weight_version: Optional[str] = None,
+                                       load_format: Optional[str] = None, abort_all_requests: bool = False,
+                                       timeout_s: Optional[float] = None) -> dict:
+        payload = {"model_path": model_path, "load_format": load_format,
+                   "abort_all_requests": abort_all_requests, "weight_version": weight_version}
+        return _checked(self, "/update_weights_from_disk", await self.request(
+            "POST", "/update_weights_from_disk", payload, timeout_s=timeout_s, retry=False))
+
+    async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
+                                        world_size: int, *, group_name: str = "weight_update_group",
+                                        backend: str = "nccl", timeout_s: Optional[float] = None) -> dict:
+        payload = {"master_address": master_address, "master_port": int(master_port),
+                   "rank_offset": int(rank_offset), "world_size": int(world_size),
+                   "group_name": group_name, "backend": backend}
+        return _checked(self, "/init_weights_update_group", await self.request(
+            "POST", "/init_weights_update_group", payload, timeout_s=timeout_s, retry=False))
+
+    async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                              *, group_name: str = "weight_update_group",
+                                              weight_version: Optional[str] = None, flush_cache: bool = True,
+                                              load_format: Optional[str] = None,
+                                              abort_all_requests: bool = False,
+                                              timeout_s: Optional[float] = None) -> dict:
+        payload = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
+                   "flush_cache": flush_cache, "abort_all_requests": abort_all_requests,
+                   "weight_version": weight_version, "load_format": load_format}
+        return _checked(self, "/update_weights_from_distributed", await self.request(
+            "POST", "/update_weights_from_distributed", payload, timeout_s=timeout_s, retry=False))
+
+    async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict:
+        return await self.request("POST", "/destroy_weights_update_group", {"group_name": group_name},
+                                  retry=False)
+
+    async def update_weight_version(self, new_version: str, abort_all_requests: bool = False) -> dict:
+        return await self.request("POST", "/update_weight_version",
+                                  {"new_version": str(new_version), "abort_all_requests": abort_all_requests})
+
+
+def _checked(c: SGLangClient, route: str, out: Any) -> dict:
+    if not isinstance(out, dict) or not out.get("success", False):
+        raise EngineError(c.base_url, route, f"engine reported failure: {out}")
+    return out

@@ -1,0 +1,368 @@
+"""The rollout engine fleet: launch, health, sglang-router registration, restart and refit.
+
+    fleet = EngineFleet(cfg.rollout, model_path, run_dir="runs/x", refit_fn=push_current_weights)
+    fleet.start()            # engines healthy, router up, workers registered
+    client = SGLangClient(fleet.url)
+    ...
+    fleet.check_and_restart()  # dead engine -> relaunch -> refit_fn(url) -> register again
+    fleet.stop()
+
+Engines come from a ``Launcher`` (``LocalLauncher``: subprocesses; a Ray launcher can implement
+the same two-method protocol) or, with ``rollout.launcher == "external"``, from
+``rollout.external_addrs`` (validated at start-up: health, model info, server info; each
+problem is reported with the address). ``rollout.engine == "sglang"`` launches
+``python -m sglang.launch_server``; ``"cpu_worker"`` launches ``megatron_m2po.rollout.cpu_worker``.
+Each engine logs to ``<run_dir>/engines/engine_<i>.log``; a failed start raises with the
+log's last lines. The router (sglang-router 0.3.2) is started with no workers and workers are
+added with ``POST /workers``; a restarted engine is removed from the router first and added back
+only after ``refit_fn`` pushed the current weights, so it never serves stale weights.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional, Protocol
+
+import aiohttp
+
+from megatron_m2po.config import RolloutConfig
+from megatron_m2po.rollout.client import EngineError, SGLangClient
+from megatron_m2po.utils.dist_testing import free_port
+
+log = logging.getLogger("m2po.engines")
+
+
+class FleetError(RuntimeError):
+    """An engine or the router could not be started, reached or validated."""
+
+
+@dataclass
+class EngineSpec:
+    """What a launcher needs to start one engine."""
+
+    index: int
+    host: str
+    port: int
+    cmd: list[str]
+    env: dict[str, str]
+    log_path: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+class EngineHandle(Protocol):
+    url: str
+    log_path: Optional[Path]
+
+    def alive(self) -> bool: ...
+    def stop(self, timeout_s: float = 10.0) -> None: ...
+
+
+class Launcher(Protocol):
+    def launch(self, spec: EngineSpec) -> EngineHandle: ...
+
+
+@dataclass
+class LocalHandle:
+    url: str
+    log_path: Optional[Path]
+    proc: Optional[subprocess.Popen] = None
+
+    def alive(self) -> bool:
+        return self.proc is None or self.proc.poll() is None
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout_s)
+
+
+class LocalLauncher:
+    """Engines as child processes in their own session (so a kill takes the whole tree)."""
+
+    def launch(self, spec: EngineSpec) -> LocalHandle:
+        spec.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(spec.log_path, "ab") as logf:
+            logf.write(f"\n=== launch {' '.join(spec.cmd)}\n".encode())
+            logf.flush()
+            proc = subprocess.Popen(spec.cmd, env={**os.environ, **spec.env}, stdout=logf,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
+        return LocalHandle(url=spec.url, log_path=spec.log_path, proc=proc)
+
+
+def tail(path: Optional[Path], n: int = 30) -> str:
+    if path is None or not Path(path).exists():
+        return "(no log)"
+    lines = Path(path).read_text(errors="replace").splitlines()
+    return "\n".join(lines[-n:])
+
+
+def _run(coro):
+    return asyncio.run(coro)
+
+
+async def _get_json(url: str, timeout_s: float = 5.0):
+    async with aiohttp.ClientSession() as s:
+        async with s.get(url, timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
+            if r.status != 200:
+                raise EngineError(url, "", await r.text(), r.status)
+            return await r.json(content_type=None)
+
+
+async def _probe(url: str, timeout_s: float = 5.0) -> bool:
+    async with SGLangClient(url, max_retries=0) as c:
+        return await c.health(timeout_s)
+
+
+@dataclass
+class _Engine:
+    index: int
+    url: str
+    handle: Optional[EngineHandle]
+    spec: Optional[EngineSpec] = None
+    restarts: int = 0
+    router_id: Optional[str] = None
+
+
+@dataclass
+class EngineFleet:
+    """N engines (launched or external) and optionally sglang-router in front.
+
+    ``refit_fn(url)`` is called for a restarted engine before it is registered with the router
+    again (push the current weights; e.g. ``DiskWeightSync.push(dir, version, engine_urls=[url])``).
+    ``trainer_gpus``: GPUs used by the trainer on this node; engine GPUs follow them when
+    ``rollout.engine_gpu_ids`` is empty.
+    """
+
+    cfg: RolloutConfig
+    model_path: str
+    run_dir: str = "runs/default"
+    launcher: Optional[Launcher] = None
+    refit_fn: Optional[Callable[[str], None]] = None
+    startup_timeout_s: float = 900.0
+    trainer_gpus: int = 0
+    weight_version: str = "0"
+    extra_engine_args: list[str] = field(default_factory=list)
+    engines: list[_Engine] = field(default_factory=list, init=False)
+    router_url: Optional[str] = field(default=None, init=False)
+    _router: Optional[LocalHandle] = field(default=None, init=False)
+
+    # ------------------------------------------------------------------ public
+    @property
+    def engine_urls(self) -> list[str]:
+        return [e.url for e in self.engines]
+
+    @property
+    def url(self) -> str:
+        """The router when one is used, else the single engine."""
+        if self.router_url:
+            return self.router_url
+        if len(self.engines) != 1:
+            raise FleetError(f"{len(self.engines)} engines and no router: set rollout.use_router=true "
+                             "or talk to fleet.engine_urls directly")
+        return self.engines[0].url
+
+    def start(self) -> "EngineFleet":
+        cfg = self.cfg
+        if cfg.launcher == "external":
+            if not cfg.external_addrs:
+                raise FleetError("rollout.launcher=external needs rollout.external_addrs (http://host:port)")
+            self.engines = [_Engine(i, a.rstrip("/"), None) for i, a in enumerate(cfg.external_addrs)]
+            self._validate_external()
+        else:
+            if cfg.num_engines < 1:
+                raise FleetError(f"rollout.num_engines={cfg.num_engines}: launch at least one engine")
+            self.launcher = self.launcher or self._default_launcher()
+            try:
+                for i in range(cfg.num_engines):
+                    spec = self._spec(i, self._engine_port(i))
+                    self.engines.append(_Engine(i, spec.url, self.launcher.launch(spec), spec))
+                for e in self.engines:
+                    self._wait_healthy(e)
+            except BaseException:
+                self.stop()
+                raise
+        if cfg.use_router:
+            try:
+                self._start_router()
+                for e in self.engines:
+                    self._register(e)
+            except BaseException:
+                self.stop()
+                raise
+        return self
+
+    def check_and_restart(self) -> list[str]:
+        """Probe every engine; relaunch, refit and re-register dead ones. Returns their URLs."""
+        restarted = []
+        for e in self.engines:
+            alive = e.handle.alive() if e.handle is not None else True
+            if alive and _run(_probe(e.url, 5.0)):
+                continue
+            if e.handle is None or e.spec is None:
+                raise FleetError(f"external engine {e.url} is not healthy; restart it and call again")
+            log.warning("engine %d at %s is dead (process alive=%s); restarting", e.index, e.url, alive)
+            if self.router_url and e.router_id:
+                self._unregister(e)
+            e.handle.stop()
+            e.handle = self.launcher.launch(e.spec)
+            e.restarts += 1
+            self._wait_healthy(e)
+            if self.refit_fn is not None:
+                self.refit_fn(e.url)
+            if self.router_url:
+                self._register(e)
+            restarted.append(e.url)
+        return restarted
+
+    def stop(self) -> None:
+        if self._router is not None:
+            self._router.stop()
+            self._router = None
+        for e in self.engines:
+            if e.handle is not None:
+                e.handle.stop()
+
+    def __enter__(self) -> "EngineFleet":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # ------------------------------------------------------------------ launch
+    def _default_launcher(self) -> Launcher:
+        if self.cfg.launcher == "ray":
+            raise FleetError("rollout.launcher=ray: no Ray launcher yet; use 'local' or 'external', "
+                             "or pass EngineFleet(launcher=...) implementing launch(spec)")
+        return LocalLauncher()
+
+    def _engine_port(self, i: int) -> int:
+        return free_port(self.cfg.host) if self.cfg.base_port == 0 else self.cfg.base_port + i
+
+    def _spec(self, i: int, port: int) -> EngineSpec:
+        cfg = self.cfg
+        logp = Path(self.run_dir) / "engines" / f"engine_{i}.log"
+        if cfg.engine == "cpu_worker":
+            cmd = [sys.executable, "-m", "megatron_m2po.rollout.cpu_worker", "--model-path", self.model_path,
+                   "--host", cfg.host, "--port", str(port), "--weight-version", self.weight_version,
+                   "--max-running-requests", str(cfg.concurrency),
+                   "--dist-timeout-s", str(cfg.weight_sync_timeout_s)]
+            env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+        else:
+            cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", self.model_path,
+                   "--tp-size", str(cfg.engine_tp), "--mem-fraction-static", str(cfg.engine_mem_fraction),
+                   "--host", cfg.host, "--port", str(port), "--weight-version", self.weight_version]
+            gpus = (cfg.engine_gpu_ids[i * cfg.engine_tp:(i + 1) * cfg.engine_tp] if cfg.engine_gpu_ids
+                    else list(range(self.trainer_gpus + i * cfg.engine_tp, self.trainer_gpus + (i + 1) * cfg.engine_tp)))
+            if len(gpus) != cfg.engine_tp:
+                raise FleetError(f"engine {i}: rollout.engine_gpu_ids={cfg.engine_gpu_ids} has no "
+                                 f"{cfg.engine_tp} GPUs for it (num_engines={cfg.num_engines})")
+            env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus))}
+        return EngineSpec(i, cfg.host, port, cmd + list(self.extra_engine_args), env, logp)
+
+    def _wait_healthy(self, e: _Engine, what: str = "engine") -> None:
+        deadline = time.monotonic() + self.startup_timeout_s
+        while time.monotonic() < deadline:
+            if e.handle is not None and not e.handle.alive():
+                raise FleetError(f"{what} {e.index} ({e.url}) exited during start-up. Last log lines "
+                                 f"({e.handle.log_path}):\n{tail(e.handle.log_path)}")
+            if _run(_probe(e.url, 2.0)):
+                return
+            time.sleep(0.25)
+        raise FleetError(f"{what} {e.index} ({e.url}) not healthy after {self.startup_timeout_s:.0f}s. "
+                         f"Last log lines:\n{tail(e.handle.log_path if e.handle else None)}")
+
+    def _validate_external(self) -> None:
+        problems = []
+        for e in self.engines:
+            if not e.url.startswith(("http://", "https://")):
+                problems.append(f"{e.url}: not an http(s):// address")
+                continue
+            try:
+                if not _run(_probe(e.url, 5.0)):
+                    problems.append(f"{e.url}: /health is not 200 (down or still loading?)")
+                    continue
+                info = _run(_get_json(e.url + "/get_model_info"))
+                if not info.get("is_generation", True):
+                    problems.append(f"{e.url}: serves a non-generation model ({info.get('model_path')})")
+                _run(_get_json(e.url + "/get_server_info"))
+            except (aiohttp.ClientError, EngineError, asyncio.TimeoutError, ValueError) as ex:
+                problems.append(f"{e.url}: {type(ex).__name__}: {ex}")
+        if problems:
+            raise FleetError("external engines failed validation:\n  " + "\n  ".join(problems))
+
+    # ------------------------------------------------------------------ router
+    def _start_router(self) -> None:
+        cfg = self.cfg
+        if cfg.router_addr:
+            self.router_url = cfg.router_addr.rstrip("/")
+            try:
+                _run(_get_json(self.router_url + "/workers"))
+            except (aiohttp.ClientError, EngineError, asyncio.TimeoutError) as ex:
+                raise FleetError(f"rollout.router_addr={cfg.router_addr}: not a reachable sglang-router "
+                                 f"(GET /workers failed: {ex})") from None
+            return
+        port = free_port(cfg.host) if cfg.base_port == 0 else cfg.base_port - 1
+        logp = Path(self.run_dir) / "engines" / "router.log"
+        cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", cfg.host, "--port", str(port),
+               "--policy", "cache_aware", "--prometheus-host", cfg.host,
+               "--prometheus-port", str(free_port(cfg.host)), "--log-level", "warn",
+               "--request-timeout-secs", str(int(cfg.request_timeout_s))]
+        spec = EngineSpec(-1, cfg.host, port, cmd, {}, logp)
+        self._router = LocalLauncher().launch(spec)
+        self.router_url = spec.url
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if not self._router.alive():
+                raise FleetError(f"sglang-router exited at start-up. Last log lines:\n{tail(logp)}")
+            try:
+                _run(_get_json(self.router_url + "/workers", 2.0))
+                return
+            except (aiohttp.ClientError, EngineError, asyncio.TimeoutError):
+                time.sleep(0.25)
+        raise FleetError(f"sglang-router at {self.router_url} not up after 60s:\n{tail(logp)}")
+
+    def _router_workers(self) -> list[dict]:
+        return _run(_get_json(self.router_url + "/workers")).get("workers", [])
+
+    def _register(self, e: _Engine, timeout_s: float = 60.0) -> None:
+        async def post():
+            async with SGLangClient(self.router_url, max_retries=2) as c:
+                return await c.request("POST", "/workers", {"url": e.url})
+        out = _run(post())
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for w in self._router_workers():
+                if w.get("url", "").rstrip("/") == e.url and w.get("is_healthy", False):
+                    e.router_id = w.get("id") or (out or {}).get("worker_id")
+                    return
+            time.sleep(0.2)
+        raise FleetError(f"sglang-router did not activate worker {e.url} within {timeout_s:.0f}s "
+                         f"(POST /workers answered {out}); router log:\n{tail(Path(self.run_dir) / 'engines' / 'router.log')}")
+
+    def _unregister(self, e: _Engine, timeout_s: float = 30.0) -> None:
+        async def delete():
+            async with SGLangClient(self.router_url, max_retries=2) as c:
+                return await c.request("DELETE", f"/workers/{e.router_id}")
+        _run(delete())
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if all(w.get("id") != e.router_id for w in self._router_workers()):
+                e.router_id = None
+                return
+            time.sleep(0.2)
+        raise FleetError(f"sglang-router did not remove worker {e.url} within {timeout_s:.0f}s")

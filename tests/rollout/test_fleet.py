@@ -1,0 +1,333 @@
+"""The real sglang-router in front of two CPU workers: generation, log-probs, control, weight sync,
+restart. One fleet for the module (tests run in file order and share weight versions)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import torch
+
+from megatron_m2po.actor.weight_sync import DiskWeightSync, DistributedWeightSync, WeightSyncError
+from megatron_m2po.config import RolloutConfig
+from megatron_m2po.rollout.client import EngineError, SGLangClient
+from megatron_m2po.rollout.engines import EngineFleet
+from rollout_testlib import hf_logprobs
+
+PROMPTS = [[2, 3, 4, 5, 6, 7, 8], [9, 10], [11, 12, 13, 14, 15], [20], [30, 31, 32, 33, 34, 35, 36, 37, 38]]
+
+
+class State:
+    """The weights the engines should hold now (the test's own HF model)."""
+
+    def __init__(self, model_dir: str) -> None:
+        from transformers import AutoModelForCausalLM
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        self.version = 0
+        self.refits: list[str] = []
+
+    def perturbed(self, seed: int) -> list[tuple[str, torch.Tensor]]:
+        g = torch.Generator().manual_seed(seed)
+        return [(n, p.detach() + 0.1 * torch.randn(p.shape, generator=g)) for n, p in self.model.named_parameters()]
+
+    def accept(self, named: list[tuple[str, torch.Tensor]], version: int) -> None:
+        sd = dict(named)
+        self.model.load_state_dict(sd, strict=True)
+        self.version = version
+
+
+@pytest.fixture(scope="module")
+def env(tiny_model_dir, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("fleet_run")
+    state = State(tiny_model_dir)
+    cfg = RolloutConfig(engine="cpu_worker", launcher="local", num_engines=2, base_port=0,
+                        use_router=True, concurrency=16, weight_sync_timeout_s=30.0)
+    holder = {}
+
+    def refit(url: str) -> None:  # push the current weights to a restarted engine
+        state.refits.append(url)
+        holder["disk"].push(holder["disk"].latest_dir, state.version, engine_urls=[url])
+
+    fleet = EngineFleet(cfg, tiny_model_dir, run_dir=str(run_dir), refit_fn=refit, startup_timeout_s=120)
+    fleet.start()
+    holder["disk"] = DiskWeightSync(fleet.engine_urls, str(run_dir / "weights"), base_model_dir=tiny_model_dir,
+                                    timeout_s=30)
+    holder["dist"] = DistributedWeightSync(fleet.engine_urls, backend="gloo", bucket_mb=0.01, timeout_s=20)
+    try:
+        yield fleet, state, holder
+    finally:
+        holder["dist"].close()
+        holder["disk"].close()
+        fleet.stop()
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def call(url: str, method: str, *args):
+    """One client call on a fresh client that is closed afterwards."""
+    async def go():
+        async with SGLangClient(url) as c:
+            return await getattr(c, method)(*args)
+    return asyncio.run(go())
+
+
+async def _gen_all(url, prompts, params, concurrency=16):
+    async with SGLangClient(url, concurrency=concurrency, timeout_s=60) as c:
+        return await c.generate_many(prompts, params)
+
+
+def check_logprobs(state, prompts, outs, temperature):
+    for p, o in zip(prompts, outs):
+        assert len(o.output_ids) == len(o.output_logprobs) > 0
+        ref = hf_logprobs(state.model, p, o.output_ids, temperature)
+        torch.testing.assert_close(torch.tensor(o.output_logprobs), ref, atol=1e-5, rtol=0)
+
+
+def test_router_lists_both_workers_healthy(env):
+    fleet, _, _ = env
+    workers = call(fleet.url, "request", "GET", "/workers")["workers"]
+    assert sorted(w["url"] for w in workers) == sorted(fleet.engine_urls)
+    assert all(w["is_healthy"] for w in workers)
+    info = call(fleet.url, "get_model_info")  # forwarded to a worker
+    assert info["is_generation"] and info["weight_version"] == "0"
+
+
+@pytest.mark.parametrize("params", [{"temperature": 1.0}, {"temperature": 0.7},
+                                    {"temperature": 1.3, "top_p": 0.8}, {"temperature": 0.0}])
+def test_logprobs_equal_hf_forward_through_router(env, params):
+    fleet, state, _ = env
+    prompts = PROMPTS * 4  # 20 concurrent requests: batched prefill + decode with left padding
+    outs = run(_gen_all(fleet.url, prompts, {**params, "max_new_tokens": 24, "ignore_eos": True}))
+    check_logprobs(state, prompts, outs, params["temperature"])
+    assert all(o.finish_reason == {"type": "length", "length": 24} for o in outs)
+    assert all(o.weight_version == "0" and o.token_weight_versions == ["0"] * 24 for o in outs)
+    if params["temperature"] == 0.0:  # greedy = argmax of the reference logits, same for repeats
+        assert outs[0].output_ids == outs[5].output_ids
+
+
+def test_top_p_restricts_support(env):
+    fleet, state, _ = env
+    outs = run(_gen_all(fleet.url, [PROMPTS[0]] * 8, {"temperature": 1.0, "top_p": 0.3, "max_new_tokens": 16,
+                                                      "ignore_eos": True}))
+    for o in outs:  # every sampled token lies in the nucleus of its step
+        ids = torch.tensor([PROMPTS[0] + o.output_ids])
+        with torch.no_grad():
+            probs = torch.softmax(state.model(ids).logits[0, len(PROMPTS[0]) - 1:-1], -1)
+        for step, tok in enumerate(o.output_ids):
+            p_sorted, idx = probs[step].sort(descending=True)
+            nucleus = idx[(p_sorted.cumsum(0) - p_sorted) <= 0.3 + 1e-6].tolist()
+            assert tok in nucleus
+
+
+def test_stop_token_ids_and_eos(env):
+    fleet, state, _ = env
+    url = fleet.engine_urls[0]
+    greedy = run(_gen_all(url, [PROMPTS[0]], {"temperature": 0.0, "max_new_tokens": 12, "ignore_eos": True}))[0]
+    stop = greedy.output_ids[3]
+    first = greedy.output_ids.index(stop)
+    out = run(_gen_all(url, [PROMPTS[0]], {"temperature": 0.0, "max_new_tokens": 12, "ignore_eos": True,
+                                           "stop_token_ids": [stop]}))[0]
+    assert out.output_ids == greedy.output_ids[:first + 1]  # the matched stop token is included
+    assert out.finish_reason == {"type": "stop", "matched": stop}
+    # EOS (id 1) ends sampling unless ignore_eos
+    outs = run(_gen_all(url, PROMPTS * 4, {"temperature": 1.5, "max_new_tokens": 64}))
+    for o in outs:
+        if o.finish_type == "stop":
+            assert o.output_ids[-1] == 1 and 1 not in o.output_ids[:-1]
+        else:
+            assert o.finish_reason == {"type": "length", "length": 64} and 1 not in o.output_ids
+
+
+def test_bad_request_is_not_retried(env):
+    fleet, _, _ = env
+    with pytest.raises(EngineError) as e:
+        run(_gen_all(fleet.engine_urls[0], [[1, 2, 999]], {"max_new_tokens": 2}))
+    assert e.value.status == 400 and "outside" in str(e.value)
+    with pytest.raises(EngineError, match="presence_penalty"):
+        run(_gen_all(fleet.engine_urls[0], [[1, 2]], {"presence_penalty": 0.5}))
+
+
+def test_pause_in_place_keeps_inflight_requests(env):
+    fleet, state, _ = env
+    url = fleet.engine_urls[1]
+
+    async def scenario():
+        async with SGLangClient(url, timeout_s=60) as c:
+            task = asyncio.ensure_future(c.generate_many(PROMPTS, {"temperature": 1.0, "max_new_tokens": 400,
+                                                                  "ignore_eos": True}))
+            await asyncio.sleep(0.3)
+            await c.pause_generation("in_place")
+            await asyncio.sleep(0.8)
+            assert not task.done()
+            assert not await c.flush_cache()  # requests are still in the engine
+            await c.continue_generation()
+            return await task
+
+    outs = run(scenario())
+    assert all(o.finish_reason == {"type": "length", "length": 400} for o in outs)
+    check_logprobs(state, PROMPTS, outs, 1.0)
+
+
+def test_abort_returns_partial_output(env):
+    fleet, state, _ = env
+    url = fleet.engine_urls[0]
+
+    async def scenario():
+        async with SGLangClient(url, timeout_s=60) as c:
+            await c.pause_generation("in_place")
+            task = asyncio.ensure_future(c.generate(PROMPTS[0], {"max_new_tokens": 400, "ignore_eos": True},
+                                                    rid="to-abort"))
+            other = asyncio.ensure_future(c.generate(PROMPTS[1], {"max_new_tokens": 5, "ignore_eos": True}))
+            await asyncio.sleep(0.3)
+            await c.abort("to-abort")
+            out = await asyncio.wait_for(task, 10)  # aborted while paused: comes back at once
+            await c.continue_generation()
+            return out, await other
+
+    out, other = run(scenario())
+    assert out.aborted and out.rid == "to-abort" and out.output_ids == []
+    assert other.finish_reason == {"type": "length", "length": 5}
+    # pause(mode=abort) -- SGLang's default -- returns in-flight requests as aborted, with log-probs
+    async def abort_mode():
+        async with SGLangClient(url, timeout_s=60) as c:
+            task = asyncio.ensure_future(c.generate(PROMPTS[2], {"max_new_tokens": 450, "ignore_eos": True}))
+            await asyncio.sleep(0.5)
+            await c.pause_generation("abort")
+            out = await asyncio.wait_for(task, 10)
+            await c.continue_generation()
+            return out
+    out = run(abort_mode())
+    assert out.aborted and 0 < len(out.output_ids) < 450
+    check_logprobs(state, [PROMPTS[2]], [out], 1.0)
+
+
+def test_generate_timeout_aborts_on_engine(env):
+    fleet, _, _ = env
+    url = fleet.engine_urls[0]
+
+    async def scenario():
+        async with SGLangClient(url, timeout_s=0.5, max_retries=3) as c:
+            await c.pause_generation("in_place")
+            t0 = time.monotonic()
+            try:
+                with pytest.raises(EngineError, match="timed out"):
+                    await c.generate(PROMPTS[0], {"max_new_tokens": 10})
+                elapsed = time.monotonic() - t0
+                await asyncio.sleep(0.2)
+                flushed = await c.flush_cache()  # the timed-out request was aborted: engine idle
+            finally:
+                await c.continue_generation()
+            return elapsed, flushed
+
+    elapsed, flushed = run(scenario())
+    assert elapsed < 3.0  # not retried after a timeout
+    assert flushed
+
+
+def test_connection_errors_retry_with_backoff():
+    from megatron_m2po.utils.dist_testing import free_port
+    url = f"http://127.0.0.1:{free_port()}"
+
+    async def scenario():
+        async with SGLangClient(url, max_retries=2, backoff_s=0.2) as c:
+            t0 = time.monotonic()
+            with pytest.raises(EngineError, match="3 attempt"):
+                await c.generate([1, 2], {"max_new_tokens": 1})
+            return time.monotonic() - t0, await c.health()
+    elapsed, healthy = run(scenario())
+    assert elapsed >= 0.2 * (0.5 + 1.0) and not healthy  # two backoff sleeps (>= 0.1 + 0.2 s)
+
+
+def test_disk_weight_sync_changes_outputs_and_version(env):
+    fleet, state, holder = env
+    before = run(_gen_all(fleet.url, PROMPTS, {"temperature": 0.0, "max_new_tokens": 16, "ignore_eos": True}))
+    new = state.perturbed(seed=1)
+    stats = holder["disk"].push(iter(new), version=1)
+    state.accept(new, 1)
+    assert stats.version == 1 and stats.engines == 2 and stats.bytes == sum(t.numel() * 4 for _, t in new)
+    for u in fleet.engine_urls:
+        assert call(u, "get_weight_version") == "1"
+    after = run(_gen_all(fleet.url, PROMPTS * 2, {"temperature": 0.9, "max_new_tokens": 16, "ignore_eos": True}))
+    check_logprobs(state, PROMPTS * 2, after, 0.9)
+    assert all(o.weight_version == "1" for o in after)
+    greedy = run(_gen_all(fleet.url, PROMPTS, {"temperature": 0.0, "max_new_tokens": 16, "ignore_eos": True}))
+    assert [o.output_ids for o in greedy] != [o.output_ids for o in before]
+
+
+def test_distributed_weight_sync_changes_outputs_and_version(env):
+    fleet, state, holder = env
+    new = state.perturbed(seed=2)
+    stats = holder["dist"].push(iter(new), version=2)  # 0.01 MB buckets: many broadcasts
+    state.accept(new, 2)
+    assert stats.n_tensors == len(new) and stats.version == 2
+    outs = run(_gen_all(fleet.url, PROMPTS * 2, {"temperature": 1.0, "max_new_tokens": 16, "ignore_eos": True}))
+    check_logprobs(state, PROMPTS * 2, outs, 1.0)
+    assert all(o.weight_version == "2" for o in outs)
+    # a second push reuses the group
+    new = state.perturbed(seed=3)
+    holder["dist"].push(iter(new), version=3)
+    state.accept(new, 3)
+    outs = run(_gen_all(fleet.url, PROMPTS, {"temperature": 0.5, "max_new_tokens": 8, "ignore_eos": True}))
+    check_logprobs(state, PROMPTS, outs, 0.5)
+    assert {call(u, "get_weight_version") for u in fleet.engine_urls} == {"3"}
+
+
+def test_update_spanning_inflight_request_tags_each_token(env):
+    fleet, state, holder = env
+    url = fleet.engine_urls[0]
+    new = state.perturbed(seed=4)
+
+    async def start():
+        c = SGLangClient(url, timeout_s=60)
+        task = asyncio.ensure_future(c.generate(PROMPTS[0], {"max_new_tokens": 900, "ignore_eos": True}))
+        await asyncio.sleep(0.3)
+        return c, task
+
+    loop = asyncio.new_event_loop()
+    try:
+        c, task = loop.run_until_complete(start())
+        holder["disk"].push(iter(new), version=4, engine_urls=[url])  # pauses in place, updates, continues
+        out = loop.run_until_complete(task)
+        loop.run_until_complete(c.close())
+    finally:
+        loop.close()
+    holder["disk"].push(iter(new), version=4)  # bring the other engine along
+    state.accept(new, 4)
+    v = out.token_weight_versions
+    assert out.finish_type == "length" and v[0] in ("3", "4") and v[-1] == "4" and v == sorted(v)
+    assert out.weight_version == "4"
+
+
+def test_killed_worker_is_restarted_refit_and_reregistered(env):
+    fleet, state, holder = env
+    victim = fleet.engines[0]
+    victim.handle.proc.kill()
+    victim.handle.proc.wait(10)
+    restarted = fleet.check_and_restart()
+    assert restarted == [victim.url] and state.refits == [victim.url] and victim.restarts == 1
+    assert call(victim.url, "get_weight_version") == "4"  # refit before registration
+    workers = call(fleet.url, "request", "GET", "/workers")["workers"]
+    assert sorted(w["url"] for w in workers) == sorted(fleet.engine_urls) and all(w["is_healthy"] for w in workers)
+    outs = run(_gen_all(victim.url, PROMPTS, {"temperature": 1.0, "max_new_tokens": 8}))
+    check_logprobs(state, PROMPTS, outs, 1.0)
+    outs = run(_gen_all(fleet.url, PROMPTS * 2, {"temperature": 1.0, "max_new_tokens": 8}))
+    check_logprobs(state, PROMPTS * 2, outs, 1.0)
+    assert fleet.check_and_restart() == []
+
+
+def test_dead_engine_fails_weight_sync_fast_and_by_name(env):
+    fleet, state, holder = env
+    victim = fleet.engines[1]
+    victim.handle.proc.kill()
+    victim.handle.proc.wait(10)
+    t0 = time.monotonic()
+    with pytest.raises(WeightSyncError, match=victim.url.replace(".", r"\.")):
+        holder["dist"].push(iter(state.perturbed(seed=5)), version=5)
+    assert time.monotonic() - t0 < 30
+    with pytest.raises(WeightSyncError, match=victim.url.replace(".", r"\.")):
+        holder["disk"].push(iter(state.perturbed(seed=5)), version=5)
+    assert fleet.check_and_restart() == [victim.url]
+    assert call(victim.url, "get_weight_version") == "4"
