@@ -157,7 +157,7 @@ class RolloutConfig:
     use_router: bool = _f(True, help="Put sglang-router in front of the engines.")
     router_addr: Optional[str] = _f(None, help="Attach to an existing router at this address instead of starting one.")
     host: str = _f("127.0.0.1", help="Bind address of locally launched engines and router.")
-    base_port: int = _f(30000, ge=1024, le=65000, help="First port for engines; the router takes base_port - 1. 0 = pick free ports.")
+    base_port: int = _f(30000, ge=0, le=65000, help="First port for engines; the router takes base_port - 1. 0 = pick free ports.")
     n_samples_per_prompt: int = _f(8, ge=1, help="Samples per prompt (GRPO group size).")
     max_new_tokens: int = _f(1024, ge=1, help="Maximum response length.")
     temperature: float = _f(1.0, gt=0.0, help="Sampling temperature (the trainer divides logits by it too).")

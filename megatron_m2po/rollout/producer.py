@@ -1,0 +1,139 @@
+"""Rollout producers: prompts in, scored and version-tagged prompt groups out.
+
+A producer is an ``async`` callable ``producer(ctx: ProducerContext, prompts: list[PromptItem])
+-> list[Group]``. The default one samples ``n`` responses per prompt from the engines (through
+sglang-router), keeps the engine's per-token sampling log-probs as behaviour log-probs, tags
+every token with the weight version that produced it, scores the responses with the reward
+function and returns one :class:`~megatron_m2po.store.types.Group` per prompt. Custom producers
+(tools, agents, multi-turn) are given as ``rollout.producer = "module:function"`` and checked
+at start-up by :func:`load_producer`.
+
+Version tags. The trainer passes the version the engines hold when the batch is submitted
+(``ctx.version``). When an engine reports a version per token we use it; when it reports only
+the version at the end of the request and that differs from ``ctx.version`` (the request
+spanned a weight update, possible only in async mode), every token is tagged with
+``ctx.version``: the oldest version it may come from, so the measured staleness is an upper
+bound and the ``max_staleness`` rule is never violated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import inspect
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable, Optional, Sequence
+
+import numpy as np
+
+from megatron_m2po.store.types import Group, Trajectory
+
+logger = logging.getLogger(__name__)
+
+Producer = Callable[["ProducerContext", list], Awaitable[list[Group]]]
+
+
+@dataclass
+class ProducerContext:
+    """What a producer gets from the trainer for one batch of prompts.
+
+    Attributes:
+        client: an SGLangClient pointed at the router (or a single engine).
+        tokenizer: HF tokenizer of the policy (decodes responses for the reward).
+        reward: object with ``score_batch(responses, answers) -> RewardResult``.
+        sampling_params: SGLang sampling params (temperature, top_p, max_new_tokens, stop ids).
+        n_samples: responses per prompt (the GRPO group size).
+        version: weight version the engines hold at submission.
+        group_prefix: group ids are ``f"{group_prefix}-g{position:05d}"`` (deterministic).
+        metadata: extra metadata copied into every trajectory (step, mode, ...).
+    """
+
+    client: Any
+    tokenizer: Any
+    reward: Any
+    sampling_params: dict
+    n_samples: int
+    version: int
+    group_prefix: str
+    metadata: dict = field(default_factory=dict)
+    max_attempts: int = 3
+
+
+def _token_versions(out: Any, version: int) -> np.ndarray:
+    n = len(out.output_ids)
+    if out.token_weight_versions is not None and len(out.token_weight_versions) == n:
+        return np.asarray([int(v) for v in out.token_weight_versions], dtype=np.int64)
+    return np.full(n, version, dtype=np.int64)
+
+
+async def _sample(ctx: ProducerContext, prompt_ids: Sequence[int]) -> Any:
+    """One response; an aborted one (engine restarted under it) is sampled again."""
+    for attempt in range(ctx.max_attempts):
+        out = await ctx.client.generate(prompt_ids, ctx.sampling_params, return_logprob=True)
+        if not out.aborted:
+            if out.output_logprobs is None or len(out.output_logprobs) != len(out.output_ids):
+                raise RuntimeError(f"engine returned {len(out.output_ids)} tokens but "
+                                   f"{None if out.output_logprobs is None else len(out.output_logprobs)} "
+                                   "log-probs; start it with return_logprob support")
+            return out
+        logger.warning("generation aborted by the engine (attempt %d/%d); sampling again", attempt + 1,
+                       ctx.max_attempts)
+    raise RuntimeError(f"generation was aborted {ctx.max_attempts} times in a row; check the engine logs")
+
+
+async def default_producer(ctx: ProducerContext, prompts: list) -> list[Group]:
+    """Sample ``ctx.n_samples`` responses per prompt, score them, return one group per prompt."""
+    jobs = [_sample(ctx, item.prompt_ids) for item in prompts for _ in range(ctx.n_samples)]
+    outs = await asyncio.gather(*jobs)
+    texts = [ctx.tokenizer.decode(o.output_ids, skip_special_tokens=True) for o in outs]
+    answers = [item.answer for item in prompts for _ in range(ctx.n_samples)]
+    # The reward pool blocks; keep the event loop free for other producers' requests.
+    result = await asyncio.get_running_loop().run_in_executor(None, ctx.reward.score_batch, texts, answers)
+    groups = []
+    for p, item in enumerate(prompts):
+        gid = f"{ctx.group_prefix}-g{p:05d}"
+        trajs = []
+        for j in range(ctx.n_samples):
+            i = p * ctx.n_samples + j
+            out = outs[i]
+            trajs.append(Trajectory(
+                uid=f"{gid}-{j}", group_id=gid, prompt_ids=np.asarray(item.prompt_ids),
+                response_ids=np.asarray(out.output_ids), behav_logprobs=np.asarray(out.output_logprobs),
+                versions=_token_versions(out, ctx.version), reward=float(result.scores[i]),
+                finish_reason=out.finish_type if out.finish_type in ("stop", "length", "abort") else "stop",
+                metadata={"prompt_index": int(item.index), "answer": item.answer, **ctx.metadata}))
+        groups.append(Group(gid, trajs))
+    return groups
+
+
+def load_producer(spec: str) -> Producer:
+    """Import ``module:function`` and check it is an async ``(ctx, prompts) -> list[Group]``."""
+    if ":" not in spec:
+        raise ValueError(f"rollout.producer={spec!r} must look like 'package.module:function'")
+    mod_name, fn_name = spec.split(":", 1)
+    try:
+        mod = importlib.import_module(mod_name)
+    except ImportError as e:
+        raise ValueError(f"rollout.producer={spec!r}: cannot import {mod_name!r}: {e}") from e
+    fn = getattr(mod, fn_name, None)
+    if fn is None:
+        raise ValueError(f"rollout.producer={spec!r}: module {mod_name!r} has no attribute {fn_name!r}")
+    if not inspect.iscoroutinefunction(fn):
+        raise ValueError(f"rollout.producer={spec!r} must be an async function (ctx, prompts) -> list[Group]")
+    params = [p for p in inspect.signature(fn).parameters.values()
+              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if len(params) < 2:
+        raise ValueError(f"rollout.producer={spec!r} must accept (ctx, prompts); it takes "
+                         f"{[p.name for p in params]}")
+    return fn
+
+
+def run_producer(producer: Producer, ctx: ProducerContext, prompts: list,
+                 loop: Optional[asyncio.AbstractEventLoop] = None) -> list[Group]:
+    """Run a producer to completion from synchronous code; checks what it returns."""
+    coro = producer(ctx, prompts)
+    groups = asyncio.run_coroutine_threadsafe(coro, loop).result() if loop else asyncio.run(coro)
+    if not isinstance(groups, list) or not all(isinstance(g, Group) for g in groups):
+        raise TypeError(f"producer returned {type(groups).__name__}; it must return list[Group]")
+    return groups

@@ -1,0 +1,32 @@
+"""``m2po train CONFIG [dotted overrides]`` — single process or under torchrun."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("train", help="Train a policy (sync, stale_k or async mode).",
+                       description="Train with the config file plus dotted overrides, e.g. "
+                                   "`m2po train examples/tiny_cpu.yaml trainer.stale_k=8 algo.loss=grpo`. "
+                                   "Under torchrun every rank runs this command.")
+    p.add_argument("config", help="YAML config file")
+    p.add_argument("overrides", nargs="*", help="section.key=value overrides")
+    p.add_argument("--dry-run", action="store_true", help="Validate and print the resolved config, then exit.")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from megatron_m2po.config import dump_config, load_config
+    cfg = load_config(args.config, args.overrides)
+    if args.dry_run:
+        print(dump_config(cfg), end="")
+        return 0
+    rank = int(os.environ.get("RANK", "0"))
+    from megatron_m2po.utils.logging import setup_logging
+    setup_logging(rank)
+    logging.getLogger(__name__).info("run dir: %s", cfg.trainer.run_dir)
+    from megatron_m2po.trainer.loop import train
+    return train(cfg)
