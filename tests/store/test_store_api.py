@@ -164,9 +164,19 @@ def test_invalid_groups_rejected_naming_field(store):
     store.set_version(4)
     with pytest.raises(ValueError, match="versions reach 5, ahead of the trainer's current version 4"):
         store.put_groups([make_group("fut", 5)])
-    with pytest.raises(ValueError, match="behind the recorded version 4"):
+    with pytest.raises(ValueError, match="behind the recorded version 4.*allow_rewind=True"):
         store.set_version(3)
     assert store.counts()["available"] == 0 and store.current_version == 4
+
+
+def test_resume_rewinds_version_and_retires_lost_future(store):
+    store.set_version(9)
+    store.put_groups([make_group(f"g{v}", v) for v in (6, 7, 8, 9)])
+    store.set_version(7, allow_rewind=True)  # resumed from the checkpoint at version 7
+    assert store.current_version == 7
+    assert store.retire_ahead(7) == ["g8", "g9"]
+    assert store.metrics()["retired"]["groups"] == 2
+    assert ids(store.lease(bounded(4), n_groups=2, current_version=7)) == ["g6", "g7"]
 
 
 def test_pending_groups_until_scored(store):

@@ -13,7 +13,7 @@ import urllib.request
 
 import pytest
 
-from megatron_m2po.store import RolloutStore
+from megatron_m2po.store import RolloutStore, fifo
 from megatron_m2po.store.client import AsyncStoreClient, StoreClient, StoreClientError
 from megatron_m2po.store.codec import encode_binary, encode_json
 from megatron_m2po.utils.dist_testing import free_port
@@ -203,3 +203,20 @@ def test_refuses_to_start_without_token_and_warns_when_insecure(tmp_path):
     finally:
         stop(proc)
     assert "WITHOUT AUTHENTICATION" in proc.startup_output
+
+
+def test_stats_cli(tmp_path):
+    path = str(tmp_path / "st.sqlite")
+    s = RolloutStore(path)
+    s.put_groups([make_group("a", 1), make_group("b", 2)])
+    s.ack(s.lease(fifo(), n_groups=1, current_version=3))
+    s.close()
+    cmd = [sys.executable, "-m", "megatron_m2po.cli", "store", "stats", "--path", path]
+    m = json.loads(subprocess.run(cmd + ["--json"], capture_output=True, text=True, check=True, timeout=60).stdout)
+    assert m["groups"]["consumed"]["groups"] == 1 and m["groups"]["available"]["groups"] == 1
+    assert m["staleness"]["groups"] == {"2": 1} and m["by_version"]["2"]["response_tokens"] == 11
+    from megatron_m2po.store.cli import format_metrics
+
+    assert "staleness at consumption: mean 2.0, max 2" in format_metrics(m)
+    r = subprocess.run(cmd[:-1] + [str(tmp_path / "missing.sqlite")], capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "no rollout store" in r.stderr
