@@ -60,6 +60,7 @@ class BenchmarkResult:
     n_no_answer: int = 0
     n_truncated: int = 0
     correct_per_problem: list[int] = field(default_factory=list)
+    samples: Optional[list[dict]] = None  # per problem {index, answer, responses, statuses} (--save-responses)
 
 
 def _check_grid(correct: Sequence[Sequence[bool]]) -> int:
@@ -123,10 +124,9 @@ def results_table(results: dict[str, BenchmarkResult], title: str = "pass@1 (avg
     from rich.table import Table
 
     table = Table(title=title)
-    for col, just in (("Benchmark", "left"), ("Problems", "right"), ("k", "right"), ("avg@k %", "right"),
-                      ("pass@k %", "right"), ("Mean reward", "right"), ("Resp. tokens", "right"),
-                      ("Timeouts", "right")):
-        table.add_column(col, justify=just)
+    table.add_column("Benchmark", no_wrap=True)
+    for col in ("N", "k", "avg@k %", "pass@k %", "Reward", "Tokens", "Timeouts"):
+        table.add_column(col, justify="right")
     for r in results.values():
         table.add_row(r.name, str(r.n_problems), str(r.k), f"{100 * r.avg_at_k:.1f}", f"{100 * r.pass_at_k:.1f}",
                       f"{r.mean_reward:.3f}", f"{r.mean_response_tokens:.0f}", str(r.n_timeouts))
@@ -138,9 +138,15 @@ def results_table(results: dict[str, BenchmarkResult], title: str = "pass@1 (avg
 
 
 def results_to_json(results: dict[str, BenchmarkResult], settings: dict[str, Any]) -> dict[str, Any]:
-    """The JSON document written by ``m2po eval``."""
+    """The JSON document written by ``m2po eval`` (``samples`` only when they were kept)."""
+    benchmarks = {}
+    for name, r in results.items():
+        d = asdict(r)
+        if d["samples"] is None:
+            del d["samples"]
+        benchmarks[name] = d
     return {"settings": settings, "average_avg_at_k": average_of(results) if results else None,
-            "benchmarks": {name: asdict(r) for name, r in results.items()}}
+            "benchmarks": benchmarks}
 
 
 # --------------------------------------------------------------------------------------------
@@ -149,9 +155,10 @@ def results_to_json(results: dict[str, BenchmarkResult], settings: dict[str, Any
 
 
 async def evaluate_sets(client: Any, sets: dict[str, list], *, k: int, sampling_params: dict, tokenizer: Any,
-                        reward: Any, log: Any = None) -> dict[str, BenchmarkResult]:
+                        reward: Any, log: Any = None, keep_responses: bool = False) -> dict[str, BenchmarkResult]:
     """Sample every prompt of every set ``k`` times with ``client.generate`` and grade with
-    ``reward.score_batch``. ``sets``: name -> list of PromptItem. Returns name -> result."""
+    ``reward.score_batch``. ``sets``: name -> list of PromptItem. Returns name -> result
+    (with the response texts in ``result.samples`` when ``keep_responses``)."""
     if k < 1:
         raise ValueError(f"k={k} must be >= 1")
     results: dict[str, BenchmarkResult] = {}
@@ -168,6 +175,10 @@ async def evaluate_sets(client: Any, sets: dict[str, list], *, k: int, sampling_
             name, res.statuses, res.scores, k, correct_value=getattr(reward, "correct", 1.0),
             response_tokens=[len(o.output_ids) for o in outs],
             truncated=[str((o.finish_reason or {}).get("type", "")) == "length" for o in outs])
+        if keep_responses:
+            results[name].samples = [
+                {"index": it.index, "answer": it.answer, "responses": texts[i * k:(i + 1) * k],
+                 "statuses": res.statuses[i * k:(i + 1) * k]} for i, it in enumerate(items)]
         if log is not None:
             r = results[name]
             log(f"{name}: avg@{k} {100 * r.avg_at_k:.1f}% over {r.n_problems} problems "
@@ -193,6 +204,7 @@ def register(sub) -> None:
     p.add_argument("--max-new-tokens", type=int, default=None, help="default: rollout.max_new_tokens")
     p.add_argument("--limit", type=int, default=None, help="only the first N problems of each benchmark")
     p.add_argument("--benchmarks", default=None, help="comma-separated subset of benchmark names")
+    p.add_argument("--save-responses", action="store_true", help="also write every response text to the JSON")
     p.add_argument("--out", default=None, help="JSON output (default: <trainer.run_dir>/eval_results.json)")
     p.set_defaults(func=run)
 
@@ -265,7 +277,8 @@ def _run(args: argparse.Namespace) -> int:
             console.print(f"launching {cfg.rollout.num_engines} {cfg.rollout.engine} engine(s) for {model_path}")
             fleet = EngineFleet(cfg.rollout, model_path, run_dir=cfg.trainer.run_dir).start()
             url = fleet.url
-        results = asyncio.run(_evaluate_at(url, cfg, sets, k, sampling, tokenizer, reward, console))
+        results = asyncio.run(_evaluate_at(url, cfg, sets, k, sampling, tokenizer, reward, console,
+                                           keep_responses=args.save_responses))
     finally:
         if reward is not None:
             reward.close()
@@ -283,13 +296,14 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _evaluate_at(url, cfg, sets, k, sampling, tokenizer, reward, console) -> dict[str, BenchmarkResult]:
+async def _evaluate_at(url, cfg, sets, k, sampling, tokenizer, reward, console,
+                       keep_responses: bool = False) -> dict[str, BenchmarkResult]:
     from megatron_m2po.rollout.client import SGLangClient
 
     async with SGLangClient(url, concurrency=cfg.rollout.concurrency, timeout_s=cfg.rollout.request_timeout_s,
                             max_retries=cfg.rollout.max_retries) as client:
         return await evaluate_sets(client, sets, k=k, sampling_params=sampling, tokenizer=tokenizer,
-                                   reward=reward, log=console.print)
+                                   reward=reward, log=console.print, keep_responses=keep_responses)
 
 
 if __name__ == "__main__":  # pragma: no cover

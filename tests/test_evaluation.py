@@ -85,3 +85,75 @@ def test_eval_cli_parses():
     assert (args.config, args.overrides, args.k, args.engine_url, args.out) == (
         "cfg.yaml", ["data.eval=a.jsonl"], 4, "http://127.0.0.1:1", "r.json")
     assert args.temperature == 1.0 and args.func is run
+
+
+# --------------------------------------------------------------------------------------------
+# End to end: a real CPU worker (launched by the engine fleet) serving a tiny random Qwen2
+# model with a character tokenizer built here; rewards through the real scoring pool.
+# --------------------------------------------------------------------------------------------
+
+
+def _tiny_model_dir(root):
+    import sys
+    from pathlib import Path
+
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    sys.path.insert(0, str(Path(__file__).parent / "data"))
+    from m2po_char_tokenizer import build_char_tokenizer
+
+    tok = build_char_tokenizer()
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      eos_token_id=tok.eos_token_id, bos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                      tie_word_embeddings=False)
+    Qwen2ForCausalLM(cfg).save_pretrained(str(root / "model"))
+    tok.save_pretrained(str(root / "model"))
+    return root / "model"
+
+
+@pytest.mark.slow
+def test_eval_end_to_end_against_a_cpu_worker(tmp_path):
+    pytest.importorskip("megatron_m2po.rollout.cpu_worker")
+    pytest.importorskip("megatron_m2po.rollout.engines")
+    import argparse
+
+    from megatron_m2po.data import write_jsonl
+    from megatron_m2po.evaluation import register
+    model = _tiny_model_dir(tmp_path)
+    write_jsonl([{"problem": f"{i}+1", "answer": str(i + 1)} for i in range(4)], tmp_path / "math500.jsonl")
+    write_jsonl([{"problem": "2*3", "answer": "6"}, {"problem": "9-4", "answer": 5}], tmp_path / "aime24.jsonl")
+
+    def eval_with(reward_fn, k, out):
+        (tmp_path / "cfg.yaml").write_text(
+            f"model: {{hf_path: {model}}}\n"
+            f"data: {{train: {tmp_path / 'math500.jsonl'}, template: raw,"
+            f" eval: [{tmp_path / 'math500.jsonl'}, {tmp_path / 'aime24.jsonl'}]}}\n"
+            "rollout: {max_new_tokens: 8, use_router: false, num_engines: 1, base_port: 0}\n"
+            f"reward: {{num_workers: 1, fn: '{reward_fn}'}}\n"
+            f"trainer: {{run_dir: {tmp_path / 'run'}}}\n")
+        parser = argparse.ArgumentParser()
+        register(parser.add_subparsers())
+        args = parser.parse_args(["eval", str(tmp_path / "cfg.yaml"), "--k", str(k), "--save-responses",
+                                  "--out", str(out)])
+        assert args.func(args) == 0
+        return json.loads(out.read_text())
+
+    # A custom reward with a non-trivial hit rate: avg@k / pass@k recomputed from the responses.
+    doc = eval_with("m2po_eval_test_fns:has_digit", 4, tmp_path / "digits.json")
+    assert list(doc["benchmarks"]) == ["math500", "aime24"]
+    assert doc["settings"]["k"] == 4 and doc["settings"]["sampling_params"]["temperature"] == 1.0
+    per_bench = []
+    for name, n in (("math500", 4), ("aime24", 2)):
+        b = doc["benchmarks"][name]
+        assert b["n_problems"] == n and b["k"] == 4 and len(b["samples"]) == n
+        hits = [[any(c.isdigit() for c in r) for r in s["responses"]] for s in b["samples"]]
+        assert all(len(h) == 4 for h in hits)
+        assert b["avg_at_k"] == pytest.approx(sum(sum(h) / 4 for h in hits) / n)
+        assert b["pass_at_k"] == pytest.approx(sum(any(h) for h in hits) / n)
+        assert b["correct_per_problem"] == [sum(h) for h in hits]
+        assert [s["answer"] for s in b["samples"]] == ([str(i + 1) for i in range(4)] if n == 4 else ["6", "5"])
+        per_bench.append(b["avg_at_k"])
+    assert doc["average_avg_at_k"] == pytest.approx(sum(per_bench) / 2)
