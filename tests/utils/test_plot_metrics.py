@@ -1,0 +1,114 @@
+"""tools/plot_metrics.py: panels that exist, overlays of several runs, valid PNGs, the CLI."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from megatron_m2po.utils.logging import MetricsLogger
+
+ROOT = Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location("plot_metrics", ROOT / "tools" / "plot_metrics.py")
+plot_mod = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(plot_mod)
+plot_metrics = plot_mod.plot_metrics
+
+
+def _write_run(run_dir: Path, trust_key: str, seed: int, steps: int = 30) -> Path:
+    rng = np.random.default_rng(seed)
+    with MetricsLogger(run_dir, tensorboard=False) as ml:
+        for s in range(1, steps + 1):
+            ml.log({"rollout/reward_mean": 0.3 + 0.01 * s + 0.02 * rng.standard_normal(),
+                    "rollout/acc": 0.2 + 0.01 * s, trust_key: 0.01 * rng.random(),
+                    "m2po/m2_before": 0.1 * rng.random(), "m2po/m2_after": 0.03,
+                    "policy/kl_k3": 1e-3 * s, "policy/entropy": 1.0 - 0.01 * s,
+                    "staleness/mean": 17.5, "staleness/max": 19, "staleness/hist": [0, 1, 2],
+                    "optim/grad_norm": float(rng.random()),
+                    "policy/kl_k1": float("nan") if s == 3 else 1e-3 * s}, step=s)
+    return run_dir / "metrics.jsonl"
+
+
+def _png_size(path: Path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", f"{path} is not a PNG"
+    assert data[12:16] == b"IHDR"
+    return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+
+
+def _ink_fraction(path: Path) -> float:
+    """Fraction of non-white pixels: a blank canvas scores ~0."""
+    import matplotlib.image as mpimg
+
+    img = mpimg.imread(path)[..., :3]
+    return float((img.min(axis=-1) < 0.9).mean())
+
+
+def test_default_panels_overlay_two_runs(tmp_path, monkeypatch):
+    a = _write_run(tmp_path / "m2po_s16", "m2po/mask_frac", 0)
+    _write_run(tmp_path / "grpo_s16", "loss/clip_frac", 1)
+    import matplotlib.figure
+
+    seen = []
+    orig = matplotlib.figure.Figure.savefig
+
+    def record(fig, path, *args, **kw):  # inspect the real figure, then write it
+        for ax in fig.axes:
+            leg = ax.get_legend()
+            seen.append((Path(path).name, [t.get_text() for t in leg.get_texts()] if leg else [],
+                         [len(line.get_xdata()) for line in ax.get_lines()]))
+        return orig(fig, path, *args, **kw)
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", record)
+    out = tmp_path / "plots"
+    written = plot_metrics([a, tmp_path / "grpo_s16"], out)  # a file and a run dir
+    names = [p.name for p in written]
+    assert names == ["reward.png", "trust_region.png", "m2.png", "kl.png", "entropy.png",
+                     "staleness.png", "grad_norm.png", "overview.png"]
+    for p in written:
+        w, h = _png_size(p)
+        assert w >= 500 and h >= 300 and p.stat().st_size > 10_000
+        assert _ink_fraction(p) > 0.01
+    assert _png_size(out / "overview.png")[0] > _png_size(out / "reward.png")[0]
+
+    by_file = {name: (legend, npts) for name, legend, npts in seen if name != "overview.png"}
+    assert by_file["entropy.png"] == (["m2po_s16", "grpo_s16"], [30, 30])
+    assert by_file["trust_region.png"][0] == ["m2po_s16: m2po/mask_frac", "grpo_s16: loss/clip_frac"]
+    # kl_k1 has a NaN at step 3: the point is skipped (29 of 30), not drawn
+    assert by_file["kl.png"] == (["m2po_s16: policy/kl_k1", "m2po_s16: policy/kl_k3",
+                                  "grpo_s16: policy/kl_k1", "grpo_s16: policy/kl_k3"],
+                                 [29, 30, 29, 30])
+    assert sum(name == "overview.png" for name, _, _ in seen) == 9  # 7 panels + 2 blank axes
+
+
+def test_explicit_metrics_patterns_and_errors(tmp_path):
+    a = _write_run(tmp_path / "run", "m2po/mask_frac", 0, steps=5)
+    written = plot_metrics([a], tmp_path / "p", metrics=["policy/*", "rollout/acc"],
+                           labels=["mine"])
+    assert [p.name for p in written] == ["policy_kl_k3.png", "policy_entropy.png",
+                                         "policy_kl_k1.png", "rollout_acc.png", "overview.png"]
+    with pytest.raises(ValueError, match="none of the metrics"):
+        plot_metrics([a], tmp_path / "p", metrics=["nope/*"])
+    with pytest.raises(ValueError, match="2 labels for 1 files"):
+        plot_metrics([a], tmp_path / "p", labels=["x", "y"])
+    with pytest.raises(ValueError, match="no metrics file"):
+        plot_metrics([tmp_path / "missing"], tmp_path / "p")
+
+
+def test_cli(tmp_path):
+    a = _write_run(tmp_path / "run_a", "loss/clip_frac", 2, steps=8)
+    res = subprocess.run([sys.executable, str(ROOT / "tools" / "plot_metrics.py"), str(a),
+                          "--out", str(tmp_path / "cli"), "--metrics", "loss/clip_frac",
+                          "--smooth", "3"], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    printed = [Path(line) for line in res.stdout.split()]
+    assert [p.name for p in printed] == ["loss_clip_frac.png", "overview.png"]
+    assert all(p.is_file() and p.stat().st_size > 5_000 for p in printed)
+    bad = subprocess.run([sys.executable, str(ROOT / "tools" / "plot_metrics.py"), str(a),
+                          "--out", str(tmp_path / "cli"), "--metrics", "zzz"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "available:" in bad.stderr

@@ -1,0 +1,217 @@
+#!/usr/bin/env python
+"""PNG plots of metrics files written by ``MetricsLogger`` (``<run_dir>/metrics.jsonl``).
+
+    python tools/plot_metrics.py runs/x/metrics.jsonl [runs/y ...] --out plots/ [--metrics ...]
+
+Without ``--metrics`` it draws the standard panels that exist in the files (reward / accuracy,
+mask or clip fraction, M2 before/after, KL, entropy, staleness, gradient norm, response length,
+throughput): one PNG per panel plus ``overview.png`` with all of them. With ``--metrics`` (names
+or shell-style patterns such as ``'policy/*'``) it draws one PNG per metric plus the overview.
+Several files overlay as one colour per run, labelled by run directory name.
+
+``plot_metrics(files, out_dir, metrics=None, labels=None)`` is the importable entry point.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import math
+import re
+import sys
+from pathlib import Path
+from typing import Sequence
+
+if __package__ in (None, ""):  # run as a script: make the package importable from a checkout
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megatron_m2po.utils.logging import METRICS_FILE, read_metrics  # noqa: E402
+
+# (file stem, panel title, metric patterns in legend order)
+PANELS: list[tuple[str, str, list[str]]] = [
+    ("reward", "Reward / accuracy", ["rollout/reward_mean", "rollout/acc", "eval/*acc*"]),
+    ("trust_region", "Masked / clipped token fraction", ["m2po/mask_frac", "loss/clip_frac"]),
+    ("m2", "M2 = mean (log r)^2", ["m2po/m2_before", "m2po/m2_after", "m2po/threshold_value"]),
+    ("kl", "KL(behaviour || current)", ["policy/kl_k1", "policy/kl_k3",
+                                         "mismatch/train_vs_engine_kl"]),
+    ("entropy", "Entropy", ["policy/entropy"]),
+    ("staleness", "Staleness (updates)", ["staleness/mean", "staleness/max"]),
+    ("grad_norm", "Gradient norm", ["*grad_norm*"]),
+    ("response_len", "Response length (tokens)", ["rollout/response_len"]),
+    ("throughput", "Throughput (tokens/s)", ["perf/tokens_per_s"]),
+]
+_LINESTYLES = ["-", "--", ":", "-."]
+_SKIP_KEYS = {"step", "time", "update"}
+
+
+def _label_for(path: Path) -> str:
+    p = path if path.is_dir() else path.parent
+    return p.name or str(p)
+
+
+def _series(records: list[dict], key: str, x_key: str) -> tuple[list[float], list[float]]:
+    xs, ys = [], []
+    for i, r in enumerate(records):
+        v = r.get(key)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            continue
+        x = r.get(x_key, i)
+        xs.append(float(x if isinstance(x, (int, float)) else i))
+        ys.append(float(v))
+    return xs, ys
+
+
+def _scalar_keys(runs: list[list[dict]]) -> list[str]:
+    keys: dict[str, None] = {}
+    for recs in runs:
+        for r in recs:
+            for k, v in r.items():
+                if k not in _SKIP_KEYS and isinstance(v, (int, float)) and not isinstance(v, bool):
+                    keys.setdefault(k, None)
+    return list(keys)
+
+
+def _match(patterns: Sequence[str], keys: Sequence[str]) -> list[str]:
+    out: list[str] = []
+    for pat in patterns:
+        for k in keys:
+            if fnmatch.fnmatchcase(k, pat) and k not in out:
+                out.append(k)
+    return out
+
+
+def _smooth(ys: list[float], window: int) -> list[float]:
+    if window <= 1 or len(ys) < 2:
+        return ys
+    out, acc = [], 0.0
+    for i, y in enumerate(ys):
+        acc += y
+        if i >= window:
+            acc -= ys[i - window]
+        out.append(acc / min(i + 1, window))
+    return out
+
+
+def _draw(ax, runs, labels, keys, x_key, title, smooth) -> bool:
+    import matplotlib.pyplot as plt
+
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    drew = False
+    for ri, (recs, label) in enumerate(zip(runs, labels)):
+        for ki, key in enumerate(keys):
+            xs, ys = _series(recs, key, x_key)
+            if not xs:
+                continue
+            if len(runs) == 1:
+                name = key
+            else:
+                name = label if len(keys) == 1 else f"{label}: {key}"
+            ax.plot(xs, _smooth(ys, smooth), color=colors[ri % len(colors)],
+                    linestyle=_LINESTYLES[ki % len(_LINESTYLES)], linewidth=1.4,
+                    marker="o" if len(xs) < 30 else None, markersize=3, label=name)
+            drew = True
+    ax.set_title(title, fontsize=10)
+    ax.set_xlabel(x_key)
+    ax.grid(True, alpha=0.3)
+    if drew:
+        ax.legend(fontsize=7, loc="best")
+    return drew
+
+
+def _safe_name(key: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", key).strip("_") or "metric"
+
+
+def plot_metrics(files: Sequence[str | Path], out_dir: str | Path, metrics: Sequence[str] | None = None,
+                 labels: Sequence[str] | None = None, *, x_key: str = "step",
+                 smooth: int = 0) -> list[Path]:
+    """Write PNGs for the metrics files (or run directories) ``files`` into ``out_dir``.
+
+    ``metrics``: names or glob patterns, one PNG each; ``None`` draws the standard panels that
+    exist. ``labels``: one per file (default: the run directory names). ``smooth``: moving
+    average window (0 = raw). Returns the written paths, ``overview.png`` last.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = [Path(f) for f in files]
+    if not paths:
+        raise ValueError("plot_metrics: no metrics files given")
+    if labels is not None and len(labels) != len(paths):
+        raise ValueError(f"plot_metrics: {len(labels)} labels for {len(paths)} files")
+    runs = [read_metrics(p) for p in paths]
+    labels = list(labels) if labels is not None else [_label_for(p) for p in paths]
+    seen: dict[str, int] = {}
+    for i, lab in enumerate(labels):  # distinct legend entries for same-named run dirs
+        if lab in seen:
+            labels[i] = f"{lab} ({i})"
+        seen.setdefault(lab, i)
+    keys = _scalar_keys(runs)
+
+    if metrics:
+        panels = [(_safe_name(k), k, [k]) for k in _match(metrics, keys)]
+        if not panels:
+            raise ValueError(f"none of the metrics {list(metrics)} is in {[str(p) for p in paths]}; "
+                             f"available: {sorted(keys)}")
+    else:
+        panels = [(stem, title, found) for stem, title, pats in PANELS
+                  if (found := _match(pats, keys))]
+        if not panels:  # a metrics file with none of the standard names: plot what it has
+            panels = [(_safe_name(k), k, [k]) for k in keys]
+        if not panels:
+            raise ValueError(f"no numeric metrics in {[str(p) for p in paths]}")
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    written: list[Path] = []
+    for stem, title, pkeys in panels:
+        fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
+        _draw(ax, runs, labels, pkeys, x_key, title, smooth)
+        fig.tight_layout()
+        path = out / f"{stem}.png"
+        fig.savefig(path)
+        plt.close(fig)
+        written.append(path)
+
+    ncol = min(3, len(panels))
+    nrow = math.ceil(len(panels) / ncol)
+    fig, axes = plt.subplots(nrow, ncol, figsize=(5.2 * ncol, 3.6 * nrow), dpi=100, squeeze=False)
+    for ax, (_, title, pkeys) in zip(axes.flat, panels):
+        _draw(ax, runs, labels, pkeys, x_key, title, smooth)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    fig.suptitle(", ".join(labels), fontsize=11)
+    fig.tight_layout()
+    path = out / "overview.png"
+    fig.savefig(path)
+    plt.close(fig)
+    written.append(path)
+    return written
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("files", nargs="+", help=f"{METRICS_FILE} files or run directories")
+    ap.add_argument("--out", required=True, help="Output directory for the PNGs")
+    ap.add_argument("--metrics", nargs="+", default=None,
+                    help="Metric names or glob patterns (default: the standard panels)")
+    ap.add_argument("--labels", nargs="+", default=None, help="Legend label per file")
+    ap.add_argument("--x", default="step", help="x-axis key (default: step)")
+    ap.add_argument("--smooth", type=int, default=0, help="Moving-average window (0 = raw)")
+    args = ap.parse_args(argv)
+    try:
+        written = plot_metrics(args.files, args.out, args.metrics, args.labels,
+                               x_key=args.x, smooth=args.smooth)
+    except ValueError as e:
+        print(f"plot_metrics: {e}", file=sys.stderr)
+        return 2
+    for p in written:
+        print(p)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
