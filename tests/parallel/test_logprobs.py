@@ -12,7 +12,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_m2po.parallel.logprobs import fused_logprobs_entropy
+from megatron_m2po.parallel import logprobs as lp_mod
+from megatron_m2po.parallel.logprobs import _downcast_in_place, fused_logprobs_entropy
 from megatron_m2po.utils.dist_testing import run_distributed
 
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
@@ -117,8 +118,10 @@ def _loss_grads(case, g_logp, g_ent):
     return gl, ge
 
 
+@pytest.mark.parametrize("v_block", [2048, 5, 1])  # one vocab tile, several, one column each
 @pytest.mark.parametrize("case", _cases(), ids=lambda c: "-".join(map(str, c)).replace("torch.", ""))
-def test_logprobs_tp1_matches_naive(case):
+def test_logprobs_tp1_matches_naive(case, v_block, monkeypatch):
+    monkeypatch.setattr(lp_mod, "_V_BLOCK", v_block)
     dtype, T, H, V, chunk, temp, with_ent, vocab_size, terms = case
     hidden, weight, targets, g_logp, g_ent = make_case(7, T, H, V, dtype, vocab_size)
     gl, ge = _loss_grads(case, g_logp, g_ent)
@@ -139,7 +142,19 @@ def test_logprobs_gradcheck_float64():
     assert torch.autograd.gradcheck(f, (h, w), eps=1e-6, atol=1e-8)
 
 
-def test_logprobs_bf16_and_fp16_inputs_against_fp32_reference():
+def test_logprobs_downcast_in_place_matches_to():
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        buf = torch.randn(7, 5, dtype=torch.float64)
+        want = buf.to(dtype)
+        for block in (1, 3, 35, 100):
+            got = _downcast_in_place(buf.clone(), dtype, block=block)
+            assert got.dtype == dtype and got.shape == (7, 5)
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("v_block", [2048, 6])
+def test_logprobs_bf16_and_fp16_inputs_against_fp32_reference(v_block, monkeypatch):
+    monkeypatch.setattr(lp_mod, "_V_BLOCK", v_block)
     for dtype in (torch.bfloat16, torch.float16):
         hidden, weight, targets, g_logp, g_ent = make_case(11, 13, 16, 40, dtype, vocab_size=37)
         logp, ent, gh, gw = run_fused(hidden, weight, targets, g_logp, g_ent, chunk_rows=4,
@@ -200,7 +215,8 @@ def test_logprobs_rejects_bad_inputs():
 def _tp_worker(rank, world_size, cases, seed):
     group = dist.new_group(list(range(world_size)))
     results = []
-    for case in cases:
+    for i, case in enumerate(cases):
+        lp_mod._V_BLOCK = (2048, 4, 1)[i % 3]  # one vocab tile per shard, several, per column
         dtype, T, H, V, chunk, temp, with_ent, vocab_size, terms = case
         hidden, weight, targets, g_logp, g_ent = make_case(seed, T, H, V, dtype, vocab_size,
                                                            tp=world_size)
