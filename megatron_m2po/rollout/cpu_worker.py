@@ -677,6 +677,8 @@ def main(argv: Optional[list[str]] = None) -> None:
                    help="Timeout of weight-update group collectives.")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads.")
     args = p.parse_args(argv)
+    if not os.path.isfile(os.path.join(args.model_path, "config.json")):
+        p.error(f"--model-path {args.model_path!r} is not an HF model directory (no config.json)")
     torch.set_num_threads(args.threads)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("aiohttp.server").addFilter(_DropH2Probe())

@@ -25,6 +25,7 @@ import logging
 import os
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -230,12 +231,16 @@ class EngineFleet:
         return restarted
 
     def stop(self) -> None:
+        """Terminate the router and every launched engine (in parallel), kill stragglers."""
+        handles = [e.handle for e in self.engines if e.handle is not None]
         if self._router is not None:
-            self._router.stop()
+            handles.append(self._router)
             self._router = None
-        for e in self.engines:
-            if e.handle is not None:
-                e.handle.stop()
+        threads = [threading.Thread(target=h.stop) for h in handles]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
 
     def __enter__(self) -> "EngineFleet":
         return self.start()
@@ -321,6 +326,7 @@ class EngineFleet:
         cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", cfg.host, "--port", str(port),
                "--policy", "cache_aware", "--prometheus-host", cfg.host,
                "--prometheus-port", str(free_port(cfg.host)), "--log-level", "warn",
+               "--shutdown-grace-period-secs", "1",
                "--request-timeout-secs", str(int(cfg.request_timeout_s))]
         spec = EngineSpec(-1, cfg.host, port, cmd, {}, logp)
         self._router = LocalLauncher().launch(spec)

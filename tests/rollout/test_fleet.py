@@ -331,3 +331,35 @@ def test_dead_engine_fails_weight_sync_fast_and_by_name(env):
         holder["disk"].push(iter(state.perturbed(seed=5)), version=5)
     assert fleet.check_and_restart() == [victim.url]
     assert call(victim.url, "get_weight_version") == "4"
+
+
+def test_external_engines_are_validated_by_address(env, tmp_path):
+    from megatron_m2po.rollout.engines import FleetError
+    from megatron_m2po.utils.dist_testing import free_port
+    fleet, _, _ = env
+    dead = f"http://127.0.0.1:{free_port()}"
+    cfg = RolloutConfig(engine="cpu_worker", launcher="external", use_router=False,
+                        external_addrs=[fleet.engine_urls[0], dead, "127.0.0.1:1"])
+    with pytest.raises(FleetError) as e:
+        EngineFleet(cfg, "unused", run_dir=str(tmp_path)).start()
+    msg = str(e.value)
+    assert dead in msg and "127.0.0.1:1: not an http" in msg and fleet.engine_urls[0] not in msg
+    ok = EngineFleet(RolloutConfig(launcher="external", use_router=False, external_addrs=[fleet.engine_urls[0]]),
+                     "unused", run_dir=str(tmp_path)).start()
+    assert ok.url == fleet.engine_urls[0]
+    ok.stop()  # external engines are not ours to stop
+    assert call(fleet.engine_urls[0], "health")
+    bad_router = RolloutConfig(launcher="external", use_router=True, router_addr=dead,
+                               external_addrs=[fleet.engine_urls[0]])
+    with pytest.raises(FleetError, match="not a reachable sglang-router"):
+        EngineFleet(bad_router, "unused", run_dir=str(tmp_path)).start()
+
+
+def test_engine_that_fails_to_start_reports_its_log(tmp_path):
+    from megatron_m2po.rollout.engines import FleetError
+    cfg = RolloutConfig(engine="cpu_worker", num_engines=1, base_port=0, use_router=False)
+    fleet = EngineFleet(cfg, str(tmp_path / "no_such_model"), run_dir=str(tmp_path), startup_timeout_s=60)
+    with pytest.raises(FleetError) as e:
+        fleet.start()
+    assert "exited during start-up" in str(e.value) and "not an HF model directory" in str(e.value)
+    assert (tmp_path / "engines" / "engine_0.log").exists()
