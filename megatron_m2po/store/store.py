@@ -334,6 +334,31 @@ class RolloutStore:
         self._ingest["duplicates"] += len(res.duplicates)
         return res
 
+    def existing_group_ids(self, group_ids: Iterable[str]) -> set[str]:
+        """The subset of ``group_ids`` already stored (in any state), e.g. to skip regenerating them."""
+        ids = list(group_ids)
+        out: set[str] = set()
+        with self._lock:
+            for i in range(0, len(ids), 500):
+                chunk = ids[i:i + 500]
+                out |= {r[0] for r in self._conn.execute(
+                    f"SELECT group_id FROM groups WHERE group_id IN ({','.join('?' * len(chunk))})", chunk)}
+        return out
+
+    def existing_group_ids(self, group_ids: Iterable[str]) -> set[str]:
+        """The subset of ``group_ids`` already stored (in any state).
+
+        A resumed trainer uses it to regenerate only the groups a crash kept from being stored.
+        """
+        ids = list(group_ids)
+        found: set[str] = set()
+        with self._lock:
+            for i in range(0, len(ids), 500):
+                chunk = ids[i:i + 500]
+                q = "SELECT group_id FROM groups WHERE group_id IN (%s)" % ",".join("?" * len(chunk))
+                found.update(r[0] for r in self._conn.execute(q, chunk))
+        return found
+
     def pending_groups(self, limit: Optional[int] = None) -> list[Group]:
         """Stored groups with unscored trajectories, in arrival order (for an external scorer)."""
         with self._lock:
@@ -547,7 +572,8 @@ class RolloutStore:
             (last,) = c.execute("SELECT COALESCE(MAX(lease_id), 0) FROM leases WHERE state='acked'").fetchone()
             holes = [r[0] for r in c.execute("SELECT lease_id FROM leases WHERE lease_id<=? AND state IN "
                                              "('open','replay') ORDER BY lease_id", (last,))]
-        return {"store_id": self.store_id, "acked_through": int(last), "unacked": holes}
+        return {"store_id": self.store_id, "acked_through": int(last), "unacked": holes,
+                "version": self.current_version}
 
     def _rewind_set(self, state: Mapping) -> set[int]:
         if not isinstance(state, Mapping) or not {"store_id", "acked_through", "unacked"} <= set(state):
@@ -565,7 +591,8 @@ class RolloutStore:
     def restore_cursor(self, state: Mapping) -> int:
         """Rewind consumption to ``state``; the leases after it are served again, identically.
 
-        Returns the number of leases recorded for replay.
+        The recorded weight version goes back to the one saved in the cursor (the resumed trainer
+        republishes its versions from there). Returns the number of leases recorded for replay.
         """
         with self._lock:
             self._claim()
@@ -580,6 +607,8 @@ class RolloutStore:
                     c.execute("UPDATE groups SET state='leased' WHERE lease_id=? AND state='consumed'", (lid,))
                     c.execute("UPDATE leases SET state='replay', replay_reason='restore', acked_at=NULL "
                               "WHERE lease_id=?", (lid,))
+                if state.get("version") is not None:
+                    db.set_meta(c, "current_version", str(int(state["version"])))
         return len(ids)
 
     def discard_replay(self) -> int:

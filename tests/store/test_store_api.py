@@ -179,6 +179,18 @@ def test_resume_rewinds_version_and_retires_lost_future(store):
     assert ids(store.lease(bounded(4), n_groups=2, current_version=7)) == ["g6", "g7"]
 
 
+def test_restore_cursor_rewinds_version_and_existing_ids(store):
+    store.set_version(4)
+    store.put_groups([make_group("a", 4), make_group("b", 4)])
+    cursor = store.cursor_state()
+    store.set_version(6)
+    store.ack(store.lease(fifo(), n_groups=1, current_version=6, step=1))
+    store.restore_cursor(cursor)
+    assert store.current_version == 4
+    store.set_version(5)  # the resumed trainer moves on from the checkpoint's version without allow_rewind
+    assert store.existing_group_ids(["a", "zz", "b"]) == {"a", "b"}
+
+
 def test_pending_groups_until_scored(store):
     store.put_groups([make_group("u", 0, reward=None), make_group("s", 0)])
     assert store.counts()["pending"] == 1
