@@ -147,6 +147,9 @@ class OptimConfig:
 class RolloutConfig:
     """Rollout engines and sampling."""
 
+    source: Literal["engines", "external"] = _f(
+        "engines", help="Where trajectories come from: our engines + producer, or external producers that push to "
+                        "the store's HTTP ingestion (served by the trainer; needs trainer.mode=async).")
     engine: Literal["cpu_worker", "sglang"] = _f("cpu_worker", help="Engine kind: SGLang on GPU, the CPU worker otherwise.")
     launcher: Literal["local", "ray", "external"] = _f("local", help="Engines as local subprocesses, Ray actors, or given by address.")
     num_engines: int = _f(1, ge=0, help="Number of engines to launch (ignored for external).")
@@ -307,6 +310,12 @@ class Config:
             raise ConfigError("parallel.virtual_pipeline_parallel needs parallel.pipeline_parallel > 1")
         if self.rollout.launcher == "external" and not self.rollout.external_addrs and not self.rollout.router_addr:
             raise ConfigError("rollout.launcher=external needs rollout.external_addrs (or rollout.router_addr)")
+        if self.rollout.source == "external" and t.mode != "async":
+            raise ConfigError(f"rollout.source=external needs trainer.mode=async (got {t.mode!r}): external "
+                              "producers push whenever they like, so the store serves under store.max_staleness")
+        if t.mode == "async" and a.recompute_behav_logprobs:
+            raise ConfigError("algo.recompute_behav_logprobs=true needs trainer.mode=sync or stale_k: in async mode the "
+                              "trainer's weights are not the ones that generated the data")
         if self.rollout.n_samples_per_prompt == 1 and a.advantage.startswith("grpo"):
             raise ConfigError("rollout.n_samples_per_prompt=1 gives GRPO groups of one sample (all advantages 0); use >= 2")
         return self

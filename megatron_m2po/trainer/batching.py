@@ -1,0 +1,65 @@
+"""From stored prompt groups to the actor's batch: GRPO advantages, rollout metrics.
+
+Advantages are computed per group over all its samples (DESIGN §3) before the step is split
+into optimizer mini-batches; a step always holds whole groups, so a mini-batch of
+``prompts_per_update`` prompts holds whole groups too.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from megatron_m2po.actor.batch import RolloutBatch, Sample
+from megatron_m2po.algo.advantages import grpo_advantages
+from megatron_m2po.store.types import Group
+
+
+def _group_order_key(g: Group) -> tuple:
+    # Deterministic order whatever the arrival order: (step tag, position) from the id.
+    return (g.group_id,)
+
+
+def groups_to_batch(groups: list[Group], *, advantage: str = "grpo", adv_eps: float = 1e-6,
+                    use_recomputed: bool = False) -> RolloutBatch:
+    """One ``Sample`` per trajectory, groups in id order, advantages by group."""
+    groups = sorted(groups, key=_group_order_key)
+    trajs = [t for g in groups for t in g.trajectories]
+    if any(t.reward is None for t in trajs):
+        missing = [t.uid for t in trajs if t.reward is None][:5]
+        raise ValueError(f"unscored trajectories reached the trainer: {missing}")
+    rewards = np.array([float(t.reward) for t in trajs], dtype=np.float64)
+    adv = grpo_advantages(rewards, [t.group_id for t in trajs], eps=adv_eps, normalize_std=(advantage == "grpo"))
+    samples = []
+    for t, a in zip(trajs, adv):
+        behav, engine = t.behav_logprobs, None
+        if use_recomputed:
+            if t.recomputed_behav_logprobs is None:
+                raise ValueError(f"trajectory {t.uid!r} has no recomputed behaviour log-probs but "
+                                 "algo.recompute_behav_logprobs=true")
+            behav, engine = t.recomputed_behav_logprobs, t.behav_logprobs
+        samples.append(Sample(uid=t.uid, prompt_ids=t.prompt_ids, response_ids=t.response_ids,
+                              behav_logprobs=behav, advantages=np.float32(a), loss_mask=t.loss_mask,
+                              versions=t.versions, engine_logprobs=engine))
+    return RolloutBatch(samples)
+
+
+def rollout_metrics(groups: list[Group], *, correct_reward: float) -> dict[str, float]:
+    """rollout/{reward_mean, acc, response_len, ...} of a step's groups."""
+    trajs = [t for g in groups for t in g.trajectories]
+    if not trajs:
+        return {}
+    rewards = np.array([float(t.reward) for t in trajs])
+    lens = np.array([t.response_ids.shape[0] for t in trajs])
+    finish = [t.finish_reason for t in trajs]
+    per_group = np.array([[float(t.reward) for t in g.trajectories] for g in groups], dtype=object)
+    solved_all = np.mean([all(r >= correct_reward for r in row) for row in per_group])
+    solved_none = np.mean([all(r < correct_reward for r in row) for row in per_group])
+    return {
+        "rollout/reward_mean": float(rewards.mean()),
+        "rollout/acc": float((rewards >= correct_reward).mean()),
+        "rollout/response_len": float(lens.mean()),
+        "rollout/response_len_max": float(lens.max()),
+        "rollout/truncated_frac": float(np.mean([f == "length" for f in finish])),
+        "rollout/groups_all_correct": float(solved_all),
+        "rollout/groups_all_wrong": float(solved_none),
+        "rollout/num_trajectories": float(len(trajs)),
+    }

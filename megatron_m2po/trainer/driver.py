@@ -1,0 +1,352 @@
+"""The rank-0 rollout driver: engines, router, store, prompts, rewards, weight pushes.
+
+Only global rank 0 builds a :class:`RolloutDriver`; every rank runs the actor. The driver
+generates in a background event loop so rollouts overlap training whenever the schedule allows
+(stale_k with k >= 1, async), and it never changes the engines' weights while a generation
+that must be tagged with the old version is in flight.
+
+Determinism and resume. Prompts are drawn in the main thread, in schedule order, and every
+group gets a deterministic id (``s<step>-g<position>``); a resumed run re-draws the same
+prompts for the same steps, skips the groups the store already holds (generated before the
+crash), and generates only the missing ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+from megatron_m2po.config import Config
+from megatron_m2po.data.dataset import build_eval_sets, build_prompt_dataset
+from megatron_m2po.rewards import get_reward_fn
+from megatron_m2po.rollout.client import SGLangClient
+from megatron_m2po.rollout.engines import EngineFleet
+from megatron_m2po.rollout.producer import ProducerContext, load_producer
+from megatron_m2po.store.store import NotReadyError, RolloutStore, bounded
+from megatron_m2po.store.types import Group
+
+log = logging.getLogger(__name__)
+
+
+class _BackgroundLoop:
+    """An asyncio loop on a daemon thread (the producer runs there)."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="m2po-rollout", daemon=True)
+        self.thread.start()
+
+    def submit(self, coro) -> concurrent.futures.Future:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)
+
+
+class RolloutDriver:
+    """Rank-0 coordination of rollout generation and the rollout store."""
+
+    def __init__(self, cfg: Config, model_path: str, tokenizer: Any):
+        self.cfg = cfg
+        self.model_path = model_path
+        self.tokenizer = tokenizer
+        run_dir = Path(cfg.trainer.run_dir)
+        self.store = RolloutStore.from_config(cfg.store, run_dir=str(run_dir))
+        self.dataset = build_prompt_dataset(cfg.data, tokenizer, cfg.trainer.seed)
+        self.eval_sets = build_eval_sets(cfg.data, tokenizer, cfg.trainer.seed) if cfg.trainer.eval_every_steps else {}
+        self.reward = get_reward_fn(cfg.reward)
+        self.producer = load_producer(cfg.rollout.producer)
+        self.engine_version = 0
+        self.sync_dir = cfg.resolved_path(cfg.rollout.weight_sync_dir, "weights")
+        self.external = cfg.rollout.source == "external"
+        self.fleet: Optional[EngineFleet] = None
+        if not self.external or cfg.rollout.external_addrs:
+            self.fleet = EngineFleet(cfg.rollout, model_path, run_dir=str(run_dir), refit_fn=self._refit)
+            self.fleet.start()
+        self.weight_sync = self._make_weight_sync()
+        self._bg = _BackgroundLoop()
+        self.client: Optional[SGLangClient] = None
+        self._ingest_runner = None
+        if self.fleet is not None:
+            self._bg.submit(self._open_client()).result()
+        if self.external:
+            self._bg.submit(self._serve_ingestion()).result()
+            if self.store.current_version is None:
+                self.store.set_version(0)
+        self._inflight: list[concurrent.futures.Future] = []
+        self._gen_lock: Optional[asyncio.Lock] = None  # steps are generated one after another
+        self._async_stop = threading.Event()
+        self._async_future: Optional[concurrent.futures.Future] = None
+        self.gen_seconds = 0.0
+
+    # ------------------------------------------------------------------ setup / teardown
+    async def _open_client(self) -> None:
+        r = self.cfg.rollout
+        self.client = SGLangClient(self.fleet.url, concurrency=r.concurrency, timeout_s=r.request_timeout_s,
+                                   max_retries=r.max_retries)
+
+    async def _serve_ingestion(self) -> None:
+        """External producers push to ``http://store.serve_host:serve_port/v1/groups``."""
+        from aiohttp import web
+
+        from megatron_m2po.store.server import build_app, load_token
+        s = self.cfg.store
+        token = load_token(s.token_env, s.token_file)
+        if token is None:
+            raise ValueError(f"rollout.source=external: set the ingestion token in ${s.token_env} (or "
+                             "store.token_file); producers send it as 'Authorization: Bearer <token>'")
+        app = build_app(self.store, token=token, max_request_bytes=int(s.max_request_mb * 2**20))
+        self._ingest_runner = web.AppRunner(app)
+        await self._ingest_runner.setup()
+        site = web.TCPSite(self._ingest_runner, s.serve_host, s.serve_port)
+        await site.start()
+        port = self._ingest_runner.addresses[0][1]
+        self.ingest_url = f"http://{s.serve_host}:{port}"
+        log.info("external rollout: ingestion at %s/v1/groups, current version at %s/v1/version, weights in %s",
+                 self.ingest_url, self.ingest_url, self.sync_dir)
+
+    @property
+    def engine_urls(self) -> list[str]:
+        return self.fleet.engine_urls if self.fleet is not None else []
+
+    def _make_weight_sync(self):
+        from megatron_m2po.actor import weight_sync as ws
+        r = self.cfg.rollout
+        if r.weight_sync == "disk" or self.external:
+            # External harnesses load the published v<version> directories themselves.
+            return ws.DiskWeightSync(self.engine_urls, str(self.sync_dir), base_model_dir=self.model_path,
+                                     timeout_s=r.weight_sync_timeout_s)
+        import os
+
+        import torch
+        # Engines must reach trainer rank 0: under torchrun that is MASTER_ADDR.
+        addr = os.environ.get("M2PO_WEIGHT_SYNC_ADDR") or os.environ.get("MASTER_ADDR") or "127.0.0.1"
+        sync = ws.DistributedWeightSync(self.engine_urls, master_address=addr, timeout_s=r.weight_sync_timeout_s,
+                                        backend="nccl" if torch.cuda.is_available() else "gloo",
+                                        bucket_mb=r.weight_sync_bucket_mb)
+        sync.connect()
+        return sync
+
+    def _refit(self, url: str) -> None:
+        """A restarted engine gets the current weights before it serves again."""
+        if self.engine_version == 0:
+            return  # it launched from the base model, which is version 0
+        latest = getattr(self.weight_sync, "latest_dir", None)
+        if latest is None:
+            raise RuntimeError(
+                f"engine {url} was restarted at weight version {self.engine_version}, but with "
+                "rollout.weight_sync=distributed there is no on-disk copy to refit it from; use "
+                "rollout.weight_sync=disk or restart the run (it resumes from the last checkpoint)")
+        self.weight_sync.push(latest, self.engine_version, engine_urls=[url])
+
+    def close(self) -> None:
+        self.stop_async()
+        for f in self._inflight:
+            f.cancel()
+        if self.client is not None:
+            try:
+                self._bg.submit(self.client.close()).result(timeout=10)
+            except Exception:  # noqa: BLE001 - best effort at shutdown
+                pass
+        if self._ingest_runner is not None:
+            try:
+                self._bg.submit(self._ingest_runner.cleanup()).result(timeout=10)
+            except Exception:  # noqa: BLE001 - best effort at shutdown
+                pass
+        self._bg.close()
+        closers = (getattr(self.weight_sync, "close", None), self.fleet.stop if self.fleet else None,
+                   self.reward.close, self.store.close)
+        for closer in closers:
+            if closer is None:
+                continue
+            try:
+                closer()
+            except Exception as e:  # noqa: BLE001
+                log.warning("shutdown: %s failed: %s", getattr(closer, "__qualname__", closer), e)
+
+    # ------------------------------------------------------------------ weights
+    def push_weights(self, weights: Iterable, version: int) -> float:
+        """Push ``weights`` ((hf_name, tensor) iterator) to every engine; returns seconds."""
+        self.wait_generation()
+        t0 = time.perf_counter()
+        self.weight_sync.push(weights, version)
+        self.engine_version = version
+        self.store.set_version(version)
+        return time.perf_counter() - t0
+
+    def check_engines(self) -> list[str]:
+        """Restart (and refit) dead engines; returns their URLs."""
+        if self.fleet is None:
+            return []
+        restarted = self.fleet.check_and_restart()
+        if restarted:
+            log.warning("restarted %d engine(s): %s", len(restarted), ", ".join(restarted))
+        return restarted
+
+    # ------------------------------------------------------------------ generation
+    def _context(self, prefix: str, n_samples: Optional[int] = None, **meta) -> ProducerContext:
+        r = self.cfg.rollout
+        params = {"temperature": r.temperature, "top_p": r.top_p, "max_new_tokens": r.max_new_tokens}
+        if self.tokenizer.eos_token_id is not None:
+            params["stop_token_ids"] = [int(self.tokenizer.eos_token_id)]
+        return ProducerContext(client=self.client, tokenizer=self.tokenizer, reward=self.reward,
+                               sampling_params=params, n_samples=n_samples or r.n_samples_per_prompt,
+                               version=self.engine_version, group_prefix=prefix, metadata=meta,
+                               max_attempts=r.max_retries + 1)
+
+    def generate_for_step(self, step: int, *, background: bool = True) -> concurrent.futures.Future:
+        """Draw this step's prompts now (deterministic order) and generate the missing groups."""
+        prompts = self.dataset.next_prompts(self.cfg.trainer.prompts_per_step)
+        prefix = f"s{step:06d}"
+        gids = [f"{prefix}-g{i:05d}" for i in range(len(prompts))]
+        have = self.store.existing_group_ids(gids)
+        todo = [p for p, g in zip(prompts, gids) if g not in have]
+        if have:
+            log.info("step %d: %d/%d groups already in the store (generated before a restart)", step, len(have),
+                     len(gids))
+        if not todo:
+            done: concurrent.futures.Future = concurrent.futures.Future()
+            done.set_result(0)
+            return done
+        ctx = self._context(prefix, step=step, generated_at=self.engine_version)
+        positions = [gids.index(g) for g in gids if g not in have]
+        fut = self._bg.submit(self._generate_and_store(ctx, todo, positions))
+        self._inflight.append(fut)
+        if not background:
+            fut.result()
+        return fut
+
+    async def _generate_and_store(self, ctx: ProducerContext, prompts: list, positions: list[int]) -> int:
+        # One step at a time: a step's groups are committed in one transaction, so the store's
+        # arrival order keeps steps that share a generation version (base-model steps) apart.
+        if self._gen_lock is None:
+            self._gen_lock = asyncio.Lock()
+        async with self._gen_lock:
+            return await self._generate_and_store_locked(ctx, prompts, positions)
+
+    async def _generate_and_store_locked(self, ctx: ProducerContext, prompts: list, positions: list[int]) -> int:
+        t0 = time.perf_counter()
+        groups = await self.producer(ctx, prompts)
+        if len(groups) != len(prompts):
+            raise RuntimeError(f"producer returned {len(groups)} groups for {len(prompts)} prompts")
+        # Rename to the step's deterministic ids (a custom producer may not know them).
+        fixed = []
+        for g, pos in zip(groups, positions):
+            gid = f"{ctx.group_prefix}-g{pos:05d}"
+            for j, t in enumerate(g.trajectories):
+                t.group_id, t.uid = gid, f"{gid}-{j}"
+            fixed.append(Group(gid, g.trajectories))
+        await asyncio.get_running_loop().run_in_executor(
+            None, lambda: self.store.put_groups(fixed, current_version=ctx.version))
+        self.gen_seconds += time.perf_counter() - t0
+        return len(fixed)
+
+    def wait_generation(self) -> None:
+        """Block until every submitted generation is stored; re-raises its error."""
+        while self._inflight:
+            f = self._inflight.pop(0)
+            f.result()
+
+    def take_step(self, step: int, version: int, generated_at: int, *, timeout_s: float = 3600.0) -> tuple[list[Group], Any]:
+        """Lease the groups of ``step`` (generated at ``generated_at``); returns (groups, lease)."""
+        n = self.cfg.trainer.prompts_per_step
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self._raise_failed()
+            try:
+                lease = self.store.lease_exact(generated_at=generated_at, n_groups=n, current_version=version,
+                                               step=step, timeout_s=1.0)
+                break
+            except NotReadyError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"step {step}: rollouts generated at version {generated_at} did not arrive "
+                                       f"within {timeout_s:.0f}s; check the engine logs in {self.cfg.trainer.run_dir}")
+        self._check_step_groups(lease.groups, step)
+        return lease.groups, lease
+
+    def _check_step_groups(self, groups: list[Group], step: int) -> None:
+        bad = [g.group_id for g in groups if not g.group_id.startswith(f"s{step:06d}-")]
+        if bad:
+            raise RuntimeError(f"step {step} was served groups of another step: {bad[:3]}; the store holds "
+                               "data this schedule did not produce (reusing a run_dir of a different run?)")
+
+    def _raise_failed(self) -> None:
+        for f in list(self._inflight):
+            if f.done():
+                self._inflight.remove(f)
+                f.result()  # raises the producer's error
+        if self._async_future is not None and self._async_future.done():
+            self._async_future.result()
+
+    def ack(self, lease: Any) -> None:
+        self.store.ack(lease)
+
+    # ------------------------------------------------------------------ async mode
+    def start_async(self) -> None:
+        """Generate continuously (bounded by ``store capacity``) until :meth:`stop_async`."""
+        if self.external:
+            return  # external producers push on their own
+        self._async_stop.clear()
+        self._async_future = self._bg.submit(self._async_loop())
+
+    async def _async_loop(self) -> None:
+        t = self.cfg.trainer
+        chunk = t.prompts_per_update
+        # Admission control: never hold more unconsumed data than the trainer can use within
+        # max_staleness updates (nor more than two steps' worth), so nothing is generated only
+        # to be refused as too old.
+        horizon_updates = max(1, min(self.cfg.store.max_staleness, 2 * t.num_updates_per_step))
+        cap = horizon_updates * t.prompts_per_update
+        seq = 0
+        while not self._async_stop.is_set():
+            counts = self.store.counts()
+            if counts["available"] + counts["pending"] >= cap:
+                await asyncio.sleep(0.05)
+                continue
+            prompts = self.dataset.next_prompts(chunk)
+            ctx = self._context(f"a{int(time.time() * 1e3):013d}-{seq:06d}", generated_at=self.engine_version)
+            seq += 1
+            await self._generate_and_store(ctx, prompts, list(range(len(prompts))))
+
+    def stop_async(self) -> None:
+        self._async_stop.set()
+        if self._async_future is not None:
+            try:
+                self._async_future.result(timeout=self.cfg.rollout.request_timeout_s)
+            except Exception as e:  # noqa: BLE001 - surfaced by take_async otherwise
+                log.warning("async producer stopped with: %s", e)
+            self._async_future = None
+
+    def take_async(self, step: int, version: int, *, timeout_s: float = 3600.0) -> tuple[list[Group], Any]:
+        s = self.cfg.store
+        policy = bounded(s.max_staleness, s.order, s.retire_overage)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self._raise_failed()
+            try:
+                lease = self.store.lease(policy, n_groups=self.cfg.trainer.prompts_per_step, current_version=version,
+                                         step=step, timeout_s=1.0)
+                return lease.groups, lease
+            except NotReadyError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"step {step}: no rollouts within {timeout_s:.0f}s; check the engines")
+
+    # ------------------------------------------------------------------ evaluation
+    def evaluate(self, step: int) -> dict[str, float]:
+        """Held-out accuracy (avg@k at the rollout temperature) with the engines' current weights."""
+        self.wait_generation()
+        out = {}
+        k = self.cfg.trainer.eval_samples
+        for name, items in self.eval_sets.items():
+            ctx = self._context(f"eval-{name}-{step}", n_samples=k)
+            groups = self._bg.submit(self.producer(ctx, items)).result()
+            rewards = [float(t.reward) for g in groups for t in g.trajectories]
+            correct = sum(r >= self.cfg.reward.correct for r in rewards)
+            out[f"eval/{name}/acc"] = correct / max(1, len(rewards))
+        return out

@@ -1,0 +1,319 @@
+"""The training loop: generate -> score -> store -> train -> push weights -> checkpoint.
+
+Every rank runs :class:`Trainer`; global rank 0 also owns the :class:`RolloutDriver` and
+broadcasts each step's groups to the other ranks (the actor shards them over data parallel).
+
+Modes (DESIGN §3):
+
+* ``sync`` — on-policy: the rollouts of step ``s`` are generated with the weights the step
+  starts at (mini-batch ``j`` has staleness ``j``; the first update is exactly on-policy).
+* ``stale_k`` — the paper's controlled setting: step ``s`` trains on rollouts generated at
+  version ``s*U - k`` (base-model rollouts while that version does not exist); generation runs
+  in the background, up to ``k`` updates ahead of its use (:mod:`.schedule`).
+* ``async`` — engines generate continuously, weights are pushed every
+  ``trainer.sync_every_updates`` updates, the store serves under ``store.max_staleness``.
+
+Updates are run one optimizer mini-batch at a time so that a generation event that falls
+inside a step (``k`` not a multiple of ``U``) happens at exactly the right version.
+
+SIGINT / SIGTERM: the current step finishes, a checkpoint (actor, optimizer, RNG, store cursor,
+dataset position) is written, and the process exits with code 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron_m2po.config import Config, config_to_dict, dump_config
+from megatron_m2po.trainer.batching import groups_to_batch, rollout_metrics
+from megatron_m2po.trainer.schedule import events_at, generation_version
+
+log = logging.getLogger(__name__)
+
+
+def _broadcast(obj: Any) -> Any:
+    """Rank 0's object on every rank."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _any_rank(flag: bool) -> bool:
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return flag
+    t = torch.tensor([1 if flag else 0], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def resolve_model_path(cfg: Config, rank: int) -> str:
+    """The HF directory of the policy; builds the tiny base model on first use ('tiny')."""
+    if cfg.model.hf_path != "tiny":
+        p = Path(os.path.expanduser(cfg.model.hf_path))
+        if not (p / "config.json").is_file():
+            raise FileNotFoundError(f"model.hf_path={cfg.model.hf_path!r} is not an HF model directory "
+                                    "(no config.json); give a local directory or 'tiny'")
+        return str(p)
+    from megatron_m2po.utils.tiny_base import ensure_tiny_base
+    path = None
+    if rank == 0:
+        path = str(ensure_tiny_base(os.path.expanduser(cfg.model.tiny_cache_dir), progress=cfg.logging.progress))
+    if dist.is_initialized():
+        path = _broadcast(path)
+    return path
+
+
+class Trainer:
+    """One training run over all ranks."""
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self._stop_requested = False
+        from megatron_m2po.actor.actor import MegatronActor, init_parallel
+        init_parallel(cfg)
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.run_dir = Path(cfg.trainer.run_dir)
+        self.model_path = resolve_model_path(cfg, self.rank)
+        import dataclasses
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, hf_path=self.model_path))
+        self.cfg = cfg
+        self.actor = MegatronActor.from_config(cfg)
+        self.ckpt_dir = cfg.resolved_path(cfg.checkpoint.dir, "checkpoints")
+        self.U = cfg.trainer.num_updates_per_step
+        self.k = cfg.trainer.stale_k if cfg.trainer.mode == "stale_k" else 0
+        self.driver = None
+        self.logger = None
+        self.progress = None
+        if self.rank == 0:
+            from transformers import AutoTokenizer
+            from megatron_m2po.trainer.driver import RolloutDriver
+            from megatron_m2po.utils.logging import MetricsLogger, TrainProgress
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "config.yaml").write_text(dump_config(cfg))
+            tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+            self.driver = RolloutDriver(cfg, self.model_path, tokenizer)
+            self.logger = MetricsLogger(str(self.run_dir), config_dict=config_to_dict(cfg),
+                                        wandb_project=cfg.logging.wandb_project,
+                                        wandb_run_name=cfg.logging.wandb_run_name)
+            self.progress = TrainProgress(cfg.trainer.num_steps, enabled=cfg.logging.progress)
+        self.engines_version = 0  # the weights the engines hold (all ranks track it identically)
+        self.start_step = 0
+
+    # ------------------------------------------------------------------ signals
+    def _install_signal_handlers(self) -> None:
+        def handler(signum, frame):  # noqa: ARG001
+            if self._stop_requested:
+                raise KeyboardInterrupt
+            self._stop_requested = True
+            log.warning("received %s: finishing the current step, then checkpointing and exiting",
+                        signal.Signals(signum).name)
+        for s in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(s, handler)
+
+    # ------------------------------------------------------------------ checkpoints
+    def _latest_checkpoint(self) -> Optional[Path]:
+        latest = self.ckpt_dir / "latest"
+        if not latest.is_file():
+            return None
+        p = self.ckpt_dir / latest.read_text().strip()
+        return p if p.exists() else None
+
+    def _resume(self) -> None:
+        ckpt = self._latest_checkpoint() if self.cfg.checkpoint.resume else None
+        if ckpt is None:
+            return
+        extra = self.actor.load_checkpoint(str(ckpt))
+        self.start_step = int(extra["step"])
+        if self.rank == 0:
+            d = self.driver
+            d.dataset.load_state_dict(extra["dataset"])
+            replays = d.store.restore_cursor(extra["store_cursor"])
+            log.info("resumed from %s at step %d (version %d); %d lease(s) will be replayed", ckpt,
+                     self.start_step, self.actor.version, replays)
+        # Fresh engines start from the base model (version 0).
+        self.engines_version = 0
+
+    def _save(self, step: int) -> None:
+        """Checkpoint after ``step`` steps (all ranks)."""
+        extra = None
+        if self.rank == 0:
+            self.driver.wait_generation()
+            extra = {"step": step, "dataset": self.driver.dataset.state_dict(),
+                     "store_cursor": self.driver.store.cursor_state(), "mode": self.cfg.trainer.mode,
+                     "stale_k": self.k}
+        extra = _broadcast(extra)
+        name = f"step_{step:06d}"
+        t0 = time.perf_counter()
+        self.actor.save_checkpoint(str(self.ckpt_dir / name), extra)
+        if self.rank == 0:
+            tmp = self.ckpt_dir / "latest.tmp"
+            tmp.write_text(name)
+            os.replace(tmp, self.ckpt_dir / "latest")
+            self._prune_checkpoints()
+            log.info("checkpoint %s written in %.1fs", name, time.perf_counter() - t0)
+
+    def _prune_checkpoints(self) -> None:
+        import shutil
+        kept = sorted(p for p in self.ckpt_dir.glob("step_*") if p.is_dir())
+        for p in kept[:-self.cfg.checkpoint.keep_last]:
+            shutil.rmtree(p, ignore_errors=True)
+
+    # ------------------------------------------------------------------ weights
+    def _push_weights(self) -> float:
+        """All ranks: gather HF-named weights; rank 0 pushes them to the engines."""
+        v = self.actor.version
+        weights = self.actor.iter_hf_weights()
+        if self.rank == 0:
+            secs = self.driver.push_weights(weights, v)
+        else:
+            for _ in weights:  # take part in the gathers
+                pass
+            secs = 0.0
+        self.engines_version = v
+        return secs
+
+    def _generation_events(self, version: int) -> dict[str, float]:
+        """stale_k / sync: generate the steps scheduled at ``version`` (all ranks)."""
+        steps = [s for s in events_at(version, self.U, self.k, self.cfg.trainer.num_steps) if s >= self.start_step]
+        if not steps:
+            return {}
+        out = {}
+        if self.engines_version != version:
+            out["sync/weight_s"] = self._push_weights()
+        if self.rank == 0:
+            # On-policy data is needed right away; stale data overlaps with training.
+            background = self.k > 0 and not self.cfg.algo.recompute_behav_logprobs
+            for s in steps:
+                self.driver.generate_for_step(s, background=background)
+        return out
+
+    # ------------------------------------------------------------------ one step
+    def _fetch_step(self, step: int) -> tuple[Any, list, Any]:
+        """Rank 0 leases the step's groups; every rank gets the batch."""
+        groups, lease, meta = None, None, None
+        if self.rank == 0:
+            u = step * self.U
+            if self.cfg.trainer.mode == "async":
+                groups, lease = self.driver.take_async(step, u)
+            else:
+                groups, lease = self.driver.take_step(step, u, generation_version(step, self.U, self.k))
+            meta = rollout_metrics(groups, correct_reward=self.cfg.reward.correct)
+        groups = _broadcast(groups)
+        batch = groups_to_batch(groups, advantage=self.cfg.algo.advantage, adv_eps=self.cfg.algo.adv_eps,
+                                use_recomputed=self.cfg.algo.recompute_behav_logprobs)
+        return batch, lease, meta
+
+    def _train_step(self, step: int) -> tuple[dict[str, float], list[dict[str, float]]]:
+        t0 = time.perf_counter()
+        extra: dict[str, float] = {}
+        mode = self.cfg.trainer.mode
+        if mode != "async":
+            extra.update(self._generation_events(self.actor.version))
+        batch, lease, rollout = self._fetch_step(step)
+        minibatches = batch.split(self.U)
+        per_update = []
+        for j, mb in enumerate(minibatches):
+            if j > 0 and mode != "async":
+                extra.update(self._generation_events(self.actor.version))
+            m = self.actor.train_step(mb, 1)[0]
+            per_update.append(m)
+            if mode == "async" and self.actor.version % self.cfg.trainer.sync_every_updates == 0:
+                extra["sync/weight_s"] = extra.get("sync/weight_s", 0.0) + self._push_weights()
+        if self.rank == 0:
+            self.driver.ack(lease)
+        step_s = time.perf_counter() - t0
+        metrics = _mean_dicts(per_update)
+        # Worst case over the step's updates for the extremes.
+        for key in ("staleness/max", "policy/ratio_max"):
+            if key in per_update[0]:
+                metrics[key] = max(m[key] for m in per_update)
+        metrics.update(extra)
+        if rollout:
+            metrics.update(rollout)
+        n_tokens = sum(s.length for s in batch.samples)
+        metrics["perf/step_s"] = step_s
+        metrics["perf/tokens_per_s"] = n_tokens / step_s
+        metrics["train/version"] = float(self.actor.version)
+        metrics["train/step"] = float(step)
+        return metrics, per_update
+
+    # ------------------------------------------------------------------ run
+    def run(self) -> int:
+        self._install_signal_handlers()
+        self._resume()
+        cfg = self.cfg
+        if cfg.trainer.mode == "async":
+            if self.actor.version > 0:
+                self._push_weights()
+            if self.rank == 0:
+                self.driver.start_async()
+        step = self.start_step
+        try:
+            for step in range(self.start_step, cfg.trainer.num_steps):
+                if self.rank == 0:
+                    self.driver.check_engines()
+                metrics, per_update = self._train_step(step)
+                if cfg.trainer.eval_every_steps and (step + 1) % cfg.trainer.eval_every_steps == 0:
+                    metrics.update(self._evaluate(step + 1))
+                if self.rank == 0:
+                    # x-axis everywhere: optimizer updates (the weight version after them).
+                    first = self.actor.version - len(per_update)
+                    for j, m in enumerate(per_update):
+                        self.logger.log({f"update/{k}": v for k, v in m.items()}, step=first + j + 1)
+                    self.logger.log(metrics, step=self.actor.version)
+                    self.progress.update(step + 1, metrics)
+                done = step + 1
+                stop = _any_rank(self._stop_requested)
+                every = cfg.checkpoint.save_every_steps
+                if stop or (every and done % every == 0) or done == cfg.trainer.num_steps:
+                    self._save(done)
+                if stop:
+                    log.warning("stopped after step %d on request; resume with the same command", done)
+                    return 0
+            if cfg.checkpoint.export_hf_at_end:
+                out = self.run_dir / "final_hf"
+                self.actor.export_hf(str(out))
+                if self.rank == 0:
+                    log.info("final weights exported to %s", out)
+            return 0
+        finally:
+            self.close()
+
+    def _evaluate(self, step: int) -> dict[str, float]:
+        if self.engines_version != self.actor.version:
+            self._push_weights()
+        out = self.driver.evaluate(step) if self.rank == 0 else {}
+        return _broadcast(out)
+
+    def close(self) -> None:
+        if self.rank == 0:
+            for c in (self.driver, self.progress, self.logger):
+                if c is None:
+                    continue
+                try:
+                    c.close()
+                except Exception as e:  # noqa: BLE001
+                    log.warning("shutdown: %s", e)
+        self.actor.close()
+
+
+def _mean_dicts(ds: list[dict[str, float]]) -> dict[str, float]:
+    keys = {k for d in ds for k in d}
+    return {k: float(np.mean([d[k] for d in ds if k in d])) for k in sorted(keys)}
+
+
+def train(cfg: Config) -> int:
+    """Entry point used by ``m2po train`` (any number of ranks)."""
+    trainer = Trainer(cfg)
+    return trainer.run()
