@@ -1,0 +1,174 @@
+"""The tiny base model: tokenizer layout and loaders, deterministic cached build, HF loading,
+the sampler against HF generate, and the default build's accuracy range."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from megatron_m2po.utils import tiny_base as tb
+
+TASK_STRINGS = ["12+7=", "3-15=", "\\boxed{-12}", "20+20=\\boxed{40}", "0-0=\\boxed{0}",
+                "Please solve the following math problem: 12+7. Return the final answer in "
+                "\\boxed{} tags, for example \\boxed{1}. Let's solve this step by step.",
+                "tabs\tand\nnewlines  and unicode: é, π, 日本"]
+
+# A build that takes seconds: the default model shape, a short warm-up with a tiny eval.
+FAST = tb.TinyBaseSpec(warmup=tb.WarmupSpec(max_steps=20, eval_every=20, eval_problems=16,
+                                            confirm_problems=16, target_acc=1.0,
+                                            final_eval_problems=32, max_new_tokens=8))
+
+
+def _save_tokenizer_as_qwen2(tmp_path):
+    from transformers import Qwen2Config
+
+    tok = tb.build_tokenizer()
+    tok.save_pretrained(tmp_path)
+    tb._portable_tokenizer_config(tmp_path)
+    # A qwen2 config.json makes transformers 5 force its own Qwen2Tokenizer class, which rebuilds
+    # the pipeline from the vocab and merges: the ids must not change.
+    Qwen2Config(vocab_size=tb.VOCAB_SIZE, hidden_size=32, intermediate_size=64,
+                num_hidden_layers=1, num_attention_heads=2,
+                num_key_value_heads=1).save_pretrained(tmp_path)
+    return tok
+
+
+def test_tokenizer_layout_roundtrip_and_loaders(tmp_path):
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    built = _save_tokenizer_as_qwen2(tmp_path)
+    auto = AutoTokenizer.from_pretrained(tmp_path)
+    fast = PreTrainedTokenizerFast.from_pretrained(tmp_path)
+    for tok in (built, auto, fast):
+        assert len(tok) == tb.VOCAB_SIZE == 384
+        assert (tok.pad_token_id, tok.bos_token_id, tok.eos_token_id, tok.unk_token_id) == (0, 1, 2, 3)
+    for s in TASK_STRINGS:
+        ids = [t.encode(s) for t in (built, auto, fast)]
+        assert ids[0] == ids[1] == ids[2], s
+        assert auto.decode(ids[1]) == s  # lossless; no BOS/EOS added on encode
+        assert max(ids[0]) < tb.VOCAB_SIZE
+    assert auto.convert_ids_to_tokens(auto.encode("\\boxed{19}")) == ["\\", "boxed", "{", "1", "9", "}"]
+    assert auto.convert_ids_to_tokens(auto.encode("=\\boxed{-5}")) == ["=", "\\", "boxed", "{", "-", "5", "}"]
+    # digits are always single tokens, whatever surrounds them
+    assert auto.convert_ids_to_tokens(auto.encode("120+7")) == ["1", "2", "0", "+", "7"]
+    assert auto.apply_chat_template([{"role": "user", "content": "12+7"}], tokenize=False,
+                                    add_generation_prompt=True) == "12+7="
+    assert auto.decode([1, 300, 2, 0], skip_special_tokens=True) == ""
+    cfg = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    assert cfg["tokenizer_class"] == "Qwen2Tokenizer"
+
+
+def test_templates_and_tasks_agree_with_data_module():
+    from megatron_m2po.config import DataConfig
+    from megatron_m2po.data.templates import SYNTHETIC_TEMPLATE, render_prompt, synthetic_response
+
+    assert tb.PROMPT_TEMPLATE == SYNTHETIC_TEMPLATE
+    assert tb.format_prompt("3+14") == render_prompt("3+14", "synthetic") == "3+14="
+    assert tb.format_response("17") == synthetic_response("3+14", "17") == "\\boxed{17}"
+    d = DataConfig()
+    assert (tb.TinyTask().min_operand, tb.TinyTask().max_operand, tb.TinyTask().num_operands,
+            tb.TinyTask().ops) == (d.synthetic_min_operand, d.synthetic_max_operand,
+                                   d.synthetic_num_operands, d.synthetic_ops)
+    rows = tb.make_problems(50, 0, tb.TinyTask())
+    assert rows == tb.make_problems(50, 0, tb.TinyTask()) != tb.make_problems(50, 1, tb.TinyTask())
+    for r in rows:  # independent check of the answers: split on the operator by hand
+        a, op, b = (r["problem"].partition("+") if "+" in r["problem"]
+                    else r["problem"].partition("-"))
+        assert int(r["answer"]) == (int(a) + int(b) if op == "+" else int(a) - int(b))
+    assert tb.extract_boxed("=\\boxed{3} then \\boxed{ -4 }") == "-4"
+    assert tb.extract_boxed("no box") is None
+
+
+def test_fast_build_deterministic_cached_and_hf_loadable(tmp_path, monkeypatch):
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    p1 = tb.ensure_tiny_base(tmp_path / "a", spec=FAST, progress=False)
+    p2 = tb.ensure_tiny_base(tmp_path / "b", spec=FAST, progress=False)
+    assert p1.name == p2.name == f"qwen2-tiny-{FAST.digest()}"
+    for name in ("model.safetensors", "tokenizer.json", "config.json"):
+        assert (p1 / name).read_bytes() == (p2 / name).read_bytes(), name
+    assert not [x for x in (tmp_path / "a").iterdir() if x.name.startswith(".qwen2")]  # no tmp left
+
+    meta = tb.load_tiny_meta(p1)
+    assert meta["digest"] == FAST.digest() and meta["data_template"] == "synthetic"
+    assert meta["example"] == {"problem": "12+7", "prompt": "12+7=", "response": "\\boxed{19}"}
+    assert meta["task"] == dataclasses.asdict(tb.TinyTask())
+    assert 0.0 <= meta["base_accuracy_t1"] <= 1.0 and meta["steps"] == 20
+    assert meta["reached_target"] is False
+
+    # Cached: a second call must not build (a build would raise here).
+    def no_build(*a, **k):
+        raise AssertionError("rebuilt a complete cached model")
+
+    monkeypatch.setattr(tb, "build_tiny_base", no_build)
+    assert tb.ensure_tiny_base(tmp_path / "a", spec=FAST) == p1
+    # A different seed is a different model directory (and would build).
+    other = dataclasses.replace(FAST, seed=1)
+    assert tb.tiny_base_path(tmp_path / "a", other) != p1
+    with pytest.raises(AssertionError, match="rebuilt"):
+        tb.ensure_tiny_base(tmp_path / "a", spec=other)
+
+    model = AutoModelForCausalLM.from_pretrained(p1)
+    cfg = model.config
+    assert cfg.model_type == "qwen2" and cfg.vocab_size == 384 and not cfg.tie_word_embeddings
+    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads,
+            cfg.num_key_value_heads, cfg.intermediate_size) == (128, 2, 4, 2, 256)
+    assert cfg.eos_token_id == 2 and cfg.pad_token_id == 0
+    with safe_open(str(p1 / "model.safetensors"), "pt") as f:
+        keys = list(f.keys())
+        assert all(f.get_tensor(k).dtype == torch.float32 for k in keys)
+    assert "lm_head.weight" in keys and meta["num_parameters"] == sum(p.numel() for p in model.parameters())
+
+    # The batched, left-padded sampler at (near) zero temperature equals HF greedy decoding
+    # per prompt, for prompts of different lengths.
+    tok = AutoTokenizer.from_pretrained(p1)
+    prompts = ["1+2=", "17-20=", "5+13=", "20-0="]
+    ours = tb.sample_responses(model, tok, prompts, max_new_tokens=8, temperature=1e-6, seed=0)
+    for prompt, got in zip(prompts, ours):
+        ids = tok(prompt, return_tensors="pt").input_ids
+        out = model.generate(ids, do_sample=False, max_new_tokens=8, pad_token_id=0, eos_token_id=2)
+        assert got == tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True), prompt
+
+
+def test_incomplete_cache_is_rebuilt(tmp_path):
+    path = tb.tiny_base_path(tmp_path, FAST)
+    path.mkdir(parents=True)
+    (path / "config.json").write_text("{}")  # a directory without the marker: not trusted
+    assert not tb.is_complete(path)
+    with pytest.raises(ValueError, match="not a tiny base model directory"):
+        tb.load_tiny_meta(tmp_path)
+    got = tb.ensure_tiny_base(tmp_path, spec=FAST, progress=False)
+    assert got == path and tb.is_complete(path) and json.loads((path / "config.json").read_text())
+
+
+@pytest.mark.slow
+def test_default_build_accuracy_and_reward(tmp_path):
+    """The real default: lands in the RL-friendly accuracy band, and its sampled responses get
+    full reward from the math grader exactly when the boxed answer is right."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from megatron_m2po.rewards.math_grader import grade_math
+
+    path = tb.ensure_tiny_base(tmp_path, progress=False)
+    meta = tb.load_tiny_meta(path)
+    assert meta["digest"] == tb.TinyBaseSpec().digest()
+    assert meta["reached_target"] is True
+    assert 0.15 <= meta["base_accuracy_t1"] <= 0.5, meta["base_accuracy_t1"]
+
+    model = AutoModelForCausalLM.from_pretrained(path)
+    tok = AutoTokenizer.from_pretrained(path)
+    rows = tb.make_problems(48, "test", tb.TinyTask())
+    resp = tb.sample_responses(model, tok, [tb.format_prompt(r["problem"]) for r in rows],
+                               max_new_tokens=12, seed=1)
+    boxed = [tb.extract_boxed(t) for t in resp]
+    assert sum(b is not None for b in boxed) >= 40  # the format is learned
+    grades = [grade_math(t, r["answer"]) for t, r in zip(resp, rows)]
+    assert [g == "correct" for g in grades] == [b == r["answer"] for b, r in zip(boxed, rows)]
+    assert 0 < sum(g == "correct" for g in grades) < len(rows)
+    # raw prompts (no "=") work too: the model emits "=" first
+    raw = tb.sample_responses(model, tok, [r["problem"] for r in rows[:16]], max_new_tokens=12, seed=2)
+    assert sum(t.startswith("=\\boxed{") for t in raw) >= 14
