@@ -156,6 +156,7 @@ class RolloutConfig:
     engine_tp: int = _f(1, ge=1, help="Tensor parallel size of each SGLang engine.")
     engine_mem_fraction: float = _f(0.7, gt=0.0, le=1.0, help="SGLang --mem-fraction-static.")
     engine_gpu_ids: list[int] = _f(factory=list, help="GPUs for the engines (disaggregated); empty = after the trainer's.")
+    ray_cpus_per_engine: float = _f(1.0, ge=0.0, help="launcher=ray: CPUs each engine actor reserves (GPUs = engine_tp for sglang).")
     external_addrs: list[str] = _f(factory=list, help="http://host:port of engines started elsewhere (launcher=external).")
     use_router: bool = _f(True, help="Put sglang-router in front of the engines.")
     router_addr: Optional[str] = _f(None, help="Attach to an existing router at this address instead of starting one.")

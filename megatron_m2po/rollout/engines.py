@@ -191,7 +191,8 @@ class EngineFleet:
             try:
                 for i in range(cfg.num_engines):
                     spec = self._spec(i, self._engine_port(i))
-                    self.engines.append(_Engine(i, spec.url, self.launcher.launch(spec), spec))
+                    handle = self.launcher.launch(spec)  # its url: a Ray actor may land on another node
+                    self.engines.append(_Engine(i, handle.url, handle, spec))
                 for e in self.engines:
                     self._wait_healthy(e)
             except BaseException:
@@ -221,6 +222,7 @@ class EngineFleet:
                 self._unregister(e)
             e.handle.stop()
             e.handle = self.launcher.launch(e.spec)
+            e.url = e.handle.url
             e.restarts += 1
             self._wait_healthy(e)
             if self.refit_fn is not None:
@@ -251,8 +253,8 @@ class EngineFleet:
     # ------------------------------------------------------------------ launch
     def _default_launcher(self) -> Launcher:
         if self.cfg.launcher == "ray":
-            raise FleetError("rollout.launcher=ray: no Ray launcher yet; use 'local' or 'external', "
-                             "or pass EngineFleet(launcher=...) implementing launch(spec)")
+            from megatron_m2po.rollout.ray_launcher import RayLauncher
+            return RayLauncher.from_config(self.cfg)
         return LocalLauncher()
 
     def _engine_port(self, i: int) -> int:
