@@ -64,9 +64,11 @@ def _to_python(value: Any) -> Any:
 def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
     """Records of a ``metrics.jsonl`` (or of a run directory), sorted by step.
 
-    A step logged twice (a run killed after logging but before its checkpoint, then resumed)
-    keeps the later record. Records without a ``step`` keep their file order at the end.
-    Truncated last lines (a crash mid-write) are skipped.
+    Records of the same step merge into one, later values winning: a step logged again after
+    a resume (killed after logging, before its checkpoint) keeps the newer values, and
+    different metric sets logged at the same step (per-update and per-step records) are both
+    kept. Records without a ``step`` keep their file order at the end. Truncated lines (a
+    crash mid-write) are skipped.
     """
     p = Path(path)
     if p.is_dir():
@@ -88,7 +90,7 @@ def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
             if not isinstance(rec, dict):
                 continue
             if isinstance(rec.get("step"), (int, float)):
-                by_step[rec["step"]] = rec
+                by_step.setdefault(rec["step"], {}).update(rec)
             else:
                 other.append(rec)
     return [by_step[s] for s in sorted(by_step)] + other
@@ -127,7 +129,12 @@ class MetricsLogger:
         if config_dict is not None:
             (self.run_dir / CONFIG_FILE).write_text(
                 json.dumps(_to_jsonable(config_dict), indent=2, sort_keys=True) + "\n")
-        self._jsonl = open(self.run_dir / METRICS_FILE, "a", encoding="utf-8")
+        path = self.run_dir / METRICS_FILE
+        torn = path.is_file() and path.stat().st_size > 0 and _last_byte(path) != b"\n"
+        self._jsonl = open(path, "a", encoding="utf-8")
+        if torn:  # a crash mid-write left half a line: end it so the next record stands alone
+            self._jsonl.write("\n")
+            self._jsonl.flush()
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -207,6 +214,12 @@ class MetricsLogger:
         self.close()
 
 
+def _last_byte(path: Path) -> bytes:
+    with open(path, "rb") as f:
+        f.seek(-1, os.SEEK_END)
+        return f.read(1)
+
+
 def _to_jsonable(obj: Any) -> Any:
     if isinstance(obj, Mapping):
         return {str(k): _to_jsonable(v) for k, v in obj.items()}
@@ -267,9 +280,11 @@ def format_progress(metrics: Mapping[str, Any]) -> str:
 class TrainProgress:
     """Step counter with the key metrics.
 
-    ``enabled=False`` (ranks other than 0) shows nothing. Otherwise ``live=None`` picks a rich
-    live bar when stderr is a terminal and plain INFO log lines (at most one per
-    ``min_interval_s``, always the last step) when it is not; ``live=False`` forces the lines.
+    A rich live bar when ``enabled`` and stderr is a terminal (``live`` forces the choice);
+    otherwise plain INFO log lines through the ``megatron_m2po`` logger, at most one per
+    ``min_interval_s`` and always the last step, e.g.
+    ``step 3/100 | reward 0.412 | acc 0.310 | mask 0.31% | stale 4.0 | max 7 | eta 5m10s``.
+    Under :func:`setup_logging` ranks other than 0 drop INFO lines, so every rank may own one.
     """
 
     def __init__(self, total_steps: int, enabled: bool = True, *, live: bool | None = None,
@@ -283,11 +298,9 @@ class TrainProgress:
         self._t0 = time.monotonic()
         self._start_step = self.step
         self._progress = None
-        if not enabled:
-            return
         if live is None:
             live = sys.stderr.isatty()
-        if live:
+        if enabled and live:
             from rich.console import Console
             from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
                                        TimeElapsedColumn, TimeRemainingColumn)
@@ -307,8 +320,6 @@ class TrainProgress:
 
     def update(self, step: int, metrics: Mapping[str, Any] | None = None) -> None:
         """Record that ``step`` (1-based count of finished steps) is done, with its metrics."""
-        if not self.enabled:
-            return
         self.step = int(step)
         stats = format_progress(metrics or {})
         if self._progress is not None:
@@ -330,8 +341,6 @@ class TrainProgress:
 
     def message(self, text: str) -> None:
         """A line printed above the live bar (or logged)."""
-        if not self.enabled:
-            return
         if self._progress is not None:
             self._progress.console.log(text)
         else:

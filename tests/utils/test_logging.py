@@ -51,6 +51,12 @@ def test_jsonl_records_values_and_resume_append(tmp_path):
     assert [r["step"] for r in recs] == [1, 2, 3]
     assert [r["rollout/reward_mean"] for r in recs] == pytest.approx([0.25, 0.75, 1.0])
 
+    # Different metric sets at one step (per-update and per-step records) merge.
+    with MetricsLogger(run, tensorboard=False) as ml:
+        ml.log({"update/loss": 0.5}, step=3)
+    recs = read_metrics(run / "metrics.jsonl")
+    assert recs[-1]["update/loss"] == 0.5 and recs[-1]["rollout/reward_mean"] == 1.0
+
 
 def test_tensorboard_scalars_and_histograms(tmp_path):
     run = tmp_path / "run"
@@ -111,11 +117,14 @@ def test_progress_plain_lines_when_not_a_tty(caplog):
         p.update(2, {"rollout/reward_mean": 0.6})  # throttled by min_interval_s
         p.update(4, {"rollout/reward_mean": 0.7})  # the last step always prints
         p.close()
-        TrainProgress(4, enabled=False).update(1, {"rollout/reward_mean": 0.1})  # rank != 0
+        q = TrainProgress(4, enabled=False, live=True)  # disabled: lines even on a terminal
+        assert not q.is_live
+        q.update(2, {"rollout/reward_mean": 0.1})
     msgs = [r.getMessage() for r in caplog.records]
     assert msgs[0].startswith("step 1/4 | reward 0.500 | clip 10.00% | eta ")
     assert msgs[1] == "step 4/4 | reward 0.700"
-    assert len(msgs) == 2
+    assert msgs[2].startswith("step 2/4 | reward 0.100 | eta ")
+    assert len(msgs) == 3
 
 
 def test_progress_live_rich_bar_renders():
