@@ -31,8 +31,9 @@ sum of exp * shifted logit, rescaled when the max grows), so no tile is larger t
 ``[chunk_rows, _V_BLOCK]``; in the backward every tile is independent given the saved lse.
 
 Precision: arithmetic in float32 (float64 when an input is float64); bf16 / fp16 weights are
-cast to fp32 one vocab block at a time, so no full fp32 copy of the weight exists. Outputs ``logp`` / ``entropy`` are in the compute dtype (fp32); gradients accumulate in
-the compute dtype and are returned in the inputs' dtypes.
+cast to fp32 one vocab block at a time, so no full fp32 copy of the weight exists. ``logp`` and
+``entropy`` come out in the compute dtype; gradients accumulate in the compute dtype and are
+returned in the inputs' dtypes (the weight gradient is cast inside its fp32 accumulator).
 
 Padded vocabulary: Megatron pads the vocabulary to a multiple of
 ``make_vocab_size_divisible_by * TP``; the padded rows of the output weight are not tokens. Pass
@@ -40,23 +41,27 @@ Padded vocabulary: Megatron pads the vocabulary to a multiple of
 out of the softmax (equivalent to masking them to -inf; their weight gradient is 0). Targets must
 be in ``[0, vocab_size)``; anything else raises ``ValueError``.
 
-How the actor calls it (Megatron-Core ``GPTModel`` with ``post_process=True``)::
+How the actor calls it (Megatron-Core ``GPTModel`` on the last pipeline stage)::
 
     from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
     from megatron.core.tensor_parallel.utils import VocabUtility
 
-    # hidden: the input of model.output_layer (after the final layer norm), [s, b, H]; with
-    # sequence_parallel it is sequence-sharded: gather it over TP first
-    # (megatron.core.tensor_parallel.gather_from_sequence_parallel_region).
-    # Keep only response rows: hidden at position i predicts token i + 1.
-    weight = (model.shared_embedding_or_output_weight()
+    # 1. Final hidden states (after the final layer norm) instead of logits: actor/model.py
+    #    builds a GPTModel subclass whose _postprocess returns them ([s, b, H], last stage).
+    #    With sequence_parallel they are sequence-sharded: gather them with
+    #    gather_from_sequence_parallel_region(h, tensor_parallel_output_grad=False) (its backward
+    #    then *splits*, since our hidden gradient is already the full one; for the same reason
+    #    no copy_to_tensor_model_parallel_region: the all-reduce is done here).
+    # 2. Keep response rows only: position i predicts token i + 1.
+    weight = (model.shared_embedding_or_output_weight()     # = actor.model.output_weight(model)
               if model.share_embeddings_and_output_weights else model.output_layer.weight)
     tp_rank, tp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
     vocab_start, _ = VocabUtility.vocab_range_from_per_partition_vocab_size(
-        weight.shape[0], tp_rank, tp_size)
+        weight.shape[0], tp_rank, tp_size)     # = tp_rank * V_padded / TP
     logp, entropy = fused_logprobs_entropy(
         hidden_rows,                # [T, H], response positions only, flattened over the batch
-        weight,                     # [V_padded / TP, H]
+        weight,                     # [V_padded / TP, H], bf16 on GPU
         target_ids,                 # [T] int64, the next tokens
         tp_group=ps.get_tensor_model_parallel_group(),
         vocab_start=vocab_start,
@@ -131,7 +136,9 @@ class _FusedLogprobsEntropy(torch.autograd.Function):
             for r0 in range(0, T, chunk_rows):
                 r1 = min(r0 + chunk_rows, T)
                 c = r1 - r0
+                # 1/temperature goes into the [c, H] rows, not into every [c, V] tile
                 h = hidden[r0:r1].to(cd)
+                h = h * inv_temp if inv_temp != 1.0 else h
                 local = targets[r0:r1] - vocab_start
                 owned = (local >= 0) & (local < n_valid)
                 # Online softmax statistics over this shard's vocab blocks, relative to the
@@ -142,8 +149,6 @@ class _FusedLogprobsEntropy(torch.autograd.Function):
                 z_t = torch.zeros(c, dtype=cd, device=dev)
                 for v0, v1, wb in _weight_blocks(weight, n_valid, cd):
                     z = h @ wb.T
-                    if inv_temp != 1.0:
-                        z.mul_(inv_temp)
                     in_blk = owned & (local >= v0) & (local < v1)
                     zt_b = z.gather(1, (local - v0).clamp(0, v1 - v0 - 1)[:, None]).squeeze(1)
                     z_t += torch.where(in_blk, zt_b, torch.zeros_like(zt_b))
@@ -212,28 +217,29 @@ class _FusedLogprobsEntropy(torch.autograd.Function):
         for r0 in range(0, T, chunk_rows):
             r1 = min(r0 + chunk_rows, T)
             h = hidden[r0:r1].to(cd)
-            lse_c = lse[r0:r1, None]
-            ent_c = ent[r0:r1, None]
+            h_s = h * inv_temp if inv_temp != 1.0 else h
+            neg_lse = -lse[r0:r1, None]
             gl_c = gl[r0:r1] if gl is not None else None
-            ge_c = ge[r0:r1, None] if ge is not None else None
+            # dz = -p * (g_logp + g_ent * (z - E_p[z])) with z - E_p[z] = log p + entropy
+            #    = p * (a * log p + b),  a = -g_ent,  b = -(g_logp + g_ent * entropy)
+            if ge is not None:
+                a = -ge[r0:r1, None]
+                b = a * ent[r0:r1, None]
+                if gl_c is not None:
+                    b = b - gl_c[:, None]
+            else:
+                a, b = None, -gl_c[:, None]
             local = targets[r0:r1] - vocab_start
             gh = torch.zeros(r1 - r0, H, dtype=cd, device=hidden.device) if need_h else None
             # Each (rows, vocab block) tile is independent given the saved lse and entropy.
             for v0, v1, wb in _weight_blocks(weight, n_valid, cd):
-                dz = h @ wb.T
-                if inv_temp != 1.0:
-                    dz.mul_(inv_temp)
-                dz.sub_(lse_c)  # log p
-                if ge_c is not None:
-                    # dz = -p * (g_logp + g_ent * (z - E_p[z])),  z - E_p[z] = log p + entropy
+                dz = torch.addmm(neg_lse, h_s, wb.T)  # log p
+                if a is not None:
                     p = torch.exp(dz)
-                    dz.add_(ent_c).mul_(ge_c)
-                    if gl_c is not None:
-                        dz.add_(gl_c[:, None])
-                    dz.mul_(p).neg_()
+                    dz.mul_(a).add_(b).mul_(p)
                     del p
                 else:
-                    dz.exp_().mul_(-gl_c[:, None])
+                    dz.exp_().mul_(b)
                 if gl_c is not None:  # + g_logp * onehot(target)
                     rows = ((local >= v0) & (local < v1)).nonzero().squeeze(1)
                     dz.index_put_((rows, local[rows] - v0), gl_c[rows], accumulate=True)
