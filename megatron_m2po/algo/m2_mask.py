@@ -143,43 +143,44 @@ def m2po_mask(delta: torch.Tensor, advantages: torch.Tensor, valid: torch.Tensor
     idx_t = tr.nonzero().flatten()
     v = d[idx_t].square()
 
-    # Totals (plus the valid count) in one all-reduce; with group=None computed locally.
-    limbs = sel.to_fixed_limbs(v)
-    local = torch.cat([torch.tensor([int(valid.sum()), v.numel()], dtype=torch.int64, device=v.device),
-                       limbs.sum(0)])
+    # Distributed: the totals (plus the valid count) in one all-reduce. Single process: the local
+    # search computes them itself (no second pass over the values).
+    totals = None
+    n_valid = int(valid.sum())
     if group is not None:
+        local = torch.cat([torch.tensor([n_valid, v.numel()], dtype=torch.int64, device=v.device),
+                           sel.to_fixed_limbs(v).sum(1)])
         dist.all_reduce(local, op=dist.ReduceOp.SUM, group=group)
-    tot = local.tolist()
-    n_valid, n_t, s_t = tot[0], tot[1], sel.limbs_value(tot[2:])
+        tot = local.tolist()
+        n_valid, totals = tot[0], (tot[1], sel.limbs_value(tot[2:]))
 
-    masked_t = torch.zeros_like(v, dtype=torch.bool)
+    masked_t = None
     if rule == "remove":
-        res = sel.prefix_mean_search(v, threshold, group=group, totals=(n_t, s_t))
-        n_kept, s_kept = res.n_kept, res.sum_kept
+        res = sel.prefix_mean_search(v, threshold, group=group, totals=totals)
         if res.boundary is not None:
             y = res.boundary
-            masked_t = v > y
-            tied = (v == y).nonzero().flatten()
-            keep_tied = _select_ties(tied, idx_t, res.n_keep_equal, res.n_equal, group, order_key)
-            masked_t[tied[~keep_tied]] = True
+            if res.n_keep_equal == 0:
+                masked_t = v >= y
+            else:  # the cut falls inside a run of ties: keep the copies with the lowest order keys
+                masked_t = v > y
+                tied = (v == y).nonzero().flatten()
+                keep_tied = _select_ties(tied, idx_t, res.n_keep_equal, res.n_equal, group, order_key)
+                masked_t[tied[~keep_tied]] = True
     else:
-        res = sel.capped_mean_search(v, threshold, group=group, totals=(n_t, s_t))
-        n_kept, s_kept = res.n_kept, res.sum_kept
-        masked_t = v > res.cap_bound
-
-    kept_max = v[~masked_t].max() if bool((~masked_t).any()) else torch.zeros((), dtype=torch.float64)
-    kept_max = kept_max.reshape(1).clone()
-    if group is not None:
-        dist.all_reduce(kept_max, op=dist.ReduceOp.MAX, group=group)
+        res = sel.capped_mean_search(v, threshold, group=group, totals=totals)
+        if res.cap_bound != float("inf"):
+            masked_t = v > res.cap_bound
 
     keep = valid.clone()
-    keep[idx_t[masked_t]] = False
+    if masked_t is not None:
+        keep[idx_t[masked_t]] = False
+    n_t, n_kept = res.n_total, res.n_kept
     n_masked = n_t - n_kept
     stats = M2Stats(
-        m2_before=sel.fixed_to_float(s_t) / n_t if n_t else 0.0,
-        m2_after=sel.fixed_to_float(s_kept) / n_kept if n_kept else 0.0,
+        m2_before=res.sum_total / n_t if n_t else 0.0,
+        m2_after=res.sum_kept / n_kept if n_kept else 0.0,
         mask_frac=n_masked / n_valid if n_valid else 0.0,
-        threshold_value=float(kept_max.item()),
+        threshold_value=res.max_kept,
         n_trust=n_t, n_masked=n_masked, n_valid=n_valid, rule=rule)
     return keep, stats
 

@@ -16,7 +16,7 @@ def test_fixed_point_limbs_are_exact_ceil():
     vals = torch.cat([torch.rand(2000, generator=g, dtype=torch.float64) * 400,
                       torch.rand(200, generator=g, dtype=torch.float64) * 1e-20,
                       torch.tensor([0.0, 2.0**-84, 2.0**-85, 3 * 2.0**-86, 399.99999999, 1e-300, 0.04])])
-    limbs = sel.to_fixed_limbs(vals)
+    limbs = sel.to_fixed_limbs(vals).T
     assert int(limbs.min()) >= 0 and int(limbs.max()) < 2**31
     for v, row in zip(vals.tolist(), limbs.tolist()):
         exact = math.ceil(Fraction(v) * 2**84)
@@ -30,7 +30,7 @@ def test_limb_sign_is_exact():
     # Values around 0 that float64 could not tell apart: 2**93 + 1 - (2**93 + 1) etc.
     rows = [[1, 0, 0], [0, 0, 0], [-1, 0, 0], [0, 1, -1], [2**31 - 1, 2**31 - 1, -1],
             [-(2**40), 2**9, 0], [-(2**40), 2**9 + 1, 0], [5, -3, 1]]
-    got = sel._limbs_le_zero(torch.tensor(rows, dtype=torch.int64)).tolist()
+    got = sel._limbs_le_zero(torch.tensor(rows, dtype=torch.int64).T).tolist()
     assert got == [sel.limbs_value(r) <= 0 for r in rows]
 
 
@@ -40,18 +40,51 @@ def test_prefix_mean_and_cap_local_match_brute_force():
         n = int(torch.randint(1, 40, (1,), generator=g))
         v = (torch.randint(0, 5, (n,), generator=g).double() / 8) ** 2 if trial % 2 else \
             torch.rand(n, generator=g, dtype=torch.float64) ** 3
-        tau = [0.0, 0.01, 0.05, 0.2][trial % 4]
+        tau = [0.0, 0.01, 0.05, 0.2, 1 / 16][trial % 5]
         srt = sorted(Fraction(x) for x in v.tolist())
         k = max([m for m in range(n + 1) if m == 0 or sum(srt[:m]) <= Fraction(tau) * m])
         res = sel.prefix_mean_search(v, tau)
-        assert res.n_kept == k and res.sum_kept == sum(sel.fixed_of_float(float(x)) for x in srt[:k])
+        assert res.n_kept == k
+        assert res.sum_kept == pytest.approx(float(sum(srt[:k])), rel=1e-12)
+        assert res.max_kept == (float(srt[k - 1]) if k else 0.0)
         caps = [c for c in srt if sum(min(x, c) for x in srt) <= Fraction(tau) * n]
-        cap = max(caps) if caps else None
+        kept = srt if sum(srt) <= Fraction(tau) * n else [x for x in srt if caps and x <= max(caps)]
         cres = sel.capped_mean_search(v, tau)
-        kept = [x for x in srt if cap is not None and x <= cap]
-        if sum(srt) <= Fraction(tau) * n:
-            kept = srt
-        assert cres.n_kept == len(kept)
+        assert cres.n_kept == len(kept) and cres.max_kept == (float(kept[-1]) if kept else 0.0)
+
+
+def test_certified_float_path_equals_exact_path_and_falls_back_when_close(monkeypatch):
+    # Means exactly at tau (dyadic values) cannot be decided from float64 sums: the exact
+    # fixed-point path must take over; elsewhere the float path must agree with it.
+    calls = {"prefix": 0, "cap": 0}
+    exact_p, exact_c = sel._prefix_mean_exact, sel._capped_exact
+
+    def spy_p(*a):
+        calls["prefix"] += 1
+        return exact_p(*a)
+
+    def spy_c(*a):
+        calls["cap"] += 1
+        return exact_c(*a)
+
+    monkeypatch.setattr(sel, "_prefix_mean_exact", spy_p)
+    monkeypatch.setattr(sel, "_capped_exact", spy_c)
+    g = torch.Generator().manual_seed(8)
+    for trial in range(300):
+        n = int(torch.randint(1, 300, (1,), generator=g))
+        if trial % 3 == 0:
+            v = (torch.randint(0, 9, (n,), generator=g).double() / 4) ** 2
+            tau = [0.25, 1.0, 0.5625, 0.0][trial % 4]  # values of the grid: exact-equality cases
+        else:
+            v = torch.distributions.StudentT(1.5).sample((n,)).double().clamp(-20, 20) ** 2
+            tau = [0.04, 0.3, 0.0][trial % 3]
+        fast = sel.prefix_mean_search(v, tau)
+        exact = exact_p(torch.sort(v).values, tau)
+        assert (fast.n_kept, fast.boundary, fast.n_equal, fast.max_kept) == \
+            (exact.n_kept, exact.boundary, exact.n_equal, exact.max_kept)
+        fc, ec = sel.capped_mean_search(v, tau), exact_c(torch.sort(v).values, tau)
+        assert (fc.n_kept, fc.cap_bound, fc.max_kept) == (ec.n_kept, ec.cap_bound, ec.max_kept)
+    assert 10 < calls["prefix"] < 250 and 10 < calls["cap"] < 250, calls
 
 
 def _dist_worker(rank, world, payload):
@@ -115,11 +148,16 @@ def test_distributed_selection_equals_local():
             got = res[r][("kth", name, k)]
             assert got == expect, (name, k, got, expect)
     for i, (v, counts, tau) in enumerate(search):
-        assert all(res[r][("prefix", i)] == sel.prefix_mean_search(v, tau) for r in range(world)), i
+        local = sel.prefix_mean_search(v, tau)
+        for r in range(world):
+            got = res[r][("prefix", i)]
+            assert (got.n_total, got.boundary, got.n_below, got.n_equal, got.n_keep_equal, got.max_kept) == \
+                (local.n_total, local.boundary, local.n_below, local.n_equal, local.n_keep_equal, local.max_kept), i
+            assert got.sum_kept == pytest.approx(local.sum_kept, rel=1e-12)
         assert all(res[r][("cap", i)] == sel.capped_mean_search(v, tau).n_kept for r in range(world)), i
     c = res[0]["counts"]
     assert c[1_000] == c[100_000]
-    # prefix: totals (4 int64) + 7 rounds of 512 x 4 int64; kth (float64 keys, 64 bits): total +
-    # 8 rounds of counts (2 buckets, then 7 x 512).
-    assert c[1_000]["calls"] == 1 + 7 + 1 + 8
-    assert c[1_000]["bytes"] == 4 * 8 + 7 * 512 * 4 * 8 + 8 + (2 + 7 * 512) * 8
+    # prefix: totals (4 int64) + 7 rounds of 512 x 4 int64 + max (1 float64); kth (float64 keys,
+    # 64 bits): total + 8 rounds of counts (2 buckets, then 7 x 512).
+    assert c[1_000]["calls"] == 1 + 7 + 1 + 1 + 8
+    assert c[1_000]["bytes"] == 4 * 8 + 7 * 512 * 4 * 8 + 8 + 8 + (2 + 7 * 512) * 8
