@@ -395,7 +395,7 @@ def build_tiny_base(out_dir: str | os.PathLike, spec: TinyBaseSpec | None = None
         torch.manual_seed(spec.seed)
         model = _build_model(spec.model, tokenizer)
         stats = _warmup(model, tokenizer, spec, progress)
-        model.save_pretrained(out, safe_serialization=True)
+        _save_model(model, out)
         tokenizer.save_pretrained(out)
     _portable_tokenizer_config(out)
     n_params = sum(p.numel() for p in model.parameters())
@@ -424,6 +424,18 @@ def build_tiny_base(out_dir: str | os.PathLike, spec: TinyBaseSpec | None = None
         log.warning("tiny base: held-out accuracy %.3f never reached the target %.2f in %d steps",
                     stats["check_acc"], spec.warmup.target_acc, stats["steps"])
     return meta
+
+
+def _save_model(model, out: Path) -> None:
+    """HF layout (config.json, generation_config.json, model.safetensors) written directly:
+    ``save_pretrained`` silently writes nothing on ranks other than 0 once torch.distributed is
+    initialised, and any rank may be the one that wins the build lock."""
+    from safetensors.torch import save_file
+
+    model.config.save_pretrained(out)
+    model.generation_config.save_pretrained(out)
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
 
 
 def _sha256(path: Path) -> str:
@@ -469,7 +481,11 @@ def ensure_tiny_base(cache_dir: str | os.PathLike, *, seed: int = 0, progress: b
         raise ValueError(f"cannot create the tiny base cache directory {root}: {e}; set "
                          f"model.tiny_cache_dir to a writable path") from e
     with open(root / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("waiting for another process that is building the tiny base model in %s", root)
+            fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             if is_complete(final):
                 return final

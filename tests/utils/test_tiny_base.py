@@ -5,11 +5,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from megatron_m2po.utils import tiny_base as tb
+
+ROOT = Path(__file__).resolve().parents[2]
 
 TASK_STRINGS = ["12+7=", "3-15=", "\\boxed{-12}", "20+20=\\boxed{40}", "0-0=\\boxed{0}",
                 "Please solve the following math problem: 12+7. Return the final answer in "
@@ -145,15 +151,44 @@ def test_incomplete_cache_is_rebuilt(tmp_path):
     assert got == path and tb.is_complete(path) and json.loads((path / "config.json").read_text())
 
 
+def _rank_ensure(rank, world_size, cache_dir):
+    """One rank of the concurrent build test: counts the builds it performs in a shared file."""
+    real_build = tb.build_tiny_base
+
+    def counting_build(out_dir, spec=None, *, progress=True):
+        with open(f"{cache_dir}/builds.log", "a") as f:
+            f.write(f"rank {rank}\n")
+        return real_build(out_dir, spec, progress=progress)
+
+    tb.build_tiny_base = counting_build
+    return str(tb.ensure_tiny_base(cache_dir, spec=FAST, progress=False))
+
+
+@pytest.mark.multiproc
+def test_concurrent_ranks_build_once(tmp_path):
+    from megatron_m2po.utils.dist_testing import run_distributed
+
+    paths = run_distributed(_rank_ensure, world_size=2, args=(str(tmp_path),), timeout_s=240)
+    assert paths[0] == paths[1] == str(tb.tiny_base_path(tmp_path, FAST))
+    assert len((tmp_path / "builds.log").read_text().splitlines()) == 1
+    assert tb.is_complete(paths[0])
+
+
 @pytest.mark.slow
 def test_default_build_accuracy_and_reward(tmp_path):
     """The real default: lands in the RL-friendly accuracy band, and its sampled responses get
-    full reward from the math grader exactly when the boxed answer is right."""
+    full reward from the math grader exactly when the boxed answer is right.
+
+    Builds into a temporary directory (~40 s on 2 idle cores), or checks the build cached in
+    ``$M2PO_TINY_CACHE`` when set, so CI can share one build with the end-to-end runs (the
+    directory name pins every build parameter; determinism is tested by the fast build).
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from megatron_m2po.rewards.math_grader import grade_math
 
-    path = tb.ensure_tiny_base(tmp_path, progress=False)
+    cache = Path(os.environ.get("M2PO_TINY_CACHE") or tmp_path).expanduser()
+    path = tb.ensure_tiny_base(cache, progress=False)
     meta = tb.load_tiny_meta(path)
     assert meta["digest"] == tb.TinyBaseSpec().digest()
     assert meta["reached_target"] is True
@@ -172,3 +207,11 @@ def test_default_build_accuracy_and_reward(tmp_path):
     # raw prompts (no "=") work too: the model emits "=" first
     raw = tb.sample_responses(model, tok, [r["problem"] for r in rows[:16]], max_new_tokens=12, seed=2)
     assert sum(t.startswith("=\\boxed{") for t in raw) >= 14
+
+    # The CLI finds the cached build (no rebuild: it returns at once) and prints its path.
+    res = subprocess.run([sys.executable, str(ROOT / "tools" / "make_tiny_base.py"),
+                          "--cache-dir", str(cache), "--no-progress"],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip().splitlines()[-1] == str(path)
+    assert "base accuracy" in res.stderr and "data.template=synthetic" in res.stderr
