@@ -49,8 +49,9 @@ def main(argv: list[str] | None = None) -> int:
           f"base accuracy {meta['base_accuracy_t1']:.3f} at temperature 1 "
           f"({meta['base_accuracy_eval_problems']} problems), warm-up {meta['steps']} steps "
           f"in {meta['warmup_seconds']} s\n"
-          f"prompt {meta['prompt_template']!r} -> response {meta['response_template']!r} "
-          f"(use data.template={meta['data_template']})", file=sys.stderr)
+          f"format: prompt {meta['example']['prompt']!r} -> response "
+          f"{meta['example']['response']!r} + </s> (use data.template={meta['data_template']})",
+          file=sys.stderr)
     print(path)
     return 0
 
