@@ -1,0 +1,224 @@
+"""``m2po experiment staleness``: table / collapse logic by hand, planning, resume bookkeeping,
+figures, and one short real run of M2PO s=k vs GRPO s=k (the robust part of the paper's claims)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_m2po.config import ConfigError, load_config
+from megatron_m2po.experiment import (
+    ARMS, FAST_K, FAST_OVERRIDES, ArmRun, CollapseRule, MetricsTail, collapse_verdict, format_table, plan,
+    pooled_base_reward, step_records, summarize_arm, write_figures)
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIG = str(REPO / "examples" / "staleness_tiny.yaml")
+
+
+def _step(update, step, **kv):
+    return {"step": update, "time": 0.0, "train/step": float(step), **kv}
+
+
+def _records(rewards, accs=None, tr=None, tr_key="loss/clip_frac", U=4):
+    """Step-level records (x = updates) interleaved with per-update records, as the loop logs them."""
+    recs = []
+    for s, rew in enumerate(rewards):
+        u = (s + 1) * U
+        for j in range(1, U):
+            recs.append({"step": u - U + j, "update/optim/grad_norm": 1.0, "update/" + tr_key: 0.9})
+        kv = {"rollout/reward_mean": rew, "policy/kl_k3": 0.01 * (s + 1)}
+        if accs is not None and accs[s] is not None:
+            kv["eval/synthetic/acc"] = accs[s]
+        if tr is not None:
+            kv[tr_key] = tr[s]
+        recs.append(_step(u, s, **kv))
+    return recs
+
+
+# ------------------------------------------------------------------------------ table logic
+
+def test_step_records_drop_per_update_records():
+    recs = _records([0.1, 0.2, 0.3])
+    assert [r["step"] for r in step_records(recs)] == [4, 8, 12]
+
+
+def test_summary_values_by_hand():
+    rewards = [0.30, 0.40, 0.50, 0.60, 0.55, 0.50, 0.45, 0.40, 0.35, 0.30]
+    accs = [None, 0.40, None, 0.70, None, 0.65, None, 0.50, None, 0.30]
+    clip = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0]
+    rule = CollapseRule(acc_ratio=0.5, reward_margin=0.05, tail_frac=0.2)
+    s = summarize_arm(_records(rewards, accs, clip), arm="grpo_sk", label="GRPO s=8", loss="grpo",
+                      staleness=8, rule=rule)
+    assert s.steps == 10 and s.updates == 40
+    assert s.best_acc == 0.70 and s.best_acc_update == 16  # step 3 ends at update 16
+    assert s.final_acc == 0.30
+    assert s.base_reward == 0.30  # step 0 by default
+    assert s.final_reward == pytest.approx((0.35 + 0.30) / 2)  # last 20 % = 2 steps
+    assert s.best_reward == pytest.approx((0.60 + 0.55) / 2)
+    assert s.mean_tr_frac == pytest.approx(0.55)  # mean of 0.1 .. 1.0, update-only records ignored
+    assert s.mean_kl_k3 == pytest.approx(0.01 * 5.5)
+    # final acc 0.30 < 0.5 * 0.70 -> collapsed; reward 0.325 is not below 0.30 - 0.05
+    assert s.collapsed is True
+    assert "held-out" in s.collapse_reason and "reward" not in s.collapse_reason
+
+
+def test_collapse_by_reward_only_and_stable_run():
+    rule = CollapseRule(reward_margin=0.05, tail_frac=0.25)
+    down = summarize_arm(_records([0.40, 0.45, 0.30, 0.20]), arm="no_tr_sk", label="x", loss="no_tr",
+                         staleness=8, rule=rule)
+    assert down.best_acc is None and down.mean_tr_frac == 0.0
+    assert down.final_reward == pytest.approx(0.20)
+    assert down.collapsed is True and "reward" in down.collapse_reason
+    # a pooled base reward replaces step 0
+    up = summarize_arm(_records([0.40, 0.45, 0.50, 0.36]), arm="m2po_sk", label="x", loss="m2po", staleness=8,
+                       rule=rule, base_reward=0.40)
+    assert up.base_reward == 0.40 and up.collapsed is False  # 0.36 >= 0.40 - 0.05
+    assert summarize_arm(_records([0.40, 0.45, 0.50, 0.34]), arm="m2po_sk", label="x", loss="m2po",
+                         staleness=8, rule=rule, base_reward=0.40).collapsed is True  # 0.34 < 0.35
+
+
+def test_collapse_acc_boundary_and_no_data():
+    from megatron_m2po.experiment import ArmSummary
+    s = ArmSummary(arm="a", label="a", loss="grpo", staleness=0, steps=3, updates=12, best_acc=0.6, final_acc=0.3)
+    assert collapse_verdict(s, CollapseRule(acc_ratio=0.5)) == (False, "")  # exactly half is not below
+    s.final_acc = 0.299
+    assert collapse_verdict(s, CollapseRule(acc_ratio=0.5))[0] is True
+    empty = ArmSummary(arm="a", label="a", loss="grpo", staleness=0, steps=0, updates=0)
+    assert collapse_verdict(empty) == (None, "no data")
+    assert summarize_arm([], arm="a", label="a", loss="grpo", staleness=0).collapsed is None
+
+
+def test_pooled_base_reward_uses_steps_trained_on_base_rollouts():
+    # U=4, k=8: steps 0, 1, 2 train on version-0 rollouts (generation_version = max(0, 4s - 8)).
+    stale = _records([0.30, 0.32, 0.34, 0.90, 0.95])
+    onpol = _records([0.36, 0.80, 0.85])  # k=0: only step 0
+    assert pooled_base_reward([(stale, 8, 4), (onpol, 0, 4)]) == pytest.approx((0.30 + 0.32 + 0.34 + 0.36) / 4)
+    assert pooled_base_reward([]) is None
+
+
+def test_table_markdown():
+    rows = [summarize_arm(_records([0.3, 0.5], [0.4, 0.6], [0.1, 0.3]), arm="grpo_sk", label="GRPO s=8",
+                          loss="grpo", staleness=8),
+            summarize_arm(_records([0.3, 0.1]), arm="no_tr_sk", label="no trust region s=8", loss="no_tr",
+                          staleness=8),
+            summarize_arm(_records([0.3, 0.5], tr=[0.01, 0.03], tr_key="m2po/mask_frac"), arm="m2po_sk",
+                          label="M2PO s=8", loss="m2po", staleness=8)]
+    table = format_table(rows, CollapseRule())
+    lines = table.splitlines()
+    assert lines[0].startswith("| arm |") and len([l for l in lines if l.startswith("| ")]) == 4
+    assert "| GRPO s=8 | 8 | 8 | 0.600 (8) | 0.600 |" in table
+    assert "20.0% clip" in table and "0.0% (none)" in table and "2.0% mask" in table
+    assert lines[3].endswith("| yes |") and lines[2].endswith("| no |")
+    assert CollapseRule().describe() in table
+
+
+# ------------------------------------------------------------------------------ planning / resume
+
+def test_plan_arms_differ_only_in_loss_and_staleness(tmp_path):
+    runs, spec = plan(CONFIG, ["optim.lr=2e-4"], list(ARMS), None, str(tmp_path), fast=False)
+    cfg = load_config(CONFIG, ["optim.lr=2e-4"])
+    k = cfg.trainer.stale_k
+    assert spec["k"] == k >= 1 and spec["seed"] == cfg.trainer.seed
+    U = cfg.trainer.num_updates_per_step
+    assert spec["max_staleness"] >= k + U - 1
+    varying = {"algo.loss", "trainer.stale_k", "trainer.run_dir"}
+    common = None
+    for r in runs:
+        ov = dict(o.split("=", 1) for o in r.overrides)
+        assert ov["algo.loss"] == r.arm.loss and ov["trainer.mode"] == "stale_k"
+        assert int(ov["trainer.stale_k"]) == (k if r.arm.stale else 0)
+        assert Path(ov["trainer.run_dir"]) == (tmp_path / r.arm.name).resolve() == r.run_dir
+        assert ov["optim.lr"] == "2e-4"
+        rest = {key: v for key, v in ov.items() if key not in varying}
+        common = rest if common is None else common
+        assert rest == common, "arms must not differ in anything but loss, staleness and run dir"
+        assert r.command[:4] == [sys.executable, "-m", "megatron_m2po.cli", "train"]
+        assert r.expected_steps == cfg.trainer.num_steps
+        arm_cfg = load_config(CONFIG, r.overrides)
+        assert arm_cfg.trainer.seed == cfg.trainer.seed and arm_cfg.data == cfg.data
+
+
+def test_plan_fast_and_errors(tmp_path):
+    runs, spec = plan(CONFIG, [], ["m2po_sk", "grpo_sk"], None, str(tmp_path), fast=True)
+    assert spec["k"] == FAST_K and [r.arm.name for r in runs] == ["m2po_sk", "grpo_sk"]
+    assert all(o in runs[0].overrides for o in FAST_OVERRIDES)
+    # user overrides come after the fast ones, so they win
+    runs, _ = plan(CONFIG, ["trainer.num_steps=3"], ["m2po_sk"], 4, str(tmp_path), fast=True)
+    assert runs[0].expected_steps == 3 and "trainer.stale_k=4" in runs[0].overrides
+    with pytest.raises(ConfigError, match="unknown arm"):
+        plan(CONFIG, [], ["ppo_sk"], None, str(tmp_path), fast=False)
+    with pytest.raises(ConfigError, match="k >= 1"):
+        plan(CONFIG, [], ["m2po_sk"], 0, str(tmp_path), fast=False)
+    with pytest.raises(ConfigError):
+        plan(CONFIG, ["trainer.prompts_per_update=7"], ["m2po_sk"], None, str(tmp_path), fast=False)
+
+
+def test_finished_arm_is_skipped_only_with_the_same_settings(tmp_path):
+    runs, _ = plan(CONFIG, [], ["m2po_sk"], None, str(tmp_path), fast=False)
+    r = runs[0]
+    assert not r.finished_before()
+    r.run_dir.mkdir(parents=True)
+    r.done_file.write_text(json.dumps({"overrides": r.overrides}))
+    assert r.finished_before()
+    other, _ = plan(CONFIG, ["optim.lr=1e-3"], ["m2po_sk"], None, str(tmp_path), fast=False)
+    with pytest.raises(ValueError, match="different settings"):
+        other[0].finished_before()
+
+
+def test_metrics_tail_reads_only_complete_lines(tmp_path):
+    p = tmp_path / "metrics.jsonl"
+    t = MetricsTail(p)
+    assert t.poll() is False and t.steps_done == 0
+    first = json.dumps({"step": 4, "train/step": 0.0, "rollout/reward_mean": 0.3}) + "\n"
+    second = json.dumps({"step": 8, "train/step": 1.0, "rollout/reward_mean": 0.5, "m2po/mask_frac": 0.01})
+    p.write_text(first + json.dumps({"step": 5, "update/x": 1.0}) + "\n" + second[:20])
+    assert t.poll() is True and t.steps_done == 1 and t.last["rollout/reward_mean"] == 0.3
+    with open(p, "a") as f:
+        f.write(second[20:] + "\n")
+    assert t.poll() is True and t.steps_done == 2
+    assert "reward 0.500" in t.describe("m2po") and "mask 0.010" in t.describe("m2po")
+
+
+def test_figures_one_png_per_metric(tmp_path):
+    runs = {"grpo_s0": _records([0.3, 0.4, 0.5], [0.3, 0.4, 0.5], [0.01, 0.02, 0.03]),
+            "no_tr_sk": _records([0.3, 0.4, 0.2], [0.3, 0.4, 0.2]),
+            "m2po_sk": _records([0.3, 0.4, 0.5], [0.3, 0.4, 0.5], [0.001, 0.002, 0.001], "m2po/mask_frac")}
+    runs["m2po_sk"][-1]["m2po/m2_before"] = 0.05
+    written = write_figures(runs, 8, tmp_path / "fig")
+    names = {p.name for p in written}
+    assert {"heldout_acc.png", "reward.png", "trust_region.png", "m2.png", "kl.png"} <= names
+    assert "grad_norm.png" not in names  # no arm logged optim/grad_norm at step level
+    assert all(p.stat().st_size > 5000 for p in written)
+
+
+# ------------------------------------------------------------------------------ a real short run
+
+@pytest.mark.slow
+def test_fast_experiment_m2po_masks_far_less_than_grpo_clips_and_does_not_collapse(tmp_path):
+    out = tmp_path / "exp"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "megatron_m2po.cli", "experiment", "staleness", CONFIG, "--fast",
+           "--arms", "m2po_sk", "grpo_sk", "--out", str(out), "--parallel", "2", "--no-progress"]
+    p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    logs = "".join((out / a / "train.log").read_text()[-3000:] for a in ("m2po_sk", "grpo_sk")
+                   if (out / a / "train.log").is_file())
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:] + logs
+    summary = json.loads((out / "summary.json").read_text())
+    arms = {a["arm"]: a for a in summary["arms"]}
+    m2, grpo = arms["m2po_sk"], arms["grpo_sk"]
+    assert m2["steps"] == grpo["steps"] == summary["spec"]["num_steps"]
+    assert m2["staleness"] == grpo["staleness"] == FAST_K
+    # (3) M2PO masks far fewer tokens than GRPO clips on the same stale data.
+    assert grpo["mean_tr_frac"] > 0.01, grpo
+    assert m2["mean_tr_frac"] < 0.25 * grpo["mean_tr_frac"], (m2, grpo)
+    # M2PO at s=k does not collapse: its reward at the end is not below the base model's by a margin.
+    assert m2["final_reward"] >= summary["spec"]["base_reward"] - 0.05, (m2, summary["spec"])
+    # a finished experiment is skipped on re-run and the report is rebuilt
+    p2 = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert p2.returncode == 0 and "| M2PO s=8 |" in p2.stdout, p2.stderr[-2000:]
+    assert (out / "figures" / "trust_region.png").is_file()
