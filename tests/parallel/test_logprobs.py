@@ -1,7 +1,7 @@
 """fused_logprobs_entropy against a naive reference (full logits, log_softmax, autograd).
 
-TP = 1 runs in-process; TP = 2 and 3 run over gloo, one spawn each executing many cases; the
-parent gathers the weight-gradient shards and compares with the reference on the full weight.
+TP = 1 runs in-process; TP = 2 and 3 run over gloo in one 3-process spawn executing many cases;
+the parent gathers the weight-gradient shards and compares with the reference on the full weight.
 """
 
 from __future__ import annotations
@@ -212,60 +212,46 @@ def test_logprobs_rejects_bad_inputs():
 
 # ---------------------------------------------------------------------------- tensor parallel
 
-def _tp_worker(rank, world_size, cases, seed):
-    group = dist.new_group(list(range(world_size)))
+def _tp_worker(rank, world_size, plan, seed):
+    """Run ``plan`` = [(tp, case)]: tp = world_size on all ranks, tp = 2 on ranks 0 and 1."""
+    groups = {world_size: dist.new_group(list(range(world_size))), 2: dist.new_group([0, 1])}
     results = []
-    for i, case in enumerate(cases):
+    for i, (tp, case) in enumerate(plan):
+        if rank >= tp:
+            results.append(None)
+            continue
         lp_mod._V_BLOCK = (2048, 4, 1)[i % 3]  # one vocab tile per shard, several, per column
         dtype, T, H, V, chunk, temp, with_ent, vocab_size, terms = case
-        hidden, weight, targets, g_logp, g_ent = make_case(seed, T, H, V, dtype, vocab_size,
-                                                           tp=world_size)
+        hidden, weight, targets, g_logp, g_ent = make_case(seed, T, H, V, dtype, vocab_size, tp=tp)
         gl, ge = _loss_grads(case, g_logp, g_ent)
-        shard = V // world_size
-        w_shard = weight[rank * shard:(rank + 1) * shard]
-        res = run_fused(hidden, w_shard, targets, gl, ge, tp_group=group,
-                        vocab_start=rank * shard, chunk_rows=chunk, temperature=temp,
-                        compute_entropy=with_ent, vocab_size=vocab_size)
+        shard = V // tp
+        res = run_fused(hidden, weight[rank * shard:(rank + 1) * shard], targets, gl, ge,
+                        tp_group=groups[tp], vocab_start=rank * shard, chunk_rows=chunk,
+                        temperature=temp, compute_entropy=with_ent, vocab_size=vocab_size)
         # numpy, not tensors: torch would pass tensors by shared-memory fds that die with us
         results.append(tuple(None if t is None else t.numpy() for t in res))
     # a target that falls in the padding must raise on every rank (no hang)
-    hidden, weight, targets, _, _ = make_case(seed, 4, 3, 8, torch.float32, tp=world_size)
-    shard = 8 // world_size
+    hidden, weight, targets, _, _ = make_case(seed, 4, 3, 3 * world_size, torch.float32)
     try:
-        fused_logprobs_entropy(hidden, weight[rank * shard:(rank + 1) * shard],
-                               torch.tensor([0, 7, 1, 2]), tp_group=group,
-                               vocab_start=rank * shard, vocab_size=7)
+        fused_logprobs_entropy(hidden, weight[rank * 3:(rank + 1) * 3],
+                               torch.tensor([0, 3 * world_size - 1, 1, 2]),
+                               tp_group=groups[world_size], vocab_start=rank * 3,
+                               vocab_size=3 * world_size - 1)
         raised = False
     except ValueError:
         raised = True
     return results, raised
 
 
-def _check_tp(world_size, cases, seed=13):
-    outs = run_distributed(_tp_worker, world_size, args=(cases, seed), timeout_s=120)
-    assert all(raised for _, raised in outs)
-    for i, case in enumerate(cases):
-        dtype, T, H, V, *_rest = case
-        vocab_size = case[7]
-        hidden, weight, targets, g_logp, g_ent = make_case(seed, T, H, V, dtype, vocab_size,
-                                                           tp=world_size)
-        per_rank = [tuple(None if a is None else torch.from_numpy(a) for a in res[i])
-                    for res, _ in outs]
-        logp, ent, gh, _ = per_rank[0]
-        for other in per_rank[1:]:  # replicated outputs and hidden gradient
-            torch.testing.assert_close(other[0], logp, rtol=0, atol=0)
-            torch.testing.assert_close(other[2], gh, rtol=0, atol=0)
-        gw = torch.cat([r[3] for r in per_rank])
-        _check_against_reference(case, (logp, ent, gh, gw), hidden, weight, targets, g_logp, g_ent)
-
-
 @pytest.mark.multiproc
-def test_logprobs_tp2_matches_naive():
-    T = 10
-    cases = [(dt, T, 5, 12, chunk, temp, True, None, "both")
-             for dt, chunk, temp in itertools.product((torch.float64, torch.float32),
-                                                      (1, 3, T, T + 5), (1.0, 0.7))]
-    cases += [
+def test_logprobs_tp2_and_tp3_match_naive():
+    """One 3-process spawn: TP = 2 cases on ranks {0, 1}, TP = 3 cases on all three."""
+    T, seed = 10, 13
+    # Few collectives: under load each one waits for every rank to be scheduled.
+    tp2 = [(torch.float64, T, 5, 12, chunk, temp, True, None, "both")
+           for chunk, temp in ((1, 1.0), (3, 0.7), (T, 0.7), (T + 5, 1.0))]
+    tp2 += [
+        (torch.float32, T, 5, 12, 4, 0.7, True, None, "both"),
         (torch.float64, T, 5, 12, 4, 1.2, False, None, "logp"),
         (torch.float64, T, 5, 12, 3, 0.8, True, None, "ent"),
         (torch.float64, T, 5, 12, 4, 0.9, True, 10, "both"),   # padding inside rank 1's shard
@@ -273,12 +259,20 @@ def test_logprobs_tp2_matches_naive():
         (torch.float32, T, 5, 12, 3, 1.0, True, 11, "both"),
         (torch.float64, 0, 5, 12, 4, 1.0, True, None, "both"),  # no rows
     ]
-    _check_tp(2, cases)
-
-
-@pytest.mark.multiproc
-def test_logprobs_tp3_matches_naive():
-    cases = [(torch.float64, 8, 4, 12, 3, 0.7, True, None, "both"),
-             (torch.float64, 8, 4, 12, 5, 1.0, True, 10, "both"),
-             (torch.float32, 8, 4, 12, 8, 1.1, False, None, "logp")]
-    _check_tp(3, cases)
+    tp3 = [(torch.float64, 8, 4, 12, 3, 0.7, True, None, "both"),
+           (torch.float64, 8, 4, 12, 5, 1.0, True, 10, "both"),
+           (torch.float32, 8, 4, 12, 8, 1.1, False, None, "logp")]
+    plan = [(2, c) for c in tp2] + [(3, c) for c in tp3]
+    outs = run_distributed(_tp_worker, 3, args=(plan, seed), timeout_s=150)
+    assert all(raised for _, raised in outs)
+    for i, (tp, case) in enumerate(plan):
+        dtype, T, H, V, *_rest = case
+        hidden, weight, targets, g_logp, g_ent = make_case(seed, T, H, V, dtype, case[7], tp=tp)
+        per_rank = [tuple(None if a is None else torch.from_numpy(a) for a in res[i])
+                    for res, _ in outs[:tp]]
+        logp, ent, gh, _ = per_rank[0]
+        for other in per_rank[1:]:  # replicated outputs and hidden gradient
+            torch.testing.assert_close(other[0], logp, rtol=0, atol=0)
+            torch.testing.assert_close(other[2], gh, rtol=0, atol=0)
+        gw = torch.cat([r[3] for r in per_rank])
+        _check_against_reference(case, (logp, ent, gh, gw), hidden, weight, targets, g_logp, g_ent)
