@@ -43,7 +43,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    # Options may come after the dotted overrides (`m2po plan x.yaml a.b=1 --tp 4`): argparse
+    # stops filling a `nargs="*"` positional at the first option, so collect the rest here.
+    args, extra = parser.parse_known_args(argv)
+    stray = [x for x in extra if x.startswith("-") or "=" not in x]
+    if stray or (extra and not hasattr(args, "overrides")):
+        parser.error(f"unrecognized arguments: {' '.join(stray or extra)}")
+    if extra:
+        args.overrides = list(args.overrides or []) + extra
     try:
         rc = args.func(args)
     except ConfigError as e:

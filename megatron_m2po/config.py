@@ -99,7 +99,7 @@ class ParallelConfig:
     micro_batch_size: int = _f(1, ge=1, help="Sequences per micro-batch.")
     recompute: Literal["none", "selective", "full"] = _f("none", help="Activation recomputation.")
     backend: Literal["auto", "nccl", "gloo"] = _f("auto", help="torch.distributed backend; auto = nccl with CUDA, gloo without.")
-    logprob_chunk_rows: int = _f(1024, ge=1, help="Rows per chunk of the fused vocab-parallel log-prob.")
+    logprob_chunk_rows: int = _f(2048, ge=1, help="Rows per chunk of the fused vocab-parallel log-prob.")
     timeout_s: float = _f(1800.0, gt=0, help="Collective timeout for the training process groups.")
 
 
@@ -175,7 +175,8 @@ class RolloutConfig:
     weight_sync_timeout_s: float = _f(300.0, gt=0, help="Timeout of a weight update (a dead engine cannot hang training).")
     producer: str = _f("megatron_m2po.rollout.producer:default_producer",
                        help="Rollout producer, 'module:function' (slime-style custom rollout functions allowed).")
-    fp8_weights: bool = _f(False, help="Quantise exported weights to FP8 for engines that serve FP8 (nvidia-modelopt).")
+    fp8_weights: bool = _f(False, help="Quantise exported weights to per-tensor FP8 for engines that serve FP8 "
+                           "(nvidia-modelopt; rollout/fp8.py). Pair with algo.recompute_behav_logprobs=true and algo.tis=true.")
 
 
 @dataclass

@@ -200,8 +200,13 @@ class RolloutDriver:
                                version=self.engine_version, group_prefix=prefix, metadata=meta,
                                max_attempts=r.max_retries + 1)
 
-    def generate_for_step(self, step: int, *, background: bool = True) -> concurrent.futures.Future:
-        """Draw this step's prompts now (deterministic order) and generate the missing groups."""
+    def generate_for_step(self, step: int, *, background: bool = True,
+                          recompute: Optional[Any] = None) -> concurrent.futures.Future:
+        """Draw this step's prompts now (deterministic order) and generate the missing groups.
+
+        ``recompute(groups)``, when given, runs in the calling thread on the generated groups
+        before they are stored (trainer-side behaviour log-probs); it forces ``background=False``.
+        """
         prompts = self.dataset.next_prompts(self.cfg.trainer.prompts_per_step)
         prefix = f"s{step:06d}"
         gids = [f"{prefix}-g{i:05d}" for i in range(len(prompts))]
@@ -211,11 +216,20 @@ class RolloutDriver:
             log.info("step %d: %d/%d groups already in the store (generated before a restart)", step, len(have),
                      len(gids))
         if not todo:
+            if recompute is not None:
+                recompute([])  # the other ranks take part in the (empty) recompute
             done: concurrent.futures.Future = concurrent.futures.Future()
             done.set_result(0)
             return done
         ctx = self._context(prefix, step=step, generated_at=self.engine_version)
         positions = [gids.index(g) for g in gids if g not in have]
+        if recompute is not None:
+            groups = self._bg.submit(self._generate(ctx, todo, positions)).result()
+            recompute(groups)
+            self.store.put_groups(groups, current_version=ctx.version)
+            done = concurrent.futures.Future()
+            done.set_result(len(groups))
+            return done
         fut = self._bg.submit(self._generate_and_store(ctx, todo, positions))
         self._inflight.append(fut)
         if not background:
@@ -232,6 +246,13 @@ class RolloutDriver:
 
     async def _generate_and_store_locked(self, ctx: ProducerContext, prompts: list, positions: list[int]) -> int:
         t0 = time.perf_counter()
+        fixed = await self._generate(ctx, prompts, positions)
+        await asyncio.get_running_loop().run_in_executor(
+            None, lambda: self.store.put_groups(fixed, current_version=ctx.version))
+        self.gen_seconds += time.perf_counter() - t0
+        return len(fixed)
+
+    async def _generate(self, ctx: ProducerContext, prompts: list, positions: list[int]) -> list[Group]:
         groups = await self.producer(ctx, prompts)
         if len(groups) != len(prompts):
             raise RuntimeError(f"producer returned {len(groups)} groups for {len(prompts)} prompts")
@@ -242,10 +263,7 @@ class RolloutDriver:
             for j, t in enumerate(g.trajectories):
                 t.group_id, t.uid = gid, f"{gid}-{j}"
             fixed.append(Group(gid, g.trajectories))
-        await asyncio.get_running_loop().run_in_executor(
-            None, lambda: self.store.put_groups(fixed, current_version=ctx.version))
-        self.gen_seconds += time.perf_counter() - t0
-        return len(fixed)
+        return fixed
 
     def wait_generation(self) -> None:
         """Block until every submitted generation is stored; re-raises its error."""

@@ -191,12 +191,32 @@ class Trainer:
         out = {}
         if self.engines_version != version:
             out["sync/weight_s"] = self._push_weights()
+        if self.cfg.algo.recompute_behav_logprobs:
+            # The trainer's own log-probs of the generated tokens at this version: every rank
+            # takes part, so generation is synchronous here.
+            for s in steps:
+                if self.rank == 0:
+                    self.driver.generate_for_step(s, recompute=self._recompute_behaviour)
+                else:
+                    self._recompute_behaviour(None)
+            return out
         if self.rank == 0:
             # On-policy data is needed right away; stale data overlaps with training.
-            background = self.k > 0 and not self.cfg.algo.recompute_behav_logprobs
             for s in steps:
-                self.driver.generate_for_step(s, background=background)
+                self.driver.generate_for_step(s, background=self.k > 0)
         return out
+
+    def _recompute_behaviour(self, groups: Optional[list]) -> None:
+        """All ranks: trainer log-probs of freshly generated groups (rank 0 passes them)."""
+        from megatron_m2po.actor.batch import RolloutBatch, Sample
+        groups = _broadcast(groups)
+        trajs = [t for g in groups for t in g.trajectories]
+        batch = RolloutBatch([Sample(uid=t.uid, prompt_ids=t.prompt_ids, response_ids=t.response_ids,
+                                     behav_logprobs=t.behav_logprobs, advantages=np.float32(0.0),
+                                     loss_mask=t.loss_mask, versions=t.versions) for t in trajs])
+        logps = self.actor.compute_logprobs(batch) if trajs else []
+        for t, lp in zip(trajs, logps):
+            t.recomputed_behav_logprobs = np.minimum(np.asarray(lp, dtype=np.float32), 0.0)
 
     # ------------------------------------------------------------------ one step
     def _fetch_step(self, step: int) -> tuple[Any, list, Any]:
