@@ -19,6 +19,11 @@ gathers tensor/pipeline shards and names them as HF does) or an HF checkpoint di
   dead engine raises ``WeightSyncError`` naming it instead of hanging the trainer; the next
   push rebuilds the group.
 
+``fp8=True`` (``rollout.fp8_weights``) quantises the linears of the decoder blocks to per-tensor
+FP8 on the way out (``megatron_m2po/rollout/fp8.py``: ``.weight`` in float8_e4m3fn plus a float32
+``.weight_scale``, and ``quantization_config`` in each exported config.json), for engines that
+serve FP8.
+
 Only trainer rank 0 calls ``push``; the other ranks must still run ``iter_hf_weights()``
 alongside it when that gathers collectively (the actor's concern).
 """
@@ -141,8 +146,12 @@ class DiskWeightSync(_Base):
 
     def __init__(self, engine_urls: list[str], sync_dir: str, *, base_model_dir: Optional[str] = None,
                  timeout_s: float = 300.0, pause_mode: Optional[str] = "in_place", keep_last: int = 2,
-                 shard_mb: float = 4096.0) -> None:
+                 shard_mb: float = 4096.0, fp8: bool = False) -> None:
+        if fp8 and not base_model_dir:
+            raise ValueError("DiskWeightSync(fp8=True) needs base_model_dir: the FP8 marker goes into the "
+                             "config.json copied from it")
         super().__init__(engine_urls, timeout_s=timeout_s, pause_mode=pause_mode)
+        self.fp8 = fp8
         self.sync_dir, self.base_model_dir = Path(sync_dir), base_model_dir
         self.keep_last, self.shard_bytes = max(keep_last, 1), int(shard_mb * 2**20)
         self.sync_dir.mkdir(parents=True, exist_ok=True)
@@ -156,6 +165,10 @@ class DiskWeightSync(_Base):
         tmp.mkdir(parents=True)
         shards: list[dict[str, torch.Tensor]] = [{}]
         size = total = n = 0
+        skipped: list[str] = []
+        if self.fp8:
+            from megatron_m2po.rollout.fp8 import quantize_named
+            weights = quantize_named(weights, skipped=skipped)
         for name, t in weights:
             t = t.detach().to("cpu").contiguous()
             if size and size + _nbytes(t) > self.shard_bytes:
@@ -180,6 +193,9 @@ class DiskWeightSync(_Base):
                 src = Path(self.base_model_dir) / f
                 if src.exists():
                     shutil.copy2(src, tmp / f)
+        if self.fp8:
+            from megatron_m2po.rollout.fp8 import write_fp8_config
+            write_fp8_config(tmp, skipped)
         with open(tmp / "m2po_version.json", "w") as fh:
             json.dump({"version": int(version)}, fh)
             fh.flush()
@@ -226,8 +242,9 @@ class DistributedWeightSync(_Base):
     def __init__(self, engine_urls: list[str], *, master_address: str = "127.0.0.1", master_port: int = 0,
                  backend: str = "gloo", bucket_mb: float = 512.0, timeout_s: float = 300.0,
                  pause_mode: Optional[str] = "in_place", group_name: str = "m2po_weight_sync",
-                 device: Optional[str] = None) -> None:
+                 device: Optional[str] = None, fp8: bool = False) -> None:
         super().__init__(engine_urls, timeout_s=timeout_s, pause_mode=pause_mode)
+        self.fp8 = fp8
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"backend={backend!r}: use 'nccl' (GPU engines) or 'gloo' (CPU workers)")
         if bucket_mb <= 0:
@@ -284,8 +301,13 @@ class DistributedWeightSync(_Base):
     # ------------------------------------------------------------------ push
     def push(self, weights: Weights, version: int, engine_urls: Optional[list[str]] = None) -> SyncStats:
         urls = tuple(u.rstrip("/") for u in (engine_urls or self.engine_urls))
+        already_fp8 = False
         if isinstance(weights, (str, os.PathLike)):
+            already_fp8 = _is_fp8_dir(str(weights))
             weights = _iter_dir(str(weights))
+        if self.fp8 and not already_fp8:
+            from megatron_m2po.rollout.fp8 import quantize_named
+            weights = quantize_named(weights)
         t0 = time.perf_counter()
         if self._pg is None or self._members != urls:
             self.connect(list(urls))
@@ -355,6 +377,15 @@ def _new_group(backend: str, host: str, port: int, rank: int, world: int, name: 
     opts = dist.ProcessGroupNCCL.Options()
     opts._timeout = timeout
     return dist.ProcessGroupNCCL(prefix, rank, world, opts)
+
+
+def _is_fp8_dir(path: str) -> bool:
+    try:
+        cfg = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    from megatron_m2po.rollout.fp8 import is_fp8_config
+    return is_fp8_config(cfg)
 
 
 def _iter_dir(path: str) -> Iterator[tuple[str, torch.Tensor]]:

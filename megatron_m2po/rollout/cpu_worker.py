@@ -152,13 +152,32 @@ class Engine:
     """Model, scheduler and weight updates; the HTTP layer is in ``make_app``."""
 
     def __init__(self, model_path: str, *, max_running: int = 64, seed: int = 0,
-                 weight_version: str = "default", dist_timeout_s: float = 300.0) -> None:
+                 weight_version: str = "default", dist_timeout_s: float = 300.0,
+                 quantization: Optional[str] = None) -> None:
         from transformers import AutoConfig, AutoModelForCausalLM
 
         self.model_path = model_path
         self.config = AutoConfig.from_pretrained(model_path)
-        self.model = AutoModelForCausalLM.from_pretrained(
-            model_path, dtype=torch.float32, attn_implementation="eager").eval()
+        self.fp8 = None  # FP8 emulation (megatron_m2po.rollout.fp8.FakeQuantFP8) when serving FP8
+        from megatron_m2po.rollout.fp8 import is_fp8_config
+        fp8_ckpt = is_fp8_config(self.config)
+        if quantization not in (None, "fp8"):
+            raise ValueError(f"quantization={quantization!r}: the CPU worker supports only 'fp8'")
+        if fp8_ckpt:
+            # An FP8 checkpoint: build the float model, wrap it in modelopt fake quantisation,
+            # then load weight + weight_scale pairs through the FP8 loader (load_weights).
+            del self.config.quantization_config
+            self.model = AutoModelForCausalLM.from_config(self.config, dtype=torch.float32,
+                                                          attn_implementation="eager").eval()
+        else:
+            self.model = AutoModelForCausalLM.from_pretrained(
+                model_path, dtype=torch.float32, attn_implementation="eager").eval()
+        if fp8_ckpt or quantization == "fp8":
+            from megatron_m2po.rollout.fp8 import FakeQuantFP8
+            self.fp8 = FakeQuantFP8(self.model)  # a float checkpoint is quantised on load
+            self.model = self.fp8.model.eval()
+        if fp8_ckpt:
+            self.load_from_disk(model_path)
         self.tokenizer = None
         if glob.glob(os.path.join(model_path, "tokenizer*")):
             from transformers import AutoTokenizer
@@ -379,7 +398,13 @@ class Engine:
 
     # ---------------------------------------------------------------- weights
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """Copy tensors into the model in place (HF names); unknown names or shapes fail."""
+        """Copy tensors into the model in place (HF names); unknown names or shapes fail.
+
+        FP8 engines take FP8 pairs (``.weight`` float8 + ``.weight_scale``) or float weights
+        (quantised on load); see ``megatron_m2po/rollout/fp8.py``.
+        """
+        if self.fp8 is not None:
+            named = self.fp8.convert(named)
         params = dict(self.model.named_parameters())
         params.update(dict(self.model.named_buffers()))
         tied = bool(getattr(self.config, "tie_word_embeddings", False))
@@ -408,6 +433,8 @@ class Engine:
         n = 0
         for f in files:
             n += self.load_weights(load_file(f).items())
+        if self.fp8 is not None:
+            self.fp8.check_complete()
         return n
 
     def init_group(self, req: dict) -> None:
@@ -539,6 +566,7 @@ def make_app(engine: Engine):
         return ok({"model_path": engine.model_path, "tokenizer_path": model_info()["tokenizer_path"],
                    "tp_size": 1, "dp_size": 1, "pp_size": 1, "context_length": engine.context_len,
                    "max_running_requests": engine.max_running, "weight_version": engine.weight_version,
+                   "quantization": "fp8" if engine.fp8 is not None else None,
                    "version": _VERSION, "engine": "m2po-cpu-worker", "internal_states": [{}]})
 
     async def get_weight_version(request):
@@ -676,6 +704,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--dist-timeout-s", type=float, default=300.0,
                    help="Timeout of weight-update group collectives.")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads.")
+    p.add_argument("--quantization", choices=["fp8"], default=None,
+                   help="Serve FP8 (modelopt fake quantisation); an FP8 checkpoint is detected from config.json.")
     args = p.parse_args(argv)
     if not os.path.isfile(os.path.join(args.model_path, "config.json")):
         p.error(f"--model-path {args.model_path!r} is not an HF model directory (no config.json)")
@@ -685,7 +715,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
     from aiohttp import web
     engine = Engine(args.model_path, max_running=args.max_running_requests, seed=args.seed,
-                    weight_version=args.weight_version, dist_timeout_s=args.dist_timeout_s)
+                    weight_version=args.weight_version, dist_timeout_s=args.dist_timeout_s,
+                    quantization=args.quantization)
     log.info("serving %s on http://%s:%d", args.model_path, args.host, args.port)
     web.run_app(make_app(engine), host=args.host, port=args.port, print=None, access_log=None,
                 shutdown_timeout=2.0)
