@@ -49,7 +49,9 @@ def _versions(urls):
 @pytest.fixture(scope="module")
 def ray_fleet(tiny_model_dir, tmp_path_factory):
     from transformers import AutoModelForCausalLM
-    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=100 * 2**20, log_to_driver=False)
+    # address="local": a fresh 2-CPU cluster even when RAY_ADDRESS points at another one.
+    ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=100 * 2**20,
+             log_to_driver=False)
     run_dir = tmp_path_factory.mktemp("ray_run")
     cfg = RolloutConfig(engine="cpu_worker", launcher="ray", num_engines=2, base_port=0, use_router=True,
                         concurrency=8, weight_sync_timeout_s=30.0, ray_cpus_per_engine=1.0)
