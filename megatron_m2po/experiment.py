@@ -71,6 +71,7 @@ TR_KEY = {"grpo": "loss/clip_frac", "m2po": "m2po/mask_frac"}
 
 # --fast: a short variant for CI and smoke tests (user overrides given on the command line win).
 FAST_OVERRIDES = [
+    "optim.lr=1e-4",
     "trainer.num_steps=6",
     "trainer.prompts_per_step=16",
     "trainer.prompts_per_update=4",
