@@ -33,6 +33,7 @@ base model: step 0 of every arm, the first ``k / U + 1`` steps of the stale arms
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -411,6 +412,7 @@ class ArmRun:
     rc: Optional[int] = None
     wall_s: float = 0.0
     expected_steps: int = 0
+    config_sha256: str = ""
 
     def __post_init__(self) -> None:
         self.tail = MetricsTail(self.run_dir / "metrics.jsonl")
@@ -419,18 +421,21 @@ class ArmRun:
     def done_file(self) -> Path:
         return self.run_dir / DONE_FILE
 
-    def finished_before(self) -> bool:
+    def finished_before(self, strict: bool = True) -> bool:
+        """Whether this arm's run finished earlier; with ``strict``, with the same config and overrides."""
         if not self.done_file.is_file():
             return False
         try:
             done = json.loads(self.done_file.read_text())
         except ValueError:
             return False
-        if done.get("overrides") != self.overrides:
+        then = (done.get("overrides"), done.get("config_sha256"))
+        same = then[0] == self.overrides and then[1] in (None, self.config_sha256)  # None: written before digests
+        if strict and not same:
             raise ValueError(
-                f"{self.run_dir} holds a finished run of arm {self.arm.name} with different settings "
-                f"({done.get('overrides')} vs now {self.overrides}); use a fresh --out directory or delete "
-                f"{self.run_dir}")
+                f"{self.run_dir} holds a finished run of arm {self.arm.name} with different settings (config "
+                f"sha256 {str(then[1])[:12]}, overrides {then[0]}; now {self.config_sha256[:12]}, {self.overrides}); "
+                f"use a fresh --out directory or delete {self.run_dir}")
         return True
 
     def start(self, env: dict[str, str]) -> None:
@@ -456,7 +461,8 @@ class ArmRun:
         if self.rc == 0 and self.tail.steps_done >= self.expected_steps:
             self.status = "done"
             self.done_file.write_text(json.dumps({
-                "arm": self.arm.name, "overrides": self.overrides, "command": self.command, "rc": self.rc,
+                "arm": self.arm.name, "overrides": self.overrides, "config_sha256": self.config_sha256,
+                "command": self.command, "rc": self.rc,
                 "wall_s": round(self.wall_s, 1), "finished_at": time.strftime("%Y-%m-%d %H:%M:%S")}, indent=2))
         elif self.rc == 0:
             self.status = "stopped"  # it checkpointed on a signal before the last step
@@ -571,6 +577,7 @@ def plan(config: str, overrides: Sequence[str], arms: Sequence[str], k: Optional
     if k < 1:
         raise ConfigError(f"staleness k={k}: the stale arms need k >= 1; pass --k or set trainer.stale_k in {config}")
     U = cfg.trainer.num_updates_per_step
+    digest = hashlib.sha256(Path(config).read_bytes()).hexdigest()
     out_dir = Path(out if out else cfg.trainer.run_dir)
     max_staleness = max(cfg.store.max_staleness, k + U - 1)
     runs = []
@@ -580,7 +587,7 @@ def plan(config: str, overrides: Sequence[str], arms: Sequence[str], k: Optional
         arm_ov = base + arm_overrides(arm, k, run_dir, max_staleness)
         arm_cfg = load_config(config, arm_ov)  # fail before anything starts
         cmd = [sys.executable, "-m", "megatron_m2po.cli", "train", str(config), *arm_ov]
-        r = ArmRun(arm=arm, run_dir=run_dir, command=cmd, overrides=arm_ov)
+        r = ArmRun(arm=arm, run_dir=run_dir, command=cmd, overrides=arm_ov, config_sha256=digest)
         r.expected_steps = arm_cfg.trainer.num_steps
         runs.append(r)
     spec = {"config": str(config), "overrides": list(overrides), "fast": fast, "k": k, "updates_per_step": U,
@@ -690,7 +697,7 @@ def run(args: argparse.Namespace) -> int:
         (out_dir / SPEC_FILE).write_text(json.dumps(spec, indent=2) + "\n")
     else:
         for r in runs:
-            r.status = "done" if r.finished_before() else "incomplete"
+            r.status = "done" if r.finished_before(strict=False) else "incomplete"
     report(runs, spec, out_dir, figures_dir, smooth=args.smooth)
     bad = [r for r in runs if r.status not in ("done", "skipped")]
     for r in bad:

@@ -164,8 +164,14 @@ def test_finished_arm_is_skipped_only_with_the_same_settings(tmp_path):
     r = runs[0]
     assert not r.finished_before()
     r.run_dir.mkdir(parents=True)
-    r.done_file.write_text(json.dumps({"overrides": r.overrides}))
+    r.done_file.write_text(json.dumps({"overrides": r.overrides, "config_sha256": r.config_sha256}))
     assert r.finished_before()
+    edited = tmp_path / "edited.yaml"
+    edited.write_text(Path(CONFIG).read_text() + "\n# edited\n")
+    changed, _ = plan(str(edited), [], ["m2po_sk"], None, str(tmp_path), fast=False)
+    with pytest.raises(ValueError, match="different settings"):
+        changed[0].finished_before()
+    assert changed[0].finished_before(strict=False)  # --report-only reads it anyway
     other, _ = plan(CONFIG, ["optim.lr=1e-3"], ["m2po_sk"], None, str(tmp_path), fast=False)
     with pytest.raises(ValueError, match="different settings"):
         other[0].finished_before()
