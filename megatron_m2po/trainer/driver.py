@@ -67,7 +67,10 @@ class RolloutDriver:
         self.external = cfg.rollout.source == "external"
         self.fleet: Optional[EngineFleet] = None
         if not self.external or cfg.rollout.external_addrs:
-            self.fleet = EngineFleet(cfg.rollout, model_path, run_dir=str(run_dir), refit_fn=self._refit)
+            # FP8 engines quantise at load and take the FP8 checkpoints the weight sync exports.
+            extra = ["--quantization", "fp8"] if cfg.rollout.fp8_weights else []
+            self.fleet = EngineFleet(cfg.rollout, model_path, run_dir=str(run_dir), refit_fn=self._refit,
+                                     extra_engine_args=extra)
             self.fleet.start()
         self.weight_sync = self._make_weight_sync()
         self._bg = _BackgroundLoop()
@@ -121,7 +124,7 @@ class RolloutDriver:
         if r.weight_sync == "disk" or self.external:
             # External harnesses load the published v<version> directories themselves.
             return ws.DiskWeightSync(self.engine_urls, str(self.sync_dir), base_model_dir=self.model_path,
-                                     timeout_s=r.weight_sync_timeout_s)
+                                     timeout_s=r.weight_sync_timeout_s, fp8=r.fp8_weights)
         import os
 
         import torch
@@ -129,7 +132,7 @@ class RolloutDriver:
         addr = os.environ.get("M2PO_WEIGHT_SYNC_ADDR") or os.environ.get("MASTER_ADDR") or "127.0.0.1"
         sync = ws.DistributedWeightSync(self.engine_urls, master_address=addr, timeout_s=r.weight_sync_timeout_s,
                                         backend="nccl" if torch.cuda.is_available() else "gloo",
-                                        bucket_mb=r.weight_sync_bucket_mb)
+                                        bucket_mb=r.weight_sync_bucket_mb, fp8=r.fp8_weights)
         sync.connect()
         return sync
 
@@ -175,7 +178,8 @@ class RolloutDriver:
         """Push ``weights`` ((hf_name, tensor) iterator) to every engine; returns seconds."""
         self.wait_generation()
         t0 = time.perf_counter()
-        self.weight_sync.push(weights, version)
+        # The fleet's current URLs: a replaced engine (e.g. a new Ray actor) may have moved.
+        self.weight_sync.push(weights, version, engine_urls=self.engine_urls)
         self.engine_version = version
         self.store.set_version(version)
         return time.perf_counter() - t0

@@ -126,3 +126,21 @@ def test_sigkill_and_resume_lose_and_duplicate_nothing(tmp_path):
         for key in ("staleness/max", "m2po/n_trust"):
             assert before[u][key] == after[u][key], (u, key)
         assert before[u]["loss/policy"] == pytest.approx(after[u]["loss/policy"], rel=1e-4, abs=1e-6)
+
+
+def test_reward_rises_on_the_synthetic_task(tmp_path):
+    """M2PO at staleness 4-7 (the quick-start setting) improves the tiny base model.
+
+    The base model samples the right answer ~30% of the time; 12 steps of 512 trajectories
+    raise it by ~10 points. The margin (4 points between the means of the first and last three
+    steps, each over 1536 samples, std of the difference ~1.7 points) holds across seeds.
+    """
+    run = tmp_path / "rise"
+    _train(run, "trainer.num_steps=12", "trainer.prompts_per_step=64", "trainer.prompts_per_update=16",
+           "trainer.stale_k=4", "rollout.num_engines=2", "checkpoint.save_every_steps=0", timeout=560)
+    steps = [r for r in _records(run) if "rollout/reward_mean" in r]
+    assert len(steps) == 12
+    acc = [r["rollout/acc"] for r in steps]
+    first, last = sum(acc[:3]) / 3, sum(acc[-3:]) / 3
+    assert last > first + 0.04, f"accuracy did not rise: first steps {acc[:3]}, last steps {acc[-3:]}"
+    assert all(r["m2po/mask_frac"] < 0.05 for r in steps)
