@@ -73,3 +73,39 @@ def hf_logprobs(hf_dir: str, prompt_ids, response_ids, temperature: float = 1.0)
     p = len(prompt_ids)
     rows = torch.arange(p - 1, p - 1 + len(response_ids))
     return lp[rows, torch.tensor(response_ids)].float().numpy()
+
+
+def make_samples(n: int, *, seed: int = 0, vocab: int = 128, prompt=(2, 6), response=(3, 9), version: int = 0):
+    """Random samples with variable prompt / response lengths (behav log-probs filled in later)."""
+    import numpy as np
+
+    from megatron_m2po.actor.batch import Sample
+
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        p, r = int(rng.integers(*prompt)), int(rng.integers(*response))
+        mask = np.ones(r, np.uint8)
+        if r > 3:
+            mask[-1] = 0  # exercise response tokens that are not trained on
+        out.append(Sample(uid=f"s{i}", prompt_ids=rng.integers(0, vocab, p), response_ids=rng.integers(0, vocab, r),
+                          behav_logprobs=np.zeros(r, np.float32),
+                          advantages=np.float32(rng.standard_normal()), loss_mask=mask,
+                          versions=np.full(r, version)))
+    return out
+
+
+def actor_config(hf_dir: str, *, tp: int = 1, pp: int = 1, mbs: int = 2, loss: str = "m2po", lr: float = 1e-3,
+                 dist_opt: bool = False):
+    from megatron_m2po.config import Config
+
+    cfg = Config()
+    cfg.model.hf_path = hf_dir
+    cfg.parallel.tensor_parallel, cfg.parallel.pipeline_parallel = tp, pp
+    cfg.parallel.micro_batch_size = mbs
+    cfg.parallel.use_distributed_optimizer = dist_opt
+    cfg.algo.loss = loss
+    cfg.optim.lr = lr
+    cfg.optim.weight_decay = 0.0
+    cfg.rollout.temperature = 1.0
+    return cfg

@@ -1,0 +1,435 @@
+"""MegatronActor: token log-probs and M2PO / baseline training steps on Megatron-Core.
+
+Every rank constructs the actor and receives the *same* global :class:`RolloutBatch`. The actor
+splits it into optimizer mini-batches (in order), each mini-batch into contiguous data-parallel
+shards (``batch.dp_shard``) and each shard into right-padded micro-batches
+(``batch.make_microbatches``: padding, not packing — see ``MicroBatch``). Pipeline stages run
+Megatron's own schedules (``get_forward_backward_func``); the last stage turns final hidden
+states of *response rows only* into log-probs with the vocab-parallel fused kernel
+(``parallel/logprobs.py``), so ``[tokens, vocab]`` logits never exist.
+
+One optimizer update (``_update``), DESIGN §3:
+
+1. M2PO (global scope): a forward-only pre-pass at the current weights gives ``logp_theta`` for
+   every token of the mini-batch; ``m2po_mask`` then selects the global mask over the data x
+   context parallel group of the last stage (tensor-parallel ranks hold identical values and
+   are in different DP groups, so nothing is counted twice), ordered by the canonical token
+   index (sample order in the mini-batch, then position). Other losses skip the pre-pass (their
+   policy metrics come from the training forward, which runs at the same weights).
+2. forward-backward over the micro-batches with the mask fixed. The loss of a micro-batch is
+   ``sum(...) / N`` with ``N`` the response-token count (``loss_mask``) of the whole mini-batch.
+   Every rank holds the global batch, so ``N`` is computed locally and equals the DP x CP
+   all-reduce of the per-rank counts. Megatron is told ``calculate_per_token_loss`` (no division
+   by micro-batch count, gradients *summed* over data parallel ranks) and its grad finaliser is
+   called without a token count, so the gradient is exactly ``d/dθ [-(1/N) Σ M r A]`` over the
+   mini-batch whatever the TP / PP / DP layout and micro-batch size (tested).
+3. Megatron's optimizer step (Adam, grad clipping, optional distributed optimizer), the LR
+   scheduler, ``version += 1``.
+
+Context parallelism is not implemented in the actor yet (``ValueError``); the local layer spec
+has no CP attention either.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from functools import partial
+from typing import Any, Iterator, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron_m2po.actor.batch import MicroBatch, RolloutBatch, dp_shard, make_microbatches
+from megatron_m2po.config import Config
+
+__all__ = ["MegatronActor", "init_parallel"]
+
+
+def init_parallel(cfg: Config) -> bool:
+    """torch.distributed (if needed) + Megatron parallel state. Returns True if it created the group.
+
+    Without CUDA the CPU emulation (``platform.cpu``) is enabled and gloo is used.
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+
+    p = cfg.parallel
+    cuda = torch.cuda.is_available()
+    if not cuda:
+        from megatron_m2po.platform import cpu
+
+        cpu.enable()
+    if p.context_parallel > 1:
+        raise ValueError(f"parallel.context_parallel={p.context_parallel}: context parallelism is not implemented "
+                         "in the actor yet; use tensor / pipeline / data parallelism")
+    backend = p.backend if p.backend != "auto" else ("nccl" if cuda else "gloo")
+    created = False
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:  # a single process without torchrun
+            from megatron_m2po.utils.dist_testing import free_port
+
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
+                              LOCAL_RANK="0")
+        if cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=p.timeout_s))
+        created = True
+    world = dist.get_world_size()
+    mp = p.tensor_parallel * p.pipeline_parallel * p.context_parallel
+    if world % mp:
+        raise ValueError(f"world size {world} is not a multiple of tensor_parallel x pipeline_parallel x "
+                         f"context_parallel = {p.tensor_parallel} x {p.pipeline_parallel} x {p.context_parallel}")
+    if not ps.model_parallel_is_initialized():
+        ps.initialize_model_parallel(
+            tensor_model_parallel_size=p.tensor_parallel, pipeline_model_parallel_size=p.pipeline_parallel,
+            virtual_pipeline_model_parallel_size=p.virtual_pipeline_parallel,
+            context_parallel_size=p.context_parallel,
+            distributed_timeout_minutes=max(1, int(p.timeout_s // 60)))
+    elif (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()) != \
+            (p.tensor_parallel, p.pipeline_parallel):
+        raise ValueError("Megatron parallel state is already initialised with a different layout than "
+                         f"parallel.tensor_parallel={p.tensor_parallel}, pipeline_parallel={p.pipeline_parallel}")
+    tensor_parallel.model_parallel_cuda_manual_seed(cfg.trainer.seed)
+    return created
+
+
+def _unwrap(module):
+    while hasattr(module, "module"):
+        module = module.module
+    return module
+
+
+class MegatronActor:
+    """The policy on Megatron-Core: log-probs, training updates, checkpoints, HF export.
+
+    Collective: every rank of the job calls every method with the same arguments.
+
+    Example:
+        >>> actor = MegatronActor.from_config(cfg)
+        >>> logps = actor.compute_logprobs(batch)             # list of float32 [R_i]
+        >>> metrics = actor.train_step(batch, num_minibatches=4)  # one dict per update
+        >>> actor.version
+        4
+    """
+
+    def __init__(self, cfg: Config, chunks: list, bridge, ddp_chunks: list, optimizer, scheduler,
+                 *, owns_process_group: bool = False) -> None:
+        from megatron.core import parallel_state as ps
+
+        self.cfg = cfg
+        self.chunks = chunks            # unwrapped GPTModel chunks of this pipeline rank
+        self.bridge = bridge
+        self.model = ddp_chunks         # DDP-wrapped chunks (what the schedules run)
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.version = 0
+        self._last_mask: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+        self._owns_pg = owns_process_group
+        self._tconfig = chunks[0].config
+        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else \
+            torch.device("cpu")
+        self.tp_size = ps.get_tensor_model_parallel_world_size()
+        self.tp_rank = ps.get_tensor_model_parallel_rank()
+        self.tp_group = ps.get_tensor_model_parallel_group()
+        self.pp_size = ps.get_pipeline_model_parallel_world_size()
+        self.pp_group = ps.get_pipeline_model_parallel_group()
+        self.dp_size = ps.get_data_parallel_world_size(with_context_parallel=True)
+        self.dp_rank = ps.get_data_parallel_rank(with_context_parallel=True)
+        self.dp_group = ps.get_data_parallel_group(with_context_parallel=True)
+        self.is_last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)
+        self.last_stage_rank = ps.get_pipeline_model_parallel_last_rank()
+        self.vocab_size = int(bridge.hf_config.vocab_size)
+        self.temperature = float(cfg.rollout.temperature)
+        # Megatron hooks: exact loss scaling (see module doc) and DDP grad sync control.
+        from megatron.core.distributed import finalize_model_grads
+
+        def _finalize(model, num_tokens=None, **kwargs):
+            return finalize_model_grads(model, None, **kwargs)
+
+        self._tconfig.finalize_model_grads_func = _finalize
+        self._tconfig.no_sync_func = [m.no_sync for m in ddp_chunks] if len(ddp_chunks) > 1 else ddp_chunks[0].no_sync
+        self._tconfig.grad_scale_func = optimizer.scale_loss
+
+    # ---------------------------------------------------------------------------------- build
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> "MegatronActor":
+        """Initialise distributed / Megatron state, build the model from ``cfg.model.hf_path``, the optimizer."""
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        from megatron_m2po.actor.model import build_model
+
+        if cfg.model.hf_path == "tiny":
+            from megatron_m2po.utils.tiny_base import ensure_tiny_base
+
+            cfg.model.hf_path = str(ensure_tiny_base(os.path.expanduser(cfg.model.tiny_cache_dir)))
+        created = init_parallel(cfg)
+        chunks, bridge = build_model(cfg)
+        p, o, dtype = cfg.parallel, cfg.optim, cfg.model.dtype
+        ddp_cfg = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False, overlap_param_gather=False,
+            use_distributed_optimizer=p.use_distributed_optimizer, check_for_nan_in_grad=True, bucket_size=None)
+        ddp_chunks = [DistributedDataParallel(config=c.config, ddp_config=ddp_cfg, module=c, disable_bucketing=i > 0)
+                      for i, c in enumerate(chunks)]
+        for m in ddp_chunks:
+            m.broadcast_params()
+        opt_cfg = OptimizerConfig(
+            optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay, adam_beta1=o.adam_beta1,
+            adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, clip_grad=o.grad_clip, bf16=dtype == "bfloat16",
+            fp16=dtype == "float16", params_dtype=chunks[0].config.params_dtype,
+            use_distributed_optimizer=p.use_distributed_optimizer)
+        optimizer = get_megatron_optimizer(opt_cfg, ddp_chunks)
+        total = max(1, cfg.trainer.num_steps * cfg.trainer.num_updates_per_step)
+        scheduler = OptimizerParamScheduler(
+            optimizer, init_lr=0.0 if o.warmup_updates else o.lr, max_lr=o.lr, min_lr=o.min_lr,
+            lr_warmup_steps=o.warmup_updates, lr_decay_steps=max(total, o.warmup_updates + 1),
+            lr_decay_style=o.lr_schedule, start_wd=o.weight_decay, end_wd=o.weight_decay,
+            wd_incr_steps=total, wd_incr_style="constant")
+        return cls(cfg, chunks, bridge, ddp_chunks, optimizer, scheduler, owns_process_group=created)
+
+    # ------------------------------------------------------------------------------ schedules
+
+    def _microbatches(self, samples: list, indices) -> list[MicroBatch]:
+        mbs = make_microbatches(samples, indices, self.cfg.parallel.micro_batch_size)
+        for mb in mbs:
+            for name in ("tokens", "position_ids", "row_pos", "row_seq", "targets", "behav_logprobs",
+                         "advantages", "loss_mask", "engine_logprobs", "seq_index", "token_index"):
+                t = getattr(mb, name)
+                if t is not None:
+                    setattr(mb, name, t.to(self.device))
+        return mbs
+
+    def _token_logprobs(self, mb: MicroBatch, model, hidden: torch.Tensor, with_entropy: bool):
+        """Log-probs (and entropy) of the response tokens of ``mb`` from last-stage hidden states [S, B, H]."""
+        from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+        from megatron_m2po.actor.model import output_weight
+        from megatron_m2po.parallel.logprobs import fused_logprobs_entropy
+
+        if self._tconfig.sequence_parallel:
+            # The fused kernel returns the full hidden gradient on every TP rank: split, don't reduce.
+            hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False)
+        rows = hidden[mb.row_pos, mb.row_seq]
+        weight = output_weight(_unwrap(model))
+        return fused_logprobs_entropy(
+            rows, weight, mb.targets, tp_group=self.tp_group if self.tp_size > 1 else None,
+            vocab_start=self.tp_rank * weight.shape[0], chunk_rows=self.cfg.parallel.logprob_chunk_rows,
+            temperature=self.temperature, compute_entropy=with_entropy, vocab_size=self.vocab_size)
+
+    def _run(self, mbs: list[MicroBatch], loss_fn, *, forward_only: bool) -> list[Any]:
+        """Megatron's schedule over ``mbs``; ``loss_fn(mb, model, hidden) -> (loss, n_tokens, payload)``.
+
+        Returns the payloads (last pipeline stage; empty elsewhere).
+        """
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        def forward_step(data_iterator, model):
+            mb = next(data_iterator)
+            out = model(mb.tokens, mb.position_ids, None)
+            return out, partial(loss_fn, mb, model)
+
+        iters: Any = iter(mbs) if len(self.model) == 1 else [iter(mbs) for _ in self.model]
+        return get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iters,
+            model=self.model if len(self.model) > 1 else self.model[0], num_microbatches=len(mbs),
+            seq_length=max(mb.tokens.shape[1] for mb in mbs), micro_batch_size=self.cfg.parallel.micro_batch_size,
+            forward_only=forward_only)
+
+    def _forward_logprobs(self, mbs: list[MicroBatch], with_entropy: bool) -> list[dict]:
+        def loss_fn(mb, model, hidden):
+            logp, ent = self._token_logprobs(mb, model, hidden, with_entropy)
+            return (torch.zeros((), device=self.device), torch.tensor(mb.num_tokens, dtype=torch.int),
+                    {"logp": logp.detach(), "entropy": None if ent is None else ent.detach()})
+
+        with torch.no_grad():
+            return self._run(mbs, loss_fn, forward_only=True)
+
+    def _gather_to_all(self, samples: list, shard_values: list[torch.Tensor], shard: range) -> torch.Tensor:
+        """Flat per-token values of all samples on every rank: one SUM all-reduce over the world.
+
+        Exactly one rank (last stage, TP rank 0) writes each value; all other entries are 0.
+        """
+        lengths = [s.response_ids.shape[0] for s in samples]
+        offsets = np.concatenate([[0], np.cumsum(lengths)])
+        buf = torch.zeros(int(offsets[-1]), dtype=torch.float32, device=self.device)
+        if self.is_last_stage and self.tp_rank == 0 and len(shard):
+            lo, hi = int(offsets[shard.start]), int(offsets[shard.stop])
+            buf[lo:hi] = torch.cat(shard_values).float()
+        dist.all_reduce(buf)
+        return buf
+
+    # --------------------------------------------------------------------------------- public
+
+    def compute_logprobs(self, batch: RolloutBatch, with_entropy: bool = False):
+        """Per-sample float32 log-probs of the response tokens (every rank gets all of them).
+
+        With ``with_entropy`` returns ``(logprobs, entropies)``, two lists of float32 [R_i].
+        Uses the current weights, forward only, at the rollout temperature.
+        """
+        samples = batch.samples
+        if not samples:
+            return ([], []) if with_entropy else []
+        shard = dp_shard(len(samples), self.dp_size, self.dp_rank)
+        mbs = self._microbatches(samples, shard)
+        outs = self._forward_logprobs(mbs, with_entropy) if mbs else []
+        lp = self._gather_to_all(samples, [o["logp"] for o in outs], shard)
+        ent = self._gather_to_all(samples, [o["entropy"] for o in outs], shard) if with_entropy else None
+        lengths = np.cumsum([0] + [s.response_ids.shape[0] for s in samples])
+        split = lambda t: [t[lengths[i]:lengths[i + 1]].cpu().numpy() for i in range(len(samples))]  # noqa: E731
+        return (split(lp), split(ent)) if with_entropy else split(lp)
+
+    def train_step(self, batch: RolloutBatch, num_minibatches: int = 1) -> list[dict[str, float]]:
+        """``num_minibatches`` optimizer updates over consecutive equal parts of ``batch``.
+
+        Returns one metrics dict per update, reduced across ranks as each metric declares.
+        """
+        for model in self.model:
+            model.train()
+        return [self._update(mini) for mini in batch.split(num_minibatches)]
+
+    def _update(self, mini: RolloutBatch) -> dict[str, float]:
+        from megatron_m2po.algo.losses import compute_policy_loss, tis_weights
+        from megatron_m2po.algo.m2_mask import m2po_mask
+        from megatron_m2po.algo.metrics import Metric, reduce_metrics
+
+        a = self.cfg.algo
+        samples = mini.samples
+        if len(samples) < self.dp_size:
+            raise ValueError(f"an optimizer mini-batch of {len(samples)} samples cannot be split over "
+                             f"{self.dp_size} data-parallel ranks; use at least {self.dp_size} samples per update")
+        denom = float(mini.num_response_tokens)  # global N (identical on all ranks: they hold the whole batch)
+        if denom == 0:
+            raise ValueError("the optimizer mini-batch has no response tokens with loss_mask=1")
+        shard = dp_shard(len(samples), self.dp_size, self.dp_rank)
+        mbs = self._microbatches(samples, shard)
+        use_global_mask = a.loss == "m2po" and a.m2_scope == "global"
+
+        # 1. pre-pass and global M2 mask (last stage only; its DP x CP group spans last-stage ranks only)
+        keeps: list[Optional[torch.Tensor]] = [None] * len(mbs)
+        m2_metrics: dict[str, float] = {}
+        if use_global_mask:
+            outs = self._forward_logprobs(mbs, with_entropy=False)
+            if self.is_last_stage:
+                logp = torch.cat([o["logp"] for o in outs])
+                behav = torch.cat([mb.behav_logprobs for mb in mbs]).to(logp.dtype)
+                delta = (logp - behav).clamp(-a.logratio_clamp, a.logratio_clamp)
+                keep, stats = m2po_mask(
+                    delta, torch.cat([mb.advantages for mb in mbs]), torch.cat([mb.loss_mask for mb in mbs]),
+                    threshold=a.m2_threshold, rule=a.m2_rule, group=self.dp_group if self.dp_size > 1 else None,
+                    order_key=torch.cat([mb.token_index for mb in mbs]))
+                keeps = list(torch.split(keep, [mb.num_tokens for mb in mbs]))
+                m2_metrics = {f"m2po/{k}": float(getattr(stats, k))
+                              for k in ("m2_before", "m2_after", "mask_frac", "threshold_value", "n_trust")}
+                self._last_mask = (torch.cat([mb.token_index for mb in mbs]).cpu(), keep.cpu())  # for tests
+
+        # 2. forward-backward with the mask fixed
+        local: list[dict] = []
+
+        def loss_fn(mb, model, hidden, keep=None):
+            logp, ent = self._token_logprobs(mb, model, hidden, with_entropy=True)
+            behav, adv = mb.behav_logprobs.to(logp.dtype), mb.advantages.to(logp.dtype)
+            metrics: dict = {}
+            if a.loss == "m2po" and keep is None:  # m2_scope=microbatch: this micro-batch on this rank only
+                delta = (logp.detach() - behav).clamp(-a.logratio_clamp, a.logratio_clamp)
+                keep, st = m2po_mask(delta, adv, mb.loss_mask, threshold=a.m2_threshold, rule=a.m2_rule,
+                                     order_key=mb.token_index)
+                metrics.update({
+                    "m2po/mask_frac": Metric(st.mask_frac, "mean", st.n_valid),
+                    "m2po/m2_before": Metric(st.m2_before, "mean", st.n_trust),
+                    "m2po/m2_after": Metric(st.m2_after, "mean", st.n_trust - st.n_masked),
+                    "m2po/threshold_value": Metric(st.threshold_value, "max"),
+                    "m2po/n_trust": Metric(st.n_trust, "sum")})
+            tis = None
+            if a.tis and mb.engine_logprobs is not None:
+                tis = tis_weights(behav, mb.engine_logprobs.to(logp.dtype), a.tis_cap)
+            loss, lm = compute_policy_loss(a.loss, logp, behav, adv, mb.loss_mask, denominator=denom, algo_cfg=a,
+                                           keep=keep, seq_index=mb.seq_index, tis_weight=tis)
+            metrics.update(lm)
+            mask = mb.loss_mask.to(logp.dtype)
+            if a.entropy_coef > 0:
+                loss = loss - a.entropy_coef * (ent * mask).sum() / denom
+            n = float(mask.sum())
+            metrics["policy/entropy"] = Metric(float((ent.detach() * mask).sum() / max(n, 1.0)), "mean", n)
+            if mb.engine_logprobs is not None:  # KL(engine || trainer-behaviour), k1 on engine samples
+                mis = mb.engine_logprobs.to(logp.dtype) - behav
+                metrics["mismatch/train_vs_engine_kl"] = Metric(float((mis * mask).sum() / max(n, 1.0)), "mean", n)
+            metrics["loss/total"] = Metric(float(loss.detach()), "sum")
+            local.append(metrics)
+            return loss, torch.tensor(mb.num_tokens, dtype=torch.int), None
+
+        it = iter(keeps)
+        for m in self.model:
+            m.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        self._run(mbs, lambda mb, model, hidden: loss_fn(mb, model, hidden, next(it)), forward_only=False)
+
+        # 3. optimizer step
+        self.scheduler.step(increment=1)  # update u runs at the LR of step u + 1 (warm-up starts above 0)
+        ok, grad_norm, _ = self.optimizer.step()
+        if not ok:
+            raise RuntimeError("the optimizer step was skipped (non-finite gradients)")
+        self.version += 1
+
+        # 4. metrics: reduce on the last stage's DP x CP group, then share with the other stages
+        out: dict[str, float] = {}
+        if self.is_last_stage:
+            out = reduce_metrics(local, group=self.dp_group if self.dp_size > 1 else None)
+            out.update(m2_metrics)
+        if self.pp_size > 1:
+            obj = [out]
+            dist.broadcast_object_list(obj, src=self.last_stage_rank, group=self.pp_group)
+            out = obj[0]
+        out = dict(out)
+        if grad_norm is not None:
+            out["optim/grad_norm"] = float(grad_norm)
+        out["optim/lr"] = float(self.optimizer.param_groups[0]["lr"])
+        out.update(self._staleness(mini, self.version - 1))
+        return out
+
+    @staticmethod
+    def _staleness(mini: RolloutBatch, update: int) -> dict[str, float]:
+        v = np.concatenate([s.versions[s.loss_mask > 0] for s in mini.samples])
+        if v.size == 0:
+            return {}
+        st = update - v
+        return {"staleness/mean": float(st.mean()), "staleness/max": float(st.max()),
+                "staleness/min": float(st.min())}
+
+    # ------------------------------------------------------------------- weights / checkpoints
+
+    def iter_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(hf_name, full tensor)`` with TP / PP shards gathered (collective: all ranks iterate)."""
+        from megatron_m2po.actor.model import iter_hf_weights
+
+        return iter_hf_weights(self.chunks, self.bridge)
+
+    def export_hf(self, path: str) -> None:
+        """HF safetensors + config + tokenizer files of the current weights (rank 0 writes)."""
+        from megatron_m2po.actor.model import export_hf
+
+        export_hf(self.chunks, self.bridge, path)
+        dist.barrier()
+
+    def save_checkpoint(self, path: str, extra_state: Optional[dict] = None) -> None:
+        """Atomic checkpoint (weights, optimizer, RNG, version, ``extra_state``); updates ``<parent>/latest``."""
+        from megatron_m2po.actor.checkpoint import save_checkpoint
+
+        save_checkpoint(self, path, extra_state or {})
+
+    def load_checkpoint(self, path: str, *, model_only: bool = False) -> dict:
+        """Restore from ``path`` (a checkpoint, or its parent holding ``latest``); returns the extra state."""
+        from megatron_m2po.actor.checkpoint import load_checkpoint
+
+        return load_checkpoint(self, path, model_only=model_only)
+
+    def close(self) -> None:
+        from megatron.core import parallel_state as ps
+
+        if ps.model_parallel_is_initialized():
+            ps.destroy_model_parallel()
+        if self._owns_pg and dist.is_initialized():
+            dist.destroy_process_group()

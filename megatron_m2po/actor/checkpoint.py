@@ -1,0 +1,213 @@
+"""Actor checkpoints: Megatron distributed checkpoint + RNG + step/version + extra state, atomically.
+
+Layout of one checkpoint directory ``<dir>/<name>/``::
+
+    dist/            megatron.core.dist_checkpointing (torch_dist): model sharded_state_dict and the
+                     optimizer's sharded state (any TP / PP / DP layout can reload it)
+    rng/rank_<r>.pt  per-rank RNG: torch CPU (+ CUDA), Megatron's model-parallel tracker, numpy, random
+    actor.json       version, scheduler state, layout it was written with
+    extra_state.json the caller's dict (e.g. the rollout-store cursor), JSON
+
+Atomicity: every rank writes into ``<name>.tmp``; after a barrier rank 0 renames it to ``<name>``
+and then writes ``<dir>/latest`` (the name, via a temporary file and ``os.replace``). A crash at any
+point leaves either the previous complete checkpoint as ``latest`` or the new one; a partial
+``.tmp`` directory is never read. ``load_checkpoint`` accepts a checkpoint directory or its parent
+(then ``latest`` is followed).
+
+Resuming restores weights, Adam moments and step counts, the LR schedule, RNG streams and
+``actor.version``, so the next update is the one an uninterrupted run would have made (tested).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+__all__ = ["save_checkpoint", "load_checkpoint", "resolve_checkpoint", "LATEST"]
+
+LATEST = "latest"
+_FORMAT = 1
+_OPT_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
+
+
+def _sharded_state(actor, is_loading: bool, with_optimizer: bool = True) -> dict:
+    model_sd = {}
+    if len(actor.chunks) == 1:
+        model_sd["model"] = actor.chunks[0].sharded_state_dict()
+    else:
+        for i, c in enumerate(actor.chunks):
+            model_sd[f"model{i}"] = c.sharded_state_dict()
+    state = dict(model_sd)
+    if not with_optimizer:
+        return state
+    # Distributed optimizer: 'dp_reshardable' (reloads at the same TP / PP layout, any DP size). The
+    # default format is no longer loadable in 0.16, and 'fully_reshardable' fails to load with the torch
+    # Adam fallback (no TE / apex: it drops the 'step' entry it then copies). The plain optimizer's
+    # state is per parameter and reshards freely.
+    state["optimizer"] = actor.optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=_OPT_METADATA)
+    return state
+
+
+def _rng_state() -> dict:
+    from megatron.core import tensor_parallel
+
+    st = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "random": random.getstate(),
+          "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
+    if torch.cuda.is_available():
+        st["cuda"] = torch.cuda.get_rng_state()
+    return st
+
+
+def _set_rng_state(st: dict) -> None:
+    from megatron.core import tensor_parallel
+
+    torch.set_rng_state(st["torch"])
+    np.random.set_state(st["numpy"])
+    random.setstate(st["random"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(st["tracker"])
+    if torch.cuda.is_available() and "cuda" in st:
+        torch.cuda.set_rng_state(st["cuda"])
+
+
+def save_checkpoint(actor, path: str, extra_state: dict[str, Any]) -> None:
+    """Write a complete checkpoint of ``actor`` to ``path`` (collective; see the module doc)."""
+    from megatron.core import dist_checkpointing
+
+    try:
+        extra_json = json.dumps(extra_state)
+    except TypeError as e:
+        raise ValueError(f"extra_state must be JSON-serialisable (plain dicts, lists, numbers, strings): {e}") from None
+    final = Path(path)
+    tmp = final.with_name(final.name + ".tmp")
+    rank = dist.get_rank()
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        (tmp / "dist").mkdir(parents=True)
+        (tmp / "rng").mkdir()
+    dist.barrier()
+    dist_checkpointing.save(_sharded_state(actor, is_loading=False), str(tmp / "dist"))
+    torch.save(_rng_state(), tmp / "rng" / f"rank_{rank}.pt")
+    if rank == 0:
+        meta = {"format": _FORMAT, "version": actor.version, "scheduler": actor.scheduler.state_dict(),
+                "adam_step": _adam_step(actor.optimizer),
+                "world_size": dist.get_world_size(), "tensor_parallel": actor.tp_size,
+                "pipeline_parallel": actor.pp_size, "hf_path": actor.cfg.model.hf_path}
+        (tmp / "actor.json").write_text(json.dumps(meta, indent=1))
+        (tmp / "extra_state.json").write_text(extra_json)
+    dist.barrier()
+    if rank == 0:
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        pointer = final.parent / (LATEST + ".tmp")
+        pointer.write_text(final.name)
+        os.replace(pointer, final.parent / LATEST)
+    dist.barrier()
+
+
+def resolve_checkpoint(path: str) -> Path | None:
+    """The checkpoint directory ``path`` names (following ``<path>/latest``), or None when there is none."""
+    p = Path(path)
+    if (p / "actor.json").is_file():
+        return p
+    if (p / LATEST).is_file():
+        q = p / (p / LATEST).read_text().strip()
+        if (q / "actor.json").is_file():
+            return q
+    return None
+
+
+def _materialise_optimizer_state(optimizer) -> None:
+    """Give a fresh torch Adam (Megatron's fallback without TE / apex) zero state with a ``step``.
+
+    Megatron's distributed optimizer reads the step count from the inner optimizer's state while
+    building the sharded state dict to load into; a never-stepped torch Adam has no state, and
+    Megatron's own ``init_state_fn`` adds moments but no ``step``. The distributed optimizer's
+    'dp_reshardable' format then loads straight into these tensors; the step count is restored by
+    ``_restore_adam_steps``.
+    """
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        if not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)) or len(inner.state):
+            continue
+        for group in inner.param_groups:
+            for p in group["params"]:
+                st = inner.state[p]
+                st.setdefault("step", torch.zeros((), dtype=torch.float32))
+                st.setdefault("exp_avg", torch.zeros_like(p, memory_format=torch.preserve_format))
+                st.setdefault("exp_avg_sq", torch.zeros_like(p, memory_format=torch.preserve_format))
+
+
+def _torch_adams(optimizer) -> list:
+    return [o.optimizer for o in getattr(optimizer, "chained_optimizers", [optimizer])
+            if isinstance(getattr(o, "optimizer", None), (torch.optim.Adam, torch.optim.AdamW))]
+
+
+def _adam_step(optimizer) -> float | None:
+    """The step count of the torch Adam fallback (all parameters share it), or None."""
+    steps = {float(st["step"]) for inner in _torch_adams(optimizer) for st in inner.state.values() if "step" in st}
+    if len(steps) > 1:
+        raise RuntimeError(f"optimizer parameters disagree on the Adam step count: {sorted(steps)}")
+    return steps.pop() if steps else None
+
+
+def _restore_adam_steps(optimizer, step: float | None) -> None:
+    """Set every parameter's torch-Adam ``step`` to its own tensor holding the saved count.
+
+    Megatron's distributed optimizer restores the fallback's step by assigning *one* tensor to every
+    parameter (torch Adam increments it in place, once per parameter: wrong bias correction), and its
+    'dp_reshardable' load copies the placeholder steps over it. The count saved in actor.json is
+    the truth.
+    """
+    if step is None:
+        return
+    for inner in _torch_adams(optimizer):
+        for st in inner.state.values():
+            if "step" in st:
+                st["step"] = torch.tensor(float(step), dtype=torch.float32)
+
+
+def load_checkpoint(actor, path: str, *, model_only: bool = False) -> dict[str, Any]:
+    """Restore ``actor`` from ``path`` (a checkpoint or its parent with ``latest``); returns the extra state.
+
+    ``model_only``: weights only (conversion / evaluation); the model tensors reshard to any layout.
+    """
+    from megatron.core import dist_checkpointing
+
+    ckpt = resolve_checkpoint(path)
+    if ckpt is None:
+        raise ValueError(f"no complete checkpoint at {path!r} (expected actor.json there, or a '{LATEST}' file "
+                         "naming one)")
+    meta = json.loads((ckpt / "actor.json").read_text())
+    if meta.get("format") != _FORMAT:
+        raise ValueError(f"checkpoint {ckpt} has format {meta.get('format')}, this code reads {_FORMAT}")
+    if model_only:
+        sharded = _sharded_state(actor, is_loading=True, with_optimizer=False)
+    else:
+        _materialise_optimizer_state(actor.optimizer)
+        sharded = _sharded_state(actor, is_loading=True)
+    state = dist_checkpointing.load(sharded, str(ckpt / "dist"))  # optimizer entries unused when model_only
+    if len(actor.chunks) == 1:
+        actor.chunks[0].load_state_dict(state["model"])
+    else:
+        for i, c in enumerate(actor.chunks):
+            c.load_state_dict(state[f"model{i}"])
+    if model_only:
+        return json.loads((ckpt / "extra_state.json").read_text())
+    with torch.no_grad():  # copies into the (leaf) main parameters
+        actor.optimizer.load_state_dict(state["optimizer"])
+    _restore_adam_steps(actor.optimizer, meta.get("adam_step"))
+    actor.scheduler.load_state_dict(meta["scheduler"])
+    actor.version = int(meta["version"])
+    rng_file = ckpt / "rng" / f"rank_{dist.get_rank()}.pt"
+    if rng_file.is_file() and meta.get("world_size") == dist.get_world_size():
+        _set_rng_state(torch.load(rng_file, weights_only=False))
+    return json.loads((ckpt / "extra_state.json").read_text())

@@ -1,0 +1,86 @@
+"""``m2po convert``: HF safetensors <-> Megatron distributed checkpoints.
+
+    m2po convert hf-to-mcore --hf /models/Qwen2.5-1.5B --out ckpts/init [--tp 2 --pp 1]
+    m2po convert mcore-to-hf --ckpt runs/x/checkpoints --out exported/ [--hf /models/Qwen2.5-1.5B]
+
+``hf-to-mcore`` writes an actor checkpoint at version 0 (weights, a zero optimizer state, RNG) that
+``checkpoint.load_checkpoint`` / training resume reads. ``mcore-to-hf`` reads the model part of an
+actor checkpoint (any TP / PP it was written with: model tensors reshard) and writes HF safetensors +
+config + tokenizer files; the architecture comes from ``--hf`` or the ``hf_path`` recorded in the
+checkpoint. Both run in one process on CPU (gloo) or under torchrun with the given layout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from megatron_m2po.config import Config
+
+
+def _config(hf: str, tp: int, pp: int, dtype: str) -> Config:
+    cfg = Config()
+    cfg.model.hf_path = hf
+    cfg.model.dtype = dtype
+    cfg.parallel.tensor_parallel, cfg.parallel.pipeline_parallel = tp, pp
+    return cfg
+
+
+def hf_to_mcore(hf: str, out: str, *, tp: int = 1, pp: int = 1, dtype: str = "float32") -> None:
+    from megatron_m2po.actor.actor import MegatronActor
+    from megatron_m2po.actor.checkpoint import _materialise_optimizer_state
+
+    actor = MegatronActor.from_config(_config(hf, tp, pp, dtype))
+    try:
+        _materialise_optimizer_state(actor.optimizer)  # a never-stepped Adam has no state to shard
+        actor.save_checkpoint(out, {"converted_from": hf})
+    finally:
+        actor.close()
+
+
+def mcore_to_hf(ckpt: str, out: str, *, hf: str | None = None, tp: int = 1, pp: int = 1,
+                dtype: str = "float32") -> None:
+    from megatron_m2po.actor.actor import MegatronActor
+    from megatron_m2po.actor.checkpoint import resolve_checkpoint
+
+    path = resolve_checkpoint(ckpt)
+    if path is None:
+        raise ValueError(f"no complete checkpoint at {ckpt!r}")
+    hf = hf or json.loads((path / "actor.json").read_text()).get("hf_path")
+    if not hf:
+        raise ValueError("the checkpoint does not record its HF model directory: pass --hf")
+    actor = MegatronActor.from_config(_config(hf, tp, pp, dtype))
+    try:
+        actor.load_checkpoint(str(path), model_only=True)
+        actor.export_hf(out)
+    finally:
+        actor.close()
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.direction == "hf-to-mcore":
+        hf_to_mcore(args.hf, args.out, tp=args.tp, pp=args.pp, dtype=args.dtype)
+    else:
+        mcore_to_hf(args.ckpt, args.out, hf=args.hf, tp=args.tp, pp=args.pp, dtype=args.dtype)
+    print(f"m2po convert: wrote {args.out}")
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("convert", help="Convert HF safetensors <-> Megatron distributed checkpoints.")
+    p.add_argument("direction", choices=["hf-to-mcore", "mcore-to-hf"])
+    p.add_argument("--hf", help="HF model directory (source of hf-to-mcore; architecture for mcore-to-hf).")
+    p.add_argument("--ckpt", help="Actor checkpoint directory or its parent with 'latest' (mcore-to-hf).")
+    p.add_argument("--out", required=True, help="Output directory.")
+    p.add_argument("--tp", type=int, default=1, help="Tensor parallel size of this process group.")
+    p.add_argument("--pp", type=int, default=1, help="Pipeline parallel size of this process group.")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.set_defaults(func=_checked_run)
+
+
+def _checked_run(args: argparse.Namespace) -> int:
+    if args.direction == "hf-to-mcore" and not args.hf:
+        raise ValueError("m2po convert hf-to-mcore needs --hf")
+    if args.direction == "mcore-to-hf" and not args.ckpt:
+        raise ValueError("m2po convert mcore-to-hf needs --ckpt")
+    return run(args)
