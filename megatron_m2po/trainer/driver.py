@@ -178,10 +178,12 @@ class RolloutDriver:
         """Push ``weights`` ((hf_name, tensor) iterator) to every engine; returns seconds."""
         self.wait_generation()
         t0 = time.perf_counter()
+        # The trainer is at ``version`` already: record it first, so tokens an engine samples
+        # with the new weights while the push is still returning validate against it.
+        self.store.set_version(version)
         # The fleet's current URLs: a replaced engine (e.g. a new Ray actor) may have moved.
         self.weight_sync.push(weights, version, engine_urls=self.engine_urls)
         self.engine_version = version
-        self.store.set_version(version)
         return time.perf_counter() - t0
 
     def check_engines(self) -> list[str]:
@@ -230,7 +232,7 @@ class RolloutDriver:
         if recompute is not None:
             groups = self._bg.submit(self._generate(ctx, todo, positions)).result()
             recompute(groups)
-            self.store.put_groups(groups, current_version=ctx.version)
+            self.store.put_groups(groups)
             done = concurrent.futures.Future()
             done.set_result(len(groups))
             return done
@@ -252,7 +254,7 @@ class RolloutDriver:
         t0 = time.perf_counter()
         fixed = await self._generate(ctx, prompts, positions)
         await asyncio.get_running_loop().run_in_executor(
-            None, lambda: self.store.put_groups(fixed, current_version=ctx.version))
+            None, lambda: self.store.put_groups(fixed))
         self.gen_seconds += time.perf_counter() - t0
         return len(fixed)
 

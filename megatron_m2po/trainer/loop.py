@@ -243,9 +243,11 @@ class Trainer:
         batch, lease, rollout = self._fetch_step(step)
         minibatches = batch.split(self.U)
         per_update = []
+        ages = []
         for j, mb in enumerate(minibatches):
             if j > 0 and mode != "async":
                 extra.update(self._generation_events(self.actor.version))
+            ages += [self.actor.version - s.versions[s.loss_mask > 0] for s in mb.samples]
             m = self.actor.train_step(mb, 1)[0]
             per_update.append(m)
             if mode == "async" and self.actor.version % self.cfg.trainer.sync_every_updates == 0:
@@ -254,10 +256,13 @@ class Trainer:
             self.driver.ack(lease)
         step_s = time.perf_counter() - t0
         metrics = _mean_dicts(per_update)
-        # Worst case over the step's updates for the extremes.
-        for key in ("staleness/max", "policy/ratio_max"):
+        # Extremes over the step's updates, and the token staleness histogram (bins 0, 1, ...).
+        for key, fn in (("staleness/max", max), ("policy/ratio_max", max), ("staleness/min", min)):
             if key in per_update[0]:
-                metrics[key] = max(m[key] for m in per_update)
+                metrics[key] = fn(m[key] for m in per_update)
+        ages = np.concatenate(ages) if ages else np.zeros(0, np.int64)
+        if ages.size:
+            metrics["staleness/hist"] = np.bincount(ages).tolist()
         metrics.update(extra)
         if rollout:
             metrics.update(rollout)
