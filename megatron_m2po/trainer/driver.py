@@ -64,29 +64,34 @@ class RolloutDriver:
         self.producer = load_producer(cfg.rollout.producer)
         self.engine_version = 0
         self.sync_dir = cfg.resolved_path(cfg.rollout.weight_sync_dir, "weights")
-        self.external = cfg.rollout.source == "external"
-        self.fleet: Optional[EngineFleet] = None
-        if not self.external or cfg.rollout.external_addrs:
-            # FP8 engines quantise at load and take the FP8 checkpoints the weight sync exports.
-            extra = ["--quantization", "fp8"] if cfg.rollout.fp8_weights else []
-            self.fleet = EngineFleet(cfg.rollout, model_path, run_dir=str(run_dir), refit_fn=self._refit,
-                                     extra_engine_args=extra)
-            self.fleet.start()
-        self.weight_sync = self._make_weight_sync()
-        self._bg = _BackgroundLoop()
-        self.client: Optional[SGLangClient] = None
-        self._ingest_runner = None
-        if self.fleet is not None:
-            self._bg.submit(self._open_client()).result()
-        if self.external:
-            self._bg.submit(self._serve_ingestion()).result()
-            if self.store.current_version is None:
-                self.store.set_version(0)
         self._inflight: list[concurrent.futures.Future] = []
         self._gen_lock: Optional[asyncio.Lock] = None  # steps are generated one after another
         self._async_stop = threading.Event()
         self._async_future: Optional[concurrent.futures.Future] = None
         self.gen_seconds = 0.0
+        self.external = cfg.rollout.source == "external"
+        self.fleet: Optional[EngineFleet] = None
+        self._bg = _BackgroundLoop()
+        self.client: Optional[SGLangClient] = None
+        self._ingest_runner = None
+        self.weight_sync = None
+        try:
+            if not self.external or cfg.rollout.external_addrs:
+                # FP8 engines quantise at load and take the FP8 checkpoints the weight sync exports.
+                extra = ["--quantization", "fp8"] if cfg.rollout.fp8_weights else []
+                self.fleet = EngineFleet(cfg.rollout, model_path, run_dir=str(run_dir), refit_fn=self._refit,
+                                         extra_engine_args=extra)
+                self.fleet.start()
+            self.weight_sync = self._make_weight_sync()
+            if self.fleet is not None:
+                self._bg.submit(self._open_client()).result()
+            if self.external:
+                self._bg.submit(self._serve_ingestion()).result()
+                if self.store.current_version is None:
+                    self.store.set_version(0)
+        except BaseException:
+            self.close()  # no engine processes left behind
+            raise
 
     # ------------------------------------------------------------------ setup / teardown
     async def _open_client(self) -> None:
