@@ -15,6 +15,7 @@ import sqlite3
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -144,3 +145,46 @@ def test_reward_rises_on_the_synthetic_task(tmp_path):
     first, last = sum(acc[:3]) / 3, sum(acc[-3:]) / 3
     assert last > first + 0.04, f"accuracy did not rise: first steps {acc[:3]}, last steps {acc[-3:]}"
     assert all(r["m2po/mask_frac"] < 0.05 for r in steps)
+
+
+def test_external_producer_feeds_the_trainer(tmp_path):
+    """rollout.source=external: the trainer serves ingestion and trains on what a harness pushes."""
+    from megatron_m2po.utils.dist_testing import free_port
+    from megatron_m2po.utils.tiny_base import ensure_tiny_base
+
+    base = ensure_tiny_base(os.path.expanduser("~/.cache/megatron_m2po/tiny_base"), progress=False)
+    run, port = tmp_path / "ext", free_port()
+    os.environ["M2PO_STORE_TOKEN"] = "test-token"
+    try:
+        trainer = _train(run, "rollout.source=external", "trainer.mode=async", "trainer.num_steps=2",
+                         "store.max_staleness=8", f"store.serve_port={port}", "checkpoint.save_every_steps=0",
+                         wait=False)
+        deadline = time.monotonic() + 240
+        while True:  # the trainer serves ingestion once its actor and store are up
+            assert trainer.poll() is None, (run.parent / "ext.log").read_text(errors="replace")[-4000:]
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "the trainer never served ingestion"
+                time.sleep(0.5)
+        producer = subprocess.run(
+            [sys.executable, str(ROOT / "examples" / "external_producer.py"), "--store-url",
+             f"http://127.0.0.1:{port}", "--weights-dir", str(run / "weights"), "--base-model", str(base),
+             "--rounds", "3", "--prompts-per-round", "8", "--n-samples", "4", "--template", "synthetic",
+             "--max-new-tokens", "12"],
+            cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)
+        assert producer.returncode == 0, producer.stdout[-2000:] + producer.stderr[-3000:]
+        rc = trainer.wait(timeout=300)
+        log = (run.parent / "ext.log").read_text(errors="replace")
+        assert rc == 0, log[-4000:]
+    finally:
+        os.environ.pop("M2PO_STORE_TOKEN", None)
+        if trainer.poll() is None:
+            os.killpg(trainer.pid, signal.SIGKILL)
+    ups = _updates(run)
+    assert sorted(ups) == [1, 2, 3, 4]
+    assert all(m["staleness/max"] <= 8 for m in ups.values())
+    con = sqlite3.connect(run / "rollouts.sqlite")
+    consumed = con.execute("SELECT COUNT(*) FROM groups WHERE state='consumed'").fetchone()[0]
+    assert consumed == 16  # 2 steps x 8 prompts, all from the external producer
