@@ -72,8 +72,8 @@ TR_KEY = {"grpo": "loss/clip_frac", "m2po": "m2po/mask_frac"}
 
 # --fast: a short variant for CI and smoke tests (user overrides given on the command line win).
 FAST_OVERRIDES = [
-    "optim.lr=1e-4",
-    "trainer.num_steps=6",
+    "optim.lr=5e-5",
+    "trainer.num_steps=8",
     "trainer.prompts_per_step=16",
     "trainer.prompts_per_update=4",
     "trainer.eval_every_steps=0",
@@ -565,7 +565,7 @@ def _stop_all(active: list[ArmRun], grace_s: float = 180.0) -> None:
 def plan(config: str, overrides: Sequence[str], arms: Sequence[str], k: Optional[int], out: Optional[str],
          fast: bool) -> tuple[list[ArmRun], dict[str, Any]]:
     """Validate every arm's config and build the commands (nothing runs)."""
-    from megatron_m2po.config import ConfigError, load_config
+    from megatron_m2po.config import ConfigError, config_to_dict, load_config
 
     unknown = [a for a in arms if a not in ARMS]
     if unknown or not arms:
@@ -577,7 +577,8 @@ def plan(config: str, overrides: Sequence[str], arms: Sequence[str], k: Optional
     if k < 1:
         raise ConfigError(f"staleness k={k}: the stale arms need k >= 1; pass --k or set trainer.stale_k in {config}")
     U = cfg.trainer.num_updates_per_step
-    digest = hashlib.sha256(Path(config).read_bytes()).hexdigest()
+    # Of the resolved config, so that editing a comment does not invalidate finished arms.
+    digest = hashlib.sha256(json.dumps(config_to_dict(cfg), sort_keys=True, default=str).encode()).hexdigest()
     out_dir = Path(out if out else cfg.trainer.run_dir)
     max_staleness = max(cfg.store.max_staleness, k + U - 1)
     runs = []
@@ -693,7 +694,7 @@ def run(args: argparse.Namespace) -> int:
                     print(f"[{r.arm.name}] finished before: skipped ({r.done_file})", file=sys.stderr)
         t0 = time.monotonic()
         _run_arms(runs, parallel, progress=not args.no_progress)
-        spec["wall_s"] = round(time.monotonic() - t0, 1)
+        spec["last_invocation_wall_s"] = round(time.monotonic() - t0, 1)
         (out_dir / SPEC_FILE).write_text(json.dumps(spec, indent=2) + "\n")
     else:
         for r in runs:

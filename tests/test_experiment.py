@@ -167,7 +167,9 @@ def test_finished_arm_is_skipped_only_with_the_same_settings(tmp_path):
     r.done_file.write_text(json.dumps({"overrides": r.overrides, "config_sha256": r.config_sha256}))
     assert r.finished_before()
     edited = tmp_path / "edited.yaml"
-    edited.write_text(Path(CONFIG).read_text() + "\n# edited\n")
+    edited.write_text(Path(CONFIG).read_text() + "\n# a comment does not change the settings\n")
+    assert plan(str(edited), [], ["m2po_sk"], None, str(tmp_path), fast=False)[0][0].finished_before()
+    edited.write_text(Path(CONFIG).read_text().replace("m2_threshold: 0.04", "m2_threshold: 0.05"))
     changed, _ = plan(str(edited), [], ["m2po_sk"], None, str(tmp_path), fast=False)
     with pytest.raises(ValueError, match="different settings"):
         changed[0].finished_before()
