@@ -213,6 +213,9 @@ def compute_policy_loss(name: str, logp: torch.Tensor, behav_logp: torch.Tensor,
     metrics["policy/ratio_max"] = Metric(r[mask].max() if x.n_tokens else torch.zeros(()), "max")
     metrics["policy/kl_k1"] = x.token_mean(-delta)
     metrics["policy/kl_k3"] = x.token_mean(r - 1.0 - delta.detach())
+    # Second moment of the log-ratio over all loss tokens, for every loss (M2PO's m2po/m2_* are
+    # over the trust-region tokens only): lets GRPO / no-TR runs be compared on the same axis.
+    metrics["policy/m2"] = x.token_mean(delta.detach() ** 2)
     return loss, metrics
 
 

@@ -52,6 +52,8 @@ def test_no_tr():
     assert m["policy/ratio_mean"] == pytest.approx(1.6) and m["policy/ratio_max"] == pytest.approx(4.0)
     assert m["policy/kl_k1"] == pytest.approx(-ln_prod / 5)
     assert m["policy/kl_k3"] == pytest.approx((8.0 - 5.0 - ln_prod) / 5)
+    m2 = sum(math.log(r) ** 2 for r in (1.5, 0.5, 1.1, 0.9, 4.0)) / 5  # mean (log r)^2 over loss tokens
+    assert m["policy/m2"] == pytest.approx(m2)
     assert m["loss/policy"] == pytest.approx(0.25)
 
 
