@@ -269,16 +269,6 @@ FIGURES: list[tuple[str, str, str]] = [
 ]
 
 
-def _smooth(ys: list[float], window: int) -> list[float]:
-    out, acc = [], 0.0
-    for i, y in enumerate(ys):
-        acc += y
-        if i >= window:
-            acc -= ys[i - window]
-        out.append(acc / min(i + 1, window))
-    return out
-
-
 def _curves(recs: list[dict], arm: Arm, key: str) -> list[tuple[str, list[int], list[float], str]]:
     """(suffix, xs, ys, linestyle) curves of one arm for one figure key."""
     if key == "@tr":
@@ -310,6 +300,8 @@ def write_figures(runs: dict[str, list[dict]], k: int, out_dir: Path, *, smooth:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from megatron_m2po.utils.logging import moving_average
+
     out_dir.mkdir(parents=True, exist_ok=True)
     colors = {"grpo_s0": "tab:blue", "grpo_sk": "tab:orange", "no_tr_sk": "tab:red", "m2po_sk": "tab:green"}
     written = []
@@ -324,7 +316,7 @@ def write_figures(runs: dict[str, list[dict]], k: int, out_dir: Path, *, smooth:
                 if smooth > 1 and len(ys) > smooth and key in ("rollout/reward_mean", "@tr", "optim/grad_norm",
                                                                  "policy/kl_k3", "@m2", "policy/entropy"):
                     ax.plot(xs, ys, color=c, linestyle=ls, linewidth=0.8, alpha=0.25)
-                    ys = _smooth(ys, smooth)
+                    ys = moving_average(ys, smooth)
                 ax.plot(xs, ys, color=c, linestyle=ls, linewidth=1.6, label=arm.label(k) + suffix,
                         marker="o" if len(xs) <= 30 else None, markersize=3)
                 drew = True

@@ -25,7 +25,7 @@ from typing import Sequence
 if __package__ in (None, ""):  # run as a script: make the package importable from a checkout
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_m2po.utils.logging import METRICS_FILE, read_metrics  # noqa: E402
+from megatron_m2po.utils.logging import METRICS_FILE, moving_average, read_metrics  # noqa: E402
 
 # (file stem, panel title, metric patterns in legend order)
 PANELS: list[tuple[str, str, list[str]]] = [
@@ -80,18 +80,6 @@ def _match(patterns: Sequence[str], keys: Sequence[str]) -> list[str]:
     return out
 
 
-def _smooth(ys: list[float], window: int) -> list[float]:
-    if window <= 1 or len(ys) < 2:
-        return ys
-    out, acc = [], 0.0
-    for i, y in enumerate(ys):
-        acc += y
-        if i >= window:
-            acc -= ys[i - window]
-        out.append(acc / min(i + 1, window))
-    return out
-
-
 def _draw(ax, runs, labels, keys, x_key, title, smooth) -> bool:
     import matplotlib.pyplot as plt
 
@@ -106,7 +94,7 @@ def _draw(ax, runs, labels, keys, x_key, title, smooth) -> bool:
                 name = key
             else:
                 name = label if len(keys) == 1 else f"{label}: {key}"
-            ax.plot(xs, _smooth(ys, smooth), color=colors[ri % len(colors)],
+            ax.plot(xs, moving_average(ys, smooth), color=colors[ri % len(colors)],
                     linestyle=_LINESTYLES[ki % len(_LINESTYLES)], linewidth=1.4,
                     marker="o" if len(xs) < 30 else None, markersize=3, label=name)
             drew = True

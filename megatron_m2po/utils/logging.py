@@ -61,6 +61,19 @@ def _to_python(value: Any) -> Any:
                      f"log numbers, lists of numbers (histograms) or strings")
 
 
+def moving_average(ys: list[float], window: int) -> list[float]:
+    """Trailing mean over ``window`` points (shorter at the start); ``window <= 1`` returns ``ys``."""
+    if window <= 1 or len(ys) < 2:
+        return list(ys)
+    out, acc = [], 0.0
+    for i, y in enumerate(ys):
+        acc += y
+        if i >= window:
+            acc -= ys[i - window]
+        out.append(acc / min(i + 1, window))
+    return out
+
+
 def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
     """Records of a ``metrics.jsonl`` (or of a run directory), sorted by step.
 
