@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import warnings
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -27,6 +28,15 @@ def run(args: argparse.Namespace) -> int:
     rank = int(os.environ.get("RANK", "0"))
     from megatron_m2po.utils.logging import setup_logging
     setup_logging(rank)
+    # Megatron-Core logs its whole optimizer config and every parameter bucket at INFO: keep
+    # the console to our progress lines unless asked (M2PO_MEGATRON_LOG=INFO).
+    logging.getLogger("megatron").setLevel(os.environ.get("M2PO_MEGATRON_LOG", "WARNING"))
+    import torch
+    if not torch.cuda.is_available():
+        # Expected on CPU: Megatron falls back to torch kernels without TE / apex.
+        for msg in (".*Apex is not installed.*", ".*Transformer Engine and Apex are not installed.*",
+                    ".*full scope is deprecated.*"):
+            warnings.filterwarnings("ignore", message=msg)
     logging.getLogger(__name__).info("run dir: %s", cfg.trainer.run_dir)
     from megatron_m2po.trainer.loop import train
     return train(cfg)
