@@ -239,7 +239,16 @@ def iter_hf_weights(chunks, bridge) -> Iterator[tuple[str, torch.Tensor]]:
     A tied output weight is yielded once (as ``model.embed_tokens.weight``).
     """
     seen: set[str] = set()
-    for name, tensor in bridge.export_weights(chunks):
+    it = bridge.export_weights(chunks)
+    while True:
+        # mbridge broadcasts the live parameters over the pipeline group; outside no_grad that
+        # records c10d::broadcast_ in their autograd history. Grad mode is thread-global, so it
+        # is switched off around each step of the export only, never across a yield.
+        with torch.no_grad():
+            try:
+                name, tensor = next(it)
+            except StopIteration:
+                return
         if name in seen:
             continue
         seen.add(name)
