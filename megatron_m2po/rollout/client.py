@@ -288,6 +288,19 @@ class SGLangClient:
     async def continue_generation(self) -> dict:
         return await self.request("POST", "/continue_generation", {})
 
+    async def loads(self) -> dict:
+        """GET /v1/loads: the engine's load snapshot (``loads[0]`` of SGLang 0.5.23's answer,
+        ``entrypoints/v1_loads.py``): num_running_reqs, num_waiting_reqs, num_used_tokens, ..."""
+        out = await self.request("GET", "/v1/loads", retry=False)
+        loads = out.get("loads") if isinstance(out, dict) else None
+        if not loads:
+            raise EngineError(self.base_url, "/v1/loads", f"no load snapshot in the answer: {out!r}")
+        return loads[0]
+
+    async def slow_down(self, forward_sleep_time: Optional[float]) -> None:
+        """POST /slow_down (SGLang's testing hook): sleep this long before each forward; None = off."""
+        await self.request("POST", "/slow_down", {"forward_sleep_time": forward_sleep_time}, retry=False)
+
     async def flush_cache(self) -> bool:
         """True when flushed; False when the engine refused (requests still running)."""
         try:

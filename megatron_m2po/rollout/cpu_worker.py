@@ -20,7 +20,9 @@ JSON shapes follow SGLang (see ``client.py`` for the source files they were chec
   is abort}, ``/continue_generation``, ``/update_weights_from_disk``,
   ``/init_weights_update_group``, ``/update_weights_from_distributed`` (per-tensor broadcasts,
   or one uint8 broadcast with ``load_format="flattened_bucket"``), ``/destroy_weights_update_group``,
-  ``/update_weight_version``. sglang-router 0.3.2 probes ``/health``, ``/server_info`` and
+  ``/update_weight_version``, ``/slow_down`` {forward_sleep_time} (sleep before each decode
+  step; SGLang's testing hook), ``/v1/loads`` (``loads[0]``: num_running_reqs, num_waiting_reqs,
+  num_used_tokens, ... plus ``num_generated_tokens``). sglang-router 0.3.2 probes ``/health``, ``/server_info`` and
   ``/model_info`` before it routes to a worker.
 
 Log-probs (matches SGLang's sampler): the returned log-prob of a sampled token is
@@ -192,6 +194,8 @@ class Engine:
         self.dist_timeout_s = dist_timeout_s
         self.generator = torch.Generator().manual_seed(seed)
         self.paused = False
+        # SGLang's /slow_down (scheduler.py: ``forward_sleep_time``, slept before each forward).
+        self.forward_sleep_time: Optional[float] = None
         self.waiting: list[_Seq] = []
         self.batch = _Batch()
         self.qlock = threading.Lock()
@@ -223,6 +227,8 @@ class Engine:
                         idle = not self.waiting and not len(self.batch)
                     if idle:
                         break
+                    if self.forward_sleep_time:
+                        await asyncio.sleep(self.forward_sleep_time)
                     try:
                         await self.run_model(self._step)
                     except Exception as e:  # noqa: BLE001 - fail the requests, keep serving
@@ -391,6 +397,18 @@ class Engine:
                     s.aborted, n = True, n + 1
         self.wake.set()
         return n
+
+    def load(self) -> dict:
+        """Core fields of SGLang 0.5.23's ``LoadSnapshot`` (``managers/load_snapshot.py``)."""
+        with self.qlock:
+            running, waiting = list(self.batch.seqs), list(self.waiting)
+        used = sum(len(s.prompt) + len(s.output) for s in running)
+        return {"dp_rank": 0, "num_running_reqs": len(running), "num_waiting_reqs": len(waiting),
+                "num_waiting_uncached_tokens": sum(len(s.prompt) for s in waiting),
+                "num_used_tokens": used, "num_total_tokens": used, "num_active_tokens": used,
+                "max_running_requests": self.max_running,
+                # Not in SGLang: tokens sampled so far by the running requests (tests wait on it).
+                "num_generated_tokens": sum(len(s.output) for s in running)}
 
     def busy(self) -> bool:
         with self.qlock:
@@ -651,6 +669,21 @@ def make_app(engine: Engine):
             msg += f" Weight version updated to {req['weight_version']}."
         return ok({"success": True, "message": msg})
 
+    async def slow_down(request):
+        # SGLang: SlowDownReqInput(forward_sleep_time: Optional[float]); None turns it off.
+        req = await body(request)
+        t = req.get("forward_sleep_time")
+        if t is not None and (not isinstance(t, (int, float)) or t < 0):
+            return ok({"error": {"message": f"forward_sleep_time must be a number >= 0 or null, got {t!r}"}}, 400)
+        engine.forward_sleep_time = float(t) if t else None
+        engine.wake.set()
+        return ok({})
+
+    async def v1_loads(request):
+        # SGLang 0.5.23 entrypoints/v1_loads.py: per-DP-rank load snapshots.
+        return ok({"timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(), "version": _VERSION,
+                   "accelerator": None, "num_accelerators": 1, "loads": [engine.load()]})
+
     async def update_weight_version(request):
         req = await body(request)
         if req.get("abort_all_requests"):
@@ -683,6 +716,9 @@ def make_app(engine: Engine):
     r.add_post("/destroy_weights_update_group", destroy_group)
     r.add_post("/update_weights_from_distributed", update_from_distributed)
     r.add_post("/update_weight_version", update_weight_version)
+    r.add_route("GET", "/slow_down", slow_down)
+    r.add_route("POST", "/slow_down", slow_down)
+    r.add_get("/v1/loads", v1_loads)
     return app
 
 

@@ -14,11 +14,19 @@ the version at the end of the request and that differs from ``ctx.version`` (the
 spanned a weight update, possible only in async mode), every token is tagged with
 ``ctx.version``: the oldest version it may come from, so the measured staleness is an upper
 bound and the ``max_staleness`` rule is never violated.
+
+Seeded sampling. With ``ctx.seed`` set (the trainer passes ``trainer.seed``), every request
+carries SGLang's ``sampling_seed`` (``sglang/srt/sampling/sampling_params.py`` in 0.5.23: an
+int in [-2**63, 2**63)) derived from the run seed, the group id and the sample index, so a
+re-run of the same configuration samples the same tokens wherever the engine's numerics are
+reproducible, whichever engine the router picks, and a resumed step re-samples a missing group
+exactly as the killed run would have.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import importlib
 import inspect
 import logging
@@ -47,6 +55,10 @@ class ProducerContext:
         version: weight version the engines hold at submission.
         group_prefix: group ids are ``f"{group_prefix}-g{position:05d}"`` (deterministic).
         metadata: extra metadata copied into every trajectory (step, mode, ...).
+        seed: run seed; when set, request ``j`` of group ``gid`` is sampled with
+            ``sampling_seed = request_seed(seed, gid, j)``.
+        positions: position of each prompt in its step (group ``f"{group_prefix}-g{pos:05d}"``);
+            defaults to the prompt's index in the list handed to the producer.
     """
 
     client: Any
@@ -58,6 +70,25 @@ class ProducerContext:
     group_prefix: str
     metadata: dict = field(default_factory=dict)
     max_attempts: int = 3
+    seed: Optional[int] = None
+    positions: Optional[list[int]] = None
+
+    def group_id(self, p: int) -> str:
+        """Deterministic id of the group of the ``p``-th prompt handed to the producer."""
+        pos = self.positions[p] if self.positions is not None else p
+        return f"{self.group_prefix}-g{pos:05d}"
+
+    def sampling_params_for(self, gid: str, j: int) -> dict:
+        """Sampling params of sample ``j`` of group ``gid`` (seeded when ``seed`` is set)."""
+        if self.seed is None:
+            return self.sampling_params
+        return {**self.sampling_params, "sampling_seed": request_seed(self.seed, gid, j)}
+
+
+def request_seed(seed: int, group_id: str, j: int) -> int:
+    """A 63-bit sampling seed from (run seed, group id, sample index); stable across runs."""
+    digest = hashlib.blake2b(f"{int(seed)}:{group_id}:{int(j)}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
 
 
 def _token_versions(out: Any, version: int) -> np.ndarray:
@@ -67,10 +98,10 @@ def _token_versions(out: Any, version: int) -> np.ndarray:
     return np.full(n, version, dtype=np.int64)
 
 
-async def _sample(ctx: ProducerContext, prompt_ids: Sequence[int]) -> Any:
+async def _sample(ctx: ProducerContext, prompt_ids: Sequence[int], params: Optional[dict] = None) -> Any:
     """One response; an aborted one (engine restarted under it) is sampled again."""
     for attempt in range(ctx.max_attempts):
-        out = await ctx.client.generate(prompt_ids, ctx.sampling_params, return_logprob=True)
+        out = await ctx.client.generate(prompt_ids, params or ctx.sampling_params, return_logprob=True)
         if not out.aborted:
             if out.output_logprobs is None or len(out.output_logprobs) != len(out.output_ids):
                 raise RuntimeError(f"engine returned {len(out.output_ids)} tokens but "
@@ -84,7 +115,8 @@ async def _sample(ctx: ProducerContext, prompt_ids: Sequence[int]) -> Any:
 
 async def default_producer(ctx: ProducerContext, prompts: list) -> list[Group]:
     """Sample ``ctx.n_samples`` responses per prompt, score them, return one group per prompt."""
-    jobs = [_sample(ctx, item.prompt_ids) for item in prompts for _ in range(ctx.n_samples)]
+    jobs = [_sample(ctx, item.prompt_ids, ctx.sampling_params_for(ctx.group_id(p), j))
+            for p, item in enumerate(prompts) for j in range(ctx.n_samples)]
     outs = await asyncio.gather(*jobs)
     texts = [ctx.tokenizer.decode(o.output_ids, skip_special_tokens=True) for o in outs]
     answers = [item.answer for item in prompts for _ in range(ctx.n_samples)]
@@ -92,7 +124,7 @@ async def default_producer(ctx: ProducerContext, prompts: list) -> list[Group]:
     result = await asyncio.get_running_loop().run_in_executor(None, ctx.reward.score_batch, texts, answers)
     groups = []
     for p, item in enumerate(prompts):
-        gid = f"{ctx.group_prefix}-g{p:05d}"
+        gid = ctx.group_id(p)
         trajs = []
         for j in range(ctx.n_samples):
             i = p * ctx.n_samples + j

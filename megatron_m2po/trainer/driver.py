@@ -209,7 +209,7 @@ class RolloutDriver:
         return ProducerContext(client=self.client, tokenizer=self.tokenizer, reward=self.reward,
                                sampling_params=params, n_samples=n_samples or r.n_samples_per_prompt,
                                version=self.engine_version, group_prefix=prefix, metadata=meta,
-                               max_attempts=r.max_retries + 1)
+                               max_attempts=r.max_retries + 1, seed=self.cfg.trainer.seed)
 
     def generate_for_step(self, step: int, *, background: bool = True,
                           recompute: Optional[Any] = None) -> concurrent.futures.Future:
@@ -234,6 +234,7 @@ class RolloutDriver:
             return done
         ctx = self._context(prefix, step=step, generated_at=self.engine_version)
         positions = [gids.index(g) for g in gids if g not in have]
+        ctx.positions = positions
         if recompute is not None:
             groups = self._bg.submit(self._generate(ctx, todo, positions)).result()
             recompute(groups)

@@ -9,7 +9,7 @@ from megatron_m2po.rewards import batch_reward
 def exact(response, answer):
     """1.0 for an exact match; misbehaves on purpose for a few trigger responses."""
     if response == "sleep":
-        time.sleep(3600)
+        time.sleep(3600)  # a scorer that hangs: the pool's timeout (elapsed time is the behaviour under test)
     if response == "crash":
         os._exit(3)
     if response == "raise":
@@ -28,7 +28,7 @@ def with_kwargs(response, answer, *, bonus=0.0, **kw):
 @batch_reward
 def lengths(responses, answers):
     if "sleep" in responses:
-        time.sleep(3600)
+        time.sleep(3600)  # a scorer that hangs: the pool's timeout (elapsed time is the behaviour under test)
     return [float(len(r)) for r in responses]
 
 

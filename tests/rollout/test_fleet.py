@@ -14,6 +14,7 @@ from megatron_m2po.config import RolloutConfig
 from megatron_m2po.rollout.client import EngineError, SGLangClient
 from megatron_m2po.rollout.engines import EngineFleet
 from rollout_testlib import hf_logprobs
+from waiting import async_wait_until
 
 PROMPTS = [[2, 3, 4, 5, 6, 7, 8], [9, 10], [11, 12, 13, 14, 15], [20], [30, 31, 32, 33, 34, 35, 36, 37, 38]]
 
@@ -77,6 +78,23 @@ def call(url: str, method: str, *args):
 async def _gen_all(url, prompts, params, concurrency=16):
     async with SGLangClient(url, concurrency=concurrency, timeout_s=60) as c:
         return await c.generate_many(prompts, params)
+
+
+async def decoding(c: SGLangClient, n: int) -> dict | None:
+    """The engine's load once ``n`` requests are in its running batch and have sampled a token."""
+    load = await c.loads()
+    return load if load["num_running_reqs"] == n and load["num_generated_tokens"] >= n else None
+
+
+async def queued(c: SGLangClient, n: int) -> bool:
+    """``n`` requests have reached the engine (running or waiting)."""
+    load = await c.loads()
+    return load["num_running_reqs"] + load["num_waiting_reqs"] == n
+
+
+async def idle(c: SGLangClient) -> bool:
+    load = await c.loads()
+    return load["num_running_reqs"] == load["num_waiting_reqs"] == 0
 
 
 def check_logprobs(state, prompts, outs, temperature):
@@ -155,14 +173,20 @@ def test_pause_in_place_keeps_inflight_requests(env):
     url = fleet.engine_urls[1]
 
     async def scenario():
-        async with SGLangClient(url, timeout_s=60) as c:
+        async with SGLangClient(url, timeout_s=120) as c:
+            # 400 decode steps take >= 20 s at 0.05 s each: the requests are still running when
+            # the test pauses them right after their first tokens.
+            await c.slow_down(0.05)
             task = asyncio.ensure_future(c.generate_many(PROMPTS, {"temperature": 1.0, "max_new_tokens": 400,
                                                                   "ignore_eos": True}))
-            await asyncio.sleep(0.3)
+            await async_wait_until(lambda: decoding(c, len(PROMPTS)),
+                                   what=f"{len(PROMPTS)} requests decoding on {url}")
             await c.pause_generation("in_place")
-            await asyncio.sleep(0.8)
-            assert not task.done()
+            paused = await c.loads()
+            assert paused["num_running_reqs"] == len(PROMPTS) and not task.done()
             assert not await c.flush_cache()  # requests are still in the engine
+            assert (await c.loads())["num_generated_tokens"] == paused["num_generated_tokens"]  # no step ran
+            await c.slow_down(None)
             await c.continue_generation()
             return await task
 
@@ -181,7 +205,7 @@ def test_abort_returns_partial_output(env):
             task = asyncio.ensure_future(c.generate(PROMPTS[0], {"max_new_tokens": 400, "ignore_eos": True},
                                                     rid="to-abort"))
             other = asyncio.ensure_future(c.generate(PROMPTS[1], {"max_new_tokens": 5, "ignore_eos": True}))
-            await asyncio.sleep(0.3)
+            await async_wait_until(lambda: queued(c, 2), what=f"2 requests queued on the paused engine {url}")
             await c.abort("to-abort")
             out = await asyncio.wait_for(task, 10)  # aborted while paused: comes back at once
             await c.continue_generation()
@@ -193,10 +217,12 @@ def test_abort_returns_partial_output(env):
     # pause(mode=abort) -- SGLang's default -- returns in-flight requests as aborted, with log-probs
     async def abort_mode():
         async with SGLangClient(url, timeout_s=60) as c:
+            await c.slow_down(0.02)  # 450 tokens take >= 9 s: paused after the first, long before the last
             task = asyncio.ensure_future(c.generate(PROMPTS[2], {"max_new_tokens": 450, "ignore_eos": True}))
-            await asyncio.sleep(0.5)
+            await async_wait_until(lambda: decoding(c, 1), what=f"a request decoding on {url}")
             await c.pause_generation("abort")
             out = await asyncio.wait_for(task, 10)
+            await c.slow_down(None)
             await c.continue_generation()
             return out
     out = run(abort_mode())
@@ -216,14 +242,14 @@ def test_generate_timeout_aborts_on_engine(env):
                 with pytest.raises(EngineError, match="timed out"):
                     await c.generate(PROMPTS[0], {"max_new_tokens": 10})
                 elapsed = time.monotonic() - t0
-                await asyncio.sleep(0.2)
+                await async_wait_until(lambda: idle(c), what=f"the timed-out request to leave {url}")
                 flushed = await c.flush_cache()  # the timed-out request was aborted: engine idle
             finally:
                 await c.continue_generation()
             return elapsed, flushed
 
     elapsed, flushed = run(scenario())
-    assert elapsed < 3.0  # not retried after a timeout
+    assert elapsed < 3.0  # not retried after a timeout: elapsed time is the behaviour under test
     assert flushed
 
 
@@ -238,7 +264,8 @@ def test_connection_errors_retry_with_backoff():
                 await c.generate([1, 2], {"max_new_tokens": 1})
             return time.monotonic() - t0, await c.health()
     elapsed, healthy = run(scenario())
-    assert elapsed >= 0.2 * (0.5 + 1.0) and not healthy  # two backoff sleeps (>= 0.1 + 0.2 s)
+    # two backoff sleeps (>= 0.1 + 0.2 s): elapsed time is the behaviour under test
+    assert elapsed >= 0.2 * (0.5 + 1.0) and not healthy
 
 
 def test_disk_weight_sync_changes_outputs_and_version(env):
@@ -281,15 +308,19 @@ def test_update_spanning_inflight_request_tags_each_token(env):
     new = state.perturbed(seed=4)
 
     async def start():
-        c = SGLangClient(url, timeout_s=60)
+        c = SGLangClient(url, timeout_s=120)
+        # 900 decode steps take >= 45 s at 0.05 s each, longer than the push may take (its
+        # timeout is 30 s): the update lands inside the request by construction.
+        await c.slow_down(0.05)
         task = asyncio.ensure_future(c.generate(PROMPTS[0], {"max_new_tokens": 900, "ignore_eos": True}))
-        await asyncio.sleep(0.3)
+        await async_wait_until(lambda: decoding(c, 1), what=f"a request decoding on {url}")
         return c, task
 
     loop = asyncio.new_event_loop()
     try:
         c, task = loop.run_until_complete(start())
         holder["disk"].push(iter(new), version=4, engine_urls=[url])  # pauses in place, updates, continues
+        loop.run_until_complete(c.slow_down(None))
         out = loop.run_until_complete(task)
         loop.run_until_complete(c.close())
     finally:
@@ -297,7 +328,7 @@ def test_update_spanning_inflight_request_tags_each_token(env):
     holder["disk"].push(iter(new), version=4)  # bring the other engine along
     state.accept(new, 4)
     v = out.token_weight_versions
-    assert out.finish_type == "length" and v[0] in ("3", "4") and v[-1] == "4" and v == sorted(v)
+    assert out.finish_type == "length" and v[0] == "3" and v[-1] == "4" and v == sorted(v)
     assert out.weight_version == "4"
 
 

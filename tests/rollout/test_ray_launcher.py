@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import time
 
 import pytest
 import torch
@@ -18,6 +17,7 @@ from megatron_m2po.rollout.client import SGLangClient  # noqa: E402
 from megatron_m2po.rollout.engines import EngineFleet, FleetError  # noqa: E402
 from megatron_m2po.rollout.ray_launcher import RayHandle, RayLauncher  # noqa: E402
 from rollout_testlib import hf_logprobs  # noqa: E402
+from waiting import wait_until  # noqa: E402
 
 PROMPTS = [[2, 3, 4, 5], [9, 10], [11, 12, 13], [20, 21, 22, 23, 24, 25]]
 GREEDY = {"temperature": 0.0, "max_new_tokens": 6, "ignore_eos": True}
@@ -116,14 +116,9 @@ def test_killed_actor_is_replaced_and_refit(ray_fleet):
     victim = fleet.engines[0]
     old_handle, old_pid = victim.handle, victim.handle.pid
     ray.kill(old_handle.actor, no_restart=True)
-    deadline = time.monotonic() + 20
-    while old_handle.alive() and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not old_handle.alive(), "a ray.kill'ed actor must count as dead"
-    deadline = time.monotonic() + 10  # the engine child dies with its actor (PDEATHSIG)
-    while _pid_alive(old_pid) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not _pid_alive(old_pid), "the engine process outlived its actor"
+    wait_until(lambda: not old_handle.alive(), what="the ray.kill'ed actor counting as dead", timeout=60)
+    # the engine child dies with its actor (PDEATHSIG)
+    wait_until(lambda: not _pid_alive(old_pid), what=f"engine process {old_pid} exiting with its actor", timeout=60)
 
     restarted = fleet.check_and_restart()
     assert restarted == [victim.url] and victim.restarts == 1

@@ -6,12 +6,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import numpy as np
 
 from megatron_m2po.store import RolloutStore, fifo
 from store_testlib import check_store_integrity, crash_group, same_group, start_server, stop
+from waiting import wait_until
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TOKEN = "t0ken"
@@ -26,8 +26,18 @@ def producer(mode, target, ackfile, prefix, n, seed, resend=False):
 
 
 def acked(ackfile):
+    if not os.path.exists(ackfile):
+        return []
     with open(ackfile) as f:
         return [x for x in f.read().split("\n") if x]
+
+
+def kill_after_acks(victim, ackfile, n, producer_proc):
+    """SIGKILL ``victim`` as soon as ``n`` groups are acknowledged in all: mid-write of the next one."""
+    wait_until(lambda: len(acked(ackfile)) >= n, what=f"{n} acknowledged groups in {ackfile}", timeout=120,
+               hopeless=lambda: producer_proc.poll() is not None and f"producer exited ({producer_proc.returncode})")
+    victim.send_signal(signal.SIGKILL)
+    victim.wait()
 
 
 def test_sigkill_producer_loses_no_acknowledged_group(tmp_path):
@@ -36,9 +46,7 @@ def test_sigkill_producer_loses_no_acknowledged_group(tmp_path):
     total_acked = 0
     for it in range(4):
         p = producer("direct", path, ackfile, f"it{it}", 10_000, it)
-        time.sleep(float(rng.uniform(0.1, 0.8)))
-        p.send_signal(signal.SIGKILL)
-        p.wait()
+        kill_after_acks(p, ackfile, total_acked + int(rng.integers(1, 40)), p)
         states = check_store_integrity(path)  # no partial group, every stored group intact
         ids = acked(ackfile)
         missing = [g for g in ids if g not in states]
@@ -57,9 +65,7 @@ def test_sigkill_server_loses_no_acknowledged_group(tmp_path):
     for it in range(2):
         proc, url = start_server(path, token=TOKEN)
         p = producer("http", url, ackfile, f"s{it}", 10_000, it)
-        time.sleep(float(rng.uniform(0.3, 1.0)))
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
+        kill_after_acks(proc, ackfile, len(acked(ackfile)) + int(rng.integers(1, 40)), p)
         p.kill()
         p.wait()
         states = check_store_integrity(path)
