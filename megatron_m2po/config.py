@@ -4,7 +4,7 @@ A run is described by a YAML file whose top-level keys are the sections below (`
 ``parallel``, ``algo``, ``optim``, ``rollout``, ``store``, ``data``, ``reward``, ``trainer``,
 ``checkpoint``, ``logging``), plus dotted command-line overrides::
 
-    m2po train examples/tiny_cpu.yaml algo.m2_threshold=0.02 trainer.mode=stale_k
+    m2po train examples/tiny_cpu.yaml algo.m2po.threshold=0.02 trainer.mode=stale_k
 
 Every field carries its documentation (``help``) and, where it has one, its allowed range or
 choices in the dataclass field metadata. Loading validates every field and the cross-field
@@ -13,8 +13,8 @@ value and what is allowed. Nothing in the library reads global arguments: compon
 the section they need.
 
 Example:
-    >>> cfg = load_config(None, ["algo.m2_threshold=0.02", "trainer.mode=sync"])
-    >>> cfg.algo.m2_threshold
+    >>> cfg = load_config(None, ["algo.m2po.threshold=0.02", "trainer.mode=sync"])
+    >>> cfg.algo.m2po.threshold
     0.02
 """
 
@@ -31,6 +31,8 @@ from typing import Any, Literal, Optional, Union
 
 import yaml
 
+from megatron_m2po.algo.loss_settings import CISPOConfig, GRPOConfig, GSPOConfig, M2POConfig
+
 __all__ = [
     "ConfigError",
     "ModelConfig",
@@ -44,12 +46,17 @@ __all__ = [
     "TrainerConfig",
     "CheckpointConfig",
     "LoggingConfig",
+    "M2POConfig",
+    "GRPOConfig",
+    "GSPOConfig",
+    "CISPOConfig",
     "Config",
     "load_config",
     "config_from_dict",
     "config_to_dict",
     "apply_overrides",
     "dump_config",
+    "settings_from_dict",
 ]
 
 
@@ -105,19 +112,23 @@ class ParallelConfig:
 
 @dataclass
 class AlgoConfig:
-    """Policy loss and advantage estimation (DESIGN §3)."""
+    """Policy loss and advantage estimation (DESIGN §3).
 
-    loss: Literal["m2po", "grpo", "no_tr", "gspo", "cispo"] = _f("m2po", help="Policy loss (registry in algo/losses.py).")
-    m2_threshold: float = _f(0.04, ge=0.0, help="M2PO budget tau on the mean of (log r)^2 over trust-region tokens.")
-    m2_rule: Literal["remove", "cap"] = _f("remove", help="'remove' = paper Algorithm 1; 'cap' = the released code's rule.")
-    m2_scope: Literal["global", "microbatch"] = _f("global", help="'global' = whole optimizer mini-batch over all DP x CP ranks; "
-                                                   "'microbatch' = per micro-batch per rank (released code).")
-    eps_low: float = _f(0.2, gt=0.0, lt=1.0, help="PPO clip: ratio lower bound 1 - eps_low.")
-    eps_high: float = _f(0.2, gt=0.0, help="PPO clip: ratio upper bound 1 + eps_high (clip-higher when > eps_low).")
-    dual_clip_c: Optional[float] = _f(None, gt=1.0, help="Dual-clip constant c (> 1) for negative advantages; None = off.")
-    gspo_eps_low: float = _f(3e-4, gt=0.0, help="GSPO sequence-ratio clip, low side.")
-    gspo_eps_high: float = _f(4e-4, gt=0.0, help="GSPO sequence-ratio clip, high side.")
-    cispo_eps_high: float = _f(2.0, gt=0.0, help="CISPO: the stop-grad ratio is clipped to at most 1 + cispo_eps_high.")
+    ``loss`` names an entry of the loss registry (``algo/losses.py``); a loss's own settings live
+    in its section (``algo.m2po.*``, ``algo.grpo.*``, ``algo.gspo.*``, ``algo.cispo.*``), or, for a
+    plugin loss that declares a settings dataclass, in ``algo.loss_options``.
+    """
+
+    loss: str = _f("m2po", help="Policy loss: a name registered with megatron_m2po.algo.losses.register_loss "
+                   "(built in: m2po, grpo, no_tr, gspo, cispo; algo.plugins may register more).")
+    plugins: list[str] = _f(factory=list, help="Modules imported when the config is validated (dotted paths, e.g. "
+                            "my_pkg.losses), so that their register_loss calls run.")
+    m2po: M2POConfig = field(default_factory=M2POConfig)
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    gspo: GSPOConfig = field(default_factory=GSPOConfig)
+    cispo: CISPOConfig = field(default_factory=CISPOConfig)
+    loss_options: dict[str, Any] = _f(factory=dict, help="Settings of a plugin loss, checked against the settings "
+                                      "dataclass it registered (built-in losses read algo.<loss>.*).")
     logratio_clamp: float = _f(20.0, gt=0.0, help="log(pi_theta / pi_behav) is clamped to [-c, c] before exp.")
     tis: bool = _f(False, help="Truncated importance sampling weight min(p_train_behav / p_engine_behav, C) (paper eq. 6).")
     tis_cap: float = _f(2.0, gt=0.0, help="C of the TIS weight.")
@@ -181,13 +192,17 @@ class RolloutConfig:
 
 @dataclass
 class StoreConfig:
-    """The staleness-tagged rollout store."""
+    """The staleness-tagged rollout store.
+
+    The consumption policy follows ``trainer.mode``: sync and stale_k lease exactly the groups
+    generated for the step (exact stale-k); async leases under the bounded policy configured by
+    ``max_staleness``, ``order`` and ``retire_overage``.
+    """
 
     path: str = _f("", help="SQLite file (default: <run_dir>/rollouts.sqlite).")
-    policy: Literal["exact_stale_k", "bounded", "fifo"] = _f("exact_stale_k", help="Consumption policy (trainer.mode picks a default).")
     max_staleness: int = _f(256, ge=0, help="Data older than this many updates is never trained on.")
-    retire_overage: bool = _f(False, help="Retire (and count) over-age data instead of raising.")
-    order: Literal["oldest", "freshest"] = _f("oldest", help="Order of the bounded policy.")
+    retire_overage: bool = _f(False, help="async: retire (and count) over-age data instead of raising.")
+    order: Literal["oldest", "freshest"] = _f("oldest", help="async: which available groups the bounded policy serves first.")
     synchronous: Literal["FULL", "NORMAL"] = _f("FULL", help="SQLite synchronous setting (FULL: an acknowledged group survives power loss).")
     serve_host: str = _f("127.0.0.1", help="Bind address of `m2po store serve`.")
     serve_port: int = _f(8765, ge=0, le=65535, help="Port of `m2po store serve` (0 = any free port).")
@@ -266,7 +281,6 @@ class LoggingConfig:
     wandb_project: str = _f("", help="Weights & Biases project (empty = off).")
     wandb_run_name: str = _f("", help="W&B run name.")
     progress: bool = _f(True, help="Rich progress display on rank 0.")
-    log_every_updates: int = _f(1, ge=1, help="Metrics record every N updates.")
 
 
 @dataclass
@@ -294,11 +308,7 @@ class Config:
             raise ConfigError(
                 f"trainer.prompts_per_step={t.prompts_per_step} must be a multiple of "
                 f"trainer.prompts_per_update={t.prompts_per_update} (each step does a whole number of updates)")
-        if a.m2_rule == "remove" and a.m2_scope == "microbatch":
-            raise ConfigError("algo.m2_rule='remove' with algo.m2_scope='microbatch' is not a supported pairing: "
-                              "use m2_scope=global (paper) or m2_rule=cap (released code)")
-        if a.eps_high < a.eps_low and a.loss == "grpo":
-            raise ConfigError(f"algo.eps_high={a.eps_high} < algo.eps_low={a.eps_low}: clip-higher needs eps_high >= eps_low")
+        _check_loss(a)
         if a.tis and not a.recompute_behav_logprobs:
             raise ConfigError("algo.tis=true needs algo.recompute_behav_logprobs=true (TIS compares trainer and engine "
                               "behaviour log-probs)")
@@ -355,6 +365,10 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         if value not in choices:
             raise ConfigError(f"{key}={value!r} is not one of {list(choices)}")
         return value
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}={value!r} must be a mapping (key: value)")
+        return dict(value)
     if origin in (list, tuple):
         (elem,) = typing.get_args(tp)[:1] or (Any,)
         if isinstance(value, str):  # "a,b" from the command line
@@ -397,16 +411,50 @@ def _type_name(tp: Any) -> str:
 def _validate_ranges(section: Any, prefix: str) -> None:
     for f in dataclasses.fields(section):
         v = getattr(section, f.name)
-        if v is None or isinstance(v, (bool, str, list)):
+        key = f"{prefix}.{f.name}"
+        if dataclasses.is_dataclass(v):
+            _validate_ranges(v, key)
+            continue
+        if v is None or isinstance(v, (bool, str, list, dict)):
             continue
         m = f.metadata
-        key = f"{prefix}.{f.name}"
         bounds = [("ge", lambda a, b: a >= b, ">="), ("gt", lambda a, b: a > b, ">"),
                   ("le", lambda a, b: a <= b, "<="), ("lt", lambda a, b: a < b, "<")]
         for name, ok, sym in bounds:
             b = m.get(name)
             if b is not None and not ok(v, b):
                 raise ConfigError(f"{key}={v!r} is out of range: must be {sym} {b} ({m.get('help', '')})")
+
+
+# Keys that moved or went away: an old YAML file or override gets told what to write instead.
+_MOVED = {
+    "algo.m2_threshold": "algo.m2po.threshold", "algo.m2_rule": "algo.m2po.rule", "algo.m2_scope": "algo.m2po.scope",
+    "algo.eps_low": "algo.grpo.eps_low", "algo.eps_high": "algo.grpo.eps_high", "algo.dual_clip_c": "algo.grpo.dual_clip",
+    "algo.gspo_eps_low": "algo.gspo.eps_low", "algo.gspo_eps_high": "algo.gspo.eps_high",
+    "algo.cispo_eps_high": "algo.cispo.eps_high",
+}
+_REMOVED = {
+    "store.policy": "the trainer mode picks the consumption policy (sync / stale_k: exact stale-k; async: bounded "
+                    "by store.max_staleness, store.order, store.retire_overage); delete the key",
+    "logging.log_every_updates": "every optimizer update writes one metrics record; delete the key",
+}
+
+
+def _unknown_key(key: str, names, full: str | None = None) -> str:
+    """The error text for an unknown dotted ``key`` (``full``: the whole override key)."""
+    full = full or key
+    if key in _MOVED:
+        return f"config key {full} was renamed to {_MOVED[key]}{full[len(key):]}"
+    if key in _REMOVED:
+        return f"config key {full} was removed: {_REMOVED[key]}"
+    prefix, _, leaf = key.rpartition(".")
+    moved = {k.rpartition(".")[2]: v for k, v in _MOVED.items() if k.rpartition(".")[0] == prefix}
+    near = difflib.get_close_matches(leaf, list(names) + list(moved), n=1)
+    if near:
+        hint = f"; did you mean {moved.get(near[0]) or '.'.join(filter(None, [prefix, near[0]]))}?"
+    else:
+        hint = f"; keys under {prefix or '<top>'}: {sorted(names)}"
+    return f"unknown config key {full}{hint}"
 
 
 def _section_from_dict(cls: type, data: dict, prefix: str) -> Any:
@@ -417,15 +465,53 @@ def _section_from_dict(cls: type, data: dict, prefix: str) -> Any:
     kwargs = {}
     for k, v in data.items():
         if k not in names:
-            near = difflib.get_close_matches(k, names, n=1)
-            hint = f"; did you mean {prefix}.{near[0]}?" if near else f"; known keys: {sorted(names)}"
-            raise ConfigError(f"unknown config key {prefix}.{k}{hint}")
+            raise ConfigError(_unknown_key(f"{prefix}.{k}" if prefix else str(k), names))
         tp = hints[k]
         if dataclasses.is_dataclass(tp):
             kwargs[k] = _section_from_dict(tp, v or {}, f"{prefix}.{k}" if prefix else k)
         else:
             kwargs[k] = _coerce(v, tp, f"{prefix}.{k}" if prefix else k)
     return cls(**kwargs)
+
+
+def settings_from_dict(cls: type, data: dict, prefix: str) -> Any:
+    """A settings dataclass (e.g. a plugin loss's) from a mapping, with the checks of the config tree:
+    unknown keys (did-you-mean), types, ``ge``/``gt``/``le``/``lt`` metadata and ``check()``."""
+    obj = _section_from_dict(cls, data or {}, prefix)
+    _validate_ranges(obj, prefix)
+    try:
+        if hasattr(obj, "check"):
+            obj.check()
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    return obj
+
+
+def _check_loss(a: AlgoConfig) -> None:
+    """``algo.loss`` names a registered loss (after importing ``algo.plugins``); its settings are valid."""
+    from megatron_m2po.algo import losses  # the registry; imports torch, so only when validating
+
+    try:
+        losses.load_plugins(a.plugins)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e.__cause__
+    try:
+        spec = losses.get_loss(a.loss)
+    except ValueError as e:
+        raise ConfigError(f"algo.loss={a.loss!r}: {e}") from None
+    if a.loss_options and (spec.settings is None or isinstance(getattr(a, spec.name, None), spec.settings)):
+        where = f"it reads algo.{spec.name}.*" if spec.settings is not None else "it has no settings"
+        raise ConfigError(f"algo.loss_options={a.loss_options!r} is only read by a plugin loss that registers a "
+                          f"settings dataclass; loss {a.loss!r} ignores it ({where})")
+    if spec.settings is not None and not isinstance(getattr(a, spec.name, None), spec.settings):
+        # a plugin's settings: checked like the rest of the tree, then stored complete and coerced
+        a.loss_options = dataclasses.asdict(settings_from_dict(spec.settings, a.loss_options, "algo.loss_options"))
+    settings = losses.loss_settings(spec, a)
+    try:
+        if hasattr(settings, "check"):
+            settings.check()
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def config_from_dict(data: dict | None) -> Config:
@@ -445,11 +531,15 @@ def _set_dotted(data: dict, dotted: str, raw: str) -> None:
     for i, p in enumerate(parts):
         names = {f.name: f for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else {}
         if p not in names:
-            where = ".".join(parts[:i]) or "<top>"
-            near = difflib.get_close_matches(p, names, n=1)
-            hint = f"; did you mean {'.'.join(parts[:i] + [near[0]])}?" if near else f"; keys under {where}: {sorted(names)}"
-            raise ConfigError(f"unknown config key {dotted}{hint}")
+            raise ConfigError(_unknown_key(".".join(parts[:i + 1]), names, dotted))
         tp = typing.get_type_hints(cls)[p]
+        if typing.get_origin(tp) is dict and i < len(parts) - 1:  # a free mapping: a.b.<key>[.<key>]=value
+            for q in parts[i:-1]:
+                if not isinstance(node.get(q), dict):
+                    node[q] = {}
+                node = node[q]
+            node[parts[-1]] = yaml.safe_load(raw) if raw != "" else None
+            return
         if i == len(parts) - 1:
             if dataclasses.is_dataclass(tp):
                 raise ConfigError(f"{dotted} is a section; override one of its fields, e.g. {dotted}.<field>=...")
@@ -469,7 +559,7 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
     """Apply ``a.b=value`` overrides to a nested dict; values parse as YAML scalars."""
     for ov in overrides:
         if "=" not in ov:
-            raise ConfigError(f"override {ov!r} must look like section.key=value (e.g. algo.m2_threshold=0.02)")
+            raise ConfigError(f"override {ov!r} must look like section.key=value (e.g. algo.m2po.threshold=0.02)")
         key, raw = ov.split("=", 1)
         _set_dotted(data, key.strip(), raw.strip())
     return data

@@ -10,7 +10,7 @@ from megatron_m2po.config import describe, dump_config, load_config
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("config", help="Validate and print a resolved config, or list all fields.")
     p.add_argument("config", nargs="?", help="YAML config file (omit for the defaults).")
-    p.add_argument("overrides", nargs="*", help="Dotted overrides, e.g. algo.m2_threshold=0.02")
+    p.add_argument("overrides", nargs="*", help="Dotted overrides, e.g. algo.m2po.threshold=0.02")
     p.add_argument("--fields", action="store_true", help="List every field with its default and help.")
     p.set_defaults(func=run)
 

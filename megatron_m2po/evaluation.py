@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -209,18 +208,6 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
-def resolve_model_path(cfg: Any, override: Optional[str] = None) -> str:
-    """The HF model directory: ``override`` or ``model.hf_path`` ('tiny' is built on first use)."""
-    path = override or cfg.model.hf_path
-    if path == "tiny":
-        from megatron_m2po.utils.tiny_base import ensure_tiny_base
-
-        return str(ensure_tiny_base(os.path.expanduser(cfg.model.tiny_cache_dir)))
-    if not Path(path).expanduser().is_dir():
-        raise ValueError(f"model path {path!r} is not a directory; set model.hf_path or --model to a local HF model")
-    return str(Path(path).expanduser())
-
-
 def run(args: argparse.Namespace) -> int:
     try:
         return _run(args)
@@ -239,13 +226,14 @@ def _run(args: argparse.Namespace) -> int:
     from megatron_m2po.config import load_config
     from megatron_m2po.data import build_eval_sets
     from megatron_m2po.rewards import get_reward_fn
+    from megatron_m2po.utils.hf_dir import resolve_model_path
 
     console = Console()
     cfg = load_config(args.config, args.overrides)
     k = args.k if args.k is not None else cfg.trainer.eval_samples
     if k < 1:
         raise ValueError(f"--k={k} must be >= 1")
-    model_path = resolve_model_path(cfg, args.model)
+    model_path = resolve_model_path(cfg.model, args.model, progress=True)
 
     from transformers import AutoTokenizer
 

@@ -5,20 +5,20 @@ from megatron_m2po.config import ConfigError, config_to_dict, dump_config, load_
 
 def test_defaults_validate():
     cfg = load_config(None)
-    assert cfg.algo.loss == "m2po" and cfg.algo.m2_threshold == 0.04
+    assert cfg.algo.loss == "m2po" and cfg.algo.m2po.threshold == 0.04
     assert cfg.trainer.num_updates_per_step == 4  # paper: 256 prompts, mini-batch 64
 
 
 def test_yaml_and_overrides(tmp_path):
     p = tmp_path / "c.yaml"
-    p.write_text("algo:\n  m2_threshold: 0.03\ntrainer:\n  mode: sync\n")
-    cfg = load_config(p, ["algo.m2_threshold=0.02", "rollout.external_addrs=http://a:1,http://b:2",
-                          "model.hf_path=007", "algo.dual_clip_c=3"])
-    assert cfg.algo.m2_threshold == 0.02
+    p.write_text("algo:\n  m2po:\n    threshold: 0.03\ntrainer:\n  mode: sync\n")
+    cfg = load_config(p, ["algo.m2po.threshold=0.02", "rollout.external_addrs=http://a:1,http://b:2",
+                          "model.hf_path=007", "algo.grpo.dual_clip=3"])
+    assert cfg.algo.m2po.threshold == 0.02
     assert cfg.trainer.mode == "sync"
     assert cfg.rollout.external_addrs == ["http://a:1", "http://b:2"]
     assert cfg.model.hf_path == "007"
-    assert cfg.algo.dual_clip_c == 3.0
+    assert cfg.algo.grpo.dual_clip == 3.0
 
 
 def test_roundtrip_dump(tmp_path):
@@ -29,14 +29,14 @@ def test_roundtrip_dump(tmp_path):
 
 
 @pytest.mark.parametrize("override, message", [
-    ("algo.m2_treshold=0.1", "did you mean algo.m2_threshold"),
-    ("algo.m2_threshold=-0.1", "algo.m2_threshold=-0.1 is out of range: must be >= 0.0"),
+    ("algo.m2po.treshold=0.1", "did you mean algo.m2po.threshold"),
+    ("algo.m2po.threshold=-0.1", "algo.m2po.threshold=-0.1 is out of range: must be >= 0.0"),
     ("trainer.mode=offpolicy", "trainer.mode='offpolicy' is not one of"),
     ("parallel.tensor_parallel=two", "parallel.tensor_parallel='two' must be an integer"),
     ("algo.tis=yes please", "algo.tis='yes please' must be true or false"),
     ("algo", "must look like section.key=value"),
     ("trainer.prompts_per_update=48", "must be a multiple of"),
-    ("algo.eps_low=1.5", "algo.eps_low=1.5 is out of range: must be < 1.0"),
+    ("algo.grpo.eps_low=1.5", "algo.grpo.eps_low=1.5 is out of range: must be < 1.0"),
 ])
 def test_bad_values_name_key_value_and_range(override, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(".", r"\.")):

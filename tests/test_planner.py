@@ -267,7 +267,7 @@ def test_recipes_are_feasible_with_paper_hyperparameters(name):
     assert cfg.trainer.num_updates_per_step == 4
     assert (cfg.optim.lr, cfg.optim.lr_schedule, cfg.optim.adam_beta1, cfg.optim.adam_beta2,
             cfg.optim.weight_decay) == (1e-6, "constant", 0.9, 0.999, 0.01)
-    assert (cfg.rollout.temperature, cfg.algo.m2_threshold, cfg.algo.loss) == (1.0, 0.04, "m2po")
+    assert (cfg.rollout.temperature, cfg.algo.m2po.threshold, cfg.algo.loss) == (1.0, 0.04, "m2po")
     assert (cfg.trainer.mode, cfg.trainer.stale_k) == ("stale_k", 256)
     assert cfg.model.dtype == "bfloat16"
     nnodes, gpn = RECIPES[name]

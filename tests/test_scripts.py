@@ -47,7 +47,7 @@ def test_recipe_dry_run_prints_config_commands_and_plan(script, nnodes, gpn, mod
     out = r.stdout
     # resolved config, with the override applied
     cfg_part = out.split("# resolved config\n")[1].split("# commands")[0]
-    assert "num_steps: 7" in cfg_part and "stale_k: 256" in cfg_part and "m2_threshold: 0.04" in cfg_part
+    assert "num_steps: 7" in cfg_part and "stale_k: 256" in cfg_part and "threshold: 0.04" in cfg_part
     lines = [ln for ln in out.splitlines() if ln.startswith("node ")]
     assert len(lines) == nnodes
     for rank, ln in enumerate(lines):
@@ -65,8 +65,8 @@ def test_dry_run_rejects_impossible_layout_and_bad_keys():
     r = sh("run_qwen2.5_32b.sh", "--dry-run", "parallel.tensor_parallel=16", MASTER_ADDR="h")
     assert r.returncode == 1
     assert "tp=16 exceeds GPUs per node 8" in r.stdout
-    r = sh("run_qwen3_8b.sh", "--dry-run", "algo.m2_treshold=0.1")
-    assert r.returncode == 2 and "algo.m2_threshold" in r.stderr  # "did you mean"
+    r = sh("run_qwen3_8b.sh", "--dry-run", "algo.m2po.treshold=0.1")
+    assert r.returncode == 2 and "algo.m2po.threshold" in r.stderr  # "did you mean"
     r = sh("run_qwen2.5_32b.sh", "--dry-run", GPUS_PER_NODE=6, MASTER_ADDR="h")  # 24 GPUs, tp*pp = 16
     assert r.returncode == 1 and "not divisible by tp*pp*cp" in r.stderr
 

@@ -10,13 +10,17 @@ states of *response rows only* into log-probs with the vocab-parallel fused kern
 
 One optimizer update (``_update``), DESIGN §3:
 
-1. M2PO (global scope): a forward-only pre-pass at the current weights gives ``logp_theta`` for
-   every token of the mini-batch; ``m2po_mask`` then selects the global mask over the data x
-   context parallel group of the last stage (tensor-parallel ranks hold identical values and
-   are in different DP groups, so nothing is counted twice), ordered by the canonical token
-   index (sample order in the mini-batch, then position). Other losses skip the pre-pass (their
-   policy metrics come from the training forward, which runs at the same weights).
-2. forward-backward over the micro-batches with the mask fixed. The loss of a micro-batch is
+1. Pre-pass (``_mask_prepass``), only when the loss spec says ``needs_global_mask_prepass``
+   (M2PO with ``algo.m2po.scope=global``): a forward-only pass at the current weights gives
+   ``logp_theta`` for every token of the mini-batch; the spec's ``token_mask`` (``m2po_mask``)
+   then selects the global mask over the data x context parallel group of the last stage
+   (tensor-parallel ranks hold identical values and are in different DP groups, so nothing is
+   counted twice), ordered by the canonical token index (sample order in the mini-batch, then
+   position). Other losses skip the pre-pass (their policy metrics come from the training
+   forward, which runs at the same weights). The actor never branches on a loss name: it asks
+   the registered :class:`~megatron_m2po.algo.losses.LossSpec`.
+2. forward-backward over the micro-batches with the mask fixed (``_policy_loss``; metrics in
+   ``_update_metrics``). The loss of a micro-batch is
    ``sum(...) / N`` with ``N`` the response-token count (``loss_mask``) of the whole mini-batch.
    Every rank holds the global batch, so ``N`` is computed locally and equals the DP x CP
    all-reduce of the per-rank counts. Megatron is told ``calculate_per_token_loss`` (no division
@@ -32,6 +36,7 @@ has no CP attention either.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
 from functools import partial
@@ -42,20 +47,46 @@ import torch
 import torch.distributed as dist
 
 from megatron_m2po.actor.batch import MicroBatch, RolloutBatch, dp_shard, make_microbatches
-from megatron_m2po.config import Config
+from megatron_m2po.config import AlgoConfig, Config, ModelConfig, OptimConfig, ParallelConfig
 
-__all__ = ["MegatronActor", "init_parallel"]
+__all__ = ["ActorConfig", "MegatronActor", "init_parallel", "destroy_parallel"]
 
 
-def init_parallel(cfg: Config) -> bool:
+@dataclasses.dataclass(frozen=True, slots=True)
+class ActorConfig:
+    """The config sections the actor reads, and nothing of the trainer, rollout or store settings.
+
+    Attributes:
+        model, parallel, optim, algo: those sections of :class:`~megatron_m2po.config.Config`.
+        total_updates: optimizer updates of the whole run (the LR schedule's decay length).
+        temperature: the rollout sampling temperature; log-probs are computed at it.
+        seed: Megatron's model-parallel RNG seed.
+    """
+
+    model: ModelConfig
+    parallel: ParallelConfig
+    optim: OptimConfig
+    algo: AlgoConfig
+    total_updates: int
+    temperature: float
+    seed: int
+
+    @classmethod
+    def from_config(cls, cfg: Config, *, total_updates: int) -> "ActorConfig":
+        """Pick the actor's sections of the full config tree."""
+        return cls(model=cfg.model, parallel=cfg.parallel, optim=cfg.optim, algo=cfg.algo,
+                   total_updates=total_updates, temperature=cfg.rollout.temperature, seed=cfg.trainer.seed)
+
+
+def init_parallel(p: ParallelConfig, seed: int) -> bool:
     """torch.distributed (if needed) + Megatron parallel state. Returns True if it created the group.
 
-    Without CUDA the CPU emulation (``platform.cpu``) is enabled and gloo is used.
+    Without CUDA the CPU emulation (``platform.cpu``) is enabled and gloo is used. Undo with
+    :func:`destroy_parallel`.
     """
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 
-    p = cfg.parallel
     cuda = torch.cuda.is_available()
     if not cuda:
         from megatron_m2po.platform import cpu
@@ -68,7 +99,7 @@ def init_parallel(cfg: Config) -> bool:
     created = False
     if not dist.is_initialized():
         if "RANK" not in os.environ:  # a single process without torchrun
-            from megatron_m2po.utils.dist_testing import free_port
+            from megatron_m2po.utils.net import free_port
 
             os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
                               LOCAL_RANK="0")
@@ -91,8 +122,19 @@ def init_parallel(cfg: Config) -> bool:
             (p.tensor_parallel, p.pipeline_parallel):
         raise ValueError("Megatron parallel state is already initialised with a different layout than "
                          f"parallel.tensor_parallel={p.tensor_parallel}, pipeline_parallel={p.pipeline_parallel}")
-    tensor_parallel.model_parallel_cuda_manual_seed(cfg.trainer.seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
     return created
+
+
+def destroy_parallel(process_group: bool) -> None:
+    """Undo :func:`init_parallel`: Megatron's parallel state, and the default process group too
+    when ``process_group`` (the caller created it)."""
+    from megatron.core import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    if process_group and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _unwrap(module):
@@ -114,8 +156,8 @@ class MegatronActor:
         4
     """
 
-    def __init__(self, cfg: Config, chunks: list, bridge, ddp_chunks: list, optimizer, scheduler,
-                 *, owns_process_group: bool = False) -> None:
+    def __init__(self, cfg: ActorConfig, chunks: list, bridge, ddp_chunks: list, optimizer, scheduler,
+                 *, owns_parallel: bool = False, owns_process_group: bool = False) -> None:
         from megatron.core import parallel_state as ps
 
         self.cfg = cfg
@@ -126,6 +168,7 @@ class MegatronActor:
         self.scheduler = scheduler
         self.version = 0
         self._last_mask: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+        self._owns_parallel = owns_parallel  # from_config initialised Megatron's parallel state
         self._owns_pg = owns_process_group
         self._tconfig = chunks[0].config
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else \
@@ -141,7 +184,7 @@ class MegatronActor:
         self.is_last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)
         self.last_stage_rank = ps.get_pipeline_model_parallel_last_rank()
         self.vocab_size = int(bridge.hf_config.vocab_size)
-        self.temperature = float(cfg.rollout.temperature)
+        self.temperature = float(cfg.temperature)
         # Megatron hooks: exact loss scaling (see module doc) and DDP grad sync control.
         from megatron.core.distributed import finalize_model_grads
 
@@ -155,19 +198,26 @@ class MegatronActor:
     # ---------------------------------------------------------------------------------- build
 
     @classmethod
-    def from_config(cls, cfg: Config) -> "MegatronActor":
-        """Initialise distributed / Megatron state, build the model from ``cfg.model.hf_path``, the optimizer."""
+    def from_config(cls, cfg: ActorConfig) -> "MegatronActor":
+        """Build the model from ``cfg.model.hf_path`` and the optimizer.
+
+        Uses the distributed / Megatron parallel state the caller set up (:func:`init_parallel`,
+        as the trainer does); when there is none yet, sets it up and tears it down in
+        :meth:`close`. ``cfg`` is not modified ('tiny' is resolved into a copy).
+        """
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
         from megatron_m2po.actor.model import build_model
 
-        if cfg.model.hf_path == "tiny":
-            from megatron_m2po.utils.tiny_base import ensure_tiny_base
+        from megatron.core import parallel_state as ps
 
-            cfg.model.hf_path = str(ensure_tiny_base(os.path.expanduser(cfg.model.tiny_cache_dir)))
-        created = init_parallel(cfg)
+        from megatron_m2po.utils.hf_dir import resolve_model_path
+
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, hf_path=resolve_model_path(cfg.model)))
+        owns_parallel = not ps.model_parallel_is_initialized()
+        created = init_parallel(cfg.parallel, cfg.seed) if owns_parallel else False
         chunks, bridge = build_model(cfg)
         p, o, dtype = cfg.parallel, cfg.optim, cfg.model.dtype
         ddp_cfg = DistributedDataParallelConfig(
@@ -183,13 +233,14 @@ class MegatronActor:
             fp16=dtype == "float16", params_dtype=chunks[0].config.params_dtype,
             use_distributed_optimizer=p.use_distributed_optimizer)
         optimizer = get_megatron_optimizer(opt_cfg, ddp_chunks)
-        total = max(1, cfg.trainer.num_steps * cfg.trainer.num_updates_per_step)
+        total = max(1, cfg.total_updates)
         scheduler = OptimizerParamScheduler(
             optimizer, init_lr=0.0 if o.warmup_updates else o.lr, max_lr=o.lr, min_lr=o.min_lr,
             lr_warmup_steps=o.warmup_updates, lr_decay_steps=max(total, o.warmup_updates + 1),
             lr_decay_style=o.lr_schedule, start_wd=o.weight_decay, end_wd=o.weight_decay,
             wd_incr_steps=total, wd_incr_style="constant")
-        return cls(cfg, chunks, bridge, ddp_chunks, optimizer, scheduler, owns_process_group=created)
+        return cls(cfg, chunks, bridge, ddp_chunks, optimizer, scheduler, owns_parallel=owns_parallel,
+                   owns_process_group=created)
 
     # ------------------------------------------------------------------------------ schedules
 
@@ -292,11 +343,11 @@ class MegatronActor:
         return [self._update(mini) for mini in batch.split(num_minibatches)]
 
     def _update(self, mini: RolloutBatch) -> dict[str, float]:
-        from megatron_m2po.algo.losses import compute_policy_loss, tis_weights
-        from megatron_m2po.algo.m2_mask import m2po_mask
-        from megatron_m2po.algo.metrics import Metric, reduce_metrics
+        """One optimizer update over the mini-batch ``mini`` (module docstring, steps 1-3)."""
+        from megatron_m2po.algo.losses import loss_settings, resolve_loss
 
-        a = self.cfg.algo
+        spec = resolve_loss(self.cfg.algo)
+        settings = loss_settings(spec, self.cfg.algo)
         samples = mini.samples
         if len(samples) < self.dp_size:
             raise ValueError(f"an optimizer mini-batch of {len(samples)} samples cannot be split over "
@@ -306,66 +357,19 @@ class MegatronActor:
             raise ValueError("the optimizer mini-batch has no response tokens with loss_mask=1")
         shard = dp_shard(len(samples), self.dp_size, self.dp_rank)
         mbs = self._microbatches(samples, shard)
-        use_global_mask = a.loss == "m2po" and a.m2_scope == "global"
 
-        # 1. pre-pass and global M2 mask (last stage only; its DP x CP group spans last-stage ranks only)
-        keeps: list[Optional[torch.Tensor]] = [None] * len(mbs)
-        m2_metrics: dict[str, float] = {}
-        if use_global_mask:
-            outs = self._forward_logprobs(mbs, with_entropy=False)
-            if self.is_last_stage:
-                logp = torch.cat([o["logp"] for o in outs])
-                behav = torch.cat([mb.behav_logprobs for mb in mbs]).to(logp.dtype)
-                delta = (logp - behav).clamp(-a.logratio_clamp, a.logratio_clamp)
-                keep, stats = m2po_mask(
-                    delta, torch.cat([mb.advantages for mb in mbs]), torch.cat([mb.loss_mask for mb in mbs]),
-                    threshold=a.m2_threshold, rule=a.m2_rule, group=self.dp_group if self.dp_size > 1 else None,
-                    order_key=torch.cat([mb.token_index for mb in mbs]))
-                keeps = list(torch.split(keep, [mb.num_tokens for mb in mbs]))
-                m2_metrics = {f"m2po/{k}": float(getattr(stats, k))
-                              for k in ("m2_before", "m2_after", "mask_frac", "threshold_value", "n_trust")}
-                self._last_mask = (torch.cat([mb.token_index for mb in mbs]).cpu(), keep.cpu())  # for tests
+        # 1. what the loss needs before the first backward (M2PO: the global mask)
+        keeps, prepass_metrics = self._mask_prepass(mbs, spec, settings)
 
         # 2. forward-backward with the mask fixed
-        local: list[dict] = []
-
-        def loss_fn(mb, model, hidden, keep=None):
-            logp, ent = self._token_logprobs(mb, model, hidden, with_entropy=True)
-            behav, adv = mb.behav_logprobs.to(logp.dtype), mb.advantages.to(logp.dtype)
-            metrics: dict = {}
-            if a.loss == "m2po" and keep is None:  # m2_scope=microbatch: this micro-batch on this rank only
-                delta = (logp.detach() - behav).clamp(-a.logratio_clamp, a.logratio_clamp)
-                keep, st = m2po_mask(delta, adv, mb.loss_mask, threshold=a.m2_threshold, rule=a.m2_rule,
-                                     order_key=mb.token_index)
-                metrics.update({
-                    "m2po/mask_frac": Metric(st.mask_frac, "mean", st.n_valid),
-                    "m2po/m2_before": Metric(st.m2_before, "mean", st.n_trust),
-                    "m2po/m2_after": Metric(st.m2_after, "mean", st.n_trust - st.n_masked),
-                    "m2po/threshold_value": Metric(st.threshold_value, "max"),
-                    "m2po/n_trust": Metric(st.n_trust, "sum")})
-            tis = None
-            if a.tis and mb.engine_logprobs is not None:
-                tis = tis_weights(behav, mb.engine_logprobs.to(logp.dtype), a.tis_cap)
-            loss, lm = compute_policy_loss(a.loss, logp, behav, adv, mb.loss_mask, denominator=denom, algo_cfg=a,
-                                           keep=keep, seq_index=mb.seq_index, tis_weight=tis)
-            metrics.update(lm)
-            mask = mb.loss_mask.to(logp.dtype)
-            if a.entropy_coef > 0:
-                loss = loss - a.entropy_coef * (ent * mask).sum() / denom
-            n = float(mask.sum())
-            metrics["policy/entropy"] = Metric(float((ent.detach() * mask).sum() / max(n, 1.0)), "mean", n)
-            if mb.engine_logprobs is not None:  # KL(engine || trainer-behaviour), k1 on engine samples
-                mis = mb.engine_logprobs.to(logp.dtype) - behav
-                metrics["mismatch/train_vs_engine_kl"] = Metric(float((mis * mask).sum() / max(n, 1.0)), "mean", n)
-            metrics["loss/total"] = Metric(float(loss.detach()), "sum")
-            local.append(metrics)
-            return loss, torch.tensor(mb.num_tokens, dtype=torch.int), None
-
+        records: list[dict] = []
         it = iter(keeps)
         for m in self.model:
             m.zero_grad_buffer()
         self.optimizer.zero_grad()
-        self._run(mbs, lambda mb, model, hidden: loss_fn(mb, model, hidden, next(it)), forward_only=False)
+        self._run(mbs, lambda mb, model, hidden: self._policy_loss(
+            mb, model, hidden, next(it), spec=spec, settings=settings, denom=denom, records=records),
+            forward_only=False)
 
         # 3. optimizer step
         self.scheduler.step(increment=1)  # update u runs at the LR of step u + 1 (warm-up starts above 0)
@@ -373,12 +377,77 @@ class MegatronActor:
         if not ok:
             raise RuntimeError("the optimizer step was skipped (non-finite gradients)")
         self.version += 1
+        return self._update_metrics(mini, records, prepass_metrics, grad_norm)
 
-        # 4. metrics: reduce on the last stage's DP x CP group, then share with the other stages
+    def _mask_prepass(self, mbs: list[MicroBatch], spec, settings) -> tuple[list[Optional[torch.Tensor]], dict]:
+        """Forward-only pre-pass at the current weights and the loss's global token mask, when the
+        loss spec asks for one (``needs_global_mask_prepass``; M2PO with scope=global).
+
+        Runs on the last stage's DP x CP group (it spans last-stage ranks only). Returns one keep
+        tensor per micro-batch (None where no global mask is taken) and the mask's metrics, which
+        are already global (not reduced again).
+        """
+        keeps: list[Optional[torch.Tensor]] = [None] * len(mbs)
+        if not spec.needs_global_mask_prepass(settings):
+            return keeps, {}
+        outs = self._forward_logprobs(mbs, with_entropy=False)
+        if not self.is_last_stage:
+            return keeps, {}
+        c = self.cfg.algo.logratio_clamp
+        logp = torch.cat([o["logp"] for o in outs])
+        behav = torch.cat([mb.behav_logprobs for mb in mbs]).to(logp.dtype)
+        order = torch.cat([mb.token_index for mb in mbs])
+        keep, metrics = spec.token_mask(
+            (logp - behav).clamp(-c, c), torch.cat([mb.advantages for mb in mbs]),
+            torch.cat([mb.loss_mask for mb in mbs]), order_key=order,
+            group=self.dp_group if self.dp_size > 1 else None, settings=settings)
+        self._last_mask = (order.cpu(), keep.cpu())  # for tests
+        return list(torch.split(keep, [mb.num_tokens for mb in mbs])), {k: float(m.value) for k, m in metrics.items()}
+
+    def _policy_loss(self, mb: MicroBatch, model, hidden: torch.Tensor, keep: Optional[torch.Tensor], *, spec,
+                     settings, denom: float, records: list[dict]):
+        """Megatron loss function of one micro-batch: ``(loss, n_tokens, None)``; its metric records
+        (each declaring its reduction) go to ``records``."""
+        from megatron_m2po.algo.losses import compute_policy_loss, tis_weights
+        from megatron_m2po.algo.metrics import Metric
+
+        a = self.cfg.algo
+        logp, ent = self._token_logprobs(mb, model, hidden, with_entropy=True)
+        behav, adv = mb.behav_logprobs.to(logp.dtype), mb.advantages.to(logp.dtype)
+        metrics: dict = {}
+        if keep is None and spec.needs_microbatch_mask(settings):  # this micro-batch on this rank only
+            delta = (logp.detach() - behav).clamp(-a.logratio_clamp, a.logratio_clamp)
+            keep, mask_metrics = spec.token_mask(delta, adv, mb.loss_mask, order_key=mb.token_index, group=None,
+                                                 settings=settings)
+            metrics.update(mask_metrics)
+        tis = None
+        if a.tis and mb.engine_logprobs is not None:
+            tis = tis_weights(behav, mb.engine_logprobs.to(logp.dtype), a.tis_cap)
+        loss, lm = compute_policy_loss(spec.name, logp, behav, adv, mb.loss_mask, denominator=denom, algo_cfg=a,
+                                       keep=keep, seq_index=mb.seq_index, tis_weight=tis)
+        metrics.update(lm)
+        mask = mb.loss_mask.to(logp.dtype)
+        if a.entropy_coef > 0:
+            loss = loss - a.entropy_coef * (ent * mask).sum() / denom
+        n = float(mask.sum())
+        metrics["policy/entropy"] = Metric(float((ent.detach() * mask).sum() / max(n, 1.0)), "mean", n)
+        if mb.engine_logprobs is not None:  # KL(engine || trainer-behaviour), k1 on engine samples
+            mis = mb.engine_logprobs.to(logp.dtype) - behav
+            metrics["mismatch/train_vs_engine_kl"] = Metric(float((mis * mask).sum() / max(n, 1.0)), "mean", n)
+        metrics["loss/total"] = Metric(float(loss.detach()), "sum")
+        records.append(metrics)
+        return loss, torch.tensor(mb.num_tokens, dtype=torch.int), None
+
+    def _update_metrics(self, mini: RolloutBatch, records: list[dict], prepass_metrics: dict,
+                        grad_norm) -> dict[str, float]:
+        """Metrics of one update: reduced on the last stage's DP x CP group as each record declares,
+        then shared with the other pipeline stages."""
+        from megatron_m2po.algo.metrics import reduce_metrics
+
         out: dict[str, float] = {}
         if self.is_last_stage:
-            out = reduce_metrics(local, group=self.dp_group if self.dp_size > 1 else None)
-            out.update(m2_metrics)
+            out = reduce_metrics(records, group=self.dp_group if self.dp_size > 1 else None)
+            out.update(prepass_metrics)
         if self.pp_size > 1:
             obj = [out]
             dist.broadcast_object_list(obj, src=self.last_stage_rank, group=self.pp_group)
@@ -427,9 +496,6 @@ class MegatronActor:
         return load_checkpoint(self, path, model_only=model_only)
 
     def close(self) -> None:
-        from megatron.core import parallel_state as ps
-
-        if ps.model_parallel_is_initialized():
-            ps.destroy_model_parallel()
-        if self._owns_pg and dist.is_initialized():
-            dist.destroy_process_group()
+        """Tear down the parallel state :meth:`from_config` set up (none when the caller did)."""
+        if self._owns_parallel:
+            destroy_parallel(self._owns_pg)

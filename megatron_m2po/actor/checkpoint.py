@@ -31,7 +31,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-__all__ = ["save_checkpoint", "load_checkpoint", "resolve_checkpoint", "LATEST"]
+__all__ = ["save_checkpoint", "load_checkpoint", "resolve_checkpoint", "latest_checkpoint", "LATEST"]
 
 LATEST = "latest"
 _FORMAT = 1
@@ -107,10 +107,23 @@ def save_checkpoint(actor, path: str, extra_state: dict[str, Any]) -> None:
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
-        pointer = final.parent / (LATEST + ".tmp")
-        pointer.write_text(final.name)
-        os.replace(pointer, final.parent / LATEST)
+        _write_latest(final.parent, final.name)
     dist.barrier()
+
+
+def _write_latest(parent: Path, name: str) -> None:
+    pointer = parent / (LATEST + ".tmp")
+    pointer.write_text(name)
+    os.replace(pointer, parent / LATEST)
+
+
+def latest_checkpoint(parent: str | os.PathLike) -> Path | None:
+    """The directory ``<parent>/latest`` names, or None when there is no pointer or it names nothing."""
+    pointer = Path(parent) / LATEST
+    if not pointer.is_file():
+        return None
+    p = Path(parent) / pointer.read_text().strip()
+    return p if p.exists() else None
 
 
 def resolve_checkpoint(path: str) -> Path | None:
@@ -118,10 +131,9 @@ def resolve_checkpoint(path: str) -> Path | None:
     p = Path(path)
     if (p / "actor.json").is_file():
         return p
-    if (p / LATEST).is_file():
-        q = p / (p / LATEST).read_text().strip()
-        if (q / "actor.json").is_file():
-            return q
+    q = latest_checkpoint(p)
+    if q is not None and (q / "actor.json").is_file():
+        return q
     return None
 
 

@@ -18,12 +18,15 @@ import json
 from megatron_m2po.config import Config
 
 
-def _config(hf: str, tp: int, pp: int, dtype: str) -> Config:
+def _config(hf: str, tp: int, pp: int, dtype: str):
+    from megatron_m2po.actor.actor import ActorConfig
+
     cfg = Config()
     cfg.model.hf_path = hf
     cfg.model.dtype = dtype
     cfg.parallel.tensor_parallel, cfg.parallel.pipeline_parallel = tp, pp
-    return cfg
+    # No training happens here; the LR schedule length only has to be valid.
+    return ActorConfig.from_config(cfg, total_updates=cfg.trainer.num_steps * cfg.trainer.num_updates_per_step)
 
 
 def hf_to_mcore(hf: str, out: str, *, tp: int = 1, pp: int = 1, dtype: str = "float32") -> None:

@@ -13,18 +13,27 @@ of all ranks therefore gives the token mean over the mini-batch, however it is s
 ``r_i = exp(delta_i)``; the clamp keeps ``exp`` finite on very stale data (its gradient is zero
 beyond the clamp).
 
-Per-token objectives ``obj_i``:
+Registry: a loss is a :class:`LossSpec` -- its objective, its own settings dataclass (config
+section ``algo.<name>``; ``algo.loss_options`` for a plugin loss) and what it needs from the
+trainer (a per-token mask before the loss, a global pre-pass for it, sequence ids). Plugins
+register more with :func:`register_loss` from modules listed in ``algo.plugins``; the actor only
+asks the spec, it never branches on a loss name.
 
-* ``m2po``: ``keep_i * r_i * A_i`` (``keep`` from ``algo.m2_mask.m2po_mask``, required).
-* ``grpo``: PPO clip ``min(r A, clip(r, 1 - eps_low, 1 + eps_high) A)`` (clip-higher when
-  ``eps_high > eps_low``); with ``dual_clip_c`` = c, for ``A < 0`` also ``max(., c A)``.
+Per-token objectives ``obj_i`` (settings in brackets):
+
+* ``m2po`` [``algo.m2po``]: ``keep_i * r_i * A_i`` (``keep`` from ``algo.m2_mask.m2po_mask``,
+  required; the spec's ``token_mask``, global by default, i.e. over the whole mini-batch after a
+  forward-only pre-pass).
+* ``grpo`` [``algo.grpo``]: PPO clip ``min(r A, clip(r, 1 - eps_low, 1 + eps_high) A)``
+  (clip-higher when ``eps_high > eps_low``); with ``dual_clip`` = c, for ``A < 0`` also
+  ``max(., c A)``.
 * ``no_tr``: ``r A`` (no trust region).
-* ``gspo``: sequence ratio ``s = exp(mean_{i in seq} delta_i)`` (geometric mean of the token
+* ``gspo`` [``algo.gspo``]: sequence ratio ``s = exp(mean_{i in seq} delta_i)`` (geometric mean of the token
   ratios over the sequence's loss tokens in this call, gradient through the mean), per token
-  ``min(s A, clip(s, 1 - gspo_eps_low, 1 + gspo_eps_high) A)``. Needs ``seq_index`` and whole
+  ``min(s A, clip(s, 1 - eps_low, 1 + eps_high) A)``. Needs ``seq_index`` and whole
   sequences in one call (a context-parallel split of a sequence would need the mean reduced
   over the CP group first).
-* ``cispo``: ``sg(min(r, 1 + cispo_eps_high)) * A * logp`` (stop-gradient clipped ratio).
+* ``cispo`` [``algo.cispo``]: ``sg(min(r, 1 + eps_high)) * A * logp`` (stop-gradient clipped ratio).
 
 Non-finite ``logp``, ``behav_logp``, ``advantages`` (or TIS weights) on loss tokens raise
 ValueError saying how many and where; values on non-loss tokens (padding) are ignored and get
@@ -39,12 +48,17 @@ clip), ``tis/weight_mean`` (with TIS). Means are weighted by the number of loss 
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
+import importlib
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
+from megatron_m2po.algo.m2_mask import m2po_mask
 from megatron_m2po.algo.metrics import Metric
+from megatron_m2po.algo.loss_settings import CISPOConfig, GRPOConfig, GSPOConfig, M2POConfig
 
 Objective = tuple[torch.Tensor, dict[str, Metric]]
 
@@ -72,30 +86,151 @@ class LossInputs:
         return self.token_mean(cond.to(torch.float64))
 
 
-LossFn = Callable[[LossInputs, object], Objective]
-LOSSES: dict[str, LossFn] = {}
+LossFn = Callable[[LossInputs, Any], Objective]
+# (delta, advantages, loss_mask, *, order_key, group, settings) -> (keep, metrics); see LossSpec.token_mask
+MaskFn = Callable[..., tuple[torch.Tensor, dict[str, Metric]]]
 
 
-def register_loss(name: str) -> Callable[[LossFn], LossFn]:
-    """Decorator adding a loss ``fn(inputs: LossInputs, algo_cfg) -> (obj, metrics)`` to the registry."""
+@dataclass(frozen=True)
+class LossSpec:
+    """A registered policy loss and what it needs from the trainer.
+
+    * ``objective(inputs, settings) -> (obj, metrics)``: the per-token objective (module docstring).
+    * ``settings``: the loss's own settings dataclass, or None. A built-in loss reads the config
+      section of its name (``algo.m2po``, ``algo.grpo``, ...); a plugin loss gets
+      ``algo.loss_options`` parsed into this class (unknown keys, types, ``ge``/``gt`` field
+      metadata and a ``check()`` method are enforced as for the rest of the config).
+    * ``token_mask``: an optional per-token keep mask computed from the log-ratio *before* the
+      loss, ``fn(delta, advantages, loss_mask, *, order_key, group, settings) -> (keep, metrics)``
+      (M2PO's second-moment mask). ``group`` is the data x context parallel group the selection
+      is global over (None: this tensor only); ``order_key`` the canonical token order for ties.
+    * ``mask_scope(settings)``: ``"global"`` -- the mask is taken over the whole optimizer
+      mini-batch on every DP x CP rank, which needs a forward-only pre-pass at the current weights
+      before the first backward -- or ``"microbatch"`` (per micro-batch, per rank).
+    * ``needs_seq_index``: the objective needs whole sequences and their ids (GSPO).
+    """
+
+    name: str
+    objective: LossFn
+    settings: Optional[type] = None
+    token_mask: Optional[MaskFn] = None
+    mask_scope: Callable[[Any], str] = lambda settings: "global"
+    needs_seq_index: bool = False
+
+    def needs_global_mask_prepass(self, settings: Any) -> bool:
+        """Whether the trainer must run the forward-only pre-pass and call ``token_mask`` over the
+        whole mini-batch (across DP x CP) before forward-backward."""
+        return self.token_mask is not None and self.mask_scope(settings) == "global"
+
+    def needs_microbatch_mask(self, settings: Any) -> bool:
+        """Whether ``token_mask`` is applied per micro-batch inside the loss (no pre-pass)."""
+        return self.token_mask is not None and self.mask_scope(settings) == "microbatch"
+
+
+LOSSES: dict[str, LossSpec] = {}
+
+
+def register_loss(name: str, *, settings: Optional[type] = None, token_mask: Optional[MaskFn] = None,
+                  mask_scope: Optional[Callable[[Any], str]] = None, needs_seq_index: bool = False
+                  ) -> Callable[[LossFn], LossFn]:
+    """Decorator adding ``fn(inputs: LossInputs, settings) -> (obj, metrics)`` to the registry.
+
+    A plugin module (listed in ``algo.plugins``) calls it at import time::
+
+        @dataclass
+        class MySettings:
+            scale: float = 1.0
+
+        @register_loss("my_loss", settings=MySettings)
+        def my_loss(x: LossInputs, s: MySettings):
+            return s.scale * x.ratio * x.advantages, {}
+
+    and is then selected with ``algo.loss=my_loss algo.loss_options.scale=2``. Registering a
+    different function under a taken name raises ValueError (re-importing the same one is fine).
+    """
+    if settings is not None and not dataclasses.is_dataclass(settings):
+        raise TypeError(f"register_loss({name!r}): settings must be a dataclass type, got {settings!r}")
 
     def deco(fn: LossFn) -> LossFn:
-        if name in LOSSES:
-            raise ValueError(f"register_loss: {name!r} is already registered")
-        LOSSES[name] = fn
+        prev = LOSSES.get(name)
+        if prev is not None and _ident(prev.objective) != _ident(fn):
+            raise ValueError(f"register_loss: {name!r} is already registered (by {prev.objective.__module__}."
+                             f"{prev.objective.__qualname__})")
+        LOSSES[name] = LossSpec(name, fn, settings, token_mask, mask_scope or (lambda s: "global"), needs_seq_index)
         return fn
 
     return deco
 
 
-def get_loss(name: str) -> LossFn:
+def _ident(fn) -> tuple:
+    code = getattr(fn, "__code__", None)
+    return (fn.__qualname__, code.co_filename if code else fn.__module__)
+
+
+def get_loss(name: str) -> LossSpec:
+    """The registered :class:`LossSpec` called ``name``; ValueError with a did-you-mean otherwise."""
     try:
         return LOSSES[name]
     except KeyError:
-        raise ValueError(f"unknown policy loss {name!r}; available: {sorted(LOSSES)}") from None
+        near = difflib.get_close_matches(name, LOSSES, n=1)
+        hint = f"; did you mean {near[0]!r}?" if near else ""
+        raise ValueError(f"unknown policy loss {name!r}; available: {sorted(LOSSES)}{hint} (a loss from a plugin "
+                         "module needs that module in algo.plugins)") from None
 
 
-@register_loss("m2po")
+def load_plugins(modules: list[str]) -> None:
+    """Import the ``algo.plugins`` modules (dotted paths) so that their ``register_loss`` calls run."""
+    for mod in modules:
+        try:
+            importlib.import_module(mod)
+        except Exception as e:  # noqa: BLE001 - any import-time failure is the user's plugin
+            raise ValueError(f"algo.plugins: cannot import {mod!r} ({type(e).__name__}: {e}); list importable "
+                             "module paths such as my_pkg.losses (the package must be on PYTHONPATH or "
+                             "installed)") from e
+
+
+def resolve_loss(algo_cfg) -> LossSpec:
+    """The spec ``algo_cfg.loss`` names, after importing ``algo_cfg.plugins``."""
+    load_plugins(algo_cfg.plugins)
+    return get_loss(algo_cfg.loss)
+
+
+def loss_settings(spec: LossSpec, algo_cfg) -> Any:
+    """The settings object ``spec`` reads: the config section ``algo.<name>`` for a built-in loss,
+    ``algo.loss_options`` parsed into ``spec.settings`` for a plugin loss, None without settings."""
+    if spec.settings is None:
+        return None
+    section = getattr(algo_cfg, spec.name, None)
+    if isinstance(section, spec.settings):
+        return section
+    try:  # validated (did-you-mean, types, ranges, check()) when the config was loaded
+        return spec.settings(**algo_cfg.loss_options)
+    except TypeError as e:
+        raise ValueError(f"algo.loss_options={algo_cfg.loss_options!r} do not fit the settings of loss "
+                         f"{spec.name!r} ({spec.settings.__name__}): {e}") from None
+
+
+# ------------------------------------------------------------------------------ built-in losses
+
+
+def _m2po_mask(delta: torch.Tensor, advantages: torch.Tensor, loss_mask: torch.Tensor, *, order_key, group,
+               settings: M2POConfig) -> tuple[torch.Tensor, dict[str, Metric]]:
+    stats: Any
+    keep, stats = m2po_mask(delta, advantages, loss_mask, threshold=settings.threshold, rule=settings.rule,
+                            group=group, order_key=order_key)
+    return keep, {
+        "m2po/mask_frac": Metric(stats.mask_frac, "mean", stats.n_valid),
+        "m2po/m2_before": Metric(stats.m2_before, "mean", stats.n_trust),
+        "m2po/m2_after": Metric(stats.m2_after, "mean", stats.n_trust - stats.n_masked),
+        "m2po/threshold_value": Metric(stats.threshold_value, "max"),
+        "m2po/n_trust": Metric(stats.n_trust, "sum")}
+
+
+def _m2po_scope(settings: M2POConfig) -> str:
+    return settings.scope
+
+
+@register_loss("m2po", settings=M2POConfig, token_mask=_m2po_mask, mask_scope=_m2po_scope)
 def _m2po(x: LossInputs, cfg) -> Objective:
     if x.keep is None:
         raise ValueError("loss 'm2po' needs keep= (the mask from algo.m2_mask.m2po_mask over the mini-batch)")
@@ -107,23 +242,23 @@ def _no_tr(x: LossInputs, cfg) -> Objective:
     return x.ratio * x.advantages, {}
 
 
-@register_loss("grpo")
-def _grpo(x: LossInputs, cfg) -> Objective:
+@register_loss("grpo", settings=GRPOConfig)
+def _grpo(x: LossInputs, cfg: GRPOConfig) -> Objective:
     a, r = x.advantages, x.ratio
     unclipped = r * a
     clipped = r.clamp(1.0 - cfg.eps_low, 1.0 + cfg.eps_high) * a
     obj = torch.minimum(unclipped, clipped)
     metrics = {"loss/clip_frac": x.frac(clipped < unclipped)}
-    if cfg.dual_clip_c is not None:
-        floor = cfg.dual_clip_c * a
+    if cfg.dual_clip is not None:
+        floor = cfg.dual_clip * a
         dual = (a < 0) & (obj < floor)
         obj = torch.where(dual, floor, obj)
         metrics["loss/dual_clip_frac"] = x.frac(dual)
     return obj, metrics
 
 
-@register_loss("gspo")
-def _gspo(x: LossInputs, cfg) -> Objective:
+@register_loss("gspo", settings=GSPOConfig, needs_seq_index=True)
+def _gspo(x: LossInputs, cfg: GSPOConfig) -> Objective:
     if x.seq_index is None:
         raise ValueError("loss 'gspo' needs seq_index= (an integer sequence id per token)")
     _, inv = torch.unique(x.seq_index, return_inverse=True)
@@ -134,7 +269,7 @@ def _gspo(x: LossInputs, cfg) -> Objective:
     s = torch.exp(sums / counts.clamp_min(1.0))[inv]
     a = x.advantages
     unclipped = s * a
-    clipped = s.clamp(1.0 - cfg.gspo_eps_low, 1.0 + cfg.gspo_eps_high) * a
+    clipped = s.clamp(1.0 - cfg.eps_low, 1.0 + cfg.eps_high) * a
     seq_has = counts > 0
     seq_ratio = torch.exp(sums / counts.clamp_min(1.0))[seq_has].detach()
     metrics = {"loss/clip_frac": x.frac(clipped < unclipped),
@@ -143,9 +278,9 @@ def _gspo(x: LossInputs, cfg) -> Objective:
     return torch.minimum(unclipped, clipped), metrics
 
 
-@register_loss("cispo")
-def _cispo(x: LossInputs, cfg) -> Objective:
-    bound = 1.0 + cfg.cispo_eps_high
+@register_loss("cispo", settings=CISPOConfig)
+def _cispo(x: LossInputs, cfg: CISPOConfig) -> Objective:
+    bound = 1.0 + cfg.eps_high
     weight = x.ratio.detach().clamp(max=bound)
     return weight * x.advantages * x.logp, {"loss/clip_frac": x.frac(x.ratio.detach() > bound)}
 
@@ -166,9 +301,11 @@ def compute_policy_loss(name: str, logp: torch.Tensor, behav_logp: torch.Tensor,
     """Loss ``name`` on one micro-batch; returns ``(loss, metrics)`` (see the module docstring).
 
     ``logp`` carries the gradient; ``behav_logp``, ``advantages``, ``keep``, ``tis_weight`` are
-    treated as constants. ``algo_cfg`` is a ``megatron_m2po.config.AlgoConfig``.
+    treated as constants. ``algo_cfg`` is a ``megatron_m2po.config.AlgoConfig``: the loss reads its
+    own settings from it (:func:`loss_settings`) and ``logratio_clamp``.
     """
-    fn = get_loss(name)
+    spec = get_loss(name)
+    settings = loss_settings(spec, algo_cfg)
     mask = loss_mask.to(torch.bool)
     shapes = {"logp": tuple(logp.shape), "behav_logp": tuple(behav_logp.shape),
               "advantages": tuple(advantages.shape), "loss_mask": tuple(loss_mask.shape)}
@@ -199,7 +336,7 @@ def compute_policy_loss(name: str, logp: torch.Tensor, behav_logp: torch.Tensor,
     x = LossInputs(logp=lp, behav_logp=blp, advantages=adv, mask=mask, delta=delta, ratio=ratio,
                    n_tokens=int(mask.sum()), keep=None if keep is None else keep.to(torch.bool),
                    seq_index=seq_index)
-    obj, metrics = fn(x, algo_cfg)
+    obj, metrics = spec.objective(x, settings)
     w = mask.to(dtype)
     if tis_weight is not None:
         tw = torch.where(mask, tis_weight.detach().to(dtype), 0.0)

@@ -29,7 +29,7 @@ Mapping to the paper (DESIGN §3):
   widening (off in its published scripts) is not applied; (3) it takes the sign of the advantage
   from the first response token, we take it per token (identical for GRPO); (4) with ``group``
   the cap is global, whereas the released code computes it per micro-batch per rank -- pass
-  ``group=None`` per micro-batch to reproduce that scope (``AlgoConfig.m2_scope="microbatch"``).
+  ``group=None`` per micro-batch to reproduce that scope (``algo.m2po.scope=microbatch``).
   Its logged "M2_after" is the capped mean ``mean_T(min(v, c))``; our ``m2_after`` is the mean
   over the kept T tokens for both rules.
 

@@ -58,6 +58,9 @@ from typing import Any, Iterable, Optional
 
 import torch
 
+from megatron_m2po.parallel.side_group import broadcast, new_side_group
+from megatron_m2po.utils.hf_dir import iter_safetensors
+
 log = logging.getLogger("m2po.cpu_worker")
 
 _VERSION = "0.5.3-m2po-cpu-worker"
@@ -444,13 +447,7 @@ class Engine:
         return n
 
     def load_from_disk(self, path: str) -> int:
-        from safetensors.torch import load_file
-        files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
-        if not files:
-            raise ValueError(f"no *.safetensors files in {path!r}")
-        n = 0
-        for f in files:
-            n += self.load_weights(load_file(f).items())
+        n = self.load_weights(iter_safetensors(path))
         if self.fp8 is not None:
             self.fp8.check_complete()
         return n
@@ -463,9 +460,9 @@ class Engine:
         name = req.get("group_name", _DEFAULT_GROUP)
         if name in self.groups:
             raise ValueError(f"group {name!r} already exists; destroy it first")
-        self.groups[name] = join_group(req["master_address"], int(req["master_port"]),
-                                       rank=int(req["rank_offset"]), world_size=int(req["world_size"]),
-                                       group_name=name, timeout_s=self.dist_timeout_s)
+        self.groups[name] = new_side_group("gloo", req["master_address"], int(req["master_port"]),
+                                           rank=int(req["rank_offset"]), world_size=int(req["world_size"]),
+                                           group_name=name, timeout_s=self.dist_timeout_s)
 
     def receive(self, req: dict) -> list[tuple[str, torch.Tensor]]:
         name = req.get("group_name", _DEFAULT_GROUP)
@@ -488,28 +485,6 @@ class Engine:
             for w in works:
                 w.wait()
         return list(zip(names, tensors))
-
-
-def join_group(host: str, port: int, *, rank: int, world_size: int, group_name: str,
-               timeout_s: float):
-    """A gloo process group outside the default one (SGLang: ``init_custom_process_group``).
-
-    Rank 0 hosts the TCP store. Collectives are called on the returned ``ProcessGroup`` object
-    directly (``broadcast(pg, t, timeout_s).wait()``) and fail after ``timeout_s`` instead of hanging.
-    """
-    import torch.distributed as dist
-    timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore(host, port, world_size, is_master=(rank == 0), timeout=timeout,
-                          wait_for_workers=False)
-    return dist.ProcessGroupGloo(dist.PrefixStore(group_name, store), rank, world_size, timeout)
-
-
-def broadcast(pg, tensor: torch.Tensor, timeout_s: float, root: int = 0):
-    """``pg.broadcast`` from ``root`` on a bare ProcessGroup (not registered with the world)."""
-    import torch.distributed as dist
-    opts = dist.BroadcastOptions()
-    opts.rootRank, opts.timeout = root, datetime.timedelta(seconds=timeout_s)
-    return pg.broadcast([tensor], opts)
 
 
 # -------------------------------------------------------------------- HTTP layer

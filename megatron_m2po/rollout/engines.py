@@ -7,8 +7,8 @@
     fleet.check_and_restart()  # dead engine -> relaunch -> refit_fn(url) -> register again
     fleet.stop()
 
-Engines come from a ``Launcher`` (``LocalLauncher``: subprocesses; a Ray launcher can implement
-the same two-method protocol) or, with ``rollout.launcher == "external"``, from
+Engines come from a ``Launcher`` (:mod:`.launcher`: ``LocalLauncher`` starts subprocesses;
+:mod:`.ray_launcher` implements the same protocol with Ray actors) or, with ``rollout.launcher == "external"``, from
 ``rollout.external_addrs`` (validated at start-up: health, model info, server info; each
 problem is reported with the address). ``rollout.engine == "sglang"`` launches
 ``python -m sglang.launch_server``; ``"cpu_worker"`` launches ``megatron_m2po.rollout.cpu_worker``.
@@ -22,87 +22,22 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import subprocess
 import sys
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional, Protocol
+from typing import Callable, Optional
 
 import aiohttp
 
 from megatron_m2po.config import RolloutConfig
 from megatron_m2po.rollout.client import EngineError, SGLangClient
-from megatron_m2po.utils.dist_testing import free_port
+from megatron_m2po.rollout.launcher import (EngineHandle, EngineSpec, FleetError, Launcher, LocalHandle,
+                                            LocalLauncher)
+from megatron_m2po.utils.net import free_port
 
 log = logging.getLogger("m2po.engines")
-
-
-class FleetError(RuntimeError):
-    """An engine or the router could not be started, reached or validated."""
-
-
-@dataclass
-class EngineSpec:
-    """What a launcher needs to start one engine."""
-
-    index: int
-    host: str
-    port: int
-    cmd: list[str]
-    env: dict[str, str]
-    log_path: Path
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
-
-
-class EngineHandle(Protocol):
-    url: str
-    log_path: Optional[Path]
-
-    def alive(self) -> bool: ...
-    def stop(self, timeout_s: float = 10.0) -> None: ...
-
-
-class Launcher(Protocol):
-    def launch(self, spec: EngineSpec) -> EngineHandle: ...
-
-
-@dataclass
-class LocalHandle:
-    url: str
-    log_path: Optional[Path]
-    proc: Optional[subprocess.Popen] = None
-
-    def alive(self) -> bool:
-        return self.proc is None or self.proc.poll() is None
-
-    def stop(self, timeout_s: float = 10.0) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(timeout_s)
-
-
-class LocalLauncher:
-    """Engines as child processes in their own session (so a kill takes the whole tree)."""
-
-    def launch(self, spec: EngineSpec) -> LocalHandle:
-        spec.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(spec.log_path, "ab") as logf:
-            logf.write(f"\n=== launch {' '.join(spec.cmd)}\n".encode())
-            logf.flush()
-            proc = subprocess.Popen(spec.cmd, env={**os.environ, **spec.env}, stdout=logf,
-                                    stderr=subprocess.STDOUT, start_new_session=True)
-        return LocalHandle(url=spec.url, log_path=spec.log_path, proc=proc)
 
 
 def tail(path: Optional[Path], n: int = 30) -> str:

@@ -28,7 +28,7 @@ precision at generation time and logs ``mismatch/train_vs_engine_kl``) and ``alg
 (the loss is weighted by ``min(p_train_behav / p_engine_behav, algo.tis_cap)``, paper eq. 6).
 
 Engines must start FP8 too: launch them from an FP8 export of the base model
-(``DiskWeightSync(..., fp8=True).export(weights, 0)`` or :func:`export_fp8_dir`), or from the base
+(``DiskWeightSync(..., fp8=True).export(weights, 0)`` or ``weight_sync.export_fp8_dir``), or from the base
 model with ``--quantization fp8`` (SGLang and the CPU worker quantise on load).
 """
 
@@ -113,27 +113,6 @@ def write_fp8_config(model_dir: str | Path, ignored_layers: Iterable[str] = ()) 
     cfg["quantization_config"] = quantization_config(ignored_layers)
     path.write_text(json.dumps(cfg, indent=2, sort_keys=True))
     return cfg["quantization_config"]
-
-
-def export_fp8_dir(src_dir: str | Path, dst_dir: str | Path) -> str:
-    """Write an FP8 copy of an HF model directory (e.g. the base model FP8 engines start from)."""
-    import shutil
-    import tempfile
-
-    from megatron_m2po.actor.weight_sync import DiskWeightSync, _iter_dir
-    dst = Path(dst_dir)
-    if dst.exists():
-        raise ValueError(f"export_fp8_dir: {dst} already exists")
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".fp8-export-", dir=dst.parent)
-    sync = DiskWeightSync([], tmp, base_model_dir=str(src_dir), fp8=True)
-    try:
-        out, _, _ = sync.export(_iter_dir(str(src_dir)), 0)
-        Path(out).rename(dst)
-    finally:
-        sync.close()
-        shutil.rmtree(tmp, ignore_errors=True)
-    return str(dst)
 
 
 # --------------------------------------------------------------------------- CPU worker side

@@ -4,7 +4,7 @@
     fleet = EngineFleet(cfg.rollout, model_path, launcher=launcher, refit_fn=...).start()
 
 Each engine is one Ray actor (:class:`EngineProcess`) that starts the engine command of its
-:class:`~megatron_m2po.rollout.engines.EngineSpec` as a child process, reports where it
+:class:`~megatron_m2po.rollout.launcher.EngineSpec` as a child process, reports where it
 listens, answers liveness polls and kills the child on ``stop``. The actor asks Ray for the
 resources the engine uses: ``num_gpus = rollout.engine_tp`` for SGLang (Ray then sets
 ``CUDA_VISIBLE_DEVICES`` for the actor and the engine inherits it; the GPU list the local
@@ -31,7 +31,6 @@ the same toward the server process).
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import signal
@@ -42,13 +41,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
+from megatron_m2po.rollout.launcher import EngineSpec, FleetError, child_setup
+from megatron_m2po.utils.net import free_port
+
 if TYPE_CHECKING:
     from megatron_m2po.config import RolloutConfig
-    from megatron_m2po.rollout.engines import EngineSpec
 
 log = logging.getLogger("m2po.ray_launcher")
 
-_PR_SET_PDEATHSIG = 1
 _WILDCARD = ("0.0.0.0", "::", "")
 
 
@@ -79,26 +79,11 @@ def _port_free(host: str, port: int) -> bool:
     return True
 
 
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host or "0.0.0.0", 0))
-        return s.getsockname()[1]
-
-
 def _with_flag(cmd: list[str], flag: str, value: str) -> list[str]:
     cmd = list(cmd)
     if flag in cmd:
         cmd[cmd.index(flag) + 1] = value
     return cmd
-
-
-def _child_setup() -> None:
-    """In the engine child before exec: own session (stop kills the tree), die with the actor."""
-    os.setsid()
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):  # not Linux: stop() still kills the session
-        pass
 
 
 class EngineProcess:
@@ -113,7 +98,7 @@ class EngineProcess:
         self.node_ip = ray.util.get_node_ip_address()
         self.node_id = ray.get_runtime_context().get_node_id()
         if not _port_free(host, port):
-            port = _free_port(host)
+            port = free_port(host)
         self.port = port
         cmd = _with_flag(cmd, "--port", str(port))
         self.url = f"http://{self.node_ip if host in _WILDCARD else host}:{port}"
@@ -123,7 +108,7 @@ class EngineProcess:
             logf.write(f"\n=== launch (ray actor on {self.node_ip}) {' '.join(cmd)}\n".encode())
             logf.flush()
             self.proc = subprocess.Popen(cmd, env={**os.environ, **env}, stdout=logf, stderr=subprocess.STDOUT,
-                                         preexec_fn=_child_setup)
+                                         preexec_fn=child_setup)
 
     def info(self) -> dict:
         return {"url": self.url, "node_ip": self.node_ip, "node_id": self.node_id, "pid": self.proc.pid,
@@ -233,11 +218,9 @@ class RayLauncher:
             self._remote = ray.remote(max_restarts=0)(EngineProcess)
         return self._remote
 
-    def launch(self, spec: "EngineSpec") -> RayHandle:
+    def launch(self, spec: EngineSpec) -> RayHandle:
         import ray
         from ray.exceptions import GetTimeoutError, RayError
-
-        from megatron_m2po.rollout.engines import FleetError
         cls = self._actor_class()
         env = dict(spec.env)
         if self.num_gpus:

@@ -21,10 +21,8 @@ Trainer side::
 """
 
 from megatron_m2po.store.store import (Bounded, ConflictError, ExactStaleK, Fifo, Lease, NotReadyError,
-                                       PutResult, RolloutStore, StoreFullError, bounded, exact_stale_k, fifo,
-                                       policy_from_config)
+                                       PutResult, RolloutStore, StoreFullError, bounded, exact_stale_k, fifo)
 from megatron_m2po.store.types import Group, Trajectory
 
 __all__ = ["RolloutStore", "Lease", "PutResult", "Group", "Trajectory", "exact_stale_k", "bounded", "fifo",
-           "ExactStaleK", "Bounded", "Fifo", "NotReadyError", "ConflictError", "StoreFullError",
-           "policy_from_config"]
+           "ExactStaleK", "Bounded", "Fifo", "NotReadyError", "ConflictError", "StoreFullError"]

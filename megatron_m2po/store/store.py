@@ -31,15 +31,17 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Iterable, Literal, Mapping, Optional, Union
+from typing import TYPE_CHECKING, Iterable, Literal, Mapping, Optional, Union
 
 from megatron_m2po.store import sqlite as db
 from megatron_m2po.store.codec import group_digest
 from megatron_m2po.store.types import Group
 
+if TYPE_CHECKING:
+    from megatron_m2po.config import StoreConfig
+
 __all__ = ["RolloutStore", "Lease", "PutResult", "Policy", "ExactStaleK", "Bounded", "Fifo",
-           "exact_stale_k", "bounded", "fifo", "NotReadyError", "ConflictError", "StoreFullError",
-           "policy_from_config"]
+           "exact_stale_k", "bounded", "fifo", "NotReadyError", "ConflictError", "StoreFullError"]
 
 
 class NotReadyError(LookupError):
@@ -107,15 +109,6 @@ def bounded(max_staleness: int, order: str = "oldest", retire: bool = False) -> 
 
 def fifo() -> Fifo:
     return Fifo()
-
-
-def policy_from_config(store_cfg, stale_k: int = 0) -> Policy:
-    """The policy a :class:`~megatron_m2po.config.StoreConfig` names."""
-    if store_cfg.policy == "exact_stale_k":
-        return exact_stale_k(stale_k)
-    if store_cfg.policy == "bounded":
-        return bounded(store_cfg.max_staleness, store_cfg.order, store_cfg.retire_overage)
-    return fifo()
 
 
 # ----------------------------------------------------------------------------- records
@@ -227,7 +220,7 @@ class RolloutStore:
         self.store_id = db.get_meta(self._conn, "store_id")
 
     @classmethod
-    def from_config(cls, cfg, run_dir: str = ".", **kw) -> "RolloutStore":
+    def from_config(cls, cfg: StoreConfig, run_dir: str = ".", **kw) -> "RolloutStore":
         """Open the store a :class:`~megatron_m2po.config.StoreConfig` describes."""
         return cls(cfg.path or os.path.join(run_dir, "rollouts.sqlite"), synchronous=cfg.synchronous, **kw)
 
@@ -333,17 +326,6 @@ class RolloutStore:
         self._ingest["groups"] += len(res.stored)
         self._ingest["duplicates"] += len(res.duplicates)
         return res
-
-    def existing_group_ids(self, group_ids: Iterable[str]) -> set[str]:
-        """The subset of ``group_ids`` already stored (in any state), e.g. to skip regenerating them."""
-        ids = list(group_ids)
-        out: set[str] = set()
-        with self._lock:
-            for i in range(0, len(ids), 500):
-                chunk = ids[i:i + 500]
-                out |= {r[0] for r in self._conn.execute(
-                    f"SELECT group_id FROM groups WHERE group_id IN ({','.join('?' * len(chunk))})", chunk)}
-        return out
 
     def existing_group_ids(self, group_ids: Iterable[str]) -> set[str]:
         """The subset of ``group_ids`` already stored (in any state).

@@ -8,9 +8,10 @@ into optimizer mini-batches; a step always holds whole groups, so a mini-batch o
 from __future__ import annotations
 
 import numpy as np
+
 from megatron_m2po.actor.batch import RolloutBatch, Sample
 from megatron_m2po.algo.advantages import grpo_advantages
-from megatron_m2po.store.types import Group
+from megatron_m2po.store.types import Group, Trajectory
 
 
 def _group_order_key(g: Group) -> tuple:
@@ -28,18 +29,24 @@ def groups_to_batch(groups: list[Group], *, advantage: str = "grpo", adv_eps: fl
         raise ValueError(f"unscored trajectories reached the trainer: {missing}")
     rewards = np.array([float(t.reward) for t in trajs], dtype=np.float64)
     adv = grpo_advantages(rewards, [t.group_id for t in trajs], eps=adv_eps, normalize_std=(advantage == "grpo"))
-    samples = []
-    for t, a in zip(trajs, adv):
-        behav, engine = t.behav_logprobs, None
-        if use_recomputed:
-            if t.recomputed_behav_logprobs is None:
-                raise ValueError(f"trajectory {t.uid!r} has no recomputed behaviour log-probs but "
-                                 "algo.recompute_behav_logprobs=true")
-            behav, engine = t.recomputed_behav_logprobs, t.behav_logprobs
-        samples.append(Sample(uid=t.uid, prompt_ids=t.prompt_ids, response_ids=t.response_ids,
-                              behav_logprobs=behav, advantages=np.float32(a), loss_mask=t.loss_mask,
-                              versions=t.versions, engine_logprobs=engine))
-    return RolloutBatch(samples)
+    return RolloutBatch([trajectory_to_sample(t, a, use_recomputed=use_recomputed) for t, a in zip(trajs, adv)])
+
+
+def trajectory_to_sample(t: Trajectory, advantage: float = 0.0, *, use_recomputed: bool = False) -> Sample:
+    """The actor's view of one trajectory (the only Trajectory -> Sample conversion).
+
+    ``use_recomputed``: the trainer's recomputed behaviour log-probs are the behaviour policy and
+    the engine's become ``engine_logprobs`` (TIS, mismatch KL).
+    """
+    behav, engine = t.behav_logprobs, None
+    if use_recomputed:
+        if t.recomputed_behav_logprobs is None:
+            raise ValueError(f"trajectory {t.uid!r} has no recomputed behaviour log-probs but "
+                             "algo.recompute_behav_logprobs=true")
+        behav, engine = t.recomputed_behav_logprobs, t.behav_logprobs
+    return Sample(uid=t.uid, prompt_ids=t.prompt_ids, response_ids=t.response_ids, behav_logprobs=behav,
+                  advantages=np.float32(advantage), loss_mask=t.loss_mask, versions=t.versions,
+                  engine_logprobs=engine)
 
 
 def rollout_metrics(groups: list[Group], *, correct_reward: float) -> dict[str, float]:

@@ -1,9 +1,11 @@
 """The rank-0 rollout driver: engines, router, store, prompts, rewards, weight pushes.
 
-Only global rank 0 builds a :class:`RolloutDriver`; every rank runs the actor. The driver
-generates in a background event loop so rollouts overlap training whenever the schedule allows
-(stale_k with k >= 1, async), and it never changes the engines' weights while a generation
-that must be tagged with the old version is in flight.
+Only global rank 0 builds a :class:`RolloutDriver`; every rank runs the actor. The driver never
+takes part in a collective: it returns data (groups, evaluation results) and the trainer loop
+shares it and runs the actor on every rank. It generates in a background event loop so
+rollouts overlap training whenever the schedule allows (stale_k with k >= 1, async), and it
+never changes the engines' weights while a generation that must be tagged with the old version
+is in flight.
 
 Determinism and resume. Prompts are drawn in the main thread, in schedule order, and every
 group gets a deterministic id (``s<step>-g<position>``); a resumed run re-draws the same
@@ -27,26 +29,12 @@ from megatron_m2po.rewards import get_reward_fn
 from megatron_m2po.rollout.client import SGLangClient
 from megatron_m2po.rollout.engines import EngineFleet
 from megatron_m2po.rollout.producer import ProducerContext, load_producer
+from megatron_m2po.rollout.weight_sync import DiskWeightSync, DistributedWeightSync
 from megatron_m2po.store.store import NotReadyError, RolloutStore, bounded
 from megatron_m2po.store.types import Group
+from megatron_m2po.utils.background_loop import BackgroundLoop
 
 log = logging.getLogger(__name__)
-
-
-class _BackgroundLoop:
-    """An asyncio loop on a daemon thread (the producer runs there)."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="m2po-rollout", daemon=True)
-        self.thread.start()
-
-    def submit(self, coro) -> concurrent.futures.Future:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(timeout=10)
 
 
 class RolloutDriver:
@@ -71,7 +59,7 @@ class RolloutDriver:
         self.gen_seconds = 0.0
         self.external = cfg.rollout.source == "external"
         self.fleet: Optional[EngineFleet] = None
-        self._bg = _BackgroundLoop()
+        self._bg = BackgroundLoop("m2po-rollout")  # the producer runs here
         self.client: Optional[SGLangClient] = None
         self._ingest_runner = None
         self.weight_sync = None
@@ -124,20 +112,19 @@ class RolloutDriver:
         return self.fleet.engine_urls if self.fleet is not None else []
 
     def _make_weight_sync(self):
-        from megatron_m2po.actor import weight_sync as ws
         r = self.cfg.rollout
         if r.weight_sync == "disk" or self.external:
             # External harnesses load the published v<version> directories themselves.
-            return ws.DiskWeightSync(self.engine_urls, str(self.sync_dir), base_model_dir=self.model_path,
+            return DiskWeightSync(self.engine_urls, str(self.sync_dir), base_model_dir=self.model_path,
                                      timeout_s=r.weight_sync_timeout_s, fp8=r.fp8_weights)
         import os
 
         import torch
         # Engines must reach trainer rank 0: under torchrun that is MASTER_ADDR.
         addr = os.environ.get("M2PO_WEIGHT_SYNC_ADDR") or os.environ.get("MASTER_ADDR") or "127.0.0.1"
-        sync = ws.DistributedWeightSync(self.engine_urls, master_address=addr, timeout_s=r.weight_sync_timeout_s,
-                                        backend="nccl" if torch.cuda.is_available() else "gloo",
-                                        bucket_mb=r.weight_sync_bucket_mb, fp8=r.fp8_weights)
+        sync = DistributedWeightSync(self.engine_urls, master_address=addr, timeout_s=r.weight_sync_timeout_s,
+                                     backend="nccl" if torch.cuda.is_available() else "gloo",
+                                     bucket_mb=r.weight_sync_bucket_mb, fp8=r.fp8_weights)
         sync.connect()
         return sync
 
@@ -180,7 +167,7 @@ class RolloutDriver:
 
     # ------------------------------------------------------------------ weights
     def push_weights(self, weights: Iterable, version: int) -> float:
-        """Push ``weights`` ((hf_name, tensor) iterator) to every engine; returns seconds."""
+        """Push ``weights`` ((hf_name, tensor) iterator, from the trainer) to every engine; returns seconds."""
         self.wait_generation()
         t0 = time.perf_counter()
         # The trainer is at ``version`` already: record it first, so tokens an engine samples
@@ -211,13 +198,8 @@ class RolloutDriver:
                                version=self.engine_version, group_prefix=prefix, metadata=meta,
                                max_attempts=r.max_retries + 1, seed=self.cfg.trainer.seed)
 
-    def generate_for_step(self, step: int, *, background: bool = True,
-                          recompute: Optional[Any] = None) -> concurrent.futures.Future:
-        """Draw this step's prompts now (deterministic order) and generate the missing groups.
-
-        ``recompute(groups)``, when given, runs in the calling thread on the generated groups
-        before they are stored (trainer-side behaviour log-probs); it forces ``background=False``.
-        """
+    def _plan_step(self, step: int) -> Optional[tuple[ProducerContext, list, list[int]]]:
+        """Draw this step's prompts now (deterministic order); the groups still to generate, or None."""
         prompts = self.dataset.next_prompts(self.cfg.trainer.prompts_per_step)
         prefix = f"s{step:06d}"
         gids = [f"{prefix}-g{i:05d}" for i in range(len(prompts))]
@@ -227,26 +209,39 @@ class RolloutDriver:
             log.info("step %d: %d/%d groups already in the store (generated before a restart)", step, len(have),
                      len(gids))
         if not todo:
-            if recompute is not None:
-                recompute([])  # the other ranks take part in the (empty) recompute
-            done: concurrent.futures.Future = concurrent.futures.Future()
-            done.set_result(0)
-            return done
+            return None
         ctx = self._context(prefix, step=step, generated_at=self.engine_version)
         positions = [gids.index(g) for g in gids if g not in have]
         ctx.positions = positions
-        if recompute is not None:
-            groups = self._bg.submit(self._generate(ctx, todo, positions)).result()
-            recompute(groups)
-            self.store.put_groups(groups)
-            done = concurrent.futures.Future()
-            done.set_result(len(groups))
+        return ctx, todo, positions
+
+    def generate_for_step(self, step: int, *, background: bool = True) -> concurrent.futures.Future:
+        """Generate and store the step's missing groups (in the background unless ``background=False``)."""
+        plan = self._plan_step(step)
+        if plan is None:
+            done: concurrent.futures.Future = concurrent.futures.Future()
+            done.set_result(0)
             return done
-        fut = self._bg.submit(self._generate_and_store(ctx, todo, positions))
+        fut = self._bg.submit(self._generate_and_store(*plan))
         self._inflight.append(fut)
         if not background:
             fut.result()
         return fut
+
+    def generate_step_groups(self, step: int) -> list[Group]:
+        """Generate the step's missing groups now and return them *unstored*.
+
+        For trainer-side behaviour log-probs: the trainer fills them in on every rank, then
+        stores the groups with :meth:`put_groups`.
+        """
+        plan = self._plan_step(step)
+        if plan is None:
+            return []
+        return self._bg.submit(self._generate(*plan)).result()
+
+    def put_groups(self, groups: list[Group]) -> None:
+        if groups:
+            self.store.put_groups(groups)
 
     async def _generate_and_store(self, ctx: ProducerContext, prompts: list, positions: list[int]) -> int:
         # One step at a time: a step's groups are committed in one transaction, so the store's

@@ -1,7 +1,10 @@
 """The training loop: generate -> score -> store -> train -> push weights -> checkpoint.
 
-Every rank runs :class:`Trainer`; global rank 0 also owns the :class:`RolloutDriver` and
-broadcasts each step's groups to the other ranks (the actor shards them over data parallel).
+Every rank runs :class:`Trainer`; global rank 0 also owns the rollout side (:class:`_Lead`: the
+:class:`~megatron_m2po.trainer.driver.RolloutDriver`, metric logging, progress). The driver issues
+no collectives: it returns data, and the loop shares it with every rank (:meth:`Trainer._from_rank0`)
+and runs the actor's collectives (log-prob recompute, weight gathers, checkpoints) on all of them.
+The trainer creates the process group and destroys it when the run ends, however it ends.
 
 Modes (DESIGN §3):
 
@@ -22,22 +25,27 @@ dataset position) is written, and the process exits with code 0.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-import os
 import signal
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional, TypeVar
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron_m2po.actor.actor import ActorConfig, MegatronActor, destroy_parallel, init_parallel
+from megatron_m2po.actor.batch import RolloutBatch
+from megatron_m2po.actor.checkpoint import latest_checkpoint
 from megatron_m2po.config import Config, config_to_dict, dump_config
-from megatron_m2po.trainer.batching import groups_to_batch, rollout_metrics
+from megatron_m2po.trainer.batching import groups_to_batch, rollout_metrics, trajectory_to_sample
 from megatron_m2po.trainer.schedule import events_at, generation_version
+from megatron_m2po.utils.hf_dir import resolve_model_path
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 def _broadcast(obj: Any) -> Any:
@@ -57,21 +65,45 @@ def _any_rank(flag: bool) -> bool:
     return bool(t.item())
 
 
-def resolve_model_path(cfg: Config, rank: int) -> str:
-    """The HF directory of the policy; builds the tiny base model on first use ('tiny')."""
-    if cfg.model.hf_path != "tiny":
-        p = Path(os.path.expanduser(cfg.model.hf_path))
-        if not (p / "config.json").is_file():
-            raise FileNotFoundError(f"model.hf_path={cfg.model.hf_path!r} is not an HF model directory "
-                                    "(no config.json); give a local directory or 'tiny'")
-        return str(p)
-    from megatron_m2po.utils.tiny_base import ensure_tiny_base
-    path = None
-    if rank == 0:
-        path = str(ensure_tiny_base(os.path.expanduser(cfg.model.tiny_cache_dir), progress=cfg.logging.progress))
-    if dist.is_initialized():
-        path = _broadcast(path)
-    return path
+class _Lead:
+    """Global rank 0's part of the run: rollout driver, run directory, metrics, progress."""
+
+    def __init__(self, cfg: Config, model_path: str) -> None:
+        from transformers import AutoTokenizer
+
+        from megatron_m2po.trainer.driver import RolloutDriver
+        from megatron_m2po.utils.logging import MetricsLogger, TrainProgress
+
+        self.logger = self.progress = None
+        run_dir = Path(cfg.trainer.run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(dump_config(cfg))
+        self.driver = RolloutDriver(cfg, model_path, AutoTokenizer.from_pretrained(model_path))
+        try:
+            self.logger = MetricsLogger(str(run_dir), config_dict=config_to_dict(cfg),
+                                        wandb_project=cfg.logging.wandb_project,
+                                        wandb_run_name=cfg.logging.wandb_run_name)
+            self.progress = TrainProgress(cfg.trainer.num_steps, enabled=cfg.logging.progress)
+        except BaseException:
+            self.close()
+            raise
+
+    def log_step(self, step: int, version: int, metrics: dict, per_update: list[dict]) -> None:
+        # x-axis everywhere: optimizer updates (the weight version after them).
+        first = version - len(per_update)
+        for j, m in enumerate(per_update):
+            self.logger.log({f"update/{k}": v for k, v in m.items()}, step=first + j + 1)
+        self.logger.log(metrics, step=version)
+        self.progress.update(step + 1, metrics)
+
+    def close(self) -> None:
+        for c in (self.driver, self.progress, self.logger):
+            if c is None:
+                continue
+            try:
+                c.close()
+            except Exception as e:  # noqa: BLE001
+                log.warning("shutdown: %s", e)
 
 
 class Trainer:
@@ -80,35 +112,33 @@ class Trainer:
     def __init__(self, cfg: Config):
         self.cfg = cfg
         self._stop_requested = False
-        from megatron_m2po.actor.actor import MegatronActor, init_parallel
-        init_parallel(cfg)
-        self.rank = dist.get_rank() if dist.is_initialized() else 0
-        self.run_dir = Path(cfg.trainer.run_dir)
-        self.model_path = resolve_model_path(cfg, self.rank)
-        import dataclasses
-        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, hf_path=self.model_path))
-        self.cfg = cfg
-        self.actor = MegatronActor.from_config(cfg)
-        self.ckpt_dir = cfg.resolved_path(cfg.checkpoint.dir, "checkpoints")
-        self.U = cfg.trainer.num_updates_per_step
-        self.k = cfg.trainer.stale_k if cfg.trainer.mode == "stale_k" else 0
-        self.driver = None
-        self.logger = None
-        self.progress = None
-        if self.rank == 0:
-            from transformers import AutoTokenizer
-            from megatron_m2po.trainer.driver import RolloutDriver
-            from megatron_m2po.utils.logging import MetricsLogger, TrainProgress
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / "config.yaml").write_text(dump_config(cfg))
-            tokenizer = AutoTokenizer.from_pretrained(self.model_path)
-            self.driver = RolloutDriver(cfg, self.model_path, tokenizer)
-            self.logger = MetricsLogger(str(self.run_dir), config_dict=config_to_dict(cfg),
-                                        wandb_project=cfg.logging.wandb_project,
-                                        wandb_run_name=cfg.logging.wandb_run_name)
-            self.progress = TrainProgress(cfg.trainer.num_steps, enabled=cfg.logging.progress)
+        self.actor: Optional[MegatronActor] = None
+        self.lead: Optional[_Lead] = None  # global rank 0 only
+        self.driver = None                 # self.lead.driver
+        self._owns_pg = init_parallel(cfg.parallel, cfg.trainer.seed)
+        try:
+            self.rank = dist.get_rank()
+            self.run_dir = Path(cfg.trainer.run_dir)
+            self.model_path = self._from_rank0(lambda: resolve_model_path(cfg.model, progress=cfg.logging.progress))
+            cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, hf_path=self.model_path))
+            self.cfg = cfg
+            self.U = cfg.trainer.num_updates_per_step
+            self.k = cfg.trainer.stale_k if cfg.trainer.mode == "stale_k" else 0
+            self.actor = MegatronActor.from_config(
+                ActorConfig.from_config(cfg, total_updates=cfg.trainer.num_steps * self.U))
+            self.ckpt_dir = cfg.resolved_path(cfg.checkpoint.dir, "checkpoints")
+            if self.rank == 0:
+                self.lead = _Lead(cfg, self.model_path)
+                self.driver = self.lead.driver
+        except BaseException:
+            self.close()
+            raise
         self.engines_version = 0  # the weights the engines hold (all ranks track it identically)
         self.start_step = 0
+
+    def _from_rank0(self, fn: Callable[[], T]) -> T:
+        """``fn()`` evaluated on global rank 0 only; every rank gets its result."""
+        return _broadcast(fn() if self.rank == 0 else None)
 
     # ------------------------------------------------------------------ signals
     def _install_signal_handlers(self) -> None:
@@ -122,20 +152,13 @@ class Trainer:
             signal.signal(s, handler)
 
     # ------------------------------------------------------------------ checkpoints
-    def _latest_checkpoint(self) -> Optional[Path]:
-        latest = self.ckpt_dir / "latest"
-        if not latest.is_file():
-            return None
-        p = self.ckpt_dir / latest.read_text().strip()
-        return p if p.exists() else None
-
     def _resume(self) -> None:
-        ckpt = self._latest_checkpoint() if self.cfg.checkpoint.resume else None
+        ckpt = latest_checkpoint(self.ckpt_dir) if self.cfg.checkpoint.resume else None
         if ckpt is None:
             return
         extra = self.actor.load_checkpoint(str(ckpt))
         self.start_step = int(extra["step"])
-        if self.rank == 0:
+        if self.lead:
             d = self.driver
             d.dataset.load_state_dict(extra["dataset"])
             replays = d.store.restore_cursor(extra["store_cursor"])
@@ -145,23 +168,20 @@ class Trainer:
         self.engines_version = 0
 
     def _save(self, step: int) -> None:
-        """Checkpoint after ``step`` steps (all ranks)."""
-        extra = None
-        if self.rank == 0:
-            self.driver.wait_generation()
-            extra = {"step": step, "dataset": self.driver.dataset.state_dict(),
-                     "store_cursor": self.driver.store.cursor_state(), "mode": self.cfg.trainer.mode,
-                     "stale_k": self.k}
-        extra = _broadcast(extra)
+        """Checkpoint after ``step`` steps (all ranks); the actor's checkpoint moves ``latest``."""
+        extra = self._from_rank0(lambda: self._rollout_state(step))
         name = f"step_{step:06d}"
         t0 = time.perf_counter()
         self.actor.save_checkpoint(str(self.ckpt_dir / name), extra)
-        if self.rank == 0:
-            tmp = self.ckpt_dir / "latest.tmp"
-            tmp.write_text(name)
-            os.replace(tmp, self.ckpt_dir / "latest")
+        if self.lead:
             self._prune_checkpoints()
             log.info("checkpoint %s written in %.1fs", name, time.perf_counter() - t0)
+
+    def _rollout_state(self, step: int) -> dict:
+        """Rank 0: what a resume needs besides the actor (dataset position, store cursor)."""
+        self.driver.wait_generation()
+        return {"step": step, "dataset": self.driver.dataset.state_dict(),
+                "store_cursor": self.driver.store.cursor_state(), "mode": self.cfg.trainer.mode, "stale_k": self.k}
 
     def _prune_checkpoints(self) -> None:
         import shutil
@@ -174,7 +194,7 @@ class Trainer:
         """All ranks: gather HF-named weights; rank 0 pushes them to the engines."""
         v = self.actor.version
         weights = self.actor.iter_hf_weights()
-        if self.rank == 0:
+        if self.lead:
             secs = self.driver.push_weights(weights, v)
         else:
             for _ in weights:  # take part in the gathers
@@ -195,41 +215,38 @@ class Trainer:
             # The trainer's own log-probs of the generated tokens at this version: every rank
             # takes part, so generation is synchronous here.
             for s in steps:
-                if self.rank == 0:
-                    self.driver.generate_for_step(s, recompute=self._recompute_behaviour)
-                else:
-                    self._recompute_behaviour(None)
+                groups = self._from_rank0(lambda step=s: self.driver.generate_step_groups(step))
+                self._recompute_behaviour(groups)
+                if self.lead:
+                    self.driver.put_groups(groups)
             return out
-        if self.rank == 0:
+        if self.lead:
             # On-policy data is needed right away; stale data overlaps with training.
             for s in steps:
                 self.driver.generate_for_step(s, background=self.k > 0)
         return out
 
-    def _recompute_behaviour(self, groups: Optional[list]) -> None:
-        """All ranks: trainer log-probs of freshly generated groups (rank 0 passes them)."""
-        from megatron_m2po.actor.batch import RolloutBatch, Sample
-        groups = _broadcast(groups)
+    def _recompute_behaviour(self, groups: list) -> None:
+        """All ranks (same ``groups``): the trainer's log-probs of freshly generated groups."""
         trajs = [t for g in groups for t in g.trajectories]
-        batch = RolloutBatch([Sample(uid=t.uid, prompt_ids=t.prompt_ids, response_ids=t.response_ids,
-                                     behav_logprobs=t.behav_logprobs, advantages=np.float32(0.0),
-                                     loss_mask=t.loss_mask, versions=t.versions) for t in trajs])
+        batch = RolloutBatch([trajectory_to_sample(t) for t in trajs])
         logps = self.actor.compute_logprobs(batch) if trajs else []
         for t, lp in zip(trajs, logps):
             t.recomputed_behav_logprobs = np.minimum(np.asarray(lp, dtype=np.float32), 0.0)
 
     # ------------------------------------------------------------------ one step
-    def _fetch_step(self, step: int) -> tuple[Any, list, Any]:
-        """Rank 0 leases the step's groups; every rank gets the batch."""
-        groups, lease, meta = None, None, None
-        if self.rank == 0:
-            u = step * self.U
-            if self.cfg.trainer.mode == "async":
-                groups, lease = self.driver.take_async(step, u)
-            else:
-                groups, lease = self.driver.take_step(step, u, generation_version(step, self.U, self.k))
-            meta = rollout_metrics(groups, correct_reward=self.cfg.reward.correct)
+    def _lease(self, step: int) -> tuple[list, Any]:
+        """Rank 0: lease the step's groups from the store; returns (groups, lease)."""
+        u = step * self.U
+        if self.cfg.trainer.mode == "async":
+            return self.driver.take_async(step, u)
+        return self.driver.take_step(step, u, generation_version(step, self.U, self.k))
+
+    def _fetch_step(self, step: int) -> tuple[Any, Any, dict]:
+        """Rank 0 leases the step's groups; every rank gets the batch (and the lease on rank 0)."""
+        groups, lease = self._lease(step) if self.lead else (None, None)
         groups = _broadcast(groups)
+        meta = rollout_metrics(groups, correct_reward=self.cfg.reward.correct)
         batch = groups_to_batch(groups, advantage=self.cfg.algo.advantage, adv_eps=self.cfg.algo.adv_eps,
                                 use_recomputed=self.cfg.algo.recompute_behav_logprobs)
         return batch, lease, meta
@@ -252,7 +269,7 @@ class Trainer:
             per_update.append(m)
             if mode == "async" and self.actor.version % self.cfg.trainer.sync_every_updates == 0:
                 extra["sync/weight_s"] = extra.get("sync/weight_s", 0.0) + self._push_weights()
-        if self.rank == 0:
+        if self.lead:
             self.driver.ack(lease)
         step_s = time.perf_counter() - t0
         metrics = _mean_dicts(per_update)
@@ -281,23 +298,18 @@ class Trainer:
         if cfg.trainer.mode == "async":
             if self.actor.version > 0:
                 self._push_weights()
-            if self.rank == 0:
+            if self.lead:
                 self.driver.start_async()
         step = self.start_step
         try:
             for step in range(self.start_step, cfg.trainer.num_steps):
-                if self.rank == 0:
+                if self.lead:
                     self.driver.check_engines()
                 metrics, per_update = self._train_step(step)
                 if cfg.trainer.eval_every_steps and (step + 1) % cfg.trainer.eval_every_steps == 0:
                     metrics.update(self._evaluate(step + 1))
-                if self.rank == 0:
-                    # x-axis everywhere: optimizer updates (the weight version after them).
-                    first = self.actor.version - len(per_update)
-                    for j, m in enumerate(per_update):
-                        self.logger.log({f"update/{k}": v for k, v in m.items()}, step=first + j + 1)
-                    self.logger.log(metrics, step=self.actor.version)
-                    self.progress.update(step + 1, metrics)
+                if self.lead:
+                    self.lead.log_step(step, self.actor.version, metrics, per_update)
                 done = step + 1
                 stop = _any_rank(self._stop_requested)
                 every = cfg.checkpoint.save_every_steps
@@ -309,7 +321,7 @@ class Trainer:
             if cfg.checkpoint.export_hf_at_end:
                 out = self.run_dir / "final_hf"
                 self.actor.export_hf(str(out))
-                if self.rank == 0:
+                if self.lead:
                     log.info("final weights exported to %s", out)
             return 0
         finally:
@@ -318,19 +330,17 @@ class Trainer:
     def _evaluate(self, step: int) -> dict[str, float]:
         if self.engines_version != self.actor.version:
             self._push_weights()
-        out = self.driver.evaluate(step) if self.rank == 0 else {}
-        return _broadcast(out)
+        return self._from_rank0(lambda: self.driver.evaluate(step))
 
     def close(self) -> None:
-        if self.rank == 0:
-            for c in (self.driver, self.progress, self.logger):
-                if c is None:
-                    continue
-                try:
-                    c.close()
-                except Exception as e:  # noqa: BLE001
-                    log.warning("shutdown: %s", e)
-        self.actor.close()
+        """Shut the rollout side and the actor down, then destroy the process group (if ours)."""
+        try:
+            if self.lead is not None:
+                self.lead.close()
+            if self.actor is not None:
+                self.actor.close()
+        finally:
+            destroy_parallel(self._owns_pg)
 
 
 def _mean_dicts(ds: list[dict[str, float]]) -> dict[str, float]:

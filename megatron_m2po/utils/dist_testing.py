@@ -11,18 +11,15 @@ that rank's traceback. ``fn`` must be importable (module level), as spawn pickle
 from __future__ import annotations
 
 import os
-import socket
 import traceback
 from typing import Any, Callable
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from megatron_m2po.utils.net import free_port
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+__all__ = ["run_distributed", "free_port"]
 
 
 def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue: Any,

@@ -25,14 +25,15 @@ def _hf_dir(root, kind, tie=False, seed=2):
 
 
 def _logprob_errors(rank, world_size, root, layouts):
-    from megatron_m2po.actor.actor import MegatronActor
+    from megatron_m2po.actor.actor import ActorConfig, MegatronActor
     from megatron_m2po.actor.batch import RolloutBatch
 
     out = []
     samples = lib.make_samples(5, seed=11)
     for kind, tie, tp, pp in layouts:
         d = _hf_dir(root, kind, tie)
-        actor = MegatronActor.from_config(lib.actor_config(d, tp=tp, pp=pp, mbs=2))
+        cfg = lib.actor_config(d, tp=tp, pp=pp, mbs=2)
+        actor = MegatronActor.from_config(ActorConfig.from_config(cfg, total_updates=100))
         lps, ents = actor.compute_logprobs(RolloutBatch(samples), with_entropy=True)
         actor.close()
         err = max(float(np.abs(lp - lib.hf_logprobs(d, s.prompt_ids, s.response_ids)).max())
@@ -80,14 +81,14 @@ def _gathered_mask(actor):
 
 
 def _train_layouts(rank, world_size, root, layouts):
-    from megatron_m2po.actor.actor import MegatronActor
+    from megatron_m2po.actor.actor import ActorConfig, MegatronActor
 
     d = _hf_dir(root, "qwen2", seed=4)
     res = []
     for tp, pp, mbs, dist_opt in layouts:
         cfg = lib.actor_config(d, tp=tp, pp=pp, mbs=mbs, dist_opt=dist_opt)
-        cfg.algo.m2_threshold = 0.02
-        actor = MegatronActor.from_config(cfg)
+        cfg.algo.m2po.threshold = 0.02
+        actor = MegatronActor.from_config(ActorConfig.from_config(cfg, total_updates=100))
         batch = _stale_batch(actor, lib.make_samples(8, seed=5), noise=0.5)
         metrics = actor.train_step(batch, num_minibatches=2)
         mask = _gathered_mask(actor)
@@ -122,13 +123,14 @@ def _grad_scale_and_onpolicy(rank, world_size, root):
     """Gradient norm of one update vs an HF autograd reference of -(1/N) sum M r A; on-policy sanity."""
     import transformers as tr
 
-    from megatron_m2po.actor.actor import MegatronActor
+    from megatron_m2po.actor.actor import ActorConfig, MegatronActor
     from megatron_m2po.actor.batch import RolloutBatch
 
     d = _hf_dir(root, "qwen3", seed=6)
     out = {}
     # on-policy: behaviour = current log-probs -> ratio 1, KL 0, nothing masked
-    actor = MegatronActor.from_config(lib.actor_config(d, mbs=2))
+    cfg = lib.actor_config(d, mbs=2)
+    actor = MegatronActor.from_config(ActorConfig.from_config(cfg, total_updates=100))
     batch = _stale_batch(actor, lib.make_samples(6, seed=7), noise=0.0)
     out["onpolicy"] = actor.train_step(batch, 1)[0]
     actor.close()
@@ -136,8 +138,8 @@ def _grad_scale_and_onpolicy(rank, world_size, root):
     # gradient scale: grad_clip off so optimizer/grad_norm is the raw global norm
     cfg = lib.actor_config(d, mbs=2)
     cfg.optim.grad_clip = 0.0
-    cfg.algo.m2_threshold = 0.02
-    actor = MegatronActor.from_config(cfg)
+    cfg.algo.m2po.threshold = 0.02
+    actor = MegatronActor.from_config(ActorConfig.from_config(cfg, total_updates=100))
     samples = lib.make_samples(6, seed=8)
     batch = _stale_batch(actor, samples, noise=0.5, seed=3)
     metrics = actor.train_step(batch, 1)[0]
@@ -176,15 +178,15 @@ def test_gradient_scale_and_on_policy_sanity(tmp_path):
 
 
 def _all_losses(rank, world_size, root):
-    from megatron_m2po.actor.actor import MegatronActor
+    from megatron_m2po.actor.actor import ActorConfig, MegatronActor
 
     d = _hf_dir(root, "llama", seed=9)
     res = {}
     for loss in ("m2po", "grpo", "no_tr", "gspo", "cispo"):
         cfg = lib.actor_config(d, mbs=2, loss=loss)
         if loss == "m2po":
-            cfg.algo.m2_rule, cfg.algo.m2_scope = "cap", "microbatch"  # the released code's variant
-        actor = MegatronActor.from_config(cfg)
+            cfg.algo.m2po.rule, cfg.algo.m2po.scope = "cap", "microbatch"  # the released code's variant
+        actor = MegatronActor.from_config(ActorConfig.from_config(cfg, total_updates=100))
         samples = lib.make_samples(4, seed=10, version=0)
         batch = _stale_batch(actor, samples, noise=0.3)
         before = {k: v.clone() for k, v in actor.iter_hf_weights()}
@@ -210,7 +212,7 @@ def test_every_registered_loss_trains(tmp_path):
 def _checkpoint_resume(rank, world_size, root, dist_opt):
     import multiprocessing
 
-    from megatron_m2po.actor.actor import MegatronActor
+    from megatron_m2po.actor.actor import ActorConfig, MegatronActor
 
     # Megatron's torch_dist writer starts a multiprocessing Manager; the test harness runs ranks as
     # daemonic processes, which may not have children (torchrun ranks are not daemonic).
@@ -219,7 +221,7 @@ def _checkpoint_resume(rank, world_size, root, dist_opt):
     d = _hf_dir(root, "qwen2", tie=True, seed=12)
     cfg = lib.actor_config(d, tp=1, pp=1, mbs=2, dist_opt=dist_opt)
     ckdir = os.path.join(root, f"ckpt_{dist_opt}")
-    actor = MegatronActor.from_config(cfg)
+    actor = MegatronActor.from_config(ActorConfig.from_config(cfg, total_updates=100))
     b1 = _stale_batch(actor, lib.make_samples(4, seed=13), noise=0.4, seed=1)
     actor.train_step(b1, 2)
     actor.save_checkpoint(os.path.join(ckdir, "step_1"), {"cursor": 17, "note": "x"})
@@ -228,7 +230,7 @@ def _checkpoint_resume(rank, world_size, root, dist_opt):
     w_a = {k: v.numpy().copy() for k, v in actor.iter_hf_weights()}
     actor.close()
 
-    actor = MegatronActor.from_config(cfg)
+    actor = MegatronActor.from_config(ActorConfig.from_config(cfg, total_updates=100))
     extra = actor.load_checkpoint(ckdir)  # follows 'latest'
     version = actor.version
     m_b = actor.train_step(b2, 2)

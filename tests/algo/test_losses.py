@@ -17,7 +17,7 @@ import torch
 
 from megatron_m2po.algo.losses import LOSSES, compute_policy_loss, get_loss, tis_weights
 from megatron_m2po.algo.metrics import reduce_metrics
-from megatron_m2po.config import AlgoConfig
+from megatron_m2po.config import AlgoConfig, CISPOConfig, GRPOConfig, GSPOConfig
 
 R = [1.5, 0.5, 1.1, 0.9, 4.0]
 A = [1.0, -1.0, -2.0, 3.0, -1.0]
@@ -58,7 +58,7 @@ def test_no_tr():
 
 
 def test_grpo_clip_higher_and_dual_clip():
-    cfg = AlgoConfig(eps_low=0.2, eps_high=0.28)
+    cfg = AlgoConfig(grpo=GRPOConfig(eps_low=0.2, eps_high=0.28))
     # clip(r) = [1.28, 0.8, 1.1, 0.9, 1.28]; clip(r) A = [1.28, -0.8, -2.2, 2.7, -1.28]
     # min(r A, clip(r) A) = [1.28, -0.8, -2.2, 2.7, -4.0], sum -3.02; tokens 0, 1 clipped.
     loss, grad, m = _run("grpo", cfg)
@@ -66,7 +66,7 @@ def test_grpo_clip_higher_and_dual_clip():
     assert grad == pytest.approx([0.0, 0.0, 0.22, -0.27, 0.4])
     assert m["loss/clip_frac"] == pytest.approx(2 / 5)
     # dual clip c = 3: token 4 (A < 0): max(-4.0, 3 * -1) = -3 -> sum -2.02, no gradient there.
-    loss, grad, m = _run("grpo", AlgoConfig(eps_low=0.2, eps_high=0.28, dual_clip_c=3.0))
+    loss, grad, m = _run("grpo", AlgoConfig(grpo=GRPOConfig(eps_low=0.2, eps_high=0.28, dual_clip=3.0)))
     assert loss == pytest.approx(0.202)
     assert grad == pytest.approx([0.0, 0.0, 0.22, -0.27, 0.0])
     assert m["loss/dual_clip_frac"] == pytest.approx(1 / 5) and m["loss/clip_frac"] == pytest.approx(2 / 5)
@@ -89,7 +89,7 @@ def test_m2po_with_keep_and_tis():
 
 
 def test_gspo_sequence_ratio():
-    cfg = AlgoConfig(gspo_eps_low=0.2, gspo_eps_high=0.2)
+    cfg = AlgoConfig(gspo=GSPOConfig(eps_low=0.2, eps_high=0.2))
     adv = [1.0, -0.5, -2.0, 3.0, -1.0]
     seq = torch.tensor([0, 0, 7, 7, 7, 7])
     # s0 = (1.5 * 0.5) ** (1/2) = 0.8660 (inside [0.8, 1.2]); s1 = (1.1 * 0.9 * 4) ** (1/3) = 1.5821 (> 1.2)
@@ -107,7 +107,7 @@ def test_gspo_sequence_ratio():
 
 
 def test_cispo():
-    cfg = AlgoConfig(cispo_eps_high=2.0)
+    cfg = AlgoConfig(cispo=CISPOConfig(eps_high=2.0))
     # sg(min(r, 3)) = [1.5, 0.5, 1.1, 0.9, 3.0]; loss = -sum(rhat A logp) / 10; grad = -rhat A / 10
     rhat = [1.5, 0.5, 1.1, 0.9, 3.0]
     logp = [b + math.log(r) for b, r in zip(BEHAV, R)]
@@ -153,7 +153,7 @@ def test_denominator_makes_micro_batch_split_irrelevant():
     mask = torch.rand(n, generator=g) < 0.8
     seq = torch.arange(n) // 10
     keep = torch.rand(n, generator=g) < 0.9
-    cfg = AlgoConfig(gspo_eps_low=0.1, gspo_eps_high=0.1)
+    cfg = AlgoConfig(gspo=GSPOConfig(eps_low=0.1, eps_high=0.1))
     for name in LOSSES:
         kw = dict(keep=keep, seq_index=seq)
         whole, _ = compute_policy_loss(name, logp, behav, adv, mask, denominator=40, algo_cfg=cfg, **kw)

@@ -31,7 +31,7 @@ def main() -> None:
     args = p.parse_args()
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from megatron_m2po.actor.weight_sync import DiskWeightSync, DistributedWeightSync
+    from megatron_m2po.rollout.weight_sync import DiskWeightSync, DistributedWeightSync
     from megatron_m2po.config import RolloutConfig
     from megatron_m2po.rollout.engines import EngineFleet
 

@@ -12,11 +12,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from megatron_m2po.actor.weight_sync import DiskWeightSync, DistributedWeightSync, _iter_dir
 from megatron_m2po.config import ConfigError, RolloutConfig, load_config
 from megatron_m2po.rollout.client import SGLangClient
 from megatron_m2po.rollout.engines import EngineFleet
-from megatron_m2po.rollout.fp8 import FP8_MAX, export_fp8_dir, is_fp8_config, quantize_tensor
+from megatron_m2po.rollout.fp8 import FP8_MAX, is_fp8_config, quantize_tensor
+from megatron_m2po.rollout.weight_sync import DiskWeightSync, DistributedWeightSync, export_fp8_dir
+from megatron_m2po.utils.hf_dir import iter_safetensors
 from rollout_testlib import hf_logprobs
 
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
@@ -47,7 +48,7 @@ def _dequantized_model(fp8_dir: str, base_dir: str):
 
 def _perturbed(base_dir: str, seed: int) -> list[tuple[str, torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)
-    return [(n, t + 0.05 * torch.randn(t.shape, generator=g)) for n, t in _iter_dir(base_dir)]
+    return [(n, t + 0.05 * torch.randn(t.shape, generator=g)) for n, t in iter_safetensors(base_dir)]
 
 
 def test_quantize_tensor_is_per_tensor_e4m3():
@@ -69,7 +70,7 @@ def test_quantize_tensor_is_per_tensor_e4m3():
 
 def test_export_layout_is_what_sglang_fp8_loader_expects(tiny_model_dir, tmp_path):
     sync = DiskWeightSync([], str(tmp_path / "w"), base_model_dir=tiny_model_dir, fp8=True)
-    d, _, n = sync.export(_iter_dir(tiny_model_dir), 3)
+    d, _, n = sync.export(iter_safetensors(tiny_model_dir), 3)
     sync.close()
     cfg = json.loads((Path(d) / "config.json").read_text())
     qc = cfg["quantization_config"]
@@ -80,7 +81,7 @@ def test_export_layout_is_what_sglang_fp8_loader_expects(tiny_model_dir, tmp_pat
     assert "weight_block_size" not in qc and "lm_head" in qc["ignored_layers"]
     assert is_fp8_config(cfg) and json.loads((Path(d) / "m2po_version.json").read_text()) == {"version": 3}
     t = _tensors(d)
-    orig = dict(_iter_dir(tiny_model_dir))
+    orig = dict(iter_safetensors(tiny_model_dir))
     layers = {k.split(".")[2] for k in orig if k.startswith("model.layers.")}
     assert n == len(orig) + 7 * len(layers)  # one weight_scale per quantised linear
     for i in layers:

@@ -24,8 +24,11 @@ FP8 on the way out (``megatron_m2po/rollout/fp8.py``: ``.weight`` in float8_e4m3
 ``.weight_scale``, and ``quantization_config`` in each exported config.json), for engines that
 serve FP8.
 
-Only trainer rank 0 calls ``push``; the other ranks must still run ``iter_hf_weights()``
-alongside it when that gathers collectively (the actor's concern).
+Only trainer rank 0 calls ``push``; the trainer passes the actor's weights in (this module
+knows nothing of the actor) and has the other ranks iterate ``iter_hf_weights()`` alongside it
+when that gathers collectively.
+
+:func:`export_fp8_dir` writes an FP8 copy of an HF model directory with the same exporter.
 """
 
 from __future__ import annotations
@@ -36,16 +39,19 @@ import datetime
 import json
 import os
 import shutil
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator, Optional, Union
+from typing import Iterable, Optional, Union
 
 import torch
 
+from megatron_m2po.parallel.side_group import broadcast, new_side_group
 from megatron_m2po.rollout.client import SGLangClient
-from megatron_m2po.rollout.cpu_worker import broadcast
+from megatron_m2po.rollout.fp8 import is_fp8_config, quantize_named, write_fp8_config
+from megatron_m2po.utils.background_loop import BackgroundLoop
+from megatron_m2po.utils.hf_dir import iter_safetensors
+from megatron_m2po.utils.net import free_port
 
 Weights = Union[str, os.PathLike, Iterable[tuple[str, torch.Tensor]]]
 _COPY = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -69,33 +75,14 @@ class SyncStats:
         return self.bytes / 1e9 / max(self.seconds, 1e-9)
 
 
-class _Loop:
-    """A private event loop on a thread: lets sync code run HTTP calls concurrently with a
-    blocking broadcast."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True, name="weight-sync-http")
-        self.thread.start()
-
-    def submit(self, coro) -> concurrent.futures.Future:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
-
-    def run(self, coro, timeout: Optional[float] = None):
-        return self.submit(coro).result(timeout)
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
-
-
 class _Base:
     def __init__(self, engine_urls: list[str], *, timeout_s: float, pause_mode: Optional[str]) -> None:
         if pause_mode not in (None, "in_place", "retract", "abort"):
             raise ValueError(f"pause_mode={pause_mode!r}: use 'in_place' (default), 'retract', 'abort' or None")
         self.engine_urls = [u.rstrip("/") for u in engine_urls]
         self.timeout_s, self.pause_mode = timeout_s, pause_mode
-        self._io = _Loop()
+        # HTTP calls run on this loop while the calling thread blocks in a broadcast.
+        self._io = BackgroundLoop("weight-sync-http")
 
     async def _each(self, urls: list[str], fn, what: str) -> list:
         async def one(url):
@@ -123,7 +110,7 @@ class _Base:
             pass
 
     def close(self) -> None:
-        self._io.close()
+        self._io.close(join_timeout_s=5.0)
 
 
 def _describe(e: BaseException) -> str:
@@ -167,7 +154,6 @@ class DiskWeightSync(_Base):
         size = total = n = 0
         skipped: list[str] = []
         if self.fp8:
-            from megatron_m2po.rollout.fp8 import quantize_named
             weights = quantize_named(weights, skipped=skipped)
         for name, t in weights:
             t = t.detach().to("cpu").contiguous()
@@ -194,7 +180,6 @@ class DiskWeightSync(_Base):
                 if src.exists():
                     shutil.copy2(src, tmp / f)
         if self.fp8:
-            from megatron_m2po.rollout.fp8 import write_fp8_config
             write_fp8_config(tmp, skipped)
         with open(tmp / "m2po_version.json", "w") as fh:
             json.dump({"version": int(version)}, fh)
@@ -259,7 +244,6 @@ class DistributedWeightSync(_Base):
     # ------------------------------------------------------------------ group
     def connect(self, engine_urls: Optional[list[str]] = None) -> None:
         """(Re)build the group with these engines (all of ``engine_urls`` by default)."""
-        from megatron_m2po.utils.dist_testing import free_port
         urls = tuple(u.rstrip("/") for u in (engine_urls or self.engine_urls))
         self.disconnect()
         infos = self._io.run(self._each(list(urls), lambda c: c.get_server_info(), "get_server_info"))
@@ -273,7 +257,8 @@ class DistributedWeightSync(_Base):
             self.master_address, port, offsets[i], world, group_name=name, backend=self.backend,
             timeout_s=self.timeout_s), "init_weights_update_group"))
         try:
-            self._pg = _new_group(self.backend, self.master_address, port, 0, world, name, self.timeout_s)
+            self._pg = new_side_group(self.backend, self.master_address, port, rank=0, world_size=world,
+                                      group_name=name, timeout_s=self.timeout_s)
         except Exception as e:  # the engines' answers name the culprit better than the store error
             try:
                 fut.result(self.timeout_s)
@@ -304,9 +289,8 @@ class DistributedWeightSync(_Base):
         already_fp8 = False
         if isinstance(weights, (str, os.PathLike)):
             already_fp8 = _is_fp8_dir(str(weights))
-            weights = _iter_dir(str(weights))
+            weights = iter_safetensors(str(weights))
         if self.fp8 and not already_fp8:
-            from megatron_m2po.rollout.fp8 import quantize_named
             weights = quantize_named(weights)
         t0 = time.perf_counter()
         if self._pg is None or self._members != urls:
@@ -367,31 +351,28 @@ class DistributedWeightSync(_Base):
         super().close()
 
 
-def _new_group(backend: str, host: str, port: int, rank: int, world: int, name: str, timeout_s: float):
-    import torch.distributed as dist
-    timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore(host, port, world, is_master=(rank == 0), timeout=timeout, wait_for_workers=False)
-    prefix = dist.PrefixStore(name, store)
-    if backend == "gloo":
-        return dist.ProcessGroupGloo(prefix, rank, world, timeout)
-    opts = dist.ProcessGroupNCCL.Options()
-    opts._timeout = timeout
-    return dist.ProcessGroupNCCL(prefix, rank, world, opts)
-
-
 def _is_fp8_dir(path: str) -> bool:
     try:
         cfg = json.loads((Path(path) / "config.json").read_text())
     except (OSError, ValueError):
         return False
-    from megatron_m2po.rollout.fp8 import is_fp8_config
     return is_fp8_config(cfg)
 
 
-def _iter_dir(path: str) -> Iterator[tuple[str, torch.Tensor]]:
-    from safetensors.torch import load_file
-    files = sorted(Path(path).glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"no *.safetensors files in {path!r}")
-    for f in files:
-        yield from load_file(str(f)).items()
+def export_fp8_dir(src_dir: str | Path, dst_dir: str | Path) -> str:
+    """Write an FP8 copy of an HF model directory (e.g. the base model FP8 engines start from)."""
+    import tempfile
+
+    dst = Path(dst_dir)
+    if dst.exists():
+        raise ValueError(f"export_fp8_dir: {dst} already exists")
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".fp8-export-", dir=dst.parent)
+    sync = DiskWeightSync([], tmp, base_model_dir=str(src_dir), fp8=True)
+    try:
+        out, _, _ = sync.export(iter_safetensors(str(src_dir)), 0)
+        Path(out).rename(dst)
+    finally:
+        sync.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+    return str(dst)

@@ -1,0 +1,128 @@
+"""The package's layering (DESIGN §2), checked on the source: no import cycles, and
+
+    algo/, parallel/          at the bottom: nothing from actor/ rollout/ trainer/ store/
+    actor/ (Megatron) | rollout/   side by side: neither imports the other
+    trainer/                  above both; CLI shells and the experiment on top
+
+Every module of ``megatron_m2po/`` is parsed with ``ast``; every ``import`` counts, at module
+level, inside functions and under ``if TYPE_CHECKING``. ``import megatron_m2po.store`` (or
+``from megatron_m2po import store``) is an edge to ``megatron_m2po/store/__init__.py``;
+``from megatron_m2po.store.store import X`` an edge to ``store/store.py``. The parent packages
+Python initialises on the way are not edges (every submodule would otherwise "cycle" with
+its own ``__init__``).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PKG = "megatron_m2po"
+ROOT = Path(__file__).resolve().parents[1] / PKG
+
+
+def _modules() -> dict[str, Path]:
+    mods = {}
+    for path in sorted(ROOT.rglob("*.py")):
+        parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        mods[".".join(parts)] = path
+    return mods
+
+
+def _imports(name: str, path: Path, mods: dict[str, Path]) -> set[str]:
+    """The package modules ``name`` imports anywhere in its source."""
+    is_pkg = path.name == "__init__.py"
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # relative: from the module's package (a package is its own)
+                base = name.split(".") if is_pkg else name.split(".")[:-1]
+                base = base[:len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            for a in node.names:  # `from pkg import submodule` imports the submodule
+                sub = f"{target}.{a.name}"
+                out.add(sub if sub in mods else target)
+    return {m for m in out if m in mods and m != name}
+
+
+def _graph() -> dict[str, set[str]]:
+    mods = _modules()
+    return {name: _imports(name, path, mods) for name, path in mods.items()}
+
+
+def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle (``[a, b, ..., a]``) of the directed graph, or None."""
+    state: dict[str, int] = {}  # 1 = on the stack, 2 = done
+    stack: list[str] = []
+
+    def visit(n: str) -> list[str] | None:
+        state[n] = 1
+        stack.append(n)
+        for m in sorted(graph[n]):
+            if state.get(m) == 1:
+                return stack[stack.index(m):] + [m]
+            if m not in state:
+                found = visit(m)
+                if found:
+                    return found
+        stack.pop()
+        state[n] = 2
+        return None
+
+    for n in sorted(graph):
+        if n not in state:
+            found = visit(n)
+            if found:
+                return found
+    return None
+
+
+def _sub(module: str) -> str:
+    """Top-level subpackage (or module) of a package module: megatron_m2po.actor.actor -> actor."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def _violations(graph: dict[str, set[str]], src: tuple[str, ...], banned: tuple[str, ...]) -> list[str]:
+    return sorted(f"{a} -> {b}" for a, deps in graph.items() if _sub(a) in src
+                  for b in deps if _sub(b) in banned)
+
+
+@pytest.fixture(scope="module")
+def graph() -> dict[str, set[str]]:
+    g = _graph()
+    assert f"{PKG}.trainer.loop" in g and g[f"{PKG}.trainer.loop"], "the import graph came out empty"
+    return g
+
+
+def test_no_import_cycle(graph):
+    cycle = _find_cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_actor_and_rollout_do_not_import_each_other(graph):
+    assert _violations(graph, ("actor",), ("rollout",)) == []
+    assert _violations(graph, ("rollout",), ("actor",)) == []
+
+
+def test_algo_and_parallel_are_the_bottom_layer(graph):
+    assert _violations(graph, ("algo", "parallel"), ("actor", "rollout", "trainer", "store")) == []
+
+
+def test_the_graph_sees_function_level_and_relative_imports(tmp_path):
+    """The checker itself: function-level and relative imports, and cycles, are found."""
+    g = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}
+    assert _find_cycle(g) == ["a", "b", "c", "a"]
+    assert _find_cycle({"a": {"b"}, "b": set()}) is None
+    mods = {f"{PKG}.x": Path("x.py"), f"{PKG}.x.y": Path("y.py"), f"{PKG}.z": Path("z.py")}
+    src = tmp_path / "w.py"
+    src.write_text("def f():\n    from megatron_m2po.x import y\n    from . import z\n")
+    assert _imports(f"{PKG}.w", src, mods) == {f"{PKG}.x.y", f"{PKG}.z"}
