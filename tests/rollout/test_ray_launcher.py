@@ -11,11 +11,11 @@ import torch
 
 ray = pytest.importorskip("ray")
 
-from megatron_m2po.actor.weight_sync import DiskWeightSync  # noqa: E402
 from megatron_m2po.config import RolloutConfig  # noqa: E402
 from megatron_m2po.rollout.client import SGLangClient  # noqa: E402
 from megatron_m2po.rollout.engines import EngineFleet, FleetError  # noqa: E402
 from megatron_m2po.rollout.ray_launcher import RayHandle, RayLauncher  # noqa: E402
+from megatron_m2po.rollout.weight_sync import DiskWeightSync  # noqa: E402
 from rollout_testlib import hf_logprobs  # noqa: E402
 from waiting import wait_until  # noqa: E402
 
@@ -140,7 +140,7 @@ def test_killed_actor_is_replaced_and_refit(ray_fleet):
 
 
 def test_unplaceable_engine_is_a_clear_error(ray_fleet, tmp_path):
-    from megatron_m2po.rollout.engines import EngineSpec
+    from megatron_m2po.rollout.launcher import EngineSpec
     launcher = RayLauncher(num_cpus=3.0, place_timeout_s=2.0)
     spec = EngineSpec(9, "127.0.0.1", 1, ["true"], {}, tmp_path / "e.log")
     with pytest.raises(FleetError, match=r"num_cpus=3\.0.*ray_cpus_per_engine"):

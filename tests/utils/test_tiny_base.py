@@ -174,6 +174,23 @@ def test_concurrent_ranks_build_once(tmp_path):
     assert tb.is_complete(paths[0])
 
 
+PLATFORMS = Path(__file__).with_name("tiny_base_platforms.json")
+BASE_BAND = (0.21, 0.42)  # measured over 20 build seeds; see test_default_build_accuracy_and_reward
+
+
+def platform_key() -> str:
+    """What decides the bits of a CPU build: architecture, torch's kernel level, torch, CPU flags."""
+    import hashlib
+    import platform
+
+    flags = ""
+    if os.path.exists("/proc/cpuinfo"):
+        flags = next((ln for ln in open("/proc/cpuinfo") if ln.startswith("flags")), "")
+    flag_hash = hashlib.sha256(" ".join(sorted(flags.split(":")[-1].split())).encode()).hexdigest()[:8]
+    return (f"{platform.machine()}|{torch.backends.cpu.get_cpu_capability()}|torch {torch.__version__}"
+            f"|cpu flags {flag_hash}")
+
+
 @pytest.mark.slow
 def test_default_build_accuracy_and_reward(tmp_path):
     """The real default: lands in the RL-friendly accuracy band, and its sampled responses get
@@ -182,6 +199,14 @@ def test_default_build_accuracy_and_reward(tmp_path):
     Builds into a temporary directory (~40 s on 2 idle cores), or checks the build cached in
     ``$M2PO_TINY_CACHE`` when set, so CI can share one build with the end-to-end runs (the
     directory name pins every build parameter; determinism is tested by the fast build).
+
+    The build is bit-reproducible on one platform but not across CPUs and torch versions (the
+    kernels round differently, and the warm-up stops on a sampled-accuracy rule). Where this
+    platform is recorded in ``tiny_base_platforms.json`` the build must match it exactly (model
+    hash and base accuracy); elsewhere the base accuracy must lie in the band measured over 20
+    build seeds (``python tools/test_margins.py tiny_base --seeds 0-19``, a stand-in for the
+    spread across platforms): mean 0.3152, std 0.0316 (min 0.2617, max 0.3633), band mean +-
+    3.3 std = [0.21, 0.42]. The build on this machine (seed 0) gives 0.3525.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -192,7 +217,13 @@ def test_default_build_accuracy_and_reward(tmp_path):
     meta = tb.load_tiny_meta(path)
     assert meta["digest"] == tb.TinyBaseSpec().digest()
     assert meta["reached_target"] is True
-    assert 0.15 <= meta["base_accuracy_t1"] <= 0.5, meta["base_accuracy_t1"]
+    known = json.loads(PLATFORMS.read_text())["platforms"].get(platform_key())
+    if known is not None:
+        got = {k: meta[k] for k in known}
+        assert got == known, (f"the default tiny base built on this platform ({platform_key()}) differs from the "
+                              f"recorded build {known}: got {got}; if the build procedure changed on purpose, "
+                              f"bump FORMAT_VERSION and re-record {PLATFORMS.name}")
+    assert BASE_BAND[0] <= meta["base_accuracy_t1"] <= BASE_BAND[1], (meta["base_accuracy_t1"], BASE_BAND)
 
     model = AutoModelForCausalLM.from_pretrained(path)
     tok = AutoTokenizer.from_pretrained(path)
