@@ -99,7 +99,8 @@ class ParallelConfig:
 
     tensor_parallel: int = _f(1, ge=1, help="Tensor (model) parallel size.")
     pipeline_parallel: int = _f(1, ge=1, help="Pipeline parallel size.")
-    context_parallel: int = _f(1, ge=1, help="Context parallel size.")
+    context_parallel: int = _f(1, ge=1, help="Context parallel size (only 1 for now: the actor does not split "
+                               "sequences across CP ranks yet).")
     virtual_pipeline_parallel: Optional[int] = _f(None, ge=1, help="Interleaved pipeline chunks per rank.")
     sequence_parallel: bool = _f(False, help="Megatron sequence parallelism (needs TP > 1 and TE/apex norms on GPU).")
     use_distributed_optimizer: bool = _f(False, help="Shard optimizer states over data-parallel ranks (ZeRO-1).")
@@ -318,6 +319,12 @@ class Config:
                 f"(trainer.stale_k + updates per step - 1 = {t.stale_k + t.num_updates_per_step - 1}); raise it")
         if p.sequence_parallel and p.tensor_parallel == 1:
             raise ConfigError("parallel.sequence_parallel=true needs parallel.tensor_parallel > 1")
+        if p.context_parallel > 1:
+            # One rule for config, planner and actor: the M2 mask already reduces over a DP x CP
+            # group, but the actor does not split sequences across CP ranks yet.
+            raise ConfigError(f"parallel.context_parallel={p.context_parallel}: context parallelism is not "
+                              "implemented in the actor yet; use 1 (long sequences: parallel.recompute, "
+                              "parallel.sequence_parallel with tensor_parallel > 1, fewer sequences per micro-batch)")
         if p.virtual_pipeline_parallel is not None and p.pipeline_parallel == 1:
             raise ConfigError("parallel.virtual_pipeline_parallel needs parallel.pipeline_parallel > 1")
         if self.rollout.launcher == "external" and not self.rollout.external_addrs and not self.rollout.router_addr:

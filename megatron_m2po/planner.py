@@ -435,8 +435,7 @@ def _memory_message(s: StageMemory, lay: Layout, budget: float) -> str:
             hints.append("parallel.recompute=" + ("selective or full" if lay.recompute == "none" else "full"))
         if lay.tp > 1 and not lay.sequence_parallel:
             hints.append("parallel.sequence_parallel=true")
-        hints += ["fewer tokens per micro-batch (parallel.micro_batch_size)", "context_parallel > 1",
-                  "more tensor/pipeline parallelism"]
+        hints += ["fewer tokens per micro-batch (parallel.micro_batch_size)", "more tensor/pipeline parallelism"]
         fix = f"activations {_g(s.activations)} ({s.in_flight} micro-batch(es) in flight): use " + ", ".join(hints)
     return f"{head}; {fix}"
 

@@ -309,3 +309,15 @@ def test_cli_ok_and_rejected(capsys):
     assert d["ok"] and math.isclose(d["worst_total_gib"], max(s["total"] for s in d["stages"]) / GiB)
     assert main(["plan", "--list-models"]) == 0
     assert "llama-3-8b" in capsys.readouterr().out
+
+
+def test_planner_refuses_what_the_actor_refuses(capsys):
+    """Context parallel is not implemented in the actor: the config (and so `m2po plan`) says so."""
+    from megatron_m2po.config import ConfigError
+
+    with pytest.raises(ConfigError, match="context_parallel=2: context parallelism is not implemented"):
+        load_config(str(EX / "qwen2.5-32b.yaml"), ["parallel.context_parallel=2"])
+    rc = main(["plan", "--nnodes", "4", "--gpus-per-node", "8", str(EX / "qwen2.5-32b.yaml"),
+               "parallel.context_parallel=2"])
+    captured = capsys.readouterr()
+    assert rc != 0 and "context parallelism is not implemented" in captured.out + captured.err
