@@ -11,6 +11,15 @@
 # win): MODEL_PATH -> model.hf_path, DATA_TRAIN -> data.train, ROUTER_ADDR -> rollout.router_addr,
 # RUN_DIR -> trainer.run_dir. Arguments starting with "-" go to `m2po train` only; the config file
 # and key=value overrides also go to `m2po config` / `m2po plan` in --dry-run.
+#
+# Trainer-only environment (set here, not image-wide, so SGLang engines never inherit it; an
+# existing value wins): CUDA_DEVICE_MAX_CONNECTIONS=1 (Megatron's TP / sequence-parallel
+# communication overlap needs kernels queued in issue order), PYTORCH_CUDA_ALLOC_CONF=
+# expandable_segments:True (less fragmentation with variable-length RL batches),
+# TORCH_NCCL_ASYNC_ERROR_HANDLING=1. Network: IFNAME=<interface> sets NCCL_SOCKET_IFNAME and
+# GLOO_SOCKET_IFNAME (the interface the nodes reach each other on); every other NCCL_* / GLOO_* /
+# UCX_* variable you export (NCCL_IB_HCA, NCCL_IB_GID_INDEX, NCCL_DEBUG, ...) passes through to
+# every trainer process unchanged, as torchrun inherits the environment.
 set -euo pipefail
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 
@@ -30,6 +39,14 @@ NODE_RANK=${NODE_RANK:-0}
 MASTER_PORT=${MASTER_PORT:-29500}
 
 die() { echo "train.sh: $*" >&2; exit 2; }
+
+export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
+export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
+export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}
+if [ -n "${IFNAME:-}" ]; then
+  export NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-$IFNAME}
+  export GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-$IFNAME}
+fi
 for v in NNODES NODE_RANK MASTER_PORT GPUS_PER_NODE; do
   [[ "${!v}" =~ ^[0-9]+$ ]] || die "$v=${!v} must be a non-negative integer"
 done
@@ -70,6 +87,8 @@ torchrun_cmd() {  # $1 = node rank
 if [ "$dry_run" -eq 1 ]; then
   echo "# resolved config"
   "$PYTHON" -m megatron_m2po.cli config ${cfg_args[@]+"${cfg_args[@]}"} || exit $?
+  echo "# trainer environment"
+  env | grep -E '^(CUDA_DEVICE_MAX_CONNECTIONS|PYTORCH_CUDA_ALLOC_CONF|TORCH_NCCL_|NCCL_|GLOO_|UCX_)' | sort || true
   echo "# commands (one per training node; run each on its node)"
   [ "$MASTER_ADDR" = '<node0-address>' ] && echo "# note: set MASTER_ADDR to node 0's address before launching"
   for ((r = 0; r < NNODES; r++)); do

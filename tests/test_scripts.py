@@ -87,6 +87,22 @@ def test_exec_line_is_exact(tmp_path):
                     "model.hf_path=/m/Qwen2.5-32B", "rollout.router_addr=http://r:29999"]
 
 
+def test_trainer_only_environment(tmp_path):
+    """train.sh sets the trainer's CUDA / allocator settings and passes network settings through."""
+    record = tmp_path / "torchrun"
+    log = tmp_path / "env.txt"
+    record.write_text(f'#!/usr/bin/env bash\nenv > {log}\n')
+    record.chmod(0o755)
+    r = sh("train.sh", "examples/qwen3-8b.yaml", TORCHRUN=record, IFNAME="ib0", NCCL_IB_HCA="mlx5_0")
+    assert r.returncode == 0, r.stderr
+    env = dict(ln.split("=", 1) for ln in log.read_text().splitlines() if "=" in ln)
+    assert env["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
+    assert env["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    assert env["NCCL_SOCKET_IFNAME"] == env["GLOO_SOCKET_IFNAME"] == "ib0" and env["NCCL_IB_HCA"] == "mlx5_0"
+    r = sh("train.sh", "examples/qwen3-8b.yaml", TORCHRUN=record, CUDA_DEVICE_MAX_CONNECTIONS="8")
+    assert r.returncode == 0 and "CUDA_DEVICE_MAX_CONNECTIONS=8" in log.read_text()  # an existing value wins
+
+
 def test_env_validation():
     r = sh("train.sh", "examples/qwen3-8b.yaml", NNODES=2, TORCHRUN="/bin/false")
     assert r.returncode == 2 and "needs MASTER_ADDR" in r.stderr
