@@ -33,7 +33,6 @@ from pathlib import Path
 from typing import Any, Callable, Optional, TypeVar
 
 import numpy as np
-import torch
 import torch.distributed as dist
 
 from megatron_m2po.actor.actor import ActorConfig, MegatronActor, destroy_parallel, init_parallel
@@ -41,28 +40,12 @@ from megatron_m2po.actor.batch import RolloutBatch
 from megatron_m2po.actor.checkpoint import latest_checkpoint
 from megatron_m2po.config import Config, config_to_dict, dump_config
 from megatron_m2po.trainer.batching import groups_to_batch, rollout_metrics, trajectory_to_sample
+from megatron_m2po.trainer.rank0 import any_rank, from_rank0
 from megatron_m2po.trainer.schedule import events_at, generation_version
 from megatron_m2po.utils.hf_dir import resolve_model_path
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-
-def _broadcast(obj: Any) -> Any:
-    """Rank 0's object on every rank."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def _any_rank(flag: bool) -> bool:
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return flag
-    t = torch.tensor([1 if flag else 0], dtype=torch.int64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
 
 
 class _Lead:
@@ -136,9 +119,10 @@ class Trainer:
         self.engines_version = 0  # the weights the engines hold (all ranks track it identically)
         self.start_step = 0
 
-    def _from_rank0(self, fn: Callable[[], T]) -> T:
-        """``fn()`` evaluated on global rank 0 only; every rank gets its result."""
-        return _broadcast(fn() if self.rank == 0 else None)
+    def _from_rank0(self, fn: Callable[[], T], what: str = "rank 0's result") -> T:
+        """``fn()`` evaluated on global rank 0 only; every rank gets its result, waiting without
+        a collective that could time out (:func:`~megatron_m2po.trainer.rank0.from_rank0`)."""
+        return from_rank0(fn, what=what)
 
     # ------------------------------------------------------------------ signals
     def _install_signal_handlers(self) -> None:
@@ -215,7 +199,8 @@ class Trainer:
             # The trainer's own log-probs of the generated tokens at this version: every rank
             # takes part, so generation is synchronous here.
             for s in steps:
-                groups = self._from_rank0(lambda step=s: self.driver.generate_step_groups(step))
+                groups = self._from_rank0(lambda step=s: self.driver.generate_step_groups(step),
+                                          what=f"the generation of step {s}")
                 self._recompute_behaviour(groups)
                 if self.lead:
                     self.driver.put_groups(groups)
@@ -244,8 +229,14 @@ class Trainer:
 
     def _fetch_step(self, step: int) -> tuple[Any, Any, dict]:
         """Rank 0 leases the step's groups; every rank gets the batch (and the lease on rank 0)."""
-        groups, lease = self._lease(step) if self.lead else (None, None)
-        groups = _broadcast(groups)
+        leased: dict[str, Any] = {}
+
+        def lease() -> list:
+            groups, leased["lease"] = self._lease(step)
+            return groups
+
+        groups = self._from_rank0(lease, what=f"the rollouts of step {step}")
+        lease = leased.get("lease")
         meta = rollout_metrics(groups, correct_reward=self.cfg.reward.correct)
         batch = groups_to_batch(groups, advantage=self.cfg.algo.advantage, adv_eps=self.cfg.algo.adv_eps,
                                 use_recomputed=self.cfg.algo.recompute_behav_logprobs)
@@ -311,7 +302,7 @@ class Trainer:
                 if self.lead:
                     self.lead.log_step(step, self.actor.version, metrics, per_update)
                 done = step + 1
-                stop = _any_rank(self._stop_requested)
+                stop = any_rank(self._stop_requested)
                 every = cfg.checkpoint.save_every_steps
                 if stop or (every and done % every == 0) or done == cfg.trainer.num_steps:
                     self._save(done)

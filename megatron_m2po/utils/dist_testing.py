@@ -10,6 +10,7 @@ that rank's traceback. ``fn`` must be importable (module level), as spawn pickle
 
 from __future__ import annotations
 
+import datetime
 import os
 import traceback
 from typing import Any, Callable
@@ -23,12 +24,13 @@ __all__ = ["run_distributed", "free_port"]
 
 
 def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue: Any,
-            env: dict[str, str]) -> None:
+            env: dict[str, str], pg_timeout_s: float | None = None) -> None:
     os.environ.update(env)
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
                        "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank)})
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        kw = {"timeout": datetime.timedelta(seconds=pg_timeout_s)} if pg_timeout_s else {}
+        dist.init_process_group("gloo", rank=rank, world_size=world_size, **kw)
         out = fn(rank, world_size, *args)
         queue.put((rank, True, out))
     except BaseException:  # noqa: BLE001 - reported to the parent
@@ -39,13 +41,16 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, qu
 
 
 def run_distributed(fn: Callable, world_size: int, args: tuple = (), timeout_s: float = 120.0,
-                    env: dict[str, str] | None = None) -> list[Any]:
-    """Spawn ``world_size`` gloo ranks running ``fn(rank, world_size, *args)``; return results."""
+                    env: dict[str, str] | None = None, pg_timeout_s: float | None = None) -> list[Any]:
+    """Spawn ``world_size`` gloo ranks running ``fn(rank, world_size, *args)``; return results.
+
+    ``pg_timeout_s`` sets the default process group's collective timeout (torch's default else)."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
     env = {"OMP_NUM_THREADS": "1", **(env or {})}
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue, env), daemon=True)
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue, env, pg_timeout_s),
+                         daemon=True)
              for r in range(world_size)]
     for p in procs:
         p.start()
