@@ -40,7 +40,7 @@ from megatron_m2po.actor.batch import RolloutBatch
 from megatron_m2po.actor.checkpoint import latest_checkpoint
 from megatron_m2po.config import Config, config_to_dict, dump_config
 from megatron_m2po.trainer.batching import groups_to_batch, rollout_metrics, trajectory_to_sample
-from megatron_m2po.trainer.rank0 import any_rank, from_rank0
+from megatron_m2po.trainer.rank0 import any_rank, check_shared_run_dir, from_rank0
 from megatron_m2po.trainer.schedule import events_at, generation_version
 from megatron_m2po.utils.hf_dir import resolve_model_path
 
@@ -101,7 +101,8 @@ class Trainer:
         self._owns_pg = init_parallel(cfg.parallel, cfg.trainer.seed)
         try:
             self.rank = dist.get_rank()
-            self.run_dir = Path(cfg.trainer.run_dir)
+            self.run_dir = check_shared_run_dir(cfg.trainer.run_dir)
+            cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, run_dir=str(self.run_dir)))
             self.model_path = self._from_rank0(lambda: resolve_model_path(cfg.model, progress=cfg.logging.progress))
             cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, hf_path=self.model_path))
             self.cfg = cfg
@@ -137,7 +138,9 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
     def _resume(self) -> None:
-        ckpt = latest_checkpoint(self.ckpt_dir) if self.cfg.checkpoint.resume else None
+        # Rank 0 decides: every rank resumes from the same checkpoint.
+        ckpt = self._from_rank0(lambda: latest_checkpoint(self.ckpt_dir), what="the checkpoint to resume from") \
+            if self.cfg.checkpoint.resume else None
         if ckpt is None:
             return
         extra = self.actor.load_checkpoint(str(ckpt))

@@ -16,8 +16,12 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
+import socket
 import time
+import uuid
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Callable, Optional, TypeVar
 
 import torch.distributed as dist
@@ -86,3 +90,48 @@ def any_rank(flag: bool, group: Optional[Any] = None) -> bool:
     t = torch.tensor([1 if flag else 0], dtype=torch.int64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return bool(t.item())
+
+
+MARKER = ".m2po_run_dir"
+
+
+def check_shared_run_dir(run_dir: str | os.PathLike) -> Path:
+    """The run directory (absolute), checked to be one directory for every rank.
+
+    Every rank reads checkpoints and their ``latest`` pointer from the run directory, and rank 0
+    alone writes the rest; so on several nodes it must be one directory on a shared filesystem
+    (a relative path resolves against each node's working directory). Rank 0 creates it and
+    leaves a marker with a fresh nonce; every rank looks for that nonce where *it* resolves the
+    path, and a rank that does not find it fails start-up with both paths and hosts named."""
+    rank, world = _world()
+    path = Path(os.path.expanduser(str(run_dir))).resolve()
+    if world == 1:
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+    def mark() -> tuple[str, str]:
+        nonce = uuid.uuid4().hex
+        path.mkdir(parents=True, exist_ok=True)
+        (path / MARKER).write_text(nonce + "\n")
+        return str(path), socket.gethostname()
+
+    rank0_path, rank0_host = from_rank0(mark, what="the run directory")
+    nonce = (Path(rank0_path) / MARKER).read_text().strip() if rank == 0 else None
+    box = [nonce]
+    dist.broadcast_object_list(box, src=0)
+    try:
+        mine = (path / MARKER).read_text().strip()
+    except OSError:
+        mine = None
+    seen = [None] * world
+    dist.all_gather_object(seen, (rank, socket.gethostname(), str(path), mine == box[0]))
+    bad = [s for s in seen if not s[3]]
+    if bad:
+        lines = [f"rank {r} on host {h} resolves it to {p}" for r, h, p, _ in bad[:8]]
+        raise ValueError(f"trainer.run_dir={str(run_dir)!r} is not one directory for every rank: rank 0 uses "
+                         f"{rank0_path} on host {rank0_host}, but " + "; ".join(lines)
+                         + (f" (and {len(bad) - 8} more)" if len(bad) > 8 else "")
+                         + ". Every rank reads checkpoints from it: give an absolute path on a filesystem "
+                           "shared by all training nodes (or start every node from the same shared working "
+                           "directory).")
+    return path

@@ -49,3 +49,32 @@ def test_rank0_failure_reaches_the_other_ranks():
     out = run_distributed(_failing_rank0, world_size=2, pg_timeout_s=60, timeout_s=120)
     assert out[0] == "ValueError: the store is full"
     assert out[1] == "RuntimeError: rank 0 failed while producing the rollouts of step 3: ValueError: the store is full"
+
+
+def _run_dir_per_node(rank, world_size, root, run_dir):
+    """Each simulated node starts in its own working directory (nothing shared but ``root``)."""
+    import os
+
+    from megatron_m2po.trainer import rank0
+
+    node = os.path.join(root, f"node{rank}")
+    os.makedirs(node, exist_ok=True)
+    os.chdir(node)
+    try:
+        return str(rank0.check_shared_run_dir(run_dir))
+    except ValueError as e:
+        return f"ValueError: {e}"
+
+
+@pytest.mark.multiproc
+def test_run_dir_must_be_one_directory_for_every_rank(tmp_path):
+    # A relative run directory resolves against each node's working directory: refused, naming both.
+    out = run_distributed(_run_dir_per_node, world_size=2, args=(str(tmp_path), "runs/x"), timeout_s=120)
+    for msg in out:
+        assert msg.startswith("ValueError: trainer.run_dir='runs/x' is not one directory for every rank")
+        assert f"rank 0 uses {tmp_path}/node0/runs/x" in msg and f"rank 1 on host" in msg
+        assert f"resolves it to {tmp_path}/node1/runs/x" in msg and "shared by all training nodes" in msg
+    # An absolute path on a filesystem both "nodes" see is accepted, and is the same for both.
+    shared = tmp_path / "shared" / "run"
+    out = run_distributed(_run_dir_per_node, world_size=2, args=(str(tmp_path), str(shared)), timeout_s=120)
+    assert out == [str(shared), str(shared)]
