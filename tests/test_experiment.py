@@ -207,7 +207,7 @@ def test_figures_one_png_per_metric(tmp_path):
 
 # ------------------------------------------------------------------------------ a real short run
 
-FAST_SEED = 1234  # the seed the fast run uses; tools/test_margins.py staleness_fast varies it
+FAST_SEED = 5  # the seed the fast run uses (one of the measured ones); tools/test_margins.py varies it
 
 
 def fast_experiment_command(out: Path, seed: int = FAST_SEED) -> list[str]:
@@ -238,16 +238,28 @@ def fast_experiment_statistics(out: Path) -> dict:
 
 
 # Thresholds of the fast run (see the test's docstring for the measured distributions).
-FAST_MIN_CLIP = 0.005
+FAST_MIN_CLIP = 0.003
 FAST_MAX_RATIO = 0.25
-FAST_MIN_LATE_MINUS_BASE = -0.08
+FAST_MIN_LATE_MINUS_BASE = -0.095
 
 
 @pytest.mark.slow
 def test_fast_experiment_m2po_masks_far_less_than_grpo_clips_and_does_not_collapse(tmp_path):
-    """M2PO s=8 against GRPO s=8 on the same stale data, 8 steps at lr 5e-5.
+    """M2PO s=8 against GRPO s=8 on the same stale data, 8 steps at lr 5e-5, seed 5.
 
-    Thresholds from the distribution over seeds (MEASURED_PLACEHOLDER).
+    Thresholds from the distributions over seeds 1-20 on a 2-core CPU
+    (``python tools/test_margins.py staleness_fast --seeds 1-20``, 9.4 min):
+
+    - ``clip`` (GRPO's clip fraction on stale steps): mean 0.0132, std 0.0043, min 0.0042; it is
+      skewed, log-normal-like: log mean -4.386, log std 0.383, so exp(mean - 3.3 std) = 0.0035.
+      Threshold > 0.003 (log z = 3.7): only there to make the ratio meaningful.
+    - ``ratio`` (M2PO's mask fraction / GRPO's clip fraction): mean 0.030, std 0.034, max 0.108;
+      mean + 3.3 std = 0.143. Threshold < 0.25. A broken M2PO (threshold 1e-4 instead of 0.04)
+      gives 3.37 +- 0.67 (3 seeds): it fails.
+    - ``late_minus_base`` (M2PO's reward over its last three steps minus the base reward): mean
+      0.0196, std 0.0331, min -0.040. Threshold >= -0.095 = mean - 3.46 std (false failure
+      about 3 in 10^4); a collapsing learner drops by 0.3 (the wrong-sign learner of the
+      reward-rise test).
     """
     out = tmp_path / "exp"
     env = dict(os.environ, OMP_NUM_THREADS="1")

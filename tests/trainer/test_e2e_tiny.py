@@ -208,12 +208,13 @@ def test_reward_rises_on_the_synthetic_task(tmp_path):
     - ``gain``: expected accuracy over all 882 problems (exact, see ``expected_accuracy``) of the
       final weights minus the base model's. Healthy: mean 0.1018, std 0.0132, min 0.0698.
       Threshold 0.045 = mean - 4.3 std (a normal spread fails it about once in 10^5 runs). A
-      learner with lr ~0 gains exactly 0.0000 (4 of 4 runs), so it always fails; see the
-      closing note / docs/contributing.md for the wrong-sign learner.
+      learner with lr ~0 gains exactly 0.0000 (4 of 4 runs) and one with advantages of the
+      wrong sign -0.3507 (4 of 4: it unlearns the task), so both always fail.
     - ``rise``: sampled accuracy of the last three steps minus the first three (the rollouts the
       run trained on). Healthy: mean 0.0977, std 0.0225, min 0.0378. Threshold 0.02 = mean -
       3.45 std (false failure about 3 in 10^4). Sampling noise alone (lr ~0) gives 0.009 +-
-      0.024, so this check cannot tell a broken learner by itself: ``gain`` does that.
+      0.024, so this check alone does not catch a learner that does not learn: ``gain`` does
+      (the wrong-sign learner gives -0.312 +- 0.012 here too).
 
     The first measurement was at 12 steps (the earlier version of this test): rise 0.046 +-
     0.029, which no threshold could separate from noise.
