@@ -30,7 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="m2po", description="Off-policy RL post-training on Megatron-Core with M2PO.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
-    for name, module in COMMANDS.items():
+    for module in COMMANDS.values():
         try:
             mod = importlib.import_module(module)
         except ModuleNotFoundError as e:

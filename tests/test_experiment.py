@@ -14,7 +14,7 @@ import pytest
 from megatron_m2po.config import ConfigError, load_config
 from megatron_m2po.utils.logging import read_metrics
 from megatron_m2po.experiment import (
-    ARMS, FAST_K, FAST_OVERRIDES, ArmRun, CollapseRule, MetricsTail, collapse_verdict, format_table, plan,
+    ARMS, FAST_K, FAST_OVERRIDES, CollapseRule, MetricsTail, collapse_verdict, format_table, plan,
     pooled_base_reward, step_records, summarize_arm, write_figures)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -111,7 +111,7 @@ def test_table_markdown():
                           label="M2PO s=8", loss="m2po", staleness=8)]
     table = format_table(rows, CollapseRule())
     lines = table.splitlines()
-    assert lines[0].startswith("| arm |") and len([l for l in lines if l.startswith("| ")]) == 4
+    assert lines[0].startswith("| arm |") and len([ln for ln in lines if ln.startswith("| ")]) == 4
     assert "| GRPO s=8 | 8 | 8 | 0.600 (8) | 0.600 |" in table
     assert "20.0% clip" in table and "0.0% (none)" in table and "2.0% mask" in table
     assert lines[3].endswith("| yes |") and lines[2].endswith("| no |")

@@ -10,7 +10,6 @@ Prints the model directory on stdout (last line) and a summary on stderr.
 from __future__ import annotations
 
 import argparse
-import logging
 import shutil
 import sys
 from pathlib import Path

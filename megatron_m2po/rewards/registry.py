@@ -45,7 +45,7 @@ import inspect
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable
 
 from megatron_m2po.rewards.pool import ScorerSpec, ScoringPool, load_target
 
@@ -134,7 +134,7 @@ def check_reward_target(target: str) -> tuple[str, Callable]:
         raise ValueError(f"reward.fn={target!r}: the module has no such attribute ({e})") from e
     if not callable(fn):
         raise ValueError(f"reward.fn={target!r} is a {type(fn).__name__}, not a function")
-    if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None)):
+    if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None)):  # noqa: B004 - a callable object's __call__ may be async
         raise ValueError(f"reward.fn={target!r} is a coroutine function; reward functions must be "
                          "synchronous (they run in worker processes)")
     kind = "batch" if getattr(fn, "m2po_batch", False) else "item"

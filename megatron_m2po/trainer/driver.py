@@ -291,7 +291,8 @@ class RolloutDriver:
             except NotReadyError:
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"step {step}: rollouts generated at version {generated_at} did not arrive "
-                                       f"within {timeout_s:.0f}s; check the engine logs in {self.cfg.trainer.run_dir}")
+                                       f"within {timeout_s:.0f}s; check the engine logs in {self.cfg.trainer.run_dir}"
+                                       ) from None
         self._check_step_groups(lease.groups, step)
         return lease.groups, lease
 
@@ -360,7 +361,7 @@ class RolloutDriver:
                 return lease.groups, lease
             except NotReadyError:
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"step {step}: no rollouts within {timeout_s:.0f}s; check the engines")
+                    raise RuntimeError(f"step {step}: no rollouts within {timeout_s:.0f}s; check the engines") from None
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, step: int) -> dict[str, float]:

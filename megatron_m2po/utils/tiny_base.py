@@ -46,9 +46,12 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 from megatron_m2po.data.synthetic import SyntheticTask
+
+if TYPE_CHECKING:  # torch is imported where it is used: `import megatron_m2po.utils.tiny_base` stays light
+    import torch
 
 log = logging.getLogger(__name__)
 

@@ -124,7 +124,6 @@ def _grad_scale_and_onpolicy(rank, world_size, root):
     import transformers as tr
 
     from megatron_m2po.actor.actor import ActorConfig, MegatronActor
-    from megatron_m2po.actor.batch import RolloutBatch
 
     d = _hf_dir(root, "qwen3", seed=6)
     out = {}

@@ -142,12 +142,12 @@ def test_distributed_selection_equals_local():
             torch.distributions.StudentT(1.5).sample((n,)).double().clamp(-20, 20) ** 2
         search.append((v, [0, 120, 180] if i % 3 == 0 else [50, 200, 50], [0.04, 0.5, 0.0][i % 3]))
     res = run_distributed(_dist_worker, world, args=({"kth": kth, "search": search},), timeout_s=120)
-    for name, vals, counts, k in kth:
+    for name, vals, _counts, k in kth:
         expect = torch.sort(vals).values[k - 1].item()
         for r in range(world):
             got = res[r][("kth", name, k)]
             assert got == expect, (name, k, got, expect)
-    for i, (v, counts, tau) in enumerate(search):
+    for i, (v, _counts, tau) in enumerate(search):
         local = sel.prefix_mean_search(v, tau)
         for r in range(world):
             got = res[r][("prefix", i)]

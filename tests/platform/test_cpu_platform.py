@@ -4,7 +4,6 @@ Everything runs in spawned processes: ``enable()`` patches torch for the whole p
 not leak into the pytest process.
 """
 
-import pytest
 import torch
 
 from megatron_m2po.utils.dist_testing import run_distributed

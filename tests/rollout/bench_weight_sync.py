@@ -15,7 +15,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -59,7 +58,7 @@ def main() -> None:
                 for _, t in named:
                     t.add_(0.001)
                 t0 = time.perf_counter()
-                stats = sync.push(iter(named), version=2 * r + (name == "distributed") + 1)
+                sync.push(iter(named), version=2 * r + (name == "distributed") + 1)
                 dt = time.perf_counter() - t0
                 print(f"{name:12s} push {r}: {dt:6.2f} s  {dt / gb:6.2f} s/GB  {gb / dt:6.3f} GB/s")
         disk.close()

@@ -72,7 +72,7 @@ def test_run_dir_must_be_one_directory_for_every_rank(tmp_path):
     out = run_distributed(_run_dir_per_node, world_size=2, args=(str(tmp_path), "runs/x"), timeout_s=120)
     for msg in out:
         assert msg.startswith("ValueError: trainer.run_dir='runs/x' is not one directory for every rank")
-        assert f"rank 0 uses {tmp_path}/node0/runs/x" in msg and f"rank 1 on host" in msg
+        assert f"rank 0 uses {tmp_path}/node0/runs/x" in msg and "rank 1 on host" in msg
         assert f"resolves it to {tmp_path}/node1/runs/x" in msg and "shared by all training nodes" in msg
     # An absolute path on a filesystem both "nodes" see is accepted, and is the same for both.
     shared = tmp_path / "shared" / "run"
