@@ -100,9 +100,10 @@ def test_export_layout_is_what_sglang_fp8_loader_expects(tiny_model_dir, tmp_pat
         DiskWeightSync([], str(tmp_path / "w2"), fp8=True)
 
 
-@pytest.fixture(scope="module")
-def fp8_engine(tiny_model_dir, tmp_path_factory):
-    root = tmp_path_factory.mktemp("fp8")
+@pytest.fixture
+def fp8_engine(tiny_model_dir, tmp_path):
+    """A fresh FP8 engine per test: the weight-update test changes its weights."""
+    root = tmp_path
     fp8_dir = export_fp8_dir(tiny_model_dir, root / "base_fp8")
     cfg = RolloutConfig(engine="cpu_worker", launcher="local", num_engines=1, base_port=0, use_router=False,
                         concurrency=8, weight_sync_timeout_s=30.0)

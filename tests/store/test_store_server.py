@@ -22,9 +22,10 @@ from store_testlib import make_group, same_group, start_server, stop
 TOKEN = "s3cret"
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("srv") / "s.sqlite")
+@pytest.fixture
+def server(tmp_path):
+    """A fresh server and store per test: tests set versions, which only move forward."""
+    path = str(tmp_path / "s.sqlite")
     proc, url = start_server(path, token=TOKEN, extra=("--max-request-mb", "0.05"))
     yield path, url
     stop(proc)
