@@ -16,8 +16,8 @@ def _slow_rank0(rank, world_size):
 
     def work():
         # Longer than the process group's collective timeout: a broadcast entered by the other
-        # ranks right away would fail. Elapsed time is the behaviour under test.
-        time.sleep(3 * PG_TIMEOUT_S)
+        # ranks right away would fail.
+        time.sleep(3 * PG_TIMEOUT_S)  # rank 0 outlasting the collective timeout: elapsed time is the behaviour under test
         return {"groups": list(range(5))}
 
     got = rank0.from_rank0(work, what="slow work", poll_s=0.5, log_every_s=1.0)
