@@ -7,13 +7,24 @@ Routes and field names follow SGLang 0.5.x; checked against the source of
   ``GenerateReqInput``), ``/health`` and ``/health_generate`` (200, or 503 while starting or
   unhealthy), ``/get_model_info`` {model_path, tokenizer_path, is_generation,
   preferred_sampling_params, weight_version}, ``/get_server_info`` (server args + scheduler info
-  + ``version``), ``/get_weight_version`` {weight_version}, ``/flush_cache`` (GET|POST; 200, or
+  + ``version``); SGLang 0.5.23 serves ``/model_info`` and ``/server_info`` (the ``get_`` forms are
+  deprecated aliases) and has no ``/get_weight_version`` -- the version is ``/model_info``'s
+  ``weight_version``; ``/flush_cache`` (GET|POST; 200, or
   400 while requests run), ``/abort_request`` {rid, abort_all}, ``/pause_generation`` and
   ``/continue_generation`` ({"message", "status": "ok"}), ``/update_weights_from_disk``
   {success, message, num_paused_requests}, ``/init_weights_update_group``,
   ``/update_weights_from_distributed``, ``/destroy_weights_update_group``,
   ``/update_weight_version`` {new_version, abort_all_requests}. The update routes set
   ``server_args.weight_version`` when the request carries ``weight_version``.
+- 0.5.23 ``managers/scheduler_components/weight_updater.py``: ``/update_weights_from_distributed``
+  (and ``_from_tensor``) fail with success=false (HTTP 400) outside a ``/begin_weight_update``
+  {selector} ... ``/end_weight_update`` {} session; end fails only when no session is open. An
+  update with ``flush_cache`` true (the default, also for ``/update_weights_from_disk``) fails
+  after loading when requests are still running or queued, so updates done while paused in place
+  send ``flush_cache: false``.
+- 0.5.23 ``utils/weight_versions.py``: ``meta_info["weight_versions"]`` = spans
+  ``[{"version", "start", "end"}, ...]`` over the output tokens of a request that lived through
+  weight updates (``GenerateOutput.token_weight_versions`` expands them per token).
 - ``python/sglang/srt/managers/io_struct.py``: ``UpdateWeightFromDiskReqInput`` {model_path,
   load_format, abort_all_requests, weight_version, ...}; ``InitWeightsUpdateGroupReqInput``
   {master_address, master_port, rank_offset, world_size, group_name="weight_update_group",
@@ -65,8 +76,8 @@ class GenerateOutput:
     ``output_logprobs[i]`` is the log-prob of ``output_ids[i]`` under the temperature-scaled
     distribution it was sampled from (SGLang convention); ``finish_reason`` is SGLang's dict
     (``type`` in stop / length / abort); ``weight_version`` is the engine's version string when
-    the request finished; ``token_weight_versions`` gives the version per token when the engine
-    reports it (our CPU worker does; SGLang 0.5 does not -> None).
+    the request finished; ``token_weight_versions`` gives the version per token, expanded from
+    SGLang 0.5.23's ``meta_info["weight_versions"]`` spans (None when the engine sends no spans).
     """
 
     output_ids: list[int]
@@ -106,7 +117,30 @@ class GenerateOutput:
                    finish_reason=meta.get("finish_reason") or {}, weight_version=str(meta.get("weight_version")),
                    text=d.get("text", ""), rid=str(meta.get("id", "")),
                    prompt_tokens=int(meta.get("prompt_tokens", 0)),
-                   token_weight_versions=meta.get("output_token_weight_versions"))
+                   token_weight_versions=expand_weight_version_spans(meta.get("weight_versions"),
+                                                                     len(ids or [])))
+
+
+def expand_weight_version_spans(spans: Any, n: int) -> Optional[list[str]]:
+    """Per-token versions from SGLang 0.5.23's ``meta_info["weight_versions"]`` spans.
+
+    A span is ``{"version", "start", "end"}`` (``utils/weight_versions.py``
+    ``add_weight_versions_to_meta_info``); the list form ``[version, start, end]`` is accepted
+    too. None when there are no spans or they do not cover the ``n`` output tokens.
+    """
+    if not spans:
+        return None
+    out: list[Optional[str]] = [None] * n
+    for sp in spans:
+        if isinstance(sp, dict):
+            v, a, b = sp.get("version"), sp.get("start"), sp.get("end")
+        else:
+            v, a, b = sp
+        for i in range(max(0, int(a)), min(n, int(b))):
+            out[i] = str(v)
+    if any(v is None for v in out):
+        return None
+    return out  # type: ignore[return-value]
 
 
 _RETRY_STATUS = {500, 502, 503, 504}
@@ -275,8 +309,20 @@ class SGLangClient:
                 raise
             return await self.request("GET", "/server_info")
 
-    async def get_weight_version(self) -> str:
-        return str((await self.request("GET", "/get_weight_version"))["weight_version"])
+    async def weight_version(self) -> str:
+        """The served weight version: ``/model_info``'s ``weight_version`` (SGLang 0.5.23 has no
+        ``/get_weight_version``)."""
+        return str((await self.request("GET", "/model_info"))["weight_version"])
+
+    async def begin_weight_update(self, selector: str = "all", timeout_s: Optional[float] = None) -> dict:
+        """Open SGLang 0.5.23's weight-update session (``BeginWeightUpdateReqInput``)."""
+        return _checked(self, "/begin_weight_update", await self.request(
+            "POST", "/begin_weight_update", {"selector": selector}, timeout_s=timeout_s, retry=False))
+
+    async def end_weight_update(self, timeout_s: Optional[float] = None) -> dict:
+        """Close the session (``EndWeightUpdateReqInput`` has no fields)."""
+        return _checked(self, "/end_weight_update", await self.request(
+            "POST", "/end_weight_update", {}, timeout_s=timeout_s, retry=False))
 
     # ------------------------------------------------------------------ control
     async def pause_generation(self, mode: str = "in_place") -> dict:
@@ -314,9 +360,10 @@ class SGLangClient:
 
     async def update_weights_from_disk(self, model_path: str, *, weight_version: Optional[str] = None,
                                        load_format: Optional[str] = None, abort_all_requests: bool = False,
-                                       timeout_s: Optional[float] = None) -> dict:
+                                       flush_cache: bool = True, timeout_s: Optional[float] = None) -> dict:
         payload = {"model_path": model_path, "load_format": load_format,
-                   "abort_all_requests": abort_all_requests, "weight_version": weight_version}
+                   "abort_all_requests": abort_all_requests, "weight_version": weight_version,
+                   "flush_cache": flush_cache}
         return _checked(self, "/update_weights_from_disk", await self.request(
             "POST", "/update_weights_from_disk", payload, timeout_s=timeout_s, retry=False))
 

@@ -1,4 +1,4 @@
-"""A CPU inference worker that speaks the subset of SGLang 0.5.x's HTTP protocol we use.
+"""A CPU inference worker that speaks the subset of SGLang 0.5.23's HTTP protocol we use.
 
     python -m megatron_m2po.rollout.cpu_worker --model-path DIR --host 127.0.0.1 --port 30000
 
@@ -11,11 +11,13 @@ JSON shapes follow SGLang (see ``client.py`` for the source files they were chec
   stop_token_ids, ignore_eos, sampling_seed}, ``return_logprob``, ``rid``. Returns
   ``{"text", "output_ids", "meta_info": {"id", "finish_reason", "prompt_tokens",
   "completion_tokens", "cached_tokens", "weight_version", "e2e_latency",
-  "output_token_logprobs": [[logprob, token_id, null], ...]}}``. Extension (not SGLang):
-  ``meta_info["output_token_weight_versions"]``, the weight version that sampled each token
-  (a partial rollout that spans an update carries several).
+  "output_token_logprobs": [[logprob, token_id, null], ...]}}`` and, as SGLang 0.5.23
+  (``utils/weight_versions.py`` ``add_weight_versions_to_meta_info``),
+  ``meta_info["weight_versions"]`` = ``[{"version", "start", "end"}, ...]``: the weight version
+  that sampled each run of output tokens (a partial rollout that spans an update has several).
 - ``/health``, ``/health_generate``, ``/get_model_info`` (+ ``/model_info``),
-  ``/get_server_info`` (+ ``/server_info``), ``/get_weight_version``, ``/flush_cache``,
+  ``/get_server_info`` (+ ``/server_info``), ``/flush_cache``, ``/begin_weight_update``,
+  ``/end_weight_update`` (no ``/get_weight_version``: 0.5.23 removed it),
   ``/abort_request``, ``/pause_generation`` {mode: abort | retract | in_place; SGLang's default
   is abort}, ``/continue_generation``, ``/update_weights_from_disk``,
   ``/init_weights_update_group``, ``/update_weights_from_distributed`` (per-tensor broadcasts,
@@ -63,7 +65,7 @@ from megatron_m2po.utils.hf_dir import iter_safetensors
 
 log = logging.getLogger("m2po.cpu_worker")
 
-_VERSION = "0.5.3-m2po-cpu-worker"
+_VERSION = "0.5.23"  # the SGLang version it emulates, in server_info's "version" as SGLang's __version__
 _DEFAULT_GROUP = "weight_update_group"
 _SUPPORTED_SAMPLING = {"max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids",
                        "ignore_eos", "sampling_seed", "skip_special_tokens", "no_stop_trim",
@@ -357,6 +359,14 @@ class Engine:
         if len(input_ids) >= self.context_len:
             raise RequestError(f"The input ({len(input_ids)} tokens) is longer than the model's "
                                f"context length ({self.context_len} tokens).")
+        if params.get("max_new_tokens") is not None and len(input_ids) + int(params["max_new_tokens"]) > self.context_len:
+            # SGLang 0.5.23 managers/tokenizer_manager.py _validate_one_request (no auto-truncate)
+            mnt = int(params["max_new_tokens"])
+            raise RequestError(
+                f"Requested token count exceeds the model's maximum context length of {self.context_len} "
+                f"tokens. You requested a total of {len(input_ids) + mnt} tokens: {len(input_ids)} tokens "
+                f"from the input messages and {mnt} tokens for the completion. Please reduce the number "
+                f"of tokens in the input messages or the completion to fit within the limit.")
         temperature = float(params.get("temperature", 1.0))
         top_p, top_k = float(params.get("top_p", 1.0)), int(params.get("top_k", -1))
         max_new = int(params.get("max_new_tokens", 128))
@@ -383,7 +393,7 @@ class Engine:
         meta = {"id": seq.rid, "finish_reason": seq.finish, "prompt_tokens": len(seq.prompt),
                 "weight_version": self.weight_version, "completion_tokens": len(seq.output),
                 "cached_tokens": 0, "e2e_latency": time.time() - seq.start,
-                "output_token_weight_versions": seq.versions}
+                "weight_versions": _version_spans(seq.versions, self.weight_version)}
         if return_logprob:
             meta["input_token_logprobs"] = []
             meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(seq.logprobs, seq.output)]
@@ -488,6 +498,19 @@ class Engine:
 
 
 # -------------------------------------------------------------------- HTTP layer
+def _version_spans(versions: list[str], current: str) -> list[dict]:
+    """Per-token versions as SGLang 0.5.23's spans (``utils/weight_versions.py``
+    ``compute_weight_version_spans`` + ``add_weight_versions_to_meta_info``): runs of one version
+    ``{"version", "start", "end"}``; no output tokens -> one empty span of the current version."""
+    spans: list[dict] = []
+    for i, v in enumerate(versions):
+        if spans and spans[-1]["version"] == v:
+            spans[-1]["end"] = i + 1
+        else:
+            spans.append({"version": v, "start": i, "end": i + 1})
+    return spans or [{"version": current, "start": 0, "end": 0}]
+
+
 def make_app(engine: Engine):
     from aiohttp import web
 
@@ -500,7 +523,7 @@ def make_app(engine: Engine):
         try:
             data = await request.json()
         except json.JSONDecodeError as e:
-            raise web.HTTPBadRequest(text=f"invalid JSON: {e}")
+            raise web.HTTPBadRequest(text=f"invalid JSON: {e}") from None
         return data or {}
 
     async def generate(request):
@@ -509,6 +532,11 @@ def make_app(engine: Engine):
             return ok({"error": {"message": "stream=True is not supported by the CPU worker"}}, 400)
         if req.get("top_logprobs_num") or req.get("token_ids_logprob"):
             return ok({"error": {"message": "top_logprobs_num / token_ids_logprob are not supported"}}, 400)
+        if req.get("logprob_start_len") not in (None, -1):
+            # SGLang would return teacher-forced prompt log-probs from this position; refuse
+            # rather than answer an empty input_token_logprobs.
+            return ok({"error": {"message": "logprob_start_len (prompt log-probs) is not supported by the "
+                                            "CPU worker"}}, 400)
         ids, text = req.get("input_ids"), req.get("text")
         if ids is None and text is not None:
             if engine.tokenizer is None:
@@ -562,9 +590,6 @@ def make_app(engine: Engine):
                    "quantization": "fp8" if engine.fp8 is not None else None,
                    "version": _VERSION, "engine": "m2po-cpu-worker", "internal_states": [{}]})
 
-    async def get_weight_version(request):
-        return ok({"weight_version": engine.weight_version})
-
     async def flush_cache(request):
         if engine.busy():
             return web.Response(text="Cache not flushed: there are running or waiting requests.\n", status=400)
@@ -593,6 +618,35 @@ def make_app(engine: Engine):
         engine.wake.set()
         return ok({"message": "Generation continued successfully.", "status": "ok"})
 
+    # SGLang 0.5.23 managers/scheduler_components/weight_updater.py: a weight-update session;
+    # distributed updates outside it fail, begin inside one and end outside one fail (HTTP 400).
+    session: dict = {"open": False}
+
+    async def begin_weight_update(request):
+        await body(request)
+        if session["open"]:
+            return ok({"success": False, "message": "a weight-update session is already open; "
+                                                    "call end_weight_update() first"}, 400)
+        session["open"] = True
+        return ok({"success": True, "message": "Success"})
+
+    async def end_weight_update(request):
+        await body(request)
+        if not session["open"]:
+            return ok({"success": False, "message": "no weight-update session is open; "
+                                                    "call begin_weight_update() first"}, 400)
+        session["open"] = False
+        return ok({"success": True, "message": "Success"})
+
+    def flush_after_update(req: dict, success_msg: str):
+        # weight_updater.py flush_cache_after_weight_update: flush_cache defaults to true and a
+        # flush refused because requests run or wait fails the (already applied) update.
+        if req.get("flush_cache", True) and engine.busy():
+            return ok({"success": False, "message": "Weights were updated, but the cache was not flushed because "
+                       "requests are still running or queued. Retract or finish them, then call /flush_cache."},
+                      400)
+        return None
+
     def set_version(v) -> None:
         if v is not None:
             engine.weight_version = str(v)
@@ -612,6 +666,9 @@ def make_app(engine: Engine):
         msg = "Succeeded to update model weights."
         if req.get("weight_version") is not None:
             msg += f" Weight version updated to {req['weight_version']}."
+        refused = flush_after_update(req, msg)
+        if refused is not None:
+            return refused
         return ok({"success": True, "message": msg, "num_paused_requests": 0})
 
     async def init_group(request):
@@ -631,6 +688,9 @@ def make_app(engine: Engine):
 
     async def update_from_distributed(request):
         req = await body(request)
+        if not session["open"]:
+            return ok({"success": False, "message": "update_weights_from_distributed must run between "
+                                                    "begin_weight_update() and end_weight_update()"}, 400)
         if req.get("abort_all_requests"):
             engine.abort(None, True)
         try:
@@ -642,6 +702,9 @@ def make_app(engine: Engine):
         msg = "Succeeded to update parameter online."
         if req.get("weight_version") is not None:
             msg += f" Weight version updated to {req['weight_version']}."
+        refused = flush_after_update(req, msg)
+        if refused is not None:
+            return refused
         return ok({"success": True, "message": msg})
 
     async def slow_down(request):
@@ -681,7 +744,8 @@ def make_app(engine: Engine):
         r.add_get(p, get_model_info)
     for p in ("/get_server_info", "/server_info"):
         r.add_get(p, get_server_info)
-    r.add_get("/get_weight_version", get_weight_version)
+    r.add_post("/begin_weight_update", begin_weight_update)
+    r.add_post("/end_weight_update", end_weight_update)
     r.add_route("*", "/flush_cache", flush_cache)
     r.add_post("/abort_request", abort_request)
     r.add_post("/pause_generation", pause_generation)

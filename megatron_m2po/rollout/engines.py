@@ -33,6 +33,7 @@ import aiohttp
 
 from megatron_m2po.config import RolloutConfig
 from megatron_m2po.rollout.client import EngineError, SGLangClient
+from megatron_m2po.rollout.sglang_version import check_sglang_version
 from megatron_m2po.rollout.launcher import (EngineHandle, EngineSpec, FleetError, Launcher, LocalHandle,
                                             LocalLauncher)
 from megatron_m2po.utils.net import free_port
@@ -130,6 +131,7 @@ class EngineFleet:
                     self.engines.append(_Engine(i, handle.url, handle, spec))
                 for e in self.engines:
                     self._wait_healthy(e)
+                    self._check_version(e)
             except BaseException:
                 self.stop()
                 raise
@@ -228,6 +230,12 @@ class EngineFleet:
         raise FleetError(f"{what} {e.index} ({e.url}) not healthy after {self.startup_timeout_s:.0f}s. "
                          f"Last log lines:\n{tail(e.handle.log_path if e.handle else None)}")
 
+    def _check_version(self, e: _Engine) -> None:
+        try:
+            check_sglang_version(e.url, _run(_get_json(e.url + "/server_info")))
+        except ValueError as ex:
+            raise FleetError(f"engine {e.index}: {ex}") from None
+
     def _validate_external(self) -> None:
         problems = []
         for e in self.engines:
@@ -238,10 +246,10 @@ class EngineFleet:
                 if not _run(_probe(e.url, 5.0)):
                     problems.append(f"{e.url}: /health is not 200 (down or still loading?)")
                     continue
-                info = _run(_get_json(e.url + "/get_model_info"))
+                info = _run(_get_json(e.url + "/model_info"))
                 if not info.get("is_generation", True):
                     problems.append(f"{e.url}: serves a non-generation model ({info.get('model_path')})")
-                _run(_get_json(e.url + "/get_server_info"))
+                check_sglang_version(e.url, _run(_get_json(e.url + "/server_info")))
             except (aiohttp.ClientError, EngineError, asyncio.TimeoutError, ValueError) as ex:
                 problems.append(f"{e.url}: {type(ex).__name__}: {ex}")
         if problems:

@@ -13,8 +13,9 @@ The protocol (four steps, any language; this module is the Python side of it)
    directory (safetensors + config + tokenizer files) with ``m2po_version.json`` =
    ``{"version": v}``; directories appear atomically (written as ``v<N>.tmp``, then renamed)
    and only the newest ``keep_last`` are kept, so load soon after you pick one. Or use engines
-   the trainer updates itself (``rollout.external_addrs``): ``/get_weight_version`` and SGLang's
-   ``meta_info["weight_version"]`` say what they hold. The trainer publishes version ``v``
+   the trainer updates itself (``rollout.external_addrs``): ``/model_info``'s ``weight_version`` and SGLang's
+   ``meta_info["weight_version"]`` (per-token spans in ``meta_info["weight_versions"]``) say
+   what they hold. The trainer publishes version ``v``
    (step 1) only after ``v<v>`` is complete.
 3. **Generate with your own harness.** Keep, for every response token, the behaviour
    log-prob the sampler used (SGLang: ``output_token_logprobs``, i.e. ``log_softmax(logits /
@@ -67,7 +68,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence, Union
 import numpy as np
 
 from megatron_m2po.store.client import StoreClient
-from megatron_m2po.store.types import FINISH_REASONS, Group, Trajectory
+from megatron_m2po.store.types import Group, Trajectory
 
 __all__ = ["ExternalProducer", "WeightsRef", "Completion", "make_group", "latest_weights",
            "slime_samples_to_groups", "SlimeRolloutAdapter"]

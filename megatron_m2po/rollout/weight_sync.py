@@ -7,11 +7,15 @@ gathers tensor/pipeline shards and names them as HF does) or an HF checkpoint di
 - ``DiskWeightSync``: write HF safetensors (+ config/tokenizer files copied from the base model)
   to ``<sync_dir>/v<version>.tmp``, rename to ``v<version>`` (atomic on one filesystem: engines
   never see half a checkpoint), then on every engine: ``/pause_generation`` (in place),
-  ``/update_weights_from_disk {model_path, weight_version}``, ``/continue_generation``.
+  ``/update_weights_from_disk {model_path, weight_version, flush_cache}``, ``/continue_generation``.
+  ``flush_cache`` is true only with ``pause_mode="abort"``: SGLang 0.5.23 fails an update whose
+  flush finds requests running or queued, as they are when paused in place or retracted.
 - ``DistributedWeightSync``: rank 0 of the trainer and every engine rank join one process
   group (SGLang's ``/init_weights_update_group``: trainer rank 0, engine ``i`` at
   ``rank_offset = 1 + sum(tp of engines before it)``). Per push, tensors are packed into
-  buckets of at most ``bucket_mb``; for each bucket every engine gets
+  buckets of at most ``bucket_mb``; inside one ``/begin_weight_update`` ... ``/end_weight_update``
+  session per push (SGLang 0.5.23 refuses distributed updates outside one), for each bucket every
+  engine gets
   ``/update_weights_from_distributed {names, dtypes, shapes, load_format="flattened_bucket"}``
   and the trainer broadcasts one uint8 tensor (the tensors' bytes back to back -- SGLang's
   ``FlattenedTensorBucket`` layout) from rank 0. The last bucket carries ``weight_version``.
@@ -93,6 +97,13 @@ class _Base:
         if bad:
             raise WeightSyncError(f"{what} failed on {len(bad)}/{len(urls)} engine(s):\n  " + "\n  ".join(bad))
         return res
+
+    @property
+    def _may_flush(self) -> bool:
+        """Whether an update may ask SGLang to flush the cache. 0.5.23 fails the update call
+        when the flush finds requests running or queued (weight_updater.py
+        ``flush_cache_after_weight_update``): only a pause that aborts empties the engine."""
+        return self.pause_mode == "abort"
 
     def _pause(self, urls: list[str]) -> None:
         if self.pause_mode:
@@ -201,7 +212,8 @@ class DiskWeightSync(_Base):
         try:
             self._pause(urls)
             self._io.run(self._each(urls, lambda c: c.update_weights_from_disk(
-                path, weight_version=str(version), timeout_s=self.timeout_s), "update_weights_from_disk"))
+                path, weight_version=str(version), flush_cache=self._may_flush, timeout_s=self.timeout_s),
+                "update_weights_from_disk"))
         finally:
             self._continue_quietly(urls)
         self.latest_dir = path
@@ -296,8 +308,14 @@ class DistributedWeightSync(_Base):
         if self._pg is None or self._members != urls:
             self.connect(list(urls))
         nbytes = n = 0
-        self._pause(list(urls))
+        session = False
         try:
+            self._pause(list(urls))  # a failure here (a dead engine) also leaves the group unusable
+            # SGLang 0.5.23 refuses /update_weights_from_distributed outside a
+            # /begin_weight_update ... /end_weight_update session (weight_updater.py).
+            self._io.run(self._each(list(urls), lambda c: c.begin_weight_update(timeout_s=self.timeout_s),
+                                    "begin_weight_update"))
+            session = True
             bucket: list[tuple[str, torch.Tensor]] = []
             size = 0
             it = iter(weights)
@@ -316,8 +334,17 @@ class DistributedWeightSync(_Base):
                 nbytes += _nbytes(t)
                 n += 1
             self._send(bucket, urls, str(version))
+            self._io.run(self._each(list(urls), lambda c: c.end_weight_update(timeout_s=self.timeout_s),
+                                    "end_weight_update"))
+            session = False
         except BaseException:
             self._pg, self._members = None, ()  # a failed collective leaves the group unusable
+            if session:  # close the session on every engine that answers, so the next push can begin
+                try:
+                    self._io.run(self._each(list(urls), lambda c: c.end_weight_update(timeout_s=self.timeout_s),
+                                            "end_weight_update"))
+                except Exception:  # noqa: BLE001 - the original error is the one to report
+                    pass
             raise
         finally:
             self._continue_quietly(list(urls))
@@ -329,7 +356,8 @@ class DistributedWeightSync(_Base):
         shapes = [list(t.shape) for _, t in bucket]
         fut = self._io.submit(self._each(list(urls), lambda c: c.update_weights_from_distributed(
             names, dtypes, shapes, group_name=self._name, weight_version=version,
-            load_format="flattened_bucket", flush_cache=version is not None, timeout_s=self.timeout_s),
+            load_format="flattened_bucket", flush_cache=version is not None and self._may_flush,
+            timeout_s=self.timeout_s),
             "update_weights_from_distributed"))
         flat = torch.cat([t.to(self.device).contiguous().view(-1).view(torch.uint8) for _, t in bucket])
         try:

@@ -16,7 +16,7 @@ from megatron_m2po.rollout.weight_sync import DiskWeightSync, DistributedWeightS
 from rollout_testlib import hf_logprobs
 from waiting import async_wait_until
 
-# One fleet walks through weight versions 1 to 5 and a killed engine, test after test: keep the
+# One fleet walks through weight versions 1 to 5 and killed engines, test after test: keep the
 # file order (pytest-random-order still shuffles this module among the others).
 pytestmark = pytest.mark.random_order(disabled=True)
 
@@ -280,7 +280,7 @@ def test_disk_weight_sync_changes_outputs_and_version(env):
     state.accept(new, 1)
     assert stats.version == 1 and stats.engines == 2 and stats.bytes == sum(t.numel() * 4 for _, t in new)
     for u in fleet.engine_urls:
-        assert call(u, "get_weight_version") == "1"
+        assert call(u, "weight_version") == "1"
     after = run(_gen_all(fleet.url, PROMPTS * 2, {"temperature": 0.9, "max_new_tokens": 16, "ignore_eos": True}))
     check_logprobs(state, PROMPTS * 2, after, 0.9)
     assert all(o.weight_version == "1" for o in after)
@@ -303,7 +303,7 @@ def test_distributed_weight_sync_changes_outputs_and_version(env):
     state.accept(new, 3)
     outs = run(_gen_all(fleet.url, PROMPTS, {"temperature": 0.5, "max_new_tokens": 8, "ignore_eos": True}))
     check_logprobs(state, PROMPTS, outs, 0.5)
-    assert {call(u, "get_weight_version") for u in fleet.engine_urls} == {"3"}
+    assert {call(u, "weight_version") for u in fleet.engine_urls} == {"3"}
 
 
 def test_update_spanning_inflight_request_tags_each_token(env):
@@ -343,7 +343,7 @@ def test_killed_worker_is_restarted_refit_and_reregistered(env):
     victim.handle.proc.wait(10)
     restarted = fleet.check_and_restart()
     assert restarted == [victim.url] and state.refits == [victim.url] and victim.restarts == 1
-    assert call(victim.url, "get_weight_version") == "4"  # refit before registration
+    assert call(victim.url, "weight_version") == "4"  # refit before registration
     workers = call(fleet.url, "request", "GET", "/workers")["workers"]
     assert sorted(w["url"] for w in workers) == sorted(fleet.engine_urls) and all(w["is_healthy"] for w in workers)
     outs = run(_gen_all(victim.url, PROMPTS, {"temperature": 1.0, "max_new_tokens": 8}))
@@ -365,7 +365,114 @@ def test_dead_engine_fails_weight_sync_fast_and_by_name(env):
     with pytest.raises(WeightSyncError, match=victim.url.replace(".", r"\.")):
         holder["disk"].push(iter(state.perturbed(seed=5)), version=5)
     assert fleet.check_and_restart() == [victim.url]
-    assert call(victim.url, "get_weight_version") == "4"
+    assert call(victim.url, "weight_version") == "4"
+
+
+def test_distributed_update_while_paused_in_place_keeps_requests_and_tags_spans(env):
+    """SGLang 0.5.23: the push runs in a begin/end session and asks for no cache flush while
+    paused in place (a flush would fail with requests running); the in-flight request survives
+    and its ``weight_versions`` spans name both versions."""
+    fleet, state, holder = env
+    url = fleet.engine_urls[0]
+    new = state.perturbed(seed=6)
+
+    async def start():
+        c = SGLangClient(url, timeout_s=120)
+        await c.slow_down(0.05)  # 900 steps >= 45 s: longer than the push may take (timeout 20 s)
+        task = asyncio.ensure_future(c.generate(PROMPTS[0], {"max_new_tokens": 900, "ignore_eos": True}))
+        await async_wait_until(lambda: decoding(c, 1), what=f"a request decoding on {url}")
+        return c, task
+
+    loop = asyncio.new_event_loop()
+    try:
+        c, task = loop.run_until_complete(start())
+        holder["dist"].push(iter(new), version=5)  # pauses in place, begin, buckets, end, continues
+        assert loop.run_until_complete(c.weight_version()) == "5"
+        loop.run_until_complete(c.slow_down(None))
+        out = loop.run_until_complete(task)
+        loop.run_until_complete(c.close())
+    finally:
+        loop.close()
+    state.accept(new, 5)
+    v = out.token_weight_versions
+    assert out.finish_type == "length" and len(v) == 900 and v[0] == "4" and v[-1] == "5"
+    assert set(v) == {"4", "5"} and v == sorted(v) and out.weight_version == "5"
+
+
+def test_flush_while_paused_in_place_with_running_requests_fails_the_update(env):
+    """0.5.23 weight_updater.py: an update with flush_cache=true (the default) that finds requests
+    running fails after loading; the client's in-place syncs therefore send flush_cache=false."""
+    fleet, state, holder = env
+    url = fleet.engine_urls[0]
+
+    async def scenario():
+        async with SGLangClient(url, timeout_s=120) as c:
+            await c.slow_down(0.05)
+            task = asyncio.ensure_future(c.generate(PROMPTS[1], {"max_new_tokens": 900, "ignore_eos": True}))
+            await async_wait_until(lambda: decoding(c, 1), what=f"a request decoding on {url}")
+            await c.pause_generation("in_place")
+            with pytest.raises(EngineError) as e:
+                await c.update_weights_from_disk(holder["disk"].latest_dir, weight_version="5")
+            ok = await c.update_weights_from_disk(holder["disk"].latest_dir, weight_version="5", flush_cache=False)
+            await c.continue_generation()
+            await c.slow_down(None)
+            return e.value, ok, await task
+    err, ok, out = run(scenario())
+    assert err.status == 400 and "cache was not flushed" in str(err) and ok["success"]
+    assert out.finish_type == "length" and len(out.output_ids) == 900
+
+
+def test_distributed_update_outside_a_session_is_refused(env):
+    fleet, _, _ = env
+    url = fleet.engine_urls[0]
+
+    async def scenario():
+        async with SGLangClient(url) as c:
+            with pytest.raises(EngineError) as outside:
+                await c.update_weights_from_distributed(["x"], ["float32"], [[1]], weight_version="9")
+            with pytest.raises(EngineError) as end_first:
+                await c.end_weight_update()
+            await c.begin_weight_update()
+            with pytest.raises(EngineError) as twice:
+                await c.begin_weight_update()
+            await c.end_weight_update()
+            return outside.value, end_first.value, twice.value, await c.weight_version()
+    outside, end_first, twice, version = run(scenario())
+    assert outside.status == 400 and "between begin_weight_update() and end_weight_update()" in str(outside)
+    assert end_first.status == 400 and "no weight-update session is open" in str(end_first)
+    assert twice.status == 400 and "already open" in str(twice)
+    assert version == "5"  # the refused update changed nothing
+
+
+def test_context_overflow_is_a_400_naming_prompt_length_and_limit(env):
+    fleet, _, _ = env
+    info = call(fleet.engine_urls[0], "get_server_info")
+    limit = int(info["context_length"])
+    assert info["version"] == "0.5.23"
+    with pytest.raises(EngineError) as e:
+        call(fleet.url, "generate", PROMPTS[0], {"max_new_tokens": limit})
+    msg = str(e.value)
+    assert e.value.status == 400 and f"maximum context length of {limit} tokens" in msg
+    assert f"{len(PROMPTS[0])} tokens from the input messages" in msg and f"{limit} tokens for the completion" in msg
+
+
+def test_unsupported_request_fields_are_a_clear_400(env):
+    fleet, _, _ = env
+    url = fleet.engine_urls[0]
+    for body, what in [({"stream": True}, "stream"), ({"logprob_start_len": 0}, "logprob_start_len"),
+                       ({"sampling_params": {"custom_params": {"a": 1}}}, "custom_params"),
+                       ({"sampling_params": {"frequency_penalty": 0.5}}, "frequency_penalty")]:
+        payload = {"input_ids": PROMPTS[0], "sampling_params": {"max_new_tokens": 2}, **body}
+        with pytest.raises(EngineError) as e:
+            call(url, "request", "POST", "/generate", payload)
+        assert e.value.status == 400 and what in str(e.value), (body, str(e.value))
+
+
+def test_get_weight_version_route_is_gone(env):
+    fleet, _, _ = env
+    with pytest.raises(EngineError) as e:
+        call(fleet.engine_urls[0], "request", "GET", "/get_weight_version")
+    assert e.value.status == 404
 
 
 def test_external_engines_are_validated_by_address(env, tmp_path):
@@ -398,3 +505,52 @@ def test_engine_that_fails_to_start_reports_its_log(tmp_path):
         fleet.start()
     assert "exited during start-up" in str(e.value) and "not an HF model directory" in str(e.value)
     assert (tmp_path / "engines" / "engine_0.log").exists()
+
+
+def test_engine_of_another_sglang_version_is_refused_at_start(tmp_path):
+    """EngineFleet.start reads each engine's /server_info version and names found and supported."""
+    from aiohttp import web
+    from megatron_m2po.rollout.engines import FleetError
+    from megatron_m2po.rollout.sglang_version import SUPPORTED_SGLANG
+    from megatron_m2po.utils.dist_testing import free_port
+
+    app = web.Application()
+    app.router.add_get("/health", lambda r: web.Response(status=200))
+    app.router.add_get("/model_info", lambda r: web.json_response({"is_generation": True, "weight_version": "0"}))
+    app.router.add_get("/server_info", lambda r: web.json_response({"version": "0.5.6"}))
+    port = free_port()
+    loop = asyncio.new_event_loop()
+    runner = web.AppRunner(app)
+    loop.run_until_complete(runner.setup())
+    loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", port).start())
+    import threading
+    t = threading.Thread(target=loop.run_forever, daemon=True)
+    t.start()
+    try:
+        cfg = RolloutConfig(launcher="external", use_router=False, external_addrs=[f"http://127.0.0.1:{port}"])
+        with pytest.raises(FleetError) as e:
+            EngineFleet(cfg, "unused", run_dir=str(tmp_path)).start()
+    finally:
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        t.join(10)
+    assert "'0.5.6'" in str(e.value) and f"SGLang {SUPPORTED_SGLANG} only" in str(e.value)
+
+
+def test_supported_sglang_is_the_docker_pin():
+    from pathlib import Path
+    from megatron_m2po.rollout.sglang_version import SUPPORTED_SGLANG
+    install = (Path(__file__).resolve().parents[2] / "docker" / "install.sh").read_text()
+    assert f'SGLANG_REQS=("sglang=={SUPPORTED_SGLANG}")' in install
+
+
+def test_weight_version_spans_expand_per_token():
+    from megatron_m2po.rollout.client import GenerateOutput
+    meta = {"weight_version": "5", "weight_versions": [{"version": "4", "start": 0, "end": 3},
+                                                       {"version": "5", "start": 3, "end": 5}]}
+    out = GenerateOutput.from_json({"output_ids": [1, 2, 3, 4, 5], "meta_info": meta})
+    assert out.token_weight_versions == ["4", "4", "4", "5", "5"]
+    lists = GenerateOutput.from_json({"output_ids": [1, 2], "meta_info": {"weight_version": "1",
+                                                                           "weight_versions": [["1", 0, 2]]}})
+    assert lists.token_weight_versions == ["1", "1"]
+    assert GenerateOutput.from_json({"output_ids": [1], "meta_info": {"weight_version": "1"}}).token_weight_versions is None

@@ -41,7 +41,7 @@ def _versions(urls):
         out = []
         for u in urls:
             async with SGLangClient(u) as c:
-                out.append(await c.get_weight_version())
+                out.append(await c.weight_version())
         return out
     return asyncio.run(go())
 
