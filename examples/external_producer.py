@@ -2,14 +2,14 @@
 """An external rollout producer: ask the trainer for its weight version, load those weights,
 generate with our own harness, score, and push version-tagged groups to the store.
 
-    export M2PO_STORE_TOKEN=...   # the store's ingestion token
+    export M2PO_STORE_TOKEN=...   # the store's producer token (push groups, read the version; it cannot set it)
     python examples/external_producer.py --store-url http://127.0.0.1:8765 \\
         --weights-dir runs/x/weights --base-model models/base --rounds 10
 
 Against a trainer started with ``rollout.source=external`` (or ``m2po store serve``). Each
 round: ``GET /v1/version`` -> newest ``<weights-dir>/v<N>`` with ``N <= version`` (the base
 model is version 0) -> sample ``--n-samples`` responses for each of ``--prompts-per-round``
-synthetic arithmetic prompts -> math reward (last ``\\boxed{}``, DESIGN §3) -> one group per
+synthetic arithmetic prompts -> math reward (last ``\\boxed{}``, docs/design.md §3) -> one group per
 prompt, every token tagged with ``N`` and its sampling log-prob -> ``POST /v1/groups``.
 
 Generation: an HF model on this machine (default; reloaded when a newer version appears), or
@@ -46,13 +46,14 @@ class HFSampler:
         self.model = None
         self.gen = torch.Generator().manual_seed(seed)
 
-    def load(self, ref: WeightsRef) -> None:
+    def load(self, producer: ExternalProducer, version: int) -> None:
+        """The newest weights at or below ``version`` (re-resolved if the trainer prunes them meanwhile)."""
         from transformers import AutoModelForCausalLM
-        if self.ref == ref:
+        if self.ref is not None and self.ref == producer.weights_for(version):
             return
-        self.model = AutoModelForCausalLM.from_pretrained(ref.path, dtype=torch.float32).eval()
-        self.ref = ref
-        log.info("loaded weights version %d from %s", ref.version, ref.path)
+        self.model, self.ref = producer.load_weights(
+            version, lambda path: AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval())
+        log.info("loaded weights version %d from %s", self.ref.version, self.ref.path)
 
     @torch.no_grad()
     def sample(self, prompt_ids: list[int], n: int, *, max_new_tokens: int, temperature: float,
@@ -130,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
             version = producer.current_version()
             prompts = data.next_prompts(args.prompts_per_round)
             if sampler is not None:
-                sampler.load(producer.weights_for(version))
+                sampler.load(producer, version)
                 wv, wdir = sampler.ref.version, sampler.ref.path
                 outs = [[(*o, wv) for o in sampler.sample(item.prompt_ids, args.n_samples,
                                                           max_new_tokens=args.max_new_tokens,

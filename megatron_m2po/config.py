@@ -113,7 +113,7 @@ class ParallelConfig:
 
 @dataclass
 class AlgoConfig:
-    """Policy loss and advantage estimation (DESIGN §3).
+    """Policy loss and advantage estimation (docs/design.md §3).
 
     ``loss`` names an entry of the loss registry (``algo/losses.py``); a loss's own settings live
     in its section (``algo.m2po.*``, ``algo.grpo.*``, ``algo.gspo.*``, ``algo.cispo.*``), or, for a
@@ -234,7 +234,7 @@ class DataConfig:
 
 @dataclass
 class RewardConfig:
-    """Reward function (DESIGN §3, paper appendix B)."""
+    """Reward function (docs/design.md §3, paper appendix B)."""
 
     fn: str = _f("math", help="'math' (math-verify) or a custom 'module:function'.")
     correct: float = _f(1.0, help="Reward of a verified-correct final answer.")
@@ -246,7 +246,7 @@ class RewardConfig:
 
 @dataclass
 class TrainerConfig:
-    """The training loop (DESIGN §3)."""
+    """The training loop (docs/design.md §3)."""
 
     mode: Literal["sync", "stale_k", "async"] = _f("stale_k", help="sync (on-policy), stale_k (controlled staleness), async (bounded lag).")
     stale_k: int = _f(0, ge=0, help="Staleness k of stale_k mode (updates between generation and first use).")

@@ -1,7 +1,7 @@
 """``m2po experiment staleness CONFIG`` — the paper's staleness comparison on one config.
 
 Four arms, identical in everything (config, seed, prompts, base model) except the loss and the
-staleness ``k`` of ``trainer.mode=stale_k`` (DESIGN §3):
+staleness ``k`` of ``trainer.mode=stale_k`` (docs/design.md §3):
 
 =============  ============  ===========================================================
 arm            loss          staleness

@@ -1,4 +1,4 @@
-"""The package's layering (DESIGN §2), checked on the source: no import cycles, and
+"""The package's layering (docs/design.md §2), checked on the source: no import cycles, and
 
     algo/, parallel/          at the bottom: nothing from actor/ rollout/ trainer/ store/
     actor/ (Megatron) | rollout/   side by side: neither imports the other

@@ -8,7 +8,7 @@ Megatron's own schedules (``get_forward_backward_func``); the last stage turns f
 states of *response rows only* into log-probs with the vocab-parallel fused kernel
 (``parallel/logprobs.py``), so ``[tokens, vocab]`` logits never exist.
 
-One optimizer update (``_update``), DESIGN §3:
+One optimizer update (``_update``), docs/design.md §3:
 
 1. Pre-pass (``_mask_prepass``), only when the loss spec says ``needs_global_mask_prepass``
    (M2PO with ``algo.m2po.scope=global``): a forward-only pass at the current weights gives

@@ -1,4 +1,4 @@
-"""GRPO advantages: group-normalised outcome rewards (DESIGN §3, "Advantages").
+"""GRPO advantages: group-normalised outcome rewards (docs/design.md §3, "Advantages").
 
 ``A_i = (R_i - mean_g) / (std_g + eps)`` over the samples of one prompt (group ``g``), with the
 sample standard deviation (``ddof=1``, as ``torch.std`` in the released M2PO/verl code).

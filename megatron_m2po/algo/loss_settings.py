@@ -22,7 +22,7 @@ def _f(default: Any, *, help: str, ge: float | None = None, gt: float | None = N
 
 @dataclass
 class M2POConfig:
-    """Settings of ``algo.loss=m2po`` (paper Algorithm 1; DESIGN §3)."""
+    """Settings of ``algo.loss=m2po`` (paper Algorithm 1; docs/design.md §3)."""
 
     threshold: float = _f(0.04, ge=0.0, help="M2PO budget tau on the mean of (log r)^2 over trust-region tokens.")
     rule: Literal["remove", "cap"] = _f("remove", help="'remove' = paper Algorithm 1; 'cap' = the released code's rule.")

@@ -1,4 +1,4 @@
-"""Policy losses: a registry of pure tensor functions (DESIGN §3, "M2PO" and "Baselines").
+"""Policy losses: a registry of pure tensor functions (docs/design.md §3, "M2PO" and "Baselines").
 
 Every loss is token-level over the 1-D tokens of one micro-batch:
 

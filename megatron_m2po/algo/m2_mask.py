@@ -1,6 +1,6 @@
 """The M2PO token mask (arXiv 2510.01161): paper Algorithm 1 and the released code's cap rule.
 
-Mapping to the paper (DESIGN §3):
+Mapping to the paper (docs/design.md §3):
 
 * ``delta_i = logp_theta_i - logp_behav_i`` is upcast to float64 and clamped to [-20, 20]
   (squares of float32 numbers are exact in float64, so v = delta^2 introduces no rounding and no

@@ -9,7 +9,7 @@ Trainer-facing API (contracts in :mod:`megatron_m2po.data.dataset`)::
     ds.state_dict() / ds.load_state_dict(state)              # saved with checkpoints
     build_eval_sets(cfg.data, tokenizer, seed) -> {name: list[PromptItem]}
 
-Templates: :data:`PAPER_TEMPLATE` (DESIGN §3), "chat", "raw", "synthetic"
+Templates: :data:`PAPER_TEMPLATE` (docs/design.md §3), "chat", "raw", "synthetic"
 (:mod:`megatron_m2po.data.templates`); the synthetic task's canonical response format is
 :func:`synthetic_response` (prompt ``"3+14-2="``, response ``"\\boxed{15}"``).
 """

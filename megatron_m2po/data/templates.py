@@ -1,4 +1,4 @@
-"""Prompt templates (DESIGN §3) and prompt tokenization.
+"""Prompt templates (docs/design.md §3) and prompt tokenization.
 
 Templates (``DataConfig.template``):
 

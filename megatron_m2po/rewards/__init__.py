@@ -1,5 +1,5 @@
 """Rewards: math-verify scoring of the last ``\\boxed{}`` answer, custom reward functions by
-dotted path, and a process pool with per-call timeouts (DESIGN §3, paper appendix B).
+dotted path, and a process pool with per-call timeouts (docs/design.md §3, paper appendix B).
 
 Trainer-facing API (see :mod:`megatron_m2po.rewards.registry` for the full contract)::
 

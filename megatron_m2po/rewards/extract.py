@@ -2,7 +2,7 @@
 
 Pure string code, no math-verify import, so the trainer and tests can call it anywhere.
 
-Rules (DESIGN §3: "the last \\boxed{} answer"):
+Rules (docs/design.md §3: "the last \\boxed{} answer"):
 
 - ``\\boxed{...}`` and ``\\fbox{...}`` count; braces nest (``\\boxed{\\frac{1}{2}}`` gives
   ``\\frac{1}{2}``) and escaped braces ``\\{ \\}`` inside do not close the box.

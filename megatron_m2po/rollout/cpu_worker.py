@@ -32,7 +32,7 @@ Log-probs (matches SGLang's sampler): the returned log-prob of a sampled token i
 top-k truncation (SGLang computes ``log(probs)`` from the same tensor it then truncates for
 sampling). With ``temperature == 0`` (greedy) it is ``log_softmax(logits)``. With top_p < 1 the
 sampled distribution is the truncated, renormalised one, so the returned value is not its
-log-prob; the trainer recomputes with the same convention (DESIGN: temperature divides logits).
+log-prob; the trainer recomputes with the same convention (docs/design.md §3, "Log-prob convention").
 
 Scheduling: continuous batching. New requests are prefilled as a left-padded batch and merged
 into the running batch's KV cache; every step decodes one token for each running sequence;

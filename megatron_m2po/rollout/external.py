@@ -28,8 +28,12 @@ The protocol (four steps, any language; this module is the Python side of it)
    of :class:`~megatron_m2po.store.types.Trajectory` records (prompt ids, response ids,
    behaviour log-probs, per-token versions, reward, loss mask, finish reason). ``POST
    /v1/groups`` with ``Authorization: Bearer <token>`` (``StoreClient.put_groups``); the
-   server validates every field, refuses versions ahead of the trainer's (400), and is
-   idempotent by group id, so resending after a lost answer is safe. The trainer consumes
+   server validates every field, refuses versions ahead of the trainer's (400; before the
+   trainer published a version only version 0 exists), refuses sizes over its limits (400
+   naming the field, the value and the limit; the client never retries a 4xx), and is
+   idempotent by group id, so resending after a lost answer is safe (a duplicate even when
+   the store is full). The token is a *producer* credential: ``POST /v1/version`` needs the
+   trainer's token (403 otherwise). The trainer consumes
    them under ``store.max_staleness`` (bounded lag: ``trainer.mode=async``).
 
 Python API
@@ -59,11 +63,12 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
+import logging
 import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, Optional, Sequence, TypeVar, Union
 
 import numpy as np
 
@@ -74,6 +79,8 @@ __all__ = ["ExternalProducer", "WeightsRef", "Completion", "make_group", "latest
            "slime_samples_to_groups", "SlimeRolloutAdapter"]
 
 _VDIR = re.compile(r"^v(\d+)$")
+log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 # --------------------------------------------------------------------------- weights
@@ -186,6 +193,20 @@ class ExternalProducer:
                              "and no base_model_path: pass base_model_path (the model at version 0) or point "
                              "weights_dir at the trainer's rollout.weight_sync_dir")
         return WeightsRef(str(self.base_model_path), 0)
+
+    def load_weights(self, version: int, loader: Callable[[str], T], *, attempts: int = 5) -> tuple[T, WeightsRef]:
+        """``loader(path)`` on the newest weights at or below ``version``, again on newer ones if
+        the trainer prunes the chosen directory while it is being read (it keeps only the last
+        few ``v<N>``); returns what the loader returned and the weights it read."""
+        for attempt in range(attempts):
+            ref = self.weights_for(version)
+            try:
+                return loader(ref.path), ref
+            except (OSError, ValueError):
+                if Path(ref.path).is_dir() or attempt == attempts - 1:
+                    raise  # not a pruned directory: a real error
+                log.info("weights %s were pruned while loading; taking the newest again", ref.path)
+        raise AssertionError("unreachable")
 
     def push(self, groups: Iterable[Group]) -> dict:
         """Validate locally against the trainer's version, then POST; returns the server's answer."""

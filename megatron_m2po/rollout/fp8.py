@@ -21,7 +21,7 @@ rounds the weights onto the grid of the exported scales (amax = 448 * weight_sca
 in float32 (W8A16: SGLang's weight-only Marlin FP8 path; on FP8 GPUs SGLang also quantises
 activations dynamically, which adds to the mismatch below).
 
-Training with FP8 rollouts (DESIGN §3). The engine's log-probs then come from the quantised
+Training with FP8 rollouts (docs/design.md §3). The engine's log-probs then come from the quantised
 model, the trainer's from full precision: set ``rollout.fp8_weights=true`` together with
 ``algo.recompute_behav_logprobs=true`` (the trainer recomputes behaviour log-probs in full
 precision at generation time and logs ``mismatch/train_vs_engine_kl``) and ``algo.tis=true``

@@ -1,4 +1,4 @@
-"""Staleness-tagged, durable rollout store (DESIGN §3).
+"""Staleness-tagged, durable rollout store (docs/design.md §3).
 
 * :mod:`.types` — :class:`Trajectory` / :class:`Group` records (per-token weight versions).
 * :mod:`.store` — :class:`RolloutStore`: the API and state machine; consumption policies

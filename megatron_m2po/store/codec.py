@@ -65,6 +65,43 @@ class PayloadError(ValueError):
     """A request body cannot be decoded into groups; the message names the field."""
 
 
+# Limits checked against *declared* sizes before anything is allocated (issue 17).
+MAX_GROUPS_PER_REQUEST = 4096
+MAX_TRAJECTORIES_PER_GROUP = 4096
+MAX_TOKENS_PER_ARRAY = 1 << 21          # prompt or response tokens of one trajectory
+MAX_VERSION = (1 << 63) - 1
+MAX_METADATA_DEPTH = 16
+MAX_METADATA_BYTES = 64 * 1024
+
+
+def check_metadata(where: str, md: Any) -> dict:
+    """metadata must be a JSON object nested at most MAX_METADATA_DEPTH deep, at most MAX_METADATA_BYTES."""
+    if not isinstance(md, dict):
+        raise PayloadError(f"{where}.metadata must be an object, got {type(md).__name__}")
+    stack = [(md, 1)]
+    while stack:
+        x, d = stack.pop()
+        if d > MAX_METADATA_DEPTH:
+            raise PayloadError(f"{where}.metadata is nested deeper than the limit of {MAX_METADATA_DEPTH} levels")
+        if isinstance(x, dict):
+            stack.extend((v, d + 1) for v in x.values())
+        elif isinstance(x, list):
+            stack.extend((v, d + 1) for v in x)
+    try:
+        n = len(json.dumps(md, allow_nan=False))
+    except (TypeError, ValueError) as e:
+        raise PayloadError(f"{where}.metadata is not JSON with finite numbers: {e}") from None
+    if n > MAX_METADATA_BYTES:
+        raise PayloadError(f"{where}.metadata is {n} bytes of JSON, over the limit of {MAX_METADATA_BYTES} bytes")
+    return md
+
+
+def _check_len(where: str, n: int) -> int:
+    if n > MAX_TOKENS_PER_ARRAY:
+        raise PayloadError(f"{where} declares {n} tokens, over the limit of {MAX_TOKENS_PER_ARRAY}")
+    return n
+
+
 # ----------------------------------------------------------------------------- versions (RLE)
 
 def rle_encode(versions: np.ndarray) -> np.ndarray:
@@ -77,10 +114,17 @@ def rle_encode(versions: np.ndarray) -> np.ndarray:
     return np.stack([v[starts], counts], axis=1).astype(np.int64)
 
 
-def rle_decode(runs: np.ndarray) -> np.ndarray:
+def rle_decode(runs: np.ndarray, expected: Optional[int] = None, where: str = "versions") -> np.ndarray:
+    """Expand (version, count) runs; with ``expected`` the counts must sum to it (checked first)."""
     runs = np.asarray(runs, dtype=np.int64).reshape(-1, 2)
     if (runs[:, 1] < 0).any():
-        raise PayloadError(f"version runs have a negative count: {runs.tolist()}")
+        raise PayloadError(f"{where}: version runs have a negative count: {runs[runs[:, 1] < 0][0].tolist()}")
+    total = sum(int(c) for c in runs[:, 1])  # Python ints: no int64 wrap-around
+    if expected is not None and total != expected:
+        raise PayloadError(f"{where}: runs cover {total} tokens, but the response has {expected} "
+                           "(runs are checked before they are expanded)")
+    if total > MAX_TOKENS_PER_ARRAY:
+        raise PayloadError(f"{where}: runs cover {total} tokens, over the limit of {MAX_TOKENS_PER_ARRAY}")
     return np.repeat(runs[:, 0], runs[:, 1])
 
 
@@ -93,9 +137,12 @@ def _reject_constant(name: str) -> Any:
 def _int_list(where: str, x: Any) -> np.ndarray:
     if not isinstance(x, list):
         raise PayloadError(f"{where} must be a list of integers, got {type(x).__name__}")
+    _check_len(where, len(x))
     for i, e in enumerate(x):
         if isinstance(e, bool) or not isinstance(e, int):
-            raise PayloadError(f"{where}[{i}]={e!r} is not an integer")
+            raise PayloadError(f"{where}[{i}]={_short(e)} is not an integer")
+        if not -(1 << 63) <= e < (1 << 63):
+            raise PayloadError(f"{where}[{i}]={_short(e)} is out of the int64 range")
     try:
         return np.asarray(x, dtype=np.int64)
     except OverflowError:
@@ -105,9 +152,12 @@ def _int_list(where: str, x: Any) -> np.ndarray:
 def _float_list(where: str, x: Any) -> np.ndarray:
     if not isinstance(x, list):
         raise PayloadError(f"{where} must be a list of numbers, got {type(x).__name__}")
+    _check_len(where, len(x))
     for i, e in enumerate(x):
         if isinstance(e, bool) or not isinstance(e, (int, float)):
             raise PayloadError(f"{where}[{i}]={e!r} is not a number")
+        if isinstance(e, int) and abs(e) > 1 << 128:
+            raise PayloadError(f"{where}[{i}]={_short(e)} is out of the float range")
     return np.asarray(x, dtype=np.float32)
 
 
@@ -123,9 +173,16 @@ def _str_field(where: str, x: Any) -> str:
     return x
 
 
+def _short(x: Any) -> str:
+    r = repr(x) if not isinstance(x, int) or x.bit_length() < 200 else f"an integer of {x.bit_length()} bits"
+    return r if len(r) <= 80 else r[:77] + "..."
+
+
 def _reward(where: str, x: Any) -> Optional[float]:
     if x is None:
         return None
+    if isinstance(x, int) and not isinstance(x, bool) and abs(x) > 1 << 128:
+        raise PayloadError(f"{where}={_short(x)} must be a finite number or null (out of the float range)")
     if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x):
         raise PayloadError(f"{where}={x!r} must be a finite number or null")
     return float(x)
@@ -133,6 +190,8 @@ def _reward(where: str, x: Any) -> Optional[float]:
 
 def _versions_from_json(where: str, x: Any, n: int) -> np.ndarray:
     if isinstance(x, int) and not isinstance(x, bool):
+        if not 0 <= x <= MAX_VERSION:
+            raise PayloadError(f"{where}={_short(x)} is outside [0, {MAX_VERSION}]")
         return np.full(n, x, dtype=np.int64)
     if isinstance(x, dict):
         if set(x) != {"runs"}:
@@ -140,8 +199,10 @@ def _versions_from_json(where: str, x: Any, n: int) -> np.ndarray:
         runs = x["runs"]
         if not isinstance(runs, list) or not all(isinstance(r, list) and len(r) == 2 for r in runs):
             raise PayloadError(f"{where}.runs must be a list of [version, count] pairs")
+        if len(runs) > n:
+            raise PayloadError(f"{where}.runs has {len(runs)} runs for {n} response tokens")
         flat = _int_list(f"{where}.runs", [e for r in runs for e in r])
-        return rle_decode(flat.reshape(-1, 2))
+        return rle_decode(flat.reshape(-1, 2), n, where)
     return _int_list(where, x)
 
 
@@ -167,9 +228,7 @@ def traj_from_dict(d: Any, group_id: str, where: str) -> Trajectory:
     fr = d.get("finish_reason", "stop")
     if not isinstance(fr, str):
         raise PayloadError(f"{w}.finish_reason must be a string, got {fr!r}")
-    md = d.get("metadata", {})
-    if not isinstance(md, dict):
-        raise PayloadError(f"{w}.metadata must be an object, got {type(md).__name__}")
+    md = check_metadata(w, d.get("metadata", {}))
     return Trajectory(
         uid=uid, group_id=gid,
         prompt_ids=_check_int32(f"{w}.prompt_ids", _int_list(f"{w}.prompt_ids", d["prompt_ids"])),
@@ -192,6 +251,8 @@ def _groups_list(doc: Any) -> list:
     gl = doc["groups"]
     if not isinstance(gl, list) or not gl:
         raise PayloadError("'groups' must be a non-empty list")
+    if len(gl) > MAX_GROUPS_PER_REQUEST:
+        raise PayloadError(f"'groups' has {len(gl)} groups, over the limit of {MAX_GROUPS_PER_REQUEST} per request")
     return gl
 
 
@@ -205,6 +266,9 @@ def _group_header(i: int, g: Any) -> tuple[str, list]:
     tl = g.get("trajectories")
     if not isinstance(tl, list) or not tl:
         raise PayloadError(f"group {gid!r}: 'trajectories' must be a non-empty list")
+    if len(tl) > MAX_TRAJECTORIES_PER_GROUP:
+        raise PayloadError(f"group {gid!r}: 'trajectories' has {len(tl)} entries, over the limit of "
+                           f"{MAX_TRAJECTORIES_PER_GROUP} per group")
     return gid, tl
 
 
@@ -305,6 +369,10 @@ def decode_binary(body: bytes) -> list[Group]:
             uid = _str_field(f"{where}.uid", t.get("uid"))
             where = f"trajectory {uid!r}"
             npr, nr, nrun = (_count(where, t, k) for k in ("n_prompt", "n_response", "n_runs"))
+            _check_len(f"{where}.n_prompt", npr)
+            _check_len(f"{where}.n_response", nr)
+            if nrun > max(nr, 1):
+                raise PayloadError(f"{where}.n_runs={nrun} exceeds n_response={nr}")
             sizes = [("prompt_ids", "<i4", npr), ("response_ids", "<i4", nr), ("behav_logprobs", "<f4", nr),
                      ("versions", "<i8", 2 * nrun)]
             if t.get("has_loss_mask", False):
@@ -320,15 +388,12 @@ def decode_binary(body: bytes) -> list[Group]:
                 arrs[name] = np.frombuffer(mv[off:off + nb], dtype=dt).copy()
                 off += nb
             runs = arrs.pop("versions").reshape(-1, 2)
-            versions = rle_decode(runs)
-            if versions.size != nr:
-                raise PayloadError(f"{where}.versions: runs cover {versions.size} tokens, n_response={nr}")
+            versions = rle_decode(runs, nr, f"{where}.versions")
             fr = t.get("finish_reason", "stop")
             md = t.get("metadata", {})
             if not isinstance(fr, str):
                 raise PayloadError(f"{where}.finish_reason must be a string, got {fr!r}")
-            if not isinstance(md, dict):
-                raise PayloadError(f"{where}.metadata must be an object")
+            check_metadata(where, md)
             trajs.append(Trajectory(
                 uid=uid, group_id=gid, prompt_ids=_check_int32(f"{where}.prompt_ids", arrs["prompt_ids"]),
                 response_ids=_check_int32(f"{where}.response_ids", arrs["response_ids"]),

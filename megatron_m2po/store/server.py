@@ -1,6 +1,11 @@
 """HTTP ingestion service for external rollout producers (``m2po store serve``).
 
-Endpoints (all but ``/health`` need ``Authorization: Bearer <token>``):
+Endpoints (all but ``/health`` need ``Authorization: Bearer <token>``). Two roles: the
+*producer* token pushes groups and reads the version and stats; the *trainer* token may do
+everything, and only it may ``POST /v1/version`` (a producer token gets 403). ``m2po store
+serve --producer-token-file F --trainer-token-file G`` (or ``$M2PO_STORE_TOKEN`` /
+``$M2PO_STORE_TRAINER_TOKEN``); without a trainer token one token serves both roles and the
+server says so at start-up:
 
 =======================  ==================================================================
 ``GET  /health``         ``{"status": "ok"}`` — liveness, no auth, no data.
@@ -14,7 +19,10 @@ Endpoints (all but ``/health`` need ``Authorization: Bearer <token>``):
 =======================  ==================================================================
 
 Errors are JSON ``{"error": message}`` naming the offending field: 400 malformed payload or
-invalid trajectory (NaN, wrong lengths, versions ahead of the trainer's, wrong types), 401
+invalid trajectory (NaN, wrong lengths, versions ahead of the trainer's — before the trainer
+published a version only version 0 is accepted —, wrong types, sizes over the limits of
+:mod:`.codec`: groups per request, trajectories per group, tokens per array, metadata depth
+and size; declared sizes are checked before anything is allocated), 401
 missing / wrong token, 409 a known id with different content, 413 body over the size limit,
 415 unknown content type, 429 store at capacity (with ``Retry-After``), 500 anything else.
 A request that fails stores nothing.
@@ -68,18 +76,57 @@ def _err(status: int, msg: str, **headers: str) -> web.Response:
     return web.json_response({"error": msg}, status=status, headers=headers or None)
 
 
-def build_app(store: RolloutStore, *, token: Optional[str], max_request_bytes: int) -> web.Application:
-    """The aiohttp application; store calls run on one worker thread (SQLite is blocking)."""
+TRAINER_ROUTES = {("POST", "/v1/version")}
+
+
+def build_app(store: RolloutStore, *, token: Optional[str], max_request_bytes: int,
+              trainer_token: Optional[str] = None, body_timeout_s: float = 60.0) -> web.Application:
+    """The aiohttp application; store calls run on one worker thread (SQLite is blocking).
+
+    Roles: ``token`` is the *producer* credential (push groups, read the version, stats);
+    ``trainer_token`` the *trainer* credential (everything, including ``POST /v1/version``).
+    Without ``trainer_token`` there is no role separation: ``token`` serves both roles."""
+    if trainer_token is not None and token is not None and hmac.compare_digest(trainer_token.encode(), token.encode()):
+        raise ValueError("the trainer token equals the producer token: role separation needs two different tokens")
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="store-db")
+    # Control routes (the version) are answered on their own thread and read-only connection, so a
+    # large push being decoded or written never delays them (WAL readers do not wait for the writer).
+    control = ThreadPoolExecutor(max_workers=1, thread_name_prefix="store-control")
+    control_conn: list = []
+
+    def read_version() -> Optional[int]:
+        from megatron_m2po.store import sqlite as db
+        if not control_conn:
+            try:
+                control_conn.append(db.connect(store.path, readonly=True))
+            except Exception:  # e.g. an in-memory store: fall back to the store's own handle
+                control_conn.append(None)
+        c = control_conn[0]
+        if c is None:
+            return store.current_version
+        v = db.get_meta(c, "current_version")
+        return None if v is None else int(v)
 
     async def in_pool(fn: Callable, *a, **kw):
         return await asyncio.get_running_loop().run_in_executor(pool, lambda: fn(*a, **kw))
+
+    def _matches(got: str, want: Optional[str]) -> bool:
+        try:  # header parsing never 5xx: undecodable bytes are a wrong token
+            return want is not None and got.startswith("Bearer ") and hmac.compare_digest(
+                got[7:].strip().encode("utf-8", "surrogateescape"), want.encode())
+        except (UnicodeError, ValueError, TypeError):
+            return False
 
     @web.middleware
     async def auth(request: web.Request, handler):
         if token is not None and request.path != "/health":
             got = request.headers.get("Authorization", "")
-            if not got.startswith("Bearer ") or not hmac.compare_digest(got[7:].strip().encode(), token.encode()):
+            is_trainer = _matches(got, trainer_token)
+            ok = is_trainer or _matches(got, token)
+            if ok and trainer_token is not None and not is_trainer and (request.method, request.path) in TRAINER_ROUTES:
+                return _err(403, f"{request.method} {request.path} needs the trainer token; this is a producer "
+                                 "token (producers push groups and read the version)")
+            if not ok:
                 return _err(401, "missing or wrong bearer token (send 'Authorization: Bearer <token>')",
                             **{"WWW-Authenticate": "Bearer"})
         return await handler(request)
@@ -93,20 +140,26 @@ def build_app(store: RolloutStore, *, token: Optional[str], max_request_bytes: i
             return _err(413, f"request body of {request.content_length} bytes exceeds the limit of "
                              f"{max_request_bytes} bytes; send smaller batches")
         try:
-            body = await request.read()
+            body = await asyncio.wait_for(request.read(), timeout=body_timeout_s)
+        except asyncio.TimeoutError:
+            return _err(408, f"request body not received within {body_timeout_s:g} s (stalled upload); "
+                             "the connection is closed", Connection="close")
         except web.HTTPRequestEntityTooLarge:
             return _err(413, f"request body exceeds the limit of {max_request_bytes} bytes; send smaller batches")
         try:
             groups = await in_pool(decode_payload, body, request.headers.get("Content-Type", ""))
-            res = await in_pool(store.put_groups, groups, received_at=t0)
+            # Versions must lie in the store's known range [0, current version]; before the trainer
+            # published a version only the initial weights (version 0) exist.
+            res = await in_pool(lambda: store.put_groups(groups, received_at=t0,
+                                                         current_version=store.current_version or 0))
         except PayloadError as e:
             return _err(415 if str(e).startswith("Content-Type") else 400, str(e))
         except ConflictError as e:
             return _err(409, str(e))
         except StoreFullError as e:
             return _err(429, str(e), **{"Retry-After": "1"})
-        except ValueError as e:
-            return _err(400, str(e))
+        except (ValueError, OverflowError, RecursionError) as e:
+            return _err(400, f"{type(e).__name__}: {e}" if not isinstance(e, ValueError) else str(e))
         except Exception as e:  # the store failed: the producer retries
             log.exception("ingestion failed")
             return _err(500, f"store error: {type(e).__name__}: {e}")
@@ -116,7 +169,8 @@ def build_app(store: RolloutStore, *, token: Optional[str], max_request_bytes: i
         return web.json_response(await in_pool(store.metrics))
 
     async def get_version(_: web.Request) -> web.Response:
-        return web.json_response({"version": await in_pool(lambda: store.current_version)})
+        v = await asyncio.get_running_loop().run_in_executor(control, read_version)
+        return web.json_response({"version": v})
 
     async def post_version(request: web.Request) -> web.Response:
         try:
@@ -124,7 +178,7 @@ def build_app(store: RolloutStore, *, token: Optional[str], max_request_bytes: i
         except (ValueError, UnicodeDecodeError) as e:
             return _err(400, f"body is not JSON: {e}")
         v = doc.get("version") if isinstance(doc, dict) else None
-        if isinstance(v, bool) or not isinstance(v, int):
+        if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < (1 << 63):
             return _err(400, f"'version' must be an integer, got {v!r}")
         try:
             await in_pool(store.set_version, v)
@@ -134,6 +188,10 @@ def build_app(store: RolloutStore, *, token: Optional[str], max_request_bytes: i
 
     async def on_cleanup(_: web.Application) -> None:
         pool.shutdown(wait=True)
+        control.shutdown(wait=True)
+        for c in control_conn:
+            if c is not None:
+                c.close()
 
     app = web.Application(middlewares=[auth], client_max_size=max_request_bytes)
     app.add_routes([web.get("/health", health), web.post("/v1/groups", post_groups), web.get("/v1/stats", stats),
@@ -144,7 +202,8 @@ def build_app(store: RolloutStore, *, token: Optional[str], max_request_bytes: i
 
 def run_server(path: str, *, host: str = "127.0.0.1", port: int = 8765, token: Optional[str],
                insecure_no_auth: bool = False, max_request_mb: float = 256.0, synchronous: str = "FULL",
-               capacity_groups: Optional[int] = None) -> None:
+               capacity_groups: Optional[int] = None, trainer_token: Optional[str] = None,
+               body_timeout_s: float = 60.0, idle_timeout_s: float = 75.0) -> None:
     """Serve until SIGINT / SIGTERM. Prints ``serving ... on http://HOST:PORT`` once listening."""
     if token is None and not insecure_no_auth:
         raise ValueError("no ingestion token: set the env var named by store.token_env (default M2PO_STORE_TOKEN) "
@@ -152,13 +211,19 @@ def run_server(path: str, *, host: str = "127.0.0.1", port: int = 8765, token: O
     if token is None:
         print("WARNING: m2po store serve runs WITHOUT AUTHENTICATION (--insecure-no-auth): anyone who can "
               f"reach {host}:{port} can write training data", file=sys.stderr, flush=True)
+    if token is not None and trainer_token is None:
+        print("note: no role separation: one token serves producers and the trainer (any producer can set the "
+              "version); give --trainer-token-file or $M2PO_STORE_TRAINER_TOKEN to separate them",
+              file=sys.stderr, flush=True)
     if host not in ("127.0.0.1", "localhost", "::1"):
         print(f"note: binding {host}: the store is reachable from other machines", file=sys.stderr, flush=True)
     store = RolloutStore(path, synchronous=synchronous, capacity_groups=capacity_groups)
     max_bytes = int(max_request_mb * 1024 * 1024)
 
     async def main() -> None:
-        runner = web.AppRunner(build_app(store, token=token, max_request_bytes=max_bytes), access_log=None)
+        runner = web.AppRunner(build_app(store, token=token, max_request_bytes=max_bytes, trainer_token=trainer_token,
+                                         body_timeout_s=body_timeout_s),
+                               access_log=None, keepalive_timeout=idle_timeout_s, lingering_time=1.0)
         await runner.setup()
         sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -99,13 +99,26 @@ CREATE TABLE IF NOT EXISTS version_stats (
 
 
 def connect(path: str, *, synchronous: str = "FULL", busy_timeout_s: float = 30.0,
-            create: bool = True) -> sqlite3.Connection:
-    """Open (and if needed create) the store database with the pragmas described above."""
+            create: bool = True, readonly: bool = False) -> sqlite3.Connection:
+    """Open (and if needed create) the store database with the pragmas described above.
+
+    ``readonly`` opens an existing store with ``mode=ro`` (nothing is written, no schema is
+    created): what ``m2po store stats`` uses, safe next to a running server."""
     sync = synchronous.upper()
     if sync not in SYNC_MODES:
         raise ValueError(f"synchronous={synchronous!r} must be one of {list(SYNC_MODES)}")
-    if not create and not os.path.exists(path):
+    if (readonly or not create) and not os.path.exists(path):
         raise FileNotFoundError(f"no rollout store at {path!r}")
+    if readonly:
+        from urllib.parse import quote
+        conn = sqlite3.connect(f"file:{quote(os.path.abspath(path))}?mode=ro", uri=True, timeout=busy_timeout_s,
+                               isolation_level=None, check_same_thread=False)
+        conn.execute(f"PRAGMA busy_timeout={int(busy_timeout_s * 1000)}")
+        row = conn.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
+        if row is None or int(row[0]) != SCHEMA_VERSION:
+            raise RuntimeError(f"rollout store {path!r} has schema version {row and row[0]}, this code reads "
+                               f"{SCHEMA_VERSION}; use the matching megatron_m2po version")
+        return conn
     parent = os.path.dirname(os.path.abspath(path))
     os.makedirs(parent, exist_ok=True)
     conn = sqlite3.connect(path, timeout=busy_timeout_s, isolation_level=None, check_same_thread=False)

@@ -1,6 +1,6 @@
 """The staleness-tagged rollout store: API, state machine and consumption policies.
 
-Versions (DESIGN §3): a weight *version* is the number of optimizer updates applied. Every
+Versions (docs/design.md §3): a weight *version* is the number of optimizer updates applied. Every
 response token carries the version that produced it. A group's **generation version** is its
 *minimum* token version — the version its rollouts started at (a partial rollout that spans a
 weight update carries several versions; its oldest token decides its age). At an update ``u``
@@ -205,13 +205,15 @@ class RolloutStore:
     """
 
     def __init__(self, path: str, *, synchronous: str = "FULL", busy_timeout_s: float = 30.0,
-                 capacity_groups: Optional[int] = None, allow_empty: bool = False, create: bool = True):
+                 capacity_groups: Optional[int] = None, allow_empty: bool = False, create: bool = True,
+                 readonly: bool = False):
         if capacity_groups is not None and capacity_groups < 1:
             raise ValueError(f"capacity_groups={capacity_groups} must be >= 1 or None")
         self.path = str(path)
         self.capacity_groups = capacity_groups
         self.allow_empty = allow_empty
-        self._conn = db.connect(self.path, synchronous=synchronous, busy_timeout_s=busy_timeout_s, create=create)
+        self._conn = db.connect(self.path, synchronous=synchronous, busy_timeout_s=busy_timeout_s, create=create,
+                                readonly=readonly)
         self._lock = threading.RLock()
         self._session = uuid.uuid4().hex
         self._claimed = False
@@ -293,9 +295,12 @@ class RolloutStore:
         res = PutResult([], [], [])
         with self._lock, db.transaction(self._conn) as c:
             if self.capacity_groups is not None:
+                # Re-sent groups already stored are duplicates (or conflicts), never capacity refusals.
+                new_ids = [gid for gid in digests
+                           if c.execute("SELECT 1 FROM groups WHERE group_id=?", (gid,)).fetchone() is None]
                 (n,) = c.execute("SELECT COUNT(*) FROM groups WHERE state IN ('pending','available','leased')").fetchone()
-                if n + len(digests) > self.capacity_groups:
-                    raise StoreFullError(f"store holds {n} unconsumed groups; {len(digests)} more would exceed "
+                if new_ids and n + len(new_ids) > self.capacity_groups:
+                    raise StoreFullError(f"store holds {n} unconsumed groups; {len(new_ids)} more would exceed "
                                          f"capacity_groups={self.capacity_groups} — retry after the trainer consumed some")
             done = set()
             for g in groups:
@@ -309,9 +314,15 @@ class RolloutStore:
                                             "(a re-sent group must be byte-identical; use a new group id)")
                     res.duplicates.append(g.group_id)
                     continue
-                q = ",".join("?" * len(g.trajectories))
-                hit = c.execute(f"SELECT t.uid, g.group_id FROM trajectories t JOIN groups g ON g.seq=t.group_seq "
-                                f"WHERE t.uid IN ({q}) LIMIT 1", [t.uid for t in g.trajectories]).fetchone()
+                hit = None
+                all_uids = [t.uid for t in g.trajectories]
+                for b in range(0, len(all_uids), 500):  # bounded statements: SQLite caps bound variables
+                    chunk = all_uids[b:b + 500]
+                    q = ",".join("?" * len(chunk))
+                    hit = c.execute(f"SELECT t.uid, g.group_id FROM trajectories t JOIN groups g ON g.seq=t.group_seq "
+                                    f"WHERE t.uid IN ({q}) LIMIT 1", chunk).fetchone()
+                    if hit is not None:
+                        break
                 if hit is not None:
                     raise ConflictError(f"uid {hit[0]!r} of group {g.group_id!r} is already stored in group {hit[1]!r}")
                 pending = any(t.reward is None for t in g.trajectories)

@@ -110,6 +110,12 @@ class Trajectory:
             bad = np.flatnonzero(lp > 1e-6)
             if bad.size:
                 raise ValueError(f"{who}: behav_logprobs[{bad[0]}]={lp[bad[0]]} > 0 is not a log-probability")
+            rec = self.recomputed_behav_logprobs
+            if rec is not None:
+                bad = np.flatnonzero(~np.isfinite(rec) | (rec > 1e-6))
+                if bad.size:
+                    raise ValueError(f"{who}: recomputed_behav_logprobs[{bad[0]}]={rec[bad[0]]} must be finite "
+                                     "and <= 0 (a log-probability)")
             if (self.prompt_ids < 0).any() or (self.response_ids < 0).any():
                 raise ValueError(f"{who}: token ids must be >= 0")
             if (self.versions < 0).any():
@@ -123,7 +129,9 @@ class Trajectory:
                                  f"version {current_version} (a producer cannot use weights that do not exist yet)")
             if self.loss_mask.size and (int(self.loss_mask.max()) > 1 or int(self.loss_mask.min()) < 0):
                 raise ValueError(f"{who}: loss_mask must hold only 0 and 1")
-        if self.reward is not None and (not isinstance(self.reward, (int, float)) or not math.isfinite(self.reward)):
+        if self.reward is not None and (isinstance(self.reward, bool) or not isinstance(self.reward, (int, float))
+                                        or (isinstance(self.reward, int) and abs(self.reward) > 1 << 128)
+                                        or not math.isfinite(self.reward)):
             raise ValueError(f"{who}: reward={self.reward!r} must be a finite number or None")
         if self.finish_reason not in FINISH_REASONS:
             raise ValueError(f"{who}: finish_reason={self.finish_reason!r} is not one of {list(FINISH_REASONS)}")

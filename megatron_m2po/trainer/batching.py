@@ -1,6 +1,6 @@
 """From stored prompt groups to the actor's batch: GRPO advantages, rollout metrics.
 
-Advantages are computed per group over all its samples (DESIGN §3) before the step is split
+Advantages are computed per group over all its samples (docs/design.md §3) before the step is split
 into optimizer mini-batches; a step always holds whole groups, so a mini-batch of
 ``prompts_per_update`` prompts holds whole groups too.
 """

@@ -97,7 +97,11 @@ class RolloutDriver:
         if token is None:
             raise ValueError(f"rollout.source=external: set the ingestion token in ${s.token_env} (or "
                              "store.token_file); producers send it as 'Authorization: Bearer <token>'")
-        app = build_app(self.store, token=token, max_request_bytes=int(s.max_request_mb * 2**20))
+        # Producers get the ingestion token; the trainer writes its version straight into the store,
+        # so the HTTP trainer role gets a random token nobody holds: no producer can set the version.
+        import secrets
+        app = build_app(self.store, token=token, max_request_bytes=int(s.max_request_mb * 2**20),
+                        trainer_token=secrets.token_hex(32))
         self._ingest_runner = web.AppRunner(app)
         await self._ingest_runner.setup()
         site = web.TCPSite(self._ingest_runner, s.serve_host, s.serve_port)

@@ -6,7 +6,7 @@ no collectives: it returns data, and the loop shares it with every rank (:meth:`
 and runs the actor's collectives (log-prob recompute, weight gathers, checkpoints) on all of them.
 The trainer creates the process group and destroys it when the run ends, however it ends.
 
-Modes (DESIGN §3):
+Modes (docs/design.md §3):
 
 * ``sync`` — on-policy: the rollouts of step ``s`` are generated with the weights the step
   starts at (mini-batch ``j`` has staleness ``j``; the first update is exactly on-policy).

@@ -1,4 +1,4 @@
-"""The exact staleness schedule of the ``stale_k`` and ``sync`` modes (DESIGN §3).
+"""The exact staleness schedule of the ``stale_k`` and ``sync`` modes (docs/design.md §3).
 
 Versions count optimizer updates. Step ``s`` performs ``U`` updates, from version ``u = s*U``
 to ``u + U``; its mini-batch ``j`` is trained at version ``u + j``. The rollouts of step ``s``

@@ -1,11 +1,11 @@
-"""Prompt templates: exact text (DESIGN §3), chat rendering, tokenization."""
+"""Prompt templates: exact text (docs/design.md §3), chat rendering, tokenization."""
 
 import pytest
 
 from megatron_m2po.data import PAPER_TEMPLATE, render_prompt, synthetic_response, tokenize_prompts
 from megatron_m2po.rewards import grade_math
 
-# Copied by hand from DESIGN §3 / the paper (appendix B), not from the code.
+# Copied by hand from docs/design.md §3 / the paper (appendix B), not from the code.
 PAPER_TEXT = (
     "Please solve the following math problem: What is $1+1$?. The assistant first thinks about the reasoning "
     "process step by step and then provides the user with the answer. Return the final answer in \\boxed{} tags, "

@@ -250,3 +250,35 @@ def test_slime_rollout_function_through_adapter(base_model, store_server):
     assert all((t.versions == v).all() for t in g.trajectories)
     with pytest.raises(ValueError, match="must take"):
         SlimeRolloutAdapter(lambda args: None, None, None, prod)
+
+
+def test_load_weights_retries_when_the_trainer_prunes_the_directory(tmp_path):
+    """The trainer keeps only the last few v<N>: a directory may vanish while a producer reads it."""
+    import json as _json
+    import shutil
+
+    from megatron_m2po.rollout.external import ExternalProducer
+
+    for v in (1, 2):
+        d = tmp_path / f"v{v}"
+        d.mkdir()
+        (d / "m2po_version.json").write_text(_json.dumps({"version": v}))
+        (d / "model.safetensors").write_bytes(b"x")
+    producer = ExternalProducer("http://127.0.0.1:9", None, weights_dir=str(tmp_path))
+    calls = []
+
+    def loader(path):
+        calls.append(path)
+        if path.endswith("v2"):
+            shutil.rmtree(path)  # pruned under the reader
+            raise OSError(f"{path}: no such directory")
+        return "model@" + path
+
+    model, ref = producer.load_weights(2, loader)
+    assert ref.version == 1 and model == f"model@{tmp_path / 'v1'}" and len(calls) == 2
+
+    def broken(path):
+        raise ValueError("not a model")  # a real error in an existing directory is not retried
+
+    with pytest.raises(ValueError, match="not a model"):
+        producer.load_weights(1, broken)

@@ -59,9 +59,18 @@ def test_sigkill_producer_loses_no_acknowledged_group(tmp_path):
     s.close()
 
 
+def publish_version(path: str, version: int) -> None:
+    s = RolloutStore(path)
+    try:
+        s.set_version(version)
+    finally:
+        s.close()
+
+
 def test_sigkill_server_loses_no_acknowledged_group(tmp_path):
     path, ackfile = str(tmp_path / "srv.sqlite"), str(tmp_path / "acks")
     rng = np.random.default_rng(2)
+    publish_version(path, 2)  # crash groups carry versions 0..2 (the server refuses versions not yet published)
     for it in range(2):
         proc, url = start_server(path, token=TOKEN)
         p = producer("http", url, ackfile, f"s{it}", 10_000, it)
@@ -75,6 +84,7 @@ def test_sigkill_server_loses_no_acknowledged_group(tmp_path):
 
 def test_concurrent_producers_one_consumer(tmp_path):
     path = str(tmp_path / "multi.sqlite")
+    publish_version(path, 2)  # crash groups carry versions 0..2 (the server refuses versions not yet published)
     proc, url = start_server(path, token=TOKEN)
     n_each, procs = 24, []
     try:

@@ -1,4 +1,4 @@
-"""The stale-k schedule against a literal simulation of DESIGN §3."""
+"""The stale-k schedule against a literal simulation of docs/design.md §3."""
 
 import pytest
 

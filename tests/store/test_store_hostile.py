@@ -1,0 +1,449 @@
+"""Issue 17: ingestion that no producer can break.
+
+Every hostile request below must be answered with a 4xx naming the field (never a 5xx), store
+nothing, and leave the server's memory bounded. ``SENT`` counts the adversarial requests and
+``FIVE_XX`` the 5xx answers seen (must stay 0).
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import struct
+import urllib.error
+import urllib.parse
+import urllib.request
+
+import psutil
+import pytest
+
+from megatron_m2po.store import RolloutStore
+from megatron_m2po.store.client import StoreClient, StoreClientError
+from megatron_m2po.store.codec import (MAX_GROUPS_PER_REQUEST, MAX_TRAJECTORIES_PER_GROUP, encode_binary,
+                                       encode_json, group_to_dict)
+from store_testlib import make_group, start_server, stop
+
+TOKEN = "h0stile"
+RSS_BOUND = 400 * 1024 * 1024  # the server's RSS may not exceed this under any request below
+STATS = {"sent": 0, "5xx": 0, "peak_rss": 0}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("hostile") / "h.sqlite")
+    proc, url = start_server(path, token=TOKEN, extra=("--max-request-mb", "8", "--capacity-groups", "3"))
+    yield path, url, psutil.Process(proc.pid)
+    stop(proc)
+    print(f"\nhostile requests sent: {STATS['sent']}, 5xx: {STATS['5xx']}, "
+          f"peak server RSS: {STATS['peak_rss'] / 2**20:.1f} MiB")
+
+
+def post(url, body: bytes, ctype="application/json", token=TOKEN, path="/v1/groups", hostile=True):
+    h = {"Content-Type": ctype}
+    if token is not None:
+        h["Authorization"] = f"Bearer {token}"
+    req = urllib.request.Request(url + path, data=body, method="POST", headers=h)
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            status, doc = r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        status, doc = e.code, json.loads(e.read())
+    if hostile:
+        STATS["sent"] += 1
+        STATS["5xx"] += status >= 500
+    return status, doc
+
+
+def rss(proc) -> int:
+    r = proc.memory_info().rss
+    STATS["peak_rss"] = max(STATS["peak_rss"], r)
+    return r
+
+
+def n_groups(path) -> int:
+    s = RolloutStore(path)
+    try:
+        return sum(s.counts().values())
+    finally:
+        s.close()
+
+
+def one_traj_doc(gid="h", **over):
+    d = group_to_dict(make_group(gid, 0, n=1))
+    d["trajectories"][0].update(over)
+    return {"groups": [d]}
+
+
+def refused(server, doc_or_body, *needles, status=400, ctype="application/json"):
+    path, url, proc = server
+    before = n_groups(path)
+    body = doc_or_body if isinstance(doc_or_body, bytes) else json.dumps(doc_or_body).encode()
+    st, doc = post(url, body, ctype=ctype)
+    assert st == status, (st, doc)
+    for n in needles:
+        assert n in doc["error"], (n, doc["error"])
+    assert n_groups(path) == before
+    assert rss(proc) < RSS_BOUND
+    return doc["error"]
+
+
+def test_version_runs_checked_before_expansion(server):
+    d = one_traj_doc("runs", versions={"runs": [[0, 10**9]]})
+    body = json.dumps(d).encode()
+    assert len(body) < 1000
+    refused(server, d, "versions", "1000000000", "runs")
+    refused(server, one_traj_doc("runs2", versions={"runs": [[0, 10**18], [0, 10**18]]}), "versions")
+    # the binary framing: runs declaring 10^9 tokens for a 5-token response
+    g = make_group("binruns", 0, n=1)
+    b = bytearray(encode_binary([g]))
+    t = g.trajectories[0]
+    off = len(b) - t.loss_mask.size - 16  # the single (version, count) run precedes the loss mask
+    assert struct.unpack_from("<qq", b, off) == (0, t.response_ids.size)
+    struct.pack_into("<qq", b, off, 0, 10**9)
+    refused(server, bytes(b), "versions", "1000000000", ctype="application/x-m2po-groups")
+
+
+def test_logprob_fields_finite_and_nonpositive(server):
+    r = make_group("lp", 0, n=1).trajectories[0].response_ids.size
+    for bad, needle in ((0.5, "0.5"), (1e39, "inf")):
+        refused(server, one_traj_doc("lp", recomputed_behav_logprobs=[bad] + [-0.1] * (r - 1)),
+                "recomputed_behav_logprobs[0]", needle)
+        refused(server, one_traj_doc("lp", behav_logprobs=[bad] + [-0.1] * (r - 1)), "behav_logprobs[0]")
+    for literal in (b"NaN", b"Infinity"):
+        body = json.dumps(one_traj_doc("lp", recomputed_behav_logprobs=[-1.0] * r)).encode()
+        body = body.replace(b"-1.0", literal, 1)
+        refused(server, body, literal.decode())
+
+
+def test_huge_integers_are_400_naming_the_field(server):
+    r = make_group("big", 0, n=1).trajectories[0].response_ids.size
+    refused(server, one_traj_doc("big", versions=2**63), "versions", str(2**63))
+    refused(server, one_traj_doc("big", versions=[2**63] * r), "versions[0]", "int64")
+    refused(server, one_traj_doc("big", reward=10**400), "reward", "bits")
+    refused(server, one_traj_doc("big", behav_logprobs=[-(10**400)] * r), "behav_logprobs[0]", "bits")
+    refused(server, one_traj_doc("big", prompt_ids=[10**400]), "prompt_ids[0]", "bits")
+    _, url, _ = server
+    st, doc = post(url, json.dumps({"version": 2**63}).encode(), path="/v1/version")
+    assert st == 400 and "version" in doc["error"]
+
+
+def test_group_and_request_size_limits(server):
+    path, url, proc = server
+    g = group_to_dict(make_group("wide", 0, n=1))
+    t = g["trajectories"][0]
+    n = MAX_TRAJECTORIES_PER_GROUP + 1
+    g["trajectories"] = [{**t, "uid": f"wide/{i}"} for i in range(n)]
+    refused(server, {"groups": [g]}, "trajectories", str(n), str(MAX_TRAJECTORIES_PER_GROUP))
+    m = MAX_GROUPS_PER_REQUEST + 1
+    refused(server, {"groups": [{"group_id": f"x{i}", "trajectories": []} for i in range(m)]},
+            "groups", str(m), str(MAX_GROUPS_PER_REQUEST))
+
+
+def test_large_group_uid_lookup_is_batched(tmp_path):
+    """A group with more trajectories than SQLite's bound-variable limit stores fine."""
+    s = RolloutStore(str(tmp_path / "s.sqlite"))
+    try:
+        res = s.put_groups([make_group("many", 0, n=MAX_TRAJECTORIES_PER_GROUP, resp_len=1)])
+        assert res.stored == ["many"]
+        assert s.put_groups([make_group("many", 0, n=MAX_TRAJECTORIES_PER_GROUP, resp_len=1)]).duplicates == ["many"]
+    finally:
+        s.close()
+
+
+def test_metadata_depth_and_size_limited(server):
+    deep: dict = {}
+    cur = deep
+    for _ in range(500):
+        cur["a"] = {}
+        cur = cur["a"]
+    refused(server, one_traj_doc("md", metadata=deep), "metadata", "nested", "16")
+    refused(server, one_traj_doc("md", metadata={"x": "y" * 100_000}), "metadata", "65536")
+
+
+def test_non_utf8_authorization_header_is_401(server):
+    _, url, _ = server
+    u = urllib.parse.urlparse(url)
+    for raw in (b"Bearer \xff\xfe\x80", b"\xc3\x28", b"Bearer " + TOKEN.encode() + b"\xff"):
+        conn = http.client.HTTPConnection(u.hostname, u.port, timeout=30)
+        try:
+            conn.putrequest("GET", "/v1/version")
+            conn.putheader("Authorization", raw)
+            conn.endheaders()
+            resp = conn.getresponse()
+            STATS["sent"] += 1
+            STATS["5xx"] += resp.status >= 500
+            assert resp.status in (400, 401), (raw, resp.status, resp.read())
+        finally:
+            conn.close()
+
+
+def test_resend_at_capacity_is_duplicate_and_conflict_is_409(server):
+    path, url, _ = server
+    c = StoreClient(url, token=TOKEN)
+    gs = [make_group(f"cap{i}", 0) for i in range(3)]
+    free = 3 - sum(v for k, v in RolloutStore(path).counts().items() if k in ("pending", "available", "leased"))
+    st, doc = post(url, encode_json(gs[:max(free, 0)]), hostile=False) if free > 0 else (200, {})
+    assert st == 200
+    # the store is now at capacity: a re-send is a duplicate, a new group a 429
+    st, doc = post(url, encode_json(gs[:1]))
+    assert st == 200 and doc["duplicates"] == ["cap0"], doc
+    st, doc = post(url, encode_json([make_group("cap-new", 0)]))
+    assert st == 429, doc
+    # same id, different content -> 409, and the client does not retry a 4xx
+    other = make_group("cap0", 0, seed=1)
+    st, doc = post(url, encode_json([other]))
+    assert st == 409 and "cap0" in doc["error"], doc
+    with pytest.raises(StoreClientError, match="409"):
+        c.put_groups([other])
+    assert STATS["5xx"] == 0
+
+
+@pytest.fixture(scope="module")
+def open_server(tmp_path_factory):
+    """No capacity limit: every valid group must be stored."""
+    path = str(tmp_path_factory.mktemp("hyp") / "h.sqlite")
+    proc, url = start_server(path, token=TOKEN, extra=("--max-request-mb", "8"))
+    yield path, url, psutil.Process(proc.pid)
+    stop(proc)
+
+
+def test_hypothesis_malformed_and_valid_groups(open_server):
+    pytest.importorskip("hypothesis")
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    path, url, proc = open_server
+    version = 2
+    st_, ans = post(url, json.dumps({"version": version}).encode(), path="/v1/version", hostile=False)
+    assert st_ == 200, ans
+
+    base = group_to_dict(make_group("hyp", version, n=1))["trajectories"][0]
+    r = len(base["response_ids"])
+    junk = st.one_of(st.none(), st.booleans(), st.integers(min_value=-(10**30), max_value=10**30),
+                     st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=5),
+                     st.lists(st.integers(-3, 3), max_size=4), st.dictionaries(st.text(max_size=3), st.none(), max_size=2))
+    bad_fields = {
+        "versions": st.one_of(junk, st.just({"runs": [[version, 10**12]]}), st.just(2**63),
+                              st.just([version + 10**15] * r)),
+        "behav_logprobs": st.one_of(junk, st.just([0.5] * r), st.just([-(10**400)] * r), st.just([-0.1] * (r + 1))),
+        "recomputed_behav_logprobs": st.one_of(st.just([1.0] * r), st.just([1e39] * r), st.just([-0.1] * (r - 1))),
+        "reward": st.one_of(st.just(10**400), st.text(max_size=3), st.just([1])),
+        "prompt_ids": st.one_of(st.just([]), st.just([-1]), st.just([2**31]), st.just([10**400])),
+        "metadata": st.one_of(st.just([1]), st.just({"x": "y" * 70_000}), st.just(json.loads("[" * 40 + "]" * 40))),
+        "finish_reason": st.one_of(st.just("boom"), st.integers()),
+        "uid": st.one_of(st.just(""), st.integers()),
+    }
+    seen_valid: set[str] = set()
+    counter = iter(range(10**9))
+
+    @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(field=st.sampled_from(sorted(bad_fields)), data=st.data(), valid=st.booleans())
+    def check(field, data, valid):
+        i = next(counter)
+        gid = f"hyp{i}"
+        t = {**base, "uid": f"{gid}/0", "group_id": gid}
+        if not valid:
+            val = data.draw(bad_fields[field])
+            if field == "versions" and isinstance(val, int) and not isinstance(val, bool) and 0 <= val <= version:
+                val = 2**63  # a scalar version inside the range is valid: force an invalid one
+            if field in ("reward",) and val is None:
+                val = "x"
+            t[field] = val
+        doc = {"groups": [{"group_id": gid, "trajectories": [t]}]}
+        before = n_groups(path)
+        body = json.dumps(doc).encode()
+        st_, ans = post(url, body)
+        if valid:
+            assert st_ == 200 and ans["stored"] == [gid], ans
+            assert gid not in seen_valid
+            seen_valid.add(gid)
+            assert n_groups(path) == before + 1
+        else:
+            assert 400 <= st_ < 500 and st_ != 429, (field, st_, ans)
+            assert n_groups(path) == before, (field, ans)
+        assert rss(proc) < RSS_BOUND
+
+    check()
+    assert STATS["5xx"] == 0
+    print(f"\nafter the property test: hostile requests sent: {STATS['sent']}, 5xx: {STATS['5xx']}, "
+          f"peak server RSS: {STATS['peak_rss'] / 2**20:.1f} MiB")
+
+
+def test_versions_within_known_range_even_before_first_version(tmp_path):
+    """Before the trainer publishes a version only version 0 exists; after, versions <= current."""
+    path = str(tmp_path / "v.sqlite")
+    proc, url = start_server(path, token=TOKEN)
+    try:
+        srv = (path, url, psutil.Process(proc.pid))
+        refused(srv, {"groups": [group_to_dict(make_group("far", 10**15, n=1))]}, "versions reach", str(10**15),
+                "version 0")
+        st, doc = post(url, encode_json([make_group("v0", 0, n=1)]), hostile=False)
+        assert st == 200 and doc["stored"] == ["v0"]
+        st, _ = post(url, json.dumps({"version": 3}).encode(), path="/v1/version", hostile=False)
+        assert st == 200
+        refused(srv, {"groups": [group_to_dict(make_group("v4", 4, n=1))]}, "versions reach 4", "version 3")
+        st, doc = post(url, encode_json([make_group("v3", 3, n=1)]), hostile=False)
+        assert st == 200 and doc["stored"] == ["v3"]
+    finally:
+        stop(proc)
+
+
+def test_producer_and_trainer_roles(tmp_path):
+    path = str(tmp_path / "roles.sqlite")
+    (tmp_path / "producer").write_text("prod-tok\n")
+    (tmp_path / "trainer").write_text("train-tok\n")
+    proc, url = start_server(path, token=None, extra=("--producer-token-file", str(tmp_path / "producer"),
+                                                      "--trainer-token-file", str(tmp_path / "trainer")))
+    try:
+        assert "no role separation" not in proc.startup_output
+        st, doc = post(url, json.dumps({"version": 1}).encode(), token="prod-tok", path="/v1/version")
+        assert st == 403 and "trainer token" in doc["error"], doc
+        with pytest.raises(StoreClientError, match="403"):
+            StoreClient(url, token="prod-tok").set_version(1)
+        assert StoreClient(url, token="prod-tok").get_version() is None
+        StoreClient(url, token="train-tok").set_version(1)
+        assert StoreClient(url, token="prod-tok").get_version() == 1
+        st, doc = post(url, encode_json([make_group("r1", 1, n=1)]), token="prod-tok", hostile=False)
+        assert st == 200 and doc["stored"] == ["r1"]
+        st, _ = post(url, encode_json([make_group("r2", 1, n=1)]), token="nope")
+        assert st == 401
+    finally:
+        stop(proc)
+    # a single token: both roles, and the server says so at start-up
+    proc, url = start_server(str(tmp_path / "one.sqlite"), token=TOKEN)
+    try:
+        assert "no role separation" in proc.startup_output
+    finally:
+        stop(proc)
+
+
+def _cli(*args, env=None):
+    import os
+    import subprocess
+    import sys
+    return subprocess.run([sys.executable, "-m", "megatron_m2po.cli", "store", *args], capture_output=True, text=True,
+                          timeout=60, env={**os.environ, "M2PO_STORE_TOKEN": TOKEN, **(env or {})})
+
+
+def test_bad_database_files_give_one_clear_line(tmp_path):
+    import os
+    good = tmp_path / "good.sqlite"
+    s = RolloutStore(str(good))
+    s.put_groups([make_group("g", 0)])
+    s.close()
+    foreign = tmp_path / "foreign.sqlite"
+    foreign.write_bytes(b"PK\x03\x04 not a database at all" * 10)
+    truncated = tmp_path / "truncated.sqlite"
+    truncated.write_bytes(good.read_bytes()[:10])
+    cases = [(tmp_path / "missing.sqlite", "no such file", ("stats",)),
+             (foreign, "not a SQLite rollout store", ("stats", "serve")),
+             (truncated, "not a SQLite rollout store", ("stats", "serve"))]
+    if os.geteuid() != 0:  # root ignores file permissions
+        ro = tmp_path / "ro"
+        ro.mkdir()
+        (ro / "s.sqlite").write_bytes(good.read_bytes())
+        os.chmod(ro / "s.sqlite", 0o444)
+        os.chmod(ro, 0o555)
+        cases.append((ro / "s.sqlite", "read-only", ("serve",)))
+    for path, needle, cmds in cases:
+        for cmd in cmds:
+            r = _cli(cmd, "--path", str(path), *(("--port", "0") if cmd == "serve" else ()))
+            out = (r.stdout + r.stderr).strip()
+            assert r.returncode != 0 and "Traceback" not in out, out
+            lines = [ln for ln in out.splitlines() if not ln.startswith("note:")]
+            assert len(lines) == 1 and str(path) in lines[0] and needle in lines[0], out
+
+
+def test_stats_is_read_only_and_backup_is_consistent_while_serving(tmp_path):
+    import hashlib
+    path = tmp_path / "live.sqlite"
+    proc, url = start_server(str(path), token=TOKEN)
+    try:
+        c = StoreClient(url, token=TOKEN)
+        for i in range(5):
+            c.put_groups([make_group(f"b{i}", 0, n=4, resp_len=200)])
+        before = hashlib.sha256(path.read_bytes()).hexdigest()
+        r = _cli("stats", "--path", str(path), "--json")
+        assert r.returncode == 0, r.stderr
+        assert sum(v["groups"] for v in json.loads(r.stdout)["groups"].values()) == 5
+        assert hashlib.sha256(path.read_bytes()).hexdigest() == before  # stats wrote nothing
+        out = tmp_path / "backup.sqlite"
+        r = _cli("backup", "--path", str(path), "--out", str(out))
+        assert r.returncode == 0 and "integrity ok" in r.stdout, r.stdout + r.stderr
+        c.put_groups([make_group("after", 0)])
+    finally:
+        stop(proc)
+    b = RolloutStore(str(out))
+    try:
+        assert b.existing_group_ids([f"b{i}" for i in range(5)] + ["after"]) == {f"b{i}" for i in range(5)}
+    finally:
+        b.close()
+
+
+def test_stalled_body_and_idle_connections_are_closed(tmp_path):
+    import socket
+    path = str(tmp_path / "stall.sqlite")
+    proc, url = start_server(path, token=TOKEN, extra=("--body-timeout-s", "1", "--idle-timeout-s", "1"))
+    try:
+        u = urllib.parse.urlparse(url)
+        # a body that never completes: 408, then the server closes the connection
+        with socket.create_connection((u.hostname, u.port), timeout=30) as sk:
+            sk.sendall(b"POST /v1/groups HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + TOKEN.encode() +
+                       b"\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n{\"groups\": [")
+            data = b""
+            while True:  # read until the server closes (bounded by the socket timeout)
+                chunk = sk.recv(65536)
+                if not chunk:
+                    break
+                data += chunk
+            STATS["sent"] += 1
+            assert data.startswith(b"HTTP/1.1 408"), data[:200]
+            assert b"stalled" in data
+        # an idle keep-alive connection: closed by the server
+        with socket.create_connection((u.hostname, u.port), timeout=30) as sk:
+            sk.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            data = b""
+            while True:
+                chunk = sk.recv(65536)
+                if not chunk:
+                    break
+                data += chunk
+            assert data.startswith(b"HTTP/1.1 200")
+        assert n_groups(path) == 0
+    finally:
+        stop(proc)
+
+
+def test_version_answered_while_a_large_push_is_written(tmp_path):
+    import threading
+    import time
+    path = str(tmp_path / "big.sqlite")
+    proc, url = start_server(path, token=TOKEN, extra=("--max-request-mb", "96"))
+    try:
+        c = StoreClient(url, token=TOKEN)
+        big = make_group("big", 0, n=4, resp_len=1_500_000)  # ~54 MiB binary
+        done = threading.Event()
+        result = {}
+
+        def push():
+            try:
+                result["res"] = StoreClient(url, token=TOKEN).put_groups([big])
+            finally:
+                done.set()
+
+        th = threading.Thread(target=push)
+        th.start()
+        slowest, polls_during = 0.0, 0
+        while not done.is_set():
+            t0 = time.monotonic()  # elapsed time is the behaviour under test
+            assert c.get_version() is None
+            dt = time.monotonic() - t0  # elapsed time is the behaviour under test
+            if not done.is_set():
+                polls_during += 1
+                slowest = max(slowest, dt)
+        th.join()
+        assert result["res"]["stored"] == ["big"]
+        assert polls_during > 0
+        assert slowest < 1.0, f"GET /v1/version took {slowest:.2f} s during a large push"
+    finally:
+        stop(proc)
