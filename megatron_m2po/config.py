@@ -282,6 +282,11 @@ class LoggingConfig:
     wandb_project: str = _f("", help="Weights & Biases project (empty = off).")
     wandb_run_name: str = _f("", help="W&B run name.")
     progress: bool = _f(True, help="Rich progress display on rank 0.")
+    dump_tokens_every: int = _f(0, ge=0, help="Write token-level data (entropy, log-ratio, advantage sign, staleness, "
+                                "GRPO clip / M2PO mask decisions) of every N-th training step to "
+                                "<run_dir>/tokens/step_NNNNNN.npz (0 = never); read by `m2po experiment entropy`.")
+    dump_tokens_max: int = _f(200_000, ge=1, help="At most this many response tokens per dumped step (a seeded uniform "
+                              "subset beyond it): bounds a dump to ~10 MB.")
 
 
 @dataclass

@@ -132,7 +132,7 @@ def test_plan_arms_differ_only_in_loss_and_staleness(tmp_path):
     for r in runs:
         ov = dict(o.split("=", 1) for o in r.overrides)
         assert ov["algo.loss"] == r.arm.loss and ov["trainer.mode"] == "stale_k"
-        assert int(ov["trainer.stale_k"]) == (k if r.arm.stale else 0)
+        assert int(ov["trainer.stale_k"]) == (k if ARMS[r.arm.name].stale else 0) == r.arm.k
         assert Path(ov["trainer.run_dir"]) == (tmp_path / r.arm.name).resolve() == r.run_dir
         assert ov["optim.lr"] == "2e-4"
         rest = {key: v for key, v in ov.items() if key not in varying}
@@ -198,7 +198,8 @@ def test_figures_one_png_per_metric(tmp_path):
             "no_tr_sk": _records([0.3, 0.4, 0.2], [0.3, 0.4, 0.2]),
             "m2po_sk": _records([0.3, 0.4, 0.5], [0.3, 0.4, 0.5], [0.001, 0.002, 0.001], "m2po/mask_frac")}
     runs["m2po_sk"][-1]["m2po/m2_before"] = 0.05
-    written = write_figures(runs, 8, tmp_path / "fig")
+    written = write_figures([(name, ARMS[name].label(8), ARMS[name].loss, [recs]) for name, recs in runs.items()],
+                            tmp_path / "fig")
     names = {p.name for p in written}
     assert {"heldout_acc.png", "reward.png", "trust_region.png", "m2.png", "kl.png"} <= names
     assert "grad_norm.png" not in names  # no arm logged optim/grad_norm at step level

@@ -156,6 +156,10 @@ class MegatronActor:
         4
     """
 
+    # Called as ``token_hook(mb, logp, entropy, keep)`` by every training micro-batch when set
+    # (per-token values of the update, detached; ``keep`` is the loss's mask or None).
+    token_hook: Optional[Any] = None
+
     def __init__(self, cfg: ActorConfig, chunks: list, bridge, ddp_chunks: list, optimizer, scheduler,
                  *, owns_parallel: bool = False, owns_process_group: bool = False) -> None:
         from megatron.core import parallel_state as ps
@@ -420,6 +424,8 @@ class MegatronActor:
             keep, mask_metrics = spec.token_mask(delta, adv, mb.loss_mask, order_key=mb.token_index, group=None,
                                                  settings=settings)
             metrics.update(mask_metrics)
+        if self.token_hook is not None:  # optional per-token record (trainer/token_dump.py)
+            self.token_hook(mb, logp.detach(), ent.detach(), keep)
         tis = None
         if a.tis and mb.engine_logprobs is not None:
             tis = tis_weights(behav, mb.engine_logprobs.to(logp.dtype), a.tis_cap)

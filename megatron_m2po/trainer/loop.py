@@ -42,6 +42,7 @@ from megatron_m2po.config import Config, config_to_dict, dump_config
 from megatron_m2po.trainer.batching import groups_to_batch, rollout_metrics, trajectory_to_sample
 from megatron_m2po.trainer.rank0 import any_rank, check_shared_run_dir, from_rank0
 from megatron_m2po.trainer.schedule import events_at, generation_version
+from megatron_m2po.trainer.token_dump import TokenDump
 from megatron_m2po.utils.hf_dir import resolve_model_path
 
 log = logging.getLogger(__name__)
@@ -98,6 +99,7 @@ class Trainer:
         self.actor: Optional[MegatronActor] = None
         self.lead: Optional[_Lead] = None  # global rank 0 only
         self.driver = None                 # self.lead.driver
+        self.token_dump: Optional[TokenDump] = None
         self._owns_pg = init_parallel(cfg.parallel, cfg.trainer.seed)
         try:
             self.rank = dist.get_rank()
@@ -111,6 +113,7 @@ class Trainer:
             self.actor = MegatronActor.from_config(
                 ActorConfig.from_config(cfg, total_updates=cfg.trainer.num_steps * self.U))
             self.ckpt_dir = cfg.resolved_path(cfg.checkpoint.dir, "checkpoints")
+            self.token_dump = TokenDump(cfg, self.actor, self.run_dir) if cfg.logging.dump_tokens_every else None
             if self.rank == 0:
                 self.lead = _Lead(cfg, self.model_path)
                 self.driver = self.lead.driver
@@ -255,14 +258,24 @@ class Trainer:
         minibatches = batch.split(self.U)
         per_update = []
         ages = []
+        dump = self.token_dump if self.token_dump is not None and self.token_dump.wants(step) else None
+        if dump:
+            dump.begin(step)
+        first_sample = 0
         for j, mb in enumerate(minibatches):
             if j > 0 and mode != "async":
                 extra.update(self._generation_events(self.actor.version))
             ages += [self.actor.version - s.versions[s.loss_mask > 0] for s in mb.samples]
+            update = self.actor.version
             m = self.actor.train_step(mb, 1)[0]
             per_update.append(m)
+            if dump:
+                dump.end_update(mb, update, first_sample)
+            first_sample += len(mb.samples)
             if mode == "async" and self.actor.version % self.cfg.trainer.sync_every_updates == 0:
                 extra["sync/weight_s"] = extra.get("sync/weight_s", 0.0) + self._push_weights()
+        if dump:
+            dump.write()
         if self.lead:
             self.driver.ack(lease)
         step_s = time.perf_counter() - t0
