@@ -188,3 +188,14 @@ def test_cli_parses_the_new_commands(capsys):
     with pytest.raises(SystemExit) as e:
         main(["experiment", "sweep-staleness", CONFIG, "--ks", "0,x"])
     assert e.value.code == 2 and "comma-separated list of ints" in capsys.readouterr().err
+
+
+def test_trust_region_fraction_on_stale_steps_only():
+    from megatron_m2po.experiment import summarize_arm
+
+    recs = [_rec(4 * (s + 1), s, **{"loss/clip_frac": c, "staleness/min": m, "rollout/reward_mean": 0.3})
+            for s, (c, m) in enumerate([(0.001, 0), (0.002, 4), (0.02, 8), (0.04, 9)])]
+    s = summarize_arm(recs, arm="grpo_sk", label="GRPO s=8", loss="grpo", staleness=8)
+    assert s.mean_tr_frac == pytest.approx((0.001 + 0.002 + 0.02 + 0.04) / 4)
+    assert s.stale_tr_frac == pytest.approx(0.03)  # steps whose tokens are all >= 8 updates old
+    assert summarize_arm(recs, arm="no_tr_sk", label="x", loss="no_tr", staleness=8).stale_tr_frac == 0.0

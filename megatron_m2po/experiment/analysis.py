@@ -40,6 +40,8 @@ class ArmSummary:
     best_reward: Optional[float] = None  # max of the smoothed (tail-window) reward curve
     tr_key: Optional[str] = None
     mean_tr_frac: Optional[float] = None  # mean clip (grpo) / mask (m2po) fraction; 0 for no_tr
+    # the same over the steps whose tokens are all >= staleness updates old (the stale regime)
+    stale_tr_frac: Optional[float] = None
     mean_kl_k3: Optional[float] = None
     collapsed: Optional[bool] = None
     collapse_reason: str = ""
@@ -89,11 +91,17 @@ def summarize_arm(records: Sequence[dict], *, arm: str, label: str, loss: str, s
     if loss in TR_KEY:
         s.tr_key = TR_KEY[loss]
         s.mean_tr_frac = _mean([v for _, v in _values(recs, s.tr_key)])
+        s.stale_tr_frac = _mean([float(r[s.tr_key]) for r in recs if _is_num(r.get(s.tr_key))
+                                 and _is_num(r.get("staleness/min")) and r["staleness/min"] >= staleness])
     elif loss == "no_tr":
-        s.mean_tr_frac = 0.0  # no trust region: nothing is clipped or masked
+        s.mean_tr_frac = s.stale_tr_frac = 0.0  # no trust region: nothing is clipped or masked
     s.mean_kl_k3 = _mean([v for _, v in _values(recs, "policy/kl_k3")])
     s.collapsed, s.collapse_reason = collapse_verdict(s, rule)
     return s
+
+
+def _is_num(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def pooled_base_reward(runs: Sequence[tuple[Sequence[dict], int, int]],
@@ -145,8 +153,8 @@ def _fmt(v: Any, pct: bool = False) -> str:
 def format_table(rows: Sequence[ArmSummary], rule: CollapseRule = CollapseRule()) -> str:
     """The paper-style table as markdown."""
     head = ("| arm | staleness | updates | best held-out acc (update) | final held-out acc | base reward | "
-            "final reward | mean clip / mask frac | collapsed |")
-    lines = [head, "|" + "---|" * 9]
+            "final reward | mean clip / mask frac | on stale steps | collapsed |")
+    lines = [head, "|" + "---|" * 10]
     for s in rows:
         best = _fmt(s.best_acc) + (f" ({s.best_acc_update})" if s.best_acc_update is not None else "")
         tr = _fmt(s.mean_tr_frac, pct=True)
@@ -155,8 +163,11 @@ def format_table(rows: Sequence[ArmSummary], rule: CollapseRule = CollapseRule()
         elif s.tr_key:
             tr += " clip" if s.loss == "grpo" else " mask"
         lines.append(f"| {s.label} | {s.staleness} | {s.updates} | {best} | {_fmt(s.final_acc)} | "
-                     f"{_fmt(s.base_reward)} | {_fmt(s.final_reward)} | {tr} | {_fmt(s.collapsed)} |")
+                     f"{_fmt(s.base_reward)} | {_fmt(s.final_reward)} | {tr} | {_fmt(s.stale_tr_frac, pct=True)} | "
+                     f"{_fmt(s.collapsed)} |")
     lines.append("")
+    lines.append("\"on stale steps\": mean clip / mask fraction over the steps whose tokens are all at least "
+                 "the arm's staleness old.")
     lines.append(f"Rule: {rule.describe()}.")
     return "\n".join(lines)
 
@@ -172,6 +183,7 @@ SEED_COLUMNS: list[tuple[str, str, bool]] = [
     ("final_reward", "final reward", False),
     ("best_reward", "best reward", False),
     ("mean_tr_frac", "mean clip / mask frac", True),
+    ("stale_tr_frac", "clip / mask frac on stale steps", True),
     ("mean_kl_k3", "mean KL k3", False),
 ]
 
