@@ -265,8 +265,11 @@ def format_seed_table(aggs: Sequence[ArmAggregate], rule: CollapseRule = Collaps
         cells = [_pm(a.stats[attr], pct) for attr, _, pct in SEED_COLUMNS]
         lines.append(f"| {a.label} | {a.staleness} | {len(a.seeds)} | " + " | ".join(cells)
                      + f" | {a.collapsed}/{a.judged} |")
-    lines += ["", "Mean ± sample standard deviation over seeds "
-              + ", ".join(f"{a.label}: {_seed_range(a.seeds)}" for a in aggs) + "."]
+    if len({tuple(a.seeds) for a in aggs}) == 1:
+        over = _seed_range(aggs[0].seeds) + " for every arm"
+    else:
+        over = ", ".join(f"{a.label}: {_seed_range(a.seeds)}" for a in aggs)
+    lines += ["", f"Mean ± sample standard deviation (n - 1) over {over}."]
     diffs = seed_differences(aggs, z)
     lines += ["", f"Differences that exceed the seed-to-seed spread (|mean_a - mean_b| > {z:g} x "
               "sqrt(std_a²/n_a + std_b²/n_b), Welch's standard error of the difference):"]
