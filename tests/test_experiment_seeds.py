@@ -152,7 +152,7 @@ def test_report_over_seeds_writes_mean_std_table_bands_and_sweep_figure(tmp_path
     assert len(js["arms"]) == 4 and {a["extra"]["seed"] for a in js["arms"]} == set(spec["seeds"])
     assert js["aggregate"][1]["stats"]["final_acc"]["values"] == [0.30, 0.31]
     assert (tmp_path / "fig" / "heldout_acc.png").stat().st_size > 5000
-    path = write_sweep_figure(aggs, spec["values"], "staleness", tmp_path / "fig" / "sweep.png")
+    path = write_sweep_figure(list(zip(spec["values"], aggs)), "staleness", tmp_path / "fig" / "sweep.png")
     assert path.stat().st_size > 5000
 
 

@@ -103,7 +103,8 @@ def test_rerun_with_the_same_seed_reproduces_the_first_steps(tmp_path):
     among values above 1e-4 (``loss/policy`` ~7e-4) and 1.2e-8 absolute below (the KL of the
     on-policy first update, ~1e-7, is rounding); ``m2po/n_trust`` by 1-2 tokens at the on-policy
     update (not compared). Tolerances: 1e-4 on dumped floats, 1e-4 relative or 1e-6 absolute on
-    metrics. ~35 s on 2 idle cores (90 s at load average 20)."""
+    metrics. One such run alone took 24 s on the quiet 2-core machine; the test (two runs side by
+    side) took 87 s at load average ~20."""
     _train_all(tmp_path, {"a": [f"trainer.seed={SEED}"], "b": [f"trainer.seed={SEED}"]})
     da, db = _dumps(tmp_path / "a"), _dumps(tmp_path / "b")
     assert len(da) == len(db) == 3

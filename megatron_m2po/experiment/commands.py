@@ -198,7 +198,9 @@ def _go(args: argparse.Namespace, runs: list[ArmRun], spec: dict[str, Any], **re
     if spec.get("sweep"):
         from megatron_m2po.experiment.figures import write_sweep_figure
 
-        path = write_sweep_figure(aggs, spec["values"], spec["sweep"], figures_dir / f"sweep_{spec['sweep']}.png")
+        value = dict(zip(spec["arms"], spec["values"]))  # arms are planned in the order of the sorted values
+        path = write_sweep_figure([(value[a.arm], a) for a in aggs], spec["sweep"],
+                                  figures_dir / f"sweep_{spec['sweep']}.png")
         print(f"sweep figure: {path}")
     bad = [r for r in runs if r.status not in ("done", "skipped")]
     for r in bad:

@@ -133,29 +133,31 @@ def _all_positive(ax) -> bool:
 
 
 
-def write_sweep_figure(aggs: Sequence, values: Sequence[float], sweep: str, path: Path) -> Path:
-    """Best / final held-out accuracy, final reward and clip / mask fraction against the swept value
-    (staleness k or threshold τ), one point per arm: mean over seeds, error bar ±1 std (none with one seed)."""
+def write_sweep_figure(points: Sequence[tuple[float, object]], sweep: str, path: Path) -> Path:
+    """Best / final held-out accuracy, final reward and clip / mask fraction on stale steps against the
+    swept value (staleness k or threshold τ): ``points`` = (value, :class:`ArmAggregate`) per arm;
+    mean over seeds, error bars ±1 std (none with one seed)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    xs = list(values)
     panels = [("best_acc", "best held-out acc"), ("final_acc", "final held-out acc"),
-              ("final_reward", "final training reward"), ("mean_tr_frac", "mean clip / mask fraction")]
+              ("final_reward", "final training reward"), ("stale_tr_frac", "clip / mask fraction on stale steps")]
     fig, axes = plt.subplots(1, len(panels), figsize=(4.0 * len(panels), 3.6), dpi=110)
     for ax, (attr, title) in zip(axes, panels):
-        pts = [(x, a.stats[attr]) for x, a in zip(xs, aggs) if a.stats[attr].mean is not None]
+        pts = sorted((x, a.stats[attr]) for x, a in points if a.stats[attr].mean is not None)
         if pts:
             ax.errorbar([x for x, _ in pts], [s.mean for _, s in pts], yerr=[s.std or 0.0 for _, s in pts],
                         marker="o", capsize=3)
+            if sweep == "threshold":
+                ax.set_xscale("log")
+        else:
+            ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("staleness k (updates)" if sweep == "staleness" else "M2PO threshold τ")
-        if sweep == "threshold":
-            ax.set_xscale("log")
         ax.grid(True, alpha=0.3)
-    n = max((len(a.seeds) for a in aggs), default=1)
+    n = max((len(a.seeds) for _, a in points), default=1)
     fig.suptitle(f"{sweep} sweep: mean over {n} seed(s)" + (", error bars ±1 std" if n > 1 else ""), fontsize=10)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
