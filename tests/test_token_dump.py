@@ -197,3 +197,43 @@ def test_entropy_command_on_dumped_steps(tmp_path):
         entropy_run(argparse.Namespace(run_dir=str(run_dir), min_staleness=9, bins=8, out=None))
     with pytest.raises(ValueError, match="dump_tokens_every"):
         entropy_run(argparse.Namespace(run_dir=str(tmp_path), min_staleness=None, bins=8, out=None))
+
+
+def _dp_dump_worker(rank, world, payload):
+    """One data-parallel rank: records the micro-batches of its shard of each mini-batch."""
+    from megatron_m2po.actor.batch import dp_shard
+
+    cfg, minis, values, out = payload
+    actor = types.SimpleNamespace(is_last_stage=True, tp_rank=0, token_hook=None)
+    dump = TokenDump(cfg, actor, Path(out))
+    dump.begin(0)
+    first = 0
+    for j, (mini, (logp, ent)) in enumerate(zip(minis, values)):
+        for mb in make_microbatches(mini.samples, dp_shard(len(mini.samples), world, rank), 2):
+            idx = mb.token_index.numpy()
+            actor.token_hook(mb, torch.from_numpy(logp[idx]), torch.from_numpy(ent[idx]), None)
+        dump.end_update(mini, 4 + j, first)
+        first += len(mini.samples)
+    return str(dump.write())
+
+
+@pytest.mark.multiproc
+def test_dump_over_data_parallel_ranks_equals_one_process(tmp_path):
+    """Two gloo ranks, each recording its data-parallel shard: rank 0 writes the same file as one
+    process recording everything."""
+    from megatron_m2po.utils.dist_testing import run_distributed
+
+    rng = np.random.default_rng(6)
+    cfg = _dump_cfg(tmp_path, dump_tokens_every=1)
+    minis = [RolloutBatch(_samples(rng, 5, version=0)), RolloutBatch(_samples(rng, 6, version=1))]
+    values = []
+    for m in minis:
+        n = sum(s.response_ids.shape[0] for s in m.samples)
+        values.append((-rng.random(n).astype(np.float32), rng.random(n).astype(np.float32)))
+    res = run_distributed(_dp_dump_worker, 2, args=((cfg, minis, values, str(tmp_path / "dp")),), timeout_s=120)
+    assert res[1] == "None" and res[0].endswith("step_000000.npz")
+    single = _dp_dump_worker(0, 1, (cfg, minis, values, str(tmp_path / "one")))
+    a, b = read_token_dump(Path(res[0]))[0], read_token_dump(Path(single))[0]
+    assert set(a) == set(b) and len(a["token"]) > 20
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
