@@ -145,16 +145,20 @@ def _fmt(v: Any, pct: bool = False) -> str:
         return "—"
     if isinstance(v, bool):
         return "yes" if v else "no"
-    if pct:
-        return f"{100 * v:.1f}%"
+    if pct:  # two decimals below 1 % (the paper's mask fractions are ~0.06 %)
+        return f"{100 * v:.2f}%" if 0 < abs(v) < 0.01 else f"{100 * v:.1f}%"
     return f"{v:.3f}"
+
+
+def _kl(v: Optional[float]) -> str:
+    return "—" if v is None else f"{v:.2g}"
 
 
 def format_table(rows: Sequence[ArmSummary], rule: CollapseRule = CollapseRule()) -> str:
     """The paper-style table as markdown."""
     head = ("| arm | staleness | updates | best held-out acc (update) | final held-out acc | base reward | "
-            "final reward | mean clip / mask frac | on stale steps | collapsed |")
-    lines = [head, "|" + "---|" * 10]
+            "final reward | mean clip / mask frac | on stale steps | mean KL k3 | collapsed |")
+    lines = [head, "|" + "---|" * 11]
     for s in rows:
         best = _fmt(s.best_acc) + (f" ({s.best_acc_update})" if s.best_acc_update is not None else "")
         tr = _fmt(s.mean_tr_frac, pct=True)
@@ -164,10 +168,11 @@ def format_table(rows: Sequence[ArmSummary], rule: CollapseRule = CollapseRule()
             tr += " clip" if s.loss == "grpo" else " mask"
         lines.append(f"| {s.label} | {s.staleness} | {s.updates} | {best} | {_fmt(s.final_acc)} | "
                      f"{_fmt(s.base_reward)} | {_fmt(s.final_reward)} | {tr} | {_fmt(s.stale_tr_frac, pct=True)} | "
-                     f"{_fmt(s.collapsed)} |")
+                     f"{_kl(s.mean_kl_k3)} | {_fmt(s.collapsed)} |")
     lines.append("")
     lines.append("\"on stale steps\": mean clip / mask fraction over the steps whose tokens are all at least "
-                 "the arm's staleness old.")
+                 "the arm's staleness old; \"mean KL k3\": KL(behaviour || current) of the trained tokens, mean over "
+                 "steps (for an on-policy arm: the policy's drift within a step).")
     lines.append(f"Rule: {rule.describe()}.")
     return "\n".join(lines)
 
