@@ -104,6 +104,8 @@ class Workload:
     seq_len: int                # longest sequence (prompt + response)
     updates_per_step: int = 1
     packing: bool = False       # sequences concatenated up to the token budget (no padding)
+    response_frac: float = 1.0  # fraction of tokens that are response rows (the output layer runs on these)
+    prepass: bool = False       # the loss needs a forward-only pre-pass per update (M2PO's global mask)
 
 
 @dataclass
@@ -181,7 +183,8 @@ def step_time(m: ModelShape, lay: Layout, work: Workload, budget_k: int, cm: Cos
     # forward FLOPs on one GPU for one micro-batch (the last stage also runs the output layer)
     matmul_params = m.layer_params() - 2 * h      # norms are not matmuls
     dense_fwd = 2 * tokens_mb * matmul_params * layers / tp
-    head_fwd = 2 * tokens_mb * h * m.vocab / tp    # the slowest stage is the last: it has the head
+    # the slowest stage is the last: it runs the output layer, on response rows only
+    head_fwd = 2 * tokens_mb * work.response_frac * h * m.vocab / tp
     attn_fwd = 2 * m.q_size * attn_sq_mb * layers / tp   # QK^T and AV, causal half
     peak = cm.peak_tflops * 1e12
     g_eff = cm.gemm_eff * tokens_mb / (tokens_mb + cm.gemm_half_tokens)
@@ -206,6 +209,12 @@ def step_time(m: ModelShape, lay: Layout, work: Workload, budget_k: int, cm: Cos
     overhead = cm.layer_overhead_s * layers
     t_mb = compute + recompute + tp_comm + pp_comm + overhead
     bubble = t_mb * (pp - 1) / vpp                  # 1F1B: (pp - 1) micro-batch times, / vpp interleaved
+    # M2PO's global mask: one forward-only pass over the mini-batch first (its own fill and drain)
+    prepass = 0.0
+    if work.prepass:
+        fwd_mb = ((dense_fwd + head_fwd) / (peak * g_eff) + attn_fwd / (peak * cm.attn_eff)
+                  + (tp_comm / 2 if lay.recompute != "full" else tp_comm / 3) + pp_comm / 2 + overhead / 3)
+        prepass = fwd_mb * (n_mb + (pp - 1) / vpp)
     # DP: gradients (fp32) reduced over dp; the distributed optimizer reduce-scatters them and
     # all-gathers the bf16 parameters instead of one all-reduce.
     vocab_p = padded_vocab(m.vocab, tp, lay.vocab_divisible_by)
@@ -223,8 +232,8 @@ def step_time(m: ModelShape, lay: Layout, work: Workload, budget_k: int, cm: Cos
     if cm.overlap_comm:
         tp_comm = pp_comm = dp_comm = 0.0
     t = {"compute": n_mb * compute, "recompute": n_mb * recompute, "tp_comm": n_mb * tp_comm,
-         "pp_comm": n_mb * pp_comm, "overhead": n_mb * overhead, "bubble": bubble, "dp_comm": dp_comm,
-         "optimizer": optimizer}
+         "pp_comm": n_mb * pp_comm, "overhead": n_mb * overhead, "bubble": bubble, "prepass": prepass,
+         "dp_comm": dp_comm, "optimizer": optimizer}
     t["update"] = sum(t.values())
     t["step"] = t["update"] * work.updates_per_step
     return n_mb, t
@@ -232,10 +241,10 @@ def step_time(m: ModelShape, lay: Layout, work: Workload, budget_k: int, cm: Cos
 
 def model_flops_per_update(m: ModelShape, work: Workload, cm: CostModel = CostModel()) -> float:
     """Useful training FLOPs of one update: 3 x forward of the real tokens (no padding, no
-    recompute), the MFU numerator."""
+    recompute, no pre-pass), the MFU numerator."""
     mean, sq, _ = _len_stats(work.seq_len, cm.mean_len_frac, 1)
     tokens = work.sequences * mean
-    fwd = 2 * tokens * ((m.layer_params() - 2 * m.hidden) * m.layers + m.hidden * m.vocab)
+    fwd = 2 * tokens * ((m.layer_params() - 2 * m.hidden) * m.layers + work.response_frac * m.hidden * m.vocab)
     fwd += 2 * m.q_size * work.sequences * sq * m.layers
     return 3 * fwd
 
@@ -258,12 +267,17 @@ class SearchResult:
     ranked: list[Candidate]          # fitting candidates, fastest first
     rejected: list[Candidate]        # enumerated but not fitting (plan errors or over the headroom)
     current: Optional[Candidate]     # the config's own layout, evaluated the same way
+    tie: float = 0.02                # layouts within this fraction of the fastest count as equally fast
 
     @property
     def best(self) -> Candidate:
+        """The chosen layout: the least memory among those within ``tie`` of the fastest (the
+        estimate is not finer than that; spare memory is not), then the faster."""
         if not self.ranked:
             raise PlanError(self._nothing_fits())
-        return self.ranked[0]
+        limit = self.ranked[0].step_s * (1 + self.tie)
+        near = [c for c in self.ranked if c.step_s <= limit]
+        return min(near, key=lambda c: (round(c.memory_gib, 1), c.step_s))
 
     def rank_of(self, c: Candidate) -> Optional[int]:
         for i, r in enumerate(self.ranked):
@@ -333,19 +347,26 @@ def _evaluate(cfg: Config, m: ModelShape, work: Workload, cost: CostModel, k: in
 
 def search_config(cfg: Config, m: ModelShape, *, nnodes: int = 1, gpus_per_node: int = 8,
                   node_gpus: Optional[int] = None, gpu_mem_gib: float = 80.0, cost: CostModel = CostModel(),
-                  headroom: float = 0.1, max_vpp: int = 4) -> SearchResult:
+                  headroom: float = 0.1, max_vpp: int = 4, tie: float = 0.02) -> SearchResult:
     """Every layout of ``cfg``'s model on ``nnodes x gpus_per_node`` GPUs, ranked by step time.
 
     A layout fits when :func:`~megatron_m2po.planner.plan` accepts it and its worst stage needs at
-    most ``(1 - headroom)`` of the memory budget (a margin for the estimate's error).
+    most ``(1 - headroom)`` of the memory budget (a margin for the estimate's error). The chosen
+    one (:attr:`SearchResult.best`) needs the least memory among those within ``tie`` of the
+    fastest estimated step time.
     """
     if not 0 <= headroom < 1:
         raise PlanError(f"headroom={headroom} must be in [0, 1)")
     world = nnodes * gpus_per_node
     seq_len = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
     packing, _budget = packing_of(cfg)
+    from megatron_m2po.algo.losses import loss_settings, resolve_loss
+
+    spec = resolve_loss(cfg.algo)
     work = Workload(sequences=cfg.trainer.prompts_per_update * cfg.rollout.n_samples_per_prompt, seq_len=seq_len,
-                    updates_per_step=cfg.trainer.num_updates_per_step, packing=packing)
+                    updates_per_step=cfg.trainer.num_updates_per_step, packing=packing,
+                    response_frac=cfg.rollout.max_new_tokens / seq_len,
+                    prepass=spec.needs_global_mask_prepass(loss_settings(spec, cfg.algo)))
     common = dict(nnodes=nnodes, gpus_per_node=gpus_per_node, node_gpus=node_gpus, gpu_mem_gib=gpu_mem_gib)
     ranked: list[Candidate] = []
     rejected: list[Candidate] = []
@@ -389,7 +410,7 @@ def search_config(cfg: Config, m: ModelShape, *, nnodes: int = 1, gpus_per_node:
     except PlanError:
         current = None
     return SearchResult(model=m, work=work, cost=cost, world=world, headroom=headroom, ranked=ranked,
-                        rejected=rejected, current=current)
+                        rejected=rejected, current=current, tie=tie)
 
 
 def _micro_batches(work: Workload, dp: int, k: int, cost: CostModel) -> int:
@@ -434,7 +455,8 @@ def result_to_dict(res: SearchResult, top: int) -> dict[str, Any]:
             "cost_model": dataclasses.asdict(res.cost), "headroom": res.headroom,
             "enumerated": len(res.ranked) + len(res.rejected), "fitting": len(res.ranked),
             "top": [_row(res, c) for c in res.ranked[:top]],
-            "chosen": dict(_row(res, res.best), parallel=parallel_section(res.best, res.work.packing)),
+            "chosen": dict(_row(res, res.best), rank=res.rank_of(res.best),
+                           parallel=parallel_section(res.best, res.work.packing)),
             "current": (dict(_row(res, res.current), rank=res.rank_of(res.current))
                         if res.current is not None and res.current.fits else None)}
 
@@ -446,8 +468,9 @@ def print_search(res: SearchResult, top: int = 5) -> None:
     con = Console(width=160)
     w = res.work
     con.print(f"[bold]{res.model.name}[/] on {res.world} GPUs: {w.sequences} sequences of <= {w.seq_len} tokens "
-              f"per update, {w.updates_per_step} updates per step, "
-              f"{'packed' if w.packing else 'right-padded'} micro-batches")
+              f"per update ({w.response_frac:.0%} response), {w.updates_per_step} updates per step, "
+              f"{'packed' if w.packing else 'right-padded'} micro-batches"
+              f"{', a forward-only mask pre-pass per update' if w.prepass else ''}", highlight=False)
     con.print("cost model (docs/planner.md):")
     for line in res.cost.describe():
         con.print(f"  {line}", highlight=False, markup=False)
@@ -456,19 +479,22 @@ def print_search(res: SearchResult, top: int = 5) -> None:
     best = res.best
     t = Table(title=f"{len(res.ranked)} of {len(res.ranked) + len(res.rejected)} layouts fit; fastest first "
                     f"(seconds per step)")
-    cols = ["#", "layout", "GiB", "mb/upd", "step s", "compute", "recomp", "tp", "pp", "bubble", "dp", "optim",
-            "MFU"]
+    cols = ["#", "layout", "GiB", "mb/upd", "step s", "compute", "recomp", "prepass", "tp", "pp", "bubble", "dp",
+            "optim", "MFU"]
     for ccol in cols:
         t.add_column(ccol, justify="left" if ccol == "layout" else "right")
     shown = list(res.ranked[:top])
+    if not any(same_layout(best, c) for c in shown):
+        shown.append(best)
     if res.current is not None and res.current.fits and not any(same_layout(res.current, c) for c in shown):
         shown.append(res.current)
     for c in shown:
         r = _row(res, c)
         rank = res.rank_of(c)
-        name = r["layout"] + (" (config)" if res.current is not None and same_layout(c, res.current) else "")
+        name = r["layout"] + (" (config)" if res.current is not None and same_layout(c, res.current) else "") \
+            + (" (chosen)" if same_layout(c, best) else "")
         t.add_row(str(rank), name, f"{r['memory_gib']:.1f}", str(r["micro_batches"]), f"{r['step_s']:.1f}",
-                  f"{r['compute']:.1f}", f"{r['recompute']:.1f}", f"{r['tp_comm']:.1f}", f"{r['pp_comm']:.1f}",
+                  f"{r['compute']:.1f}", f"{r['recompute']:.1f}", f"{r['prepass']:.1f}", f"{r['tp_comm']:.1f}", f"{r['pp_comm']:.1f}",
                   f"{r['bubble']:.1f}", f"{r['dp_comm']:.1f}", f"{r['optimizer']:.2f}", f"{r['mfu']:.2f}")
     con.print(t)
     cur = res.current
@@ -481,7 +507,8 @@ def print_search(res: SearchResult, top: int = 5) -> None:
         con.print(f"config's layout does not fit: {why}", highlight=False)
     sec = parallel_section(best, w.packing)
     con.print(f"[bold green]chosen[/]: {best.label()}: {best.step_s:.1f} s/step, {best.memory_gib:.1f} GiB of "
-              f"{best.layout.budget_gib:.0f} GiB", highlight=False)
+              f"{best.layout.budget_gib:.0f} GiB (the least memory within {res.tie:.0%} of the fastest, "
+              f"{res.ranked[0].step_s:.1f} s/step)", highlight=False)
     con.print("parallel:\n" + "\n".join(f"  {k}: {str(v).lower() if isinstance(v, bool) else v}"
                                         for k, v in sec.items()), highlight=False)
 
@@ -500,6 +527,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top", type=int, default=5, help="With --search: how many layouts to print.")
     p.add_argument("--headroom", type=float, default=0.1,
                    help="With --search: fraction of the GPU budget kept free for the estimate's error.")
+    p.add_argument("--tie", type=float, default=0.02,
+                   help="With --search: layouts within this fraction of the fastest count as equally fast; the "
+                        "chosen one is the least memory among them.")
     p.set_defaults(func=run)
 
 
@@ -519,7 +549,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         m = planner._resolve_model(args, cfg)
         res = search_config(cfg, m, nnodes=args.nnodes, gpus_per_node=args.gpus_per_node, node_gpus=args.node_gpus,
-                            gpu_mem_gib=args.gpu_mem_gib, headroom=args.headroom)
+                            gpu_mem_gib=args.gpu_mem_gib, headroom=args.headroom, tie=args.tie)
         res.best  # noqa: B018 -- raises PlanError naming why nothing fits
     except PlanError as e:
         print(f"m2po plan --search: {e}", file=sys.stderr)

@@ -359,6 +359,10 @@ def test_step_time_by_hand_single_gpu():
     _, sel = S.step_time(TOY, P.Layout(recompute="selective"), work, 1, FLAT)
     assert full["recompute"] == pytest.approx(4 * (dense + attn) / 5e14)
     assert sel["recompute"] == pytest.approx(4 * attn / 5e14)
+    # M2PO's global mask: one more forward over the mini-batch; the head runs on response rows only
+    _, pre = S.step_time(TOY, P.Layout(), dataclasses_replace(work, prepass=True, response_frac=0.25), 1, FLAT)
+    assert pre["prepass"] == pytest.approx(4 * (dense + head / 4 + attn) / 5e14)
+    assert pre["compute"] == pytest.approx(4 * (3 * dense + 4 * head / 4 + 3 * attn) / 5e14)
 
 
 def test_comm_by_hand_and_tp_beyond_a_node_is_penalised():
@@ -452,6 +456,18 @@ def test_search_full_recompute_ranks_behind_selective(search32):
              if k[-1] == "selective" and k[:-1] + ("full",) in by_key]
     assert len(pairs) > 20
     assert all(sel < full for sel, full in pairs)
+
+
+def test_chosen_is_the_least_memory_within_the_tie(search32):
+    res = search32
+    fastest = res.ranked[0]
+    near = [c for c in res.ranked if c.step_s <= fastest.step_s * 1.02]
+    assert any(c is res.best for c in near)
+    assert round(res.best.memory_gib, 1) == min(round(c.memory_gib, 1) for c in near)
+    strict = dataclasses_replace(res, tie=0.0)
+    assert strict.best is fastest or strict.best.step_s == fastest.step_s
+    loose = dataclasses_replace(res, tie=10.0)       # everything ties: the smallest layout that fits
+    assert round(loose.best.memory_gib, 1) == min(round(c.memory_gib, 1) for c in res.ranked)
 
 
 def test_search_with_nothing_fitting_says_why(capsys):
