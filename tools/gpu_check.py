@@ -28,8 +28,8 @@ It prints one table, a row per claim:
    CPU ones), and the M2PO gradient norm within 5 % (relative). A real defect (wrong RoPE, mask,
    GQA grouping, norm, bias mapping, vocab-parallel reduction) moves log-probs by a sizeable
    fraction of their spread: many units. A negative-control row shows the check has teeth on
-   this very model: the fp32 path with its q/k/v biases dropped must land above 4 units (15 on
-   the smoke model).
+   this very model: the fp32 path with its q/k/v biases dropped must land above 4 units (on CPU:
+   15 at the smoke shapes, 31 at this row's GPU shapes, where CPU bf16 measured 0.6-0.8 units).
 
 2. **fused log-prob vs naive, memory and time** -- ``megatron_m2po.parallel.logprobs`` (chunked,
    recomputing, never ``[T, V]`` logits) against materialised logits + ``log_softmax`` + entropy,
@@ -181,16 +181,18 @@ def make_random_qwen2(out_dir: Path, *, seed: int, init_std: float, **shape: Any
     cfg = tr.Qwen2Config(**shape)
     with torch.device("meta"):
         meta = tr.Qwen2ForCausalLM(cfg)
-    g = torch.Generator().manual_seed(seed)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"  # 1.5B normal samples: seconds on a GPU
+    g = torch.Generator(device=dev).manual_seed(seed)
     tensors = {}
     for name, p in meta.named_parameters():  # a tied lm_head is the embedding: listed once
+        t = torch.randn(p.shape, generator=g, device=dev)
         if "norm" in name:
-            t = 1.0 + 0.1 * torch.randn(p.shape, generator=g)
+            t = 1.0 + 0.1 * t
         elif name.endswith(".bias"):
-            t = 0.1 * torch.randn(p.shape, generator=g)
+            t = 0.1 * t
         else:
-            t = init_std * torch.randn(p.shape, generator=g)
-        tensors[name] = t.to(torch.bfloat16).contiguous()
+            t = init_std * t
+        tensors[name] = t.to(torch.bfloat16).cpu().contiguous()
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     cfg.save_pretrained(out_dir)
     return out_dir
