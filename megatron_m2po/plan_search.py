@@ -132,8 +132,9 @@ class Candidate:
 
     def label(self) -> str:
         lay = self.layout
-        return (f"tp={lay.tp} pp={lay.pp} vpp={lay.vpp or '-'} dp={lay.dp} recompute={lay.recompute} "
-                f"dist-opt={'on' if lay.distributed_optimizer else 'off'} budget={self.budget_k}x")
+        return (f"tp={lay.tp} pp={lay.pp}{f' vpp={lay.vpp}' if lay.vpp else ''} dp={lay.dp} "
+                f"recompute={lay.recompute} dist-opt={'on' if lay.distributed_optimizer else 'off'} "
+                f"mb={self.budget_k}x{lay.seq_len}")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -465,7 +466,7 @@ def print_search(res: SearchResult, top: int = 5) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    con = Console(width=160)
+    con = Console(width=200)
     w = res.work
     con.print(f"[bold]{res.model.name}[/] on {res.world} GPUs: {w.sequences} sequences of <= {w.seq_len} tokens "
               f"per update ({w.response_frac:.0%} response), {w.updates_per_step} updates per step, "
@@ -482,7 +483,7 @@ def print_search(res: SearchResult, top: int = 5) -> None:
     cols = ["#", "layout", "GiB", "mb/upd", "step s", "compute", "recomp", "prepass", "tp", "pp", "bubble", "dp",
             "optim", "MFU"]
     for ccol in cols:
-        t.add_column(ccol, justify="left" if ccol == "layout" else "right")
+        t.add_column(ccol, justify="left" if ccol == "layout" else "right", no_wrap=ccol == "layout")
     shown = list(res.ranked[:top])
     if not any(same_layout(best, c) for c in shown):
         shown.append(best)
