@@ -373,6 +373,9 @@ def plan(m: ModelShape, lay: Layout) -> Plan:
                     f"over TP; use tp in {ok_tp}")
     if m.ffn % lay.tp:
         errs.append(f"intermediate_size {m.ffn} not divisible by tp {lay.tp}: use tp in {ok_tp}")
+    if m.vocab % lay.tp:  # the actor refuses it (actor/model.py): padded rows would change the normaliser
+        errs.append(f"vocab_size {m.vocab} not divisible by tp {lay.tp}: the actor refuses padded vocabulary rows; "
+                    f"use tp in {[d for d in ok_tp if m.vocab % d == 0]}")
     stages = lay.pp * (lay.vpp or 1)
     if m.layers % stages:
         what = f"pp*vpp = {lay.pp}*{lay.vpp}" if lay.vpp else f"pp {lay.pp}"
@@ -533,7 +536,8 @@ def _bool_flag(p: argparse.ArgumentParser, name: str, help: str) -> None:
                    help=help)
 
 
-def register(sub: argparse._SubParsersAction) -> None:
+def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add ``m2po plan`` (``plan_search.register`` extends it with ``--search``)."""
     p = sub.add_parser("plan", help="Estimate per-GPU memory of a layout and reject impossible ones.",
                        description=__doc__.split("\n\n")[0])
     p.add_argument("config", nargs="?", help="Run config YAML (omit for the defaults).")
@@ -560,6 +564,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--overhead-gib", type=float, default=None, help="Fixed overhead per GPU (GiB, default 3).")
     p.add_argument("--json", action="store_true", help="Print the plan as JSON.")
     p.set_defaults(func=run)
+    return p
 
 
 def _resolve_model(args: argparse.Namespace, cfg: Config) -> ModelShape:

@@ -67,7 +67,7 @@ def test_dry_run_rejects_impossible_layout_and_bad_keys():
     assert "tp=16 exceeds GPUs per node 8" in r.stdout
     r = sh("run_qwen3_8b.sh", "--dry-run", "algo.m2po.treshold=0.1")
     assert r.returncode == 2 and "algo.m2po.threshold" in r.stderr  # "did you mean"
-    r = sh("run_qwen2.5_32b.sh", "--dry-run", GPUS_PER_NODE=6, MASTER_ADDR="h")  # 24 GPUs, tp*pp = 16
+    r = sh("run_qwen2.5_32b.sh", "--dry-run", GPUS_PER_NODE=5, MASTER_ADDR="h")  # 20 GPUs, tp*pp = 8
     assert r.returncode == 1 and "not divisible by tp*pp*cp" in r.stderr
 
 

@@ -1,0 +1,562 @@
+"""``m2po plan --search``: enumerate the layouts that fit and rank them by estimated step time.
+
+The memory of each candidate comes from :func:`megatron_m2po.planner.plan` (the same estimate and
+the same refusals as ``m2po plan``); the time comes from the cost model below. Every assumption
+is a field of :class:`CostModel` with its value and reason, and ``m2po plan --search`` prints
+them (docs/planner.md explains the model).
+
+Candidates (for the config's cluster, ``nnodes x gpus_per_node`` trainer GPUs):
+
+* ``tp`` dividing the attention heads, the KV heads, the FFN width and the vocabulary, at most
+  the GPUs of a node (``plan`` refuses more); sequence parallel whenever ``tp > 1`` (it divides
+  the replicated activations by ``tp`` at the same communication volume, so it is never worse);
+* ``pp`` dividing the layers, ``tp * pp`` dividing the world; ``vpp`` in 2..4 where the layers
+  split into ``pp * vpp`` chunks and there are at least ``pp`` micro-batches (Megatron's
+  interleaved schedule needs ``microbatch_group_size_per_vp_stage >= pp``);
+* recompute ``none`` / ``selective`` / ``full``; distributed optimizer off / on;
+* a micro-batch token budget of ``k x seq_len``, ``k`` in 1, 2, 4, 8. Without packing (the
+  actor today) that is ``parallel.micro_batch_size = k`` sequences right-padded to the longest;
+  with packing it is ``parallel.max_tokens_per_microbatch = k * seq_len`` tokens.
+
+Workload: ``prompts_per_update * n_samples_per_prompt`` sequences per optimizer update,
+``num_updates_per_step`` updates per step, lengths ``seq_len = max_prompt + max_new`` at most.
+The cost model assumes lengths uniform on ``[a, seq_len]`` with mean ``mean_len_frac *
+seq_len`` (0.5 by default, so ``a = 0``): a padded micro-batch of ``k`` sequences then costs
+``k * E[max of k]`` tokens, ``E[max] = a + (seq_len - a) k / (k + 1)``; for ``k`` = 2 / 4 / 8
+that wastes 25 / 38 / 44 % of the tokens on padding at the default mean, close to what a
+log-normal length distribution grouped by prompt gives (23 / 38 / 49 %).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from megatron_m2po import planner
+from megatron_m2po.config import Config, load_config
+from megatron_m2po.planner import (GiB, Layout, ModelShape, Plan, PlanError, _stage_params, padded_vocab,
+                                   plan_from_config)
+
+__all__ = ["CostModel", "Workload", "Candidate", "SearchResult", "step_time", "model_flops_per_update",
+           "search_config", "parallel_section", "packing_of", "print_search", "result_to_dict", "register"]
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Assumptions of the step-time estimate (H100 SXM defaults). Each field says why."""
+
+    peak_tflops: float = 989.0
+    """Dense bf16 peak of one H100 SXM (TFLOP/s)."""
+    gemm_eff: float = 0.55
+    """Fraction of peak that large bf16 GEMMs reach in a Megatron transformer layer."""
+    gemm_half_tokens: int = 128
+    """GEMM efficiency scales as T/(T + this) for T tokens per micro-batch: small micro-batches
+    run skinny matrices."""
+    attn_eff: float = 0.40
+    """Fraction of peak that flash attention (forward + backward) reaches."""
+    intra_node_gbs: float = 300.0
+    """NCCL bus bandwidth inside a node (NVLink 4: ~450 GB/s per direction, ~300 achieved)."""
+    inter_node_gbs: float = 40.0
+    """NCCL bus bandwidth per GPU across nodes (one 400 Gb/s InfiniBand NIC per GPU, ~80 %)."""
+    hbm_gbs: float = 2300.0
+    """Achieved HBM bandwidth for the optimizer step (3.35 TB/s peak x ~0.7)."""
+    layer_overhead_s: float = 1e-4
+    """Fixed time per layer per micro-batch (forward + backward kernel launches, norms, rotary,
+    small element-wise kernels that do not scale with FLOPs)."""
+    pack_fill: float = 0.95
+    """With packing, a micro-batch holds this fraction of its token budget on average."""
+    mean_len_frac: float = 0.5
+    """Mean sequence length / seq_len (lengths uniform on [a, seq_len] with this mean)."""
+    overlap_comm: bool = False
+    """Tensor-, pipeline- and data-parallel communication is not overlapped with compute (the
+    actor does not turn on Megatron's overlap_grad_reduce / TP comm overlap): conservative."""
+
+    def describe(self) -> list[str]:
+        doc = _field_docs()
+        return [f"{f.name} = {getattr(self, f.name)!r}: {doc.get(f.name, '')}" for f in dataclasses.fields(self)]
+
+
+def _field_docs() -> dict[str, str]:
+    """Attribute docstrings of CostModel, read from its source (one place for value and reason)."""
+    import ast
+    import inspect
+    import textwrap
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(CostModel)))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    out: dict[str, str] = {}
+    for a, b in zip(body, body[1:]):
+        if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant):
+            out[a.target.id] = " ".join(str(b.value.value).split())  # type: ignore[union-attr]
+    return out
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What one optimizer update trains on."""
+
+    sequences: int              # per optimizer update, all data-parallel ranks together
+    seq_len: int                # longest sequence (prompt + response)
+    updates_per_step: int = 1
+    packing: bool = False       # sequences concatenated up to the token budget (no padding)
+    response_frac: float = 1.0  # fraction of tokens that are response rows (the output layer runs on these)
+    prepass: bool = False       # the loss needs a forward-only pre-pass per update (M2PO's global mask)
+
+
+@dataclass
+class Candidate:
+    """One layout, its memory plan and its estimated time."""
+
+    layout: Layout
+    budget_k: int               # micro-batch token budget = budget_k * seq_len
+    plan: Plan
+    micro_batches: int = 0      # per update per data-parallel rank
+    time: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    @property
+    def fits(self) -> bool:
+        return self.plan.ok
+
+    @property
+    def memory_gib(self) -> float:
+        return self.plan.worst.total / GiB if self.plan.stages else math.inf
+
+    @property
+    def step_s(self) -> float:
+        return self.time.get("step", math.inf)
+
+    def label(self) -> str:
+        lay = self.layout
+        return (f"tp={lay.tp} pp={lay.pp}{f' vpp={lay.vpp}' if lay.vpp else ''} dp={lay.dp} "
+                f"recompute={lay.recompute} dist-opt={'on' if lay.distributed_optimizer else 'off'} "
+                f"mb={self.budget_k}x{lay.seq_len}")
+
+
+# ------------------------------------------------------------------------------------------------
+# Cost model
+# ------------------------------------------------------------------------------------------------
+
+
+def _len_stats(seq_len: int, frac: float, k: int) -> tuple[float, float, float]:
+    """(mean length, E[length^2], E[max of k lengths]) for lengths uniform on [a, seq_len]."""
+    if not 0.5 <= frac <= 1.0:
+        raise PlanError(f"mean_len_frac={frac} must be in [0.5, 1] (lengths uniform on [a, seq_len], a >= 0)")
+    L = float(seq_len)
+    a = (2 * frac - 1) * L
+    mean = (a + L) / 2
+    sq = (L * L + a * L + a * a) / 3
+    emax = a + (L - a) * k / (k + 1)
+    return mean, sq, emax
+
+
+def _bw(span_gpus: int, gpus_per_node: int, cm: CostModel) -> float:
+    """Bytes/s of a group whose ranks span ``span_gpus`` consecutive ranks."""
+    return (cm.intra_node_gbs if span_gpus <= gpus_per_node else cm.inter_node_gbs) * 1e9
+
+
+def step_time(m: ModelShape, lay: Layout, work: Workload, budget_k: int, cm: CostModel = CostModel()
+              ) -> tuple[int, dict[str, float]]:
+    """Estimated seconds of one training step of ``work`` under ``lay`` (per-component breakdown).
+
+    Returns ``(micro-batches per update per DP rank, times)``; ``times`` holds seconds per update
+    for ``compute``, ``recompute``, ``tp_comm``, ``pp_comm``, ``overhead``, ``bubble``,
+    ``dp_comm`` and ``optimizer``, and ``update`` (their sum) and ``step`` (x updates per step).
+    """
+    tp, pp, dp, vpp = lay.tp, lay.pp, lay.dp, lay.vpp or 1
+    seqs_rank = work.sequences / dp
+    mean, sq, emax = _len_stats(work.seq_len, cm.mean_len_frac, budget_k)
+    if work.packing:
+        tokens_rank = seqs_rank * mean
+        n_mb = max(1, math.ceil(tokens_rank / (budget_k * work.seq_len * cm.pack_fill)))
+        tokens_mb = tokens_rank / n_mb
+        attn_sq_mb = seqs_rank / n_mb * sq          # sum of L_i^2 over the micro-batch
+    else:
+        n_mb = max(1, math.ceil(seqs_rank / budget_k))
+        tokens_mb = budget_k * emax                 # k sequences padded to the longest
+        attn_sq_mb = budget_k * emax * emax
+    layers = m.layers / pp
+    h = m.hidden
+    # forward FLOPs on one GPU for one micro-batch (the last stage also runs the output layer)
+    matmul_params = m.layer_params() - 2 * h      # norms are not matmuls
+    dense_fwd = 2 * tokens_mb * matmul_params * layers / tp
+    # the slowest stage is the last: it runs the output layer, on response rows only
+    head_fwd = 2 * tokens_mb * work.response_frac * h * m.vocab / tp
+    attn_fwd = 2 * m.q_size * attn_sq_mb * layers / tp   # QK^T and AV, causal half
+    peak = cm.peak_tflops * 1e12
+    g_eff = cm.gemm_eff * tokens_mb / (tokens_mb + cm.gemm_half_tokens)
+    # forward + backward = 3 forwards; the fused log-prob recomputes the logits in its backward (+1)
+    compute = (3 * dense_fwd + 4 * head_fwd) / (peak * g_eff) + 3 * attn_fwd / (peak * cm.attn_eff)
+    if lay.recompute == "full":
+        recompute = dense_fwd / (peak * g_eff) + attn_fwd / (peak * cm.attn_eff)
+    elif lay.recompute == "selective":
+        recompute = attn_fwd / (peak * cm.attn_eff)  # Megatron's selective = the core attention again
+    else:
+        recompute = 0.0
+    # TP: 2 all-reduces (or all-gather + reduce-scatter with SP, same volume) per layer forward,
+    # 2 backward, 2 more in a full recompute; each moves T*h bf16 values.
+    tp_comm = 0.0
+    if tp > 1:
+        n_coll = layers * (6 if lay.recompute == "full" else 4)
+        tp_comm = n_coll * 2 * (tp - 1) / tp * tokens_mb * h * 2 / _bw(tp, lay.gpus_per_node, cm)
+    # PP: activations of the micro-batch forward and their gradient backward, per chunk boundary
+    pp_comm = 0.0
+    if pp > 1:
+        pp_comm = 2 * vpp * tokens_mb * h * 2 / _bw(tp * dp + 1, lay.gpus_per_node, cm)
+    overhead = cm.layer_overhead_s * layers
+    t_mb = compute + recompute + tp_comm + pp_comm + overhead
+    bubble = t_mb * (pp - 1) / vpp                  # 1F1B: (pp - 1) micro-batch times, / vpp interleaved
+    # M2PO's global mask: one forward-only pass over the mini-batch first (its own fill and drain)
+    prepass = 0.0
+    if work.prepass:
+        fwd_mb = ((dense_fwd + head_fwd) / (peak * g_eff) + attn_fwd / (peak * cm.attn_eff)
+                  + (tp_comm / 2 if lay.recompute != "full" else tp_comm / 3) + pp_comm / 2 + overhead / 3)
+        prepass = fwd_mb * (n_mb + (pp - 1) / vpp)
+    # DP: gradients (fp32) reduced over dp; the distributed optimizer reduce-scatters them and
+    # all-gathers the bf16 parameters instead of one all-reduce.
+    vocab_p = padded_vocab(m.vocab, tp, lay.vocab_divisible_by)
+    params = max(_stage_params(m, lay, i, vocab_p) for i in range(pp))
+    dp_comm = 0.0
+    if dp > 1:
+        bw = _bw(tp * dp, lay.gpus_per_node, cm)
+        if lay.distributed_optimizer:
+            dp_comm = (dp - 1) / dp * params * (4 + lay.param_bytes) / bw
+        else:
+            dp_comm = 2 * (dp - 1) / dp * params * 4 / bw
+    # Adam: read grad, master, m, v (16 B), write master, m, v (12 B) and the bf16 weight
+    shard = dp if lay.distributed_optimizer else 1
+    optimizer = params / shard * (28 + lay.param_bytes) / (cm.hbm_gbs * 1e9)
+    if cm.overlap_comm:
+        tp_comm = pp_comm = dp_comm = 0.0
+    t = {"compute": n_mb * compute, "recompute": n_mb * recompute, "tp_comm": n_mb * tp_comm,
+         "pp_comm": n_mb * pp_comm, "overhead": n_mb * overhead, "bubble": bubble, "prepass": prepass,
+         "dp_comm": dp_comm, "optimizer": optimizer}
+    t["update"] = sum(t.values())
+    t["step"] = t["update"] * work.updates_per_step
+    return n_mb, t
+
+
+def model_flops_per_update(m: ModelShape, work: Workload, cm: CostModel = CostModel()) -> float:
+    """Useful training FLOPs of one update: 3 x forward of the real tokens (no padding, no
+    recompute, no pre-pass), the MFU numerator."""
+    mean, sq, _ = _len_stats(work.seq_len, cm.mean_len_frac, 1)
+    tokens = work.sequences * mean
+    fwd = 2 * tokens * ((m.layer_params() - 2 * m.hidden) * m.layers + work.response_frac * m.hidden * m.vocab)
+    fwd += 2 * m.q_size * work.sequences * sq * m.layers
+    return 3 * fwd
+
+
+# ------------------------------------------------------------------------------------------------
+# Search
+# ------------------------------------------------------------------------------------------------
+
+BUDGETS = (1, 2, 4, 8)
+RECOMPUTE = ("none", "selective", "full")
+
+
+@dataclass
+class SearchResult:
+    model: ModelShape
+    work: Workload
+    cost: CostModel
+    world: int
+    headroom: float
+    ranked: list[Candidate]          # fitting candidates, fastest first
+    rejected: list[Candidate]        # enumerated but not fitting (plan errors or over the headroom)
+    current: Optional[Candidate]     # the config's own layout, evaluated the same way
+    tie: float = 0.02                # layouts within this fraction of the fastest count as equally fast
+
+    @property
+    def best(self) -> Candidate:
+        """The chosen layout: the least memory among those within ``tie`` of the fastest (the
+        estimate is not finer than that; spare memory is not), then the faster."""
+        if not self.ranked:
+            raise PlanError(self._nothing_fits())
+        limit = self.ranked[0].step_s * (1 + self.tie)
+        near = [c for c in self.ranked if c.step_s <= limit]
+        return min(near, key=lambda c: (round(c.memory_gib, 1), c.step_s))
+
+    def rank_of(self, c: Candidate) -> Optional[int]:
+        for i, r in enumerate(self.ranked):
+            if same_layout(r, c):
+                return i + 1
+        return None
+
+    def _nothing_fits(self) -> str:
+        sized = [c for c in self.rejected if c.plan.stages]
+        head = f"no layout of {self.model.name} fits {self.world} GPUs"
+        if not sized:
+            errs = sorted({c.plan.errors[0] for c in self.rejected if c.plan.errors})[:3]
+            return f"{head}: " + "; ".join(errs or ["no tp/pp divides the model and the GPU count"])
+        small = min(sized, key=lambda c: c.memory_gib)
+        why = small.plan.errors[0] if small.plan.errors else (
+            f"{small.memory_gib:.1f} GiB is over {1 - self.headroom:.0%} of the budget (--headroom)")
+        return (f"{head}: the smallest ({small.label()}) needs {small.memory_gib:.1f} GiB per GPU: {why}. "
+                "Add nodes, shorten sequences (data.max_prompt_tokens + rollout.max_new_tokens) or use GPUs with "
+                "more memory (--gpu-mem-gib)")
+
+
+def same_layout(a: Candidate, b: Candidate) -> bool:
+    la, lb = a.layout, b.layout
+    return ((la.tp, la.pp, la.vpp or None, la.recompute, la.distributed_optimizer, a.budget_k)
+            == (lb.tp, lb.pp, lb.vpp or None, lb.recompute, lb.distributed_optimizer, b.budget_k))
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def packing_of(cfg: Config) -> tuple[bool, Optional[int]]:
+    """Whether the actor packs micro-batches, and its token budget.
+
+    READ HERE the packing fields once the config has them (``parallel.packing``,
+    ``parallel.max_tokens_per_microbatch``); until then the actor right-pads ``micro_batch_size``
+    sequences and the planner models exactly that.
+    """
+    par = cfg.parallel
+    return bool(getattr(par, "packing", False)), getattr(par, "max_tokens_per_microbatch", None)
+
+
+def _config_with(cfg: Config, **parallel: Any) -> Config:
+    return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, **parallel))
+
+
+def _parallel_fields(tp: int, pp: int, vpp: Optional[int], recompute: str, distopt: bool, k: int,
+                     seq_len: int, packing: bool) -> dict[str, Any]:
+    f: dict[str, Any] = dict(tensor_parallel=tp, pipeline_parallel=pp, virtual_pipeline_parallel=vpp,
+                             sequence_parallel=tp > 1, recompute=recompute, use_distributed_optimizer=distopt)
+    if packing:
+        f["max_tokens_per_microbatch"] = k * seq_len
+        f["micro_batch_size"] = 1
+    else:
+        f["micro_batch_size"] = k
+    return f
+
+
+def _evaluate(cfg: Config, m: ModelShape, work: Workload, cost: CostModel, k: int, **kw: Any) -> Candidate:
+    p = plan_from_config(cfg, m, **kw)
+    lay = p.layout
+    cand = Candidate(layout=lay, budget_k=k, plan=p)
+    if p.ok:
+        cand.micro_batches, cand.time = step_time(m, lay, work, k, cost)
+    return cand
+
+
+def search_config(cfg: Config, m: ModelShape, *, nnodes: int = 1, gpus_per_node: int = 8,
+                  node_gpus: Optional[int] = None, gpu_mem_gib: float = 80.0, cost: CostModel = CostModel(),
+                  headroom: float = 0.1, max_vpp: int = 4, tie: float = 0.02) -> SearchResult:
+    """Every layout of ``cfg``'s model on ``nnodes x gpus_per_node`` GPUs, ranked by step time.
+
+    A layout fits when :func:`~megatron_m2po.planner.plan` accepts it and its worst stage needs at
+    most ``(1 - headroom)`` of the memory budget (a margin for the estimate's error). The chosen
+    one (:attr:`SearchResult.best`) needs the least memory among those within ``tie`` of the
+    fastest estimated step time.
+    """
+    if not 0 <= headroom < 1:
+        raise PlanError(f"headroom={headroom} must be in [0, 1)")
+    world = nnodes * gpus_per_node
+    seq_len = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
+    packing, _budget = packing_of(cfg)
+    from megatron_m2po.algo.losses import loss_settings, resolve_loss
+
+    spec = resolve_loss(cfg.algo)
+    work = Workload(sequences=cfg.trainer.prompts_per_update * cfg.rollout.n_samples_per_prompt, seq_len=seq_len,
+                    updates_per_step=cfg.trainer.num_updates_per_step, packing=packing,
+                    response_frac=cfg.rollout.max_new_tokens / seq_len,
+                    prepass=spec.needs_global_mask_prepass(loss_settings(spec, cfg.algo)))
+    common = dict(nnodes=nnodes, gpus_per_node=gpus_per_node, node_gpus=node_gpus, gpu_mem_gib=gpu_mem_gib)
+    ranked: list[Candidate] = []
+    rejected: list[Candidate] = []
+
+    def consider(tp: int, pp: int, vpp: Optional[int], rc: str, distopt: bool, k: int) -> Candidate:
+        c = _config_with(cfg, **_parallel_fields(tp, pp, vpp, rc, distopt, k, seq_len, packing))
+        if world % (tp * pp):
+            raise PlanError(f"tp*pp = {tp * pp} does not divide {world} GPUs")
+        dp = world // (tp * pp)
+        n_mb = _micro_batches(work, dp, k, cost)
+        cand = _evaluate(c, m, work, cost, k, num_microbatches=n_mb,
+                         micro_batch_tokens=k * seq_len, **common)
+        return cand
+
+    for tp in _divisors(gpus_per_node):
+        if m.heads % tp or m.kv_heads % tp or m.ffn % tp or m.vocab % tp:
+            continue
+        for pp in _divisors(m.layers):
+            if world % (tp * pp):
+                continue
+            dp = world // (tp * pp)
+            if work.sequences < dp:
+                continue
+            for k in BUDGETS:
+                n_mb = _micro_batches(work, dp, k, cost)
+                vpps: list[Optional[int]] = [None]
+                if pp > 1 and n_mb >= pp:
+                    vpps += [v for v in range(2, max_vpp + 1) if m.layers % (pp * v) == 0]
+                for vpp in vpps:
+                    for rc in RECOMPUTE:
+                        for distopt in (False, True):
+                            cand = consider(tp, pp, vpp, rc, distopt, k)
+                            limit = (1 - headroom) * cand.layout.budget_gib
+                            (ranked if cand.fits and cand.memory_gib <= limit else rejected).append(cand)
+    ranked.sort(key=lambda c: (c.step_s, c.memory_gib))
+    par = cfg.parallel
+    try:
+        k_now = max(1, (_budget // seq_len) if packing and _budget else par.micro_batch_size)
+        current = consider(par.tensor_parallel, par.pipeline_parallel, par.virtual_pipeline_parallel,
+                           par.recompute, par.use_distributed_optimizer, k_now)
+    except PlanError:
+        current = None
+    return SearchResult(model=m, work=work, cost=cost, world=world, headroom=headroom, ranked=ranked,
+                        rejected=rejected, current=current, tie=tie)
+
+
+def _micro_batches(work: Workload, dp: int, k: int, cost: CostModel) -> int:
+    seqs_rank = work.sequences / dp
+    if work.packing:
+        mean, _, _ = _len_stats(work.seq_len, cost.mean_len_frac, k)
+        return max(1, math.ceil(seqs_rank * mean / (k * work.seq_len * cost.pack_fill)))
+    return max(1, math.ceil(seqs_rank / k))
+
+
+def parallel_section(c: Candidate, packing: bool) -> dict[str, Any]:
+    """The ``parallel:`` entries of a recipe that runs ``c``."""
+    lay = c.layout
+    out: dict[str, Any] = dict(tensor_parallel=lay.tp, pipeline_parallel=lay.pp)
+    if lay.vpp:
+        out["virtual_pipeline_parallel"] = lay.vpp
+    out.update(sequence_parallel=lay.sequence_parallel, use_distributed_optimizer=lay.distributed_optimizer,
+               recompute=lay.recompute)
+    if packing:
+        out.update(packing=True, max_tokens_per_microbatch=lay.micro_batch_tokens)
+    else:
+        out["micro_batch_size"] = c.budget_k
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# Output
+# ------------------------------------------------------------------------------------------------
+
+
+def _row(res: SearchResult, c: Candidate) -> dict[str, Any]:
+    t = c.time
+    flops = model_flops_per_update(res.model, res.work, res.cost)
+    mfu = flops / (t["update"] * res.world * res.cost.peak_tflops * 1e12)
+    return dict(layout=c.label(), memory_gib=round(c.memory_gib, 1), micro_batches=c.micro_batches,
+                step_s=round(t["step"], 2), mfu=round(mfu, 3),
+                **{k: round(v * res.work.updates_per_step, 2) for k, v in t.items() if k not in ("update", "step")})
+
+
+def result_to_dict(res: SearchResult, top: int) -> dict[str, Any]:
+    return {"model": res.model.name, "world": res.world, "workload": dataclasses.asdict(res.work),
+            "cost_model": dataclasses.asdict(res.cost), "headroom": res.headroom,
+            "enumerated": len(res.ranked) + len(res.rejected), "fitting": len(res.ranked),
+            "top": [_row(res, c) for c in res.ranked[:top]],
+            "chosen": dict(_row(res, res.best), rank=res.rank_of(res.best),
+                           parallel=parallel_section(res.best, res.work.packing)),
+            "current": (dict(_row(res, res.current), rank=res.rank_of(res.current))
+                        if res.current is not None and res.current.fits else None)}
+
+
+def print_search(res: SearchResult, top: int = 5) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console(width=200)
+    w = res.work
+    con.print(f"[bold]{res.model.name}[/] on {res.world} GPUs: {w.sequences} sequences of <= {w.seq_len} tokens "
+              f"per update ({w.response_frac:.0%} response), {w.updates_per_step} updates per step, "
+              f"{'packed' if w.packing else 'right-padded'} micro-batches"
+              f"{', a forward-only mask pre-pass per update' if w.prepass else ''}", highlight=False)
+    con.print("cost model (docs/planner.md):")
+    for line in res.cost.describe():
+        con.print(f"  {line}", highlight=False, markup=False)
+    con.print(f"  headroom = {res.headroom}: a layout fits when its worst stage needs <= {1 - res.headroom:.0%} "
+              f"of the GPU budget", highlight=False)
+    best = res.best
+    t = Table(title=f"{len(res.ranked)} of {len(res.ranked) + len(res.rejected)} layouts fit; fastest first "
+                    f"(seconds per step)")
+    cols = ["#", "layout", "GiB", "mb/upd", "step s", "compute", "recomp", "prepass", "tp", "pp", "bubble", "dp",
+            "optim", "MFU"]
+    for ccol in cols:
+        t.add_column(ccol, justify="left" if ccol == "layout" else "right", no_wrap=ccol == "layout")
+    shown = list(res.ranked[:top])
+    if not any(same_layout(best, c) for c in shown):
+        shown.append(best)
+    if res.current is not None and res.current.fits and not any(same_layout(res.current, c) for c in shown):
+        shown.append(res.current)
+    for c in shown:
+        r = _row(res, c)
+        rank = res.rank_of(c)
+        name = r["layout"] + (" (config)" if res.current is not None and same_layout(c, res.current) else "") \
+            + (" (chosen)" if same_layout(c, best) else "")
+        t.add_row(str(rank), name, f"{r['memory_gib']:.1f}", str(r["micro_batches"]), f"{r['step_s']:.1f}",
+                  f"{r['compute']:.1f}", f"{r['recompute']:.1f}", f"{r['prepass']:.1f}", f"{r['tp_comm']:.1f}", f"{r['pp_comm']:.1f}",
+                  f"{r['bubble']:.1f}", f"{r['dp_comm']:.1f}", f"{r['optimizer']:.2f}", f"{r['mfu']:.2f}")
+    con.print(t)
+    cur = res.current
+    if cur is not None and cur.fits:
+        rank = res.rank_of(cur)
+        con.print(f"config's layout: rank {rank}, {cur.step_s:.1f} s/step "
+                  f"({cur.step_s / best.step_s - 1:+.0%} vs chosen), {cur.memory_gib:.1f} GiB", highlight=False)
+    elif cur is not None:
+        why = cur.plan.errors[0] if cur.plan.errors else f"over the {res.headroom:.0%} headroom"
+        con.print(f"config's layout does not fit: {why}", highlight=False)
+    sec = parallel_section(best, w.packing)
+    con.print(f"[bold green]chosen[/]: {best.label()}: {best.step_s:.1f} s/step, {best.memory_gib:.1f} GiB of "
+              f"{best.layout.budget_gib:.0f} GiB (the least memory within {res.tie:.0%} of the fastest, "
+              f"{res.ranked[0].step_s:.1f} s/step)", highlight=False)
+    con.print("parallel:\n" + "\n".join(f"  {k}: {str(v).lower() if isinstance(v, bool) else v}"
+                                        for k, v in sec.items()), highlight=False)
+
+
+# ------------------------------------------------------------------------------------------------
+# CLI: `m2po plan` with --search
+# ------------------------------------------------------------------------------------------------
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = planner.register(sub)
+    p.add_argument("--search", action="store_true",
+                   help="Enumerate the layouts that fit the cluster (tp, pp, vpp, recompute, micro-batch token "
+                        "budget, distributed optimizer), rank them by estimated step time (cost model in "
+                        "docs/planner.md) and print the fastest and the chosen one.")
+    p.add_argument("--top", type=int, default=5, help="With --search: how many layouts to print.")
+    p.add_argument("--headroom", type=float, default=0.1,
+                   help="With --search: fraction of the GPU budget kept free for the estimate's error.")
+    p.add_argument("--tie", type=float, default=0.02,
+                   help="With --search: layouts within this fraction of the fastest count as equally fast; the "
+                        "chosen one is the least memory among them.")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if not args.search or args.list_models:
+        return planner.run(args)
+    fixed = [k for k in ("tp", "pp", "dp", "cp", "vpp", "micro_batch_tokens", "num_microbatches", "recompute",
+                         "sequence_parallel", "distributed_optimizer") if getattr(args, k, None) is not None]
+    if fixed:
+        print(f"m2po plan --search: --{', --'.join(k.replace('_', '-') for k in fixed)} fix what the search "
+              f"enumerates; drop them (or drop --search to check one layout)", file=sys.stderr)
+        return 2
+    path, overrides = args.config, list(args.overrides)
+    if path is not None and "=" in path:
+        path, overrides = None, [path] + overrides
+    cfg = load_config(path, overrides)
+    try:
+        m = planner._resolve_model(args, cfg)
+        res = search_config(cfg, m, nnodes=args.nnodes, gpus_per_node=args.gpus_per_node, node_gpus=args.node_gpus,
+                            gpu_mem_gib=args.gpu_mem_gib, headroom=args.headroom, tie=args.tie)
+        res.best  # noqa: B018 -- raises PlanError naming why nothing fits
+    except PlanError as e:
+        print(f"m2po plan --search: {e}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(result_to_dict(res, args.top), indent=2))
+    else:
+        print_search(res, args.top)
+    return 0

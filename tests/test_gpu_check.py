@@ -1,0 +1,148 @@
+"""tools/gpu_check.py: its table, its CPU-reference comparison and its messages, on CPU.
+
+The GPU claims themselves are measured only on a GPU; here the `--cpu-smoke` mode runs the same
+code at tiny shapes (CPU bf16 against the CPU fp32 reference subprocess) and the comparison's
+criterion is checked on values with known errors.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "tools" / "gpu_check.py"
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_check"] = mod  # dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _run(*args: str, pre: str = "", timeout: float = 300) -> subprocess.CompletedProcess:
+    code = f"import sys, runpy; {pre + '; ' if pre else ''}sys.argv = {[str(SCRIPT), *args]!r}; runpy.run_path({str(SCRIPT)!r}, run_name='__main__')"
+    env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "CUDA_VISIBLE_DEVICES": "", "PYTHONWARNINGS": "ignore",
+           "HOME": str(Path.home())}
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=timeout,
+                          cwd=ROOT)
+
+
+def test_cpu_smoke_prints_the_table_and_passes(tmp_path):
+    out_json = tmp_path / "rows.json"
+    r = _run("--cpu-smoke", "--json", str(out_json))
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = _module().parse_table(r.stdout)
+    by_check = {row["check"]: row for row in rows}
+    numerics = [row for row in rows if row["check"].startswith("actor cpu bf16 (local spec) vs CPU fp32")]
+    assert [row["check"].split(": ")[1] for row in numerics] == ["log-probs", "entropies", "M2PO grad norm"]
+    assert all(row["verdict"] == "PASS" for row in numerics), numerics
+    assert "x unit" in numerics[0]["result"] and "rms, max <= 4x unit" in numerics[0]["criterion"]
+    control = by_check["negative control: fp32 with q/k/v biases dropped"]
+    assert control["verdict"] == "PASS" and float(control["result"].split("x unit")[0]) > 4
+    assert by_check["fused log-prob = naive (fp32 arithmetic)"]["verdict"] == "PASS"
+    mem = by_check["fused log-prob memory (fwd+bwd, peak above inputs)"]
+    assert mem["verdict"] == "SKIP" and "CUDA" in mem["result"]
+    step = by_check["train step (M2PO update)"]
+    assert step["verdict"] == "INFO" and "tokens/s" in step["result"] and "MFU skipped" in step["result"]
+    assert r.stdout.splitlines()[0].startswith("gpu_check --cpu-smoke: device=cpu")
+    # the JSON holds the same rows, with the measured values behind them
+    d = json.loads(out_json.read_text())
+    assert [x["verdict"] for x in d["rows"]] == [row["verdict"] for row in rows]
+    lp = d["rows"][0]["values"]
+    assert 0 < lp["rel_rms"] <= 4 and lp["rms"] > 0 and lp["unit_rms"] > 0  # bf16 differs from fp32, within 4 units
+    assert d["rows"][-1]["values"]["tokens_per_s"] > 0
+
+
+def _ref(n=400, seed=0, unit=0.01):
+    """A reference whose 'unit' deviation (one bf16-sized error on every weight) has RMS ``unit``."""
+    rng = np.random.default_rng(seed)
+    ref = {"logp": -3 + rng.standard_normal(n), "entropy": 2 + 0.3 * rng.standard_normal(n),
+           "grad_norm": np.array([1.5])}
+    for k in ("logp", "entropy"):
+        ref[k + "_perturbed"] = ref[k] + unit * rng.standard_normal(n)
+    return ref
+
+
+def _dev(ref, scale, seed=1):
+    rng = np.random.default_rng(seed)
+    return {k: ref[k] + scale * rng.standard_normal(ref[k].shape) for k in ("logp", "entropy")} | {
+        "grad_norm": ref["grad_norm"] * 1.01}
+
+
+def test_comparison_criterion_accepts_rounding_and_rejects_defects():
+    gc = _module()
+    ref = _ref(unit=0.01)
+    ok = _dev(ref, 0.01)                 # bf16-like: as large as one unit
+    res = gc.compare(ref, ok)
+    assert res["ok"] and res["logp"]["rel_rms"] == pytest.approx(1.0, abs=0.15)
+    assert res["logp"]["unit_rms"] == pytest.approx(0.01, rel=0.15)
+    assert gc.compare(ref, _dev(ref, 0.03))["ok"]       # 3 units: still rounding
+    # a defect that moves log-probs by a fraction of their spread (a wrong RoPE, mask, bias ...)
+    assert not gc.compare(ref, _dev(ref, 0.2))["ok"]
+    # one token far off: the RMS passes, the largest deviation does not
+    spike = dict(ok, logp=ok["logp"].copy())
+    spike["logp"][7] += 0.5
+    res = gc.compare(ref, spike)
+    assert res["logp"]["rel_rms"] <= gc.RMS_TOL and not res["ok"]
+    assert not gc.compare(ref, dict(ok, entropy=ref["entropy"] * 1.3))["ok"]
+    assert not gc.compare(ref, dict(ok, grad_norm=np.array([1.5 * 1.08])))["ok"]
+    nan = dict(ok, logp=ok["logp"].copy())
+    nan["logp"][0] = math.nan
+    assert not gc.compare(ref, nan)["ok"]
+    with pytest.raises(ValueError, match="logp: reference has"):
+        gc.compare(ref, dict(ok, logp=ok["logp"][:-1]))
+
+
+def test_table_format_round_trips():
+    gc = _module()
+    rows = [gc.Row("a check", "T=1", "x | y".replace(" | ", " / "), "<= 1", "PASS"),
+            gc.Row("another", "-", "skipped: why", "-", "SKIP")]
+    text = gc.format_table(rows, "gpu_check: device=test")
+    back = gc.parse_table(text)
+    assert back == [{"check": "a check", "shape": "T=1", "result": "x / y", "criterion": "<= 1", "verdict": "PASS"},
+                    {"check": "another", "shape": "-", "result": "skipped: why", "criterion": "-", "verdict": "SKIP"}]
+
+
+def test_a_failing_row_group_becomes_a_fail_row(capsys):
+    gc = _module()
+
+    def broken(x):
+        raise RuntimeError(f"TE attention refused shape {x}\nsecond line")
+
+    rows = gc.guarded("actor bf16 vs CPU fp32", broken, 7)
+    assert [(r.check, r.verdict) for r in rows] == [("actor bf16 vs CPU fp32", "FAIL")]
+    assert "RuntimeError: TE attention refused shape 7 second line" in rows[0].result
+    assert "Traceback" in capsys.readouterr().err
+    ok = gc.guarded("x", lambda: [gc.Row("x", "-", "fine", "-", "PASS")])
+    assert [r.verdict for r in ok] == ["PASS"]
+
+
+def test_help_says_what_it_proves():
+    r = _run("--help")
+    assert r.returncode == 0
+    for phrase in ("actor numerics", "Transformer Engine", "CPU fp32", "Tolerance, and why", "fused log-prob",
+                   "naive", "tokens/s and MFU", "Qwen2.5-1.5B", "--cpu-smoke", "megatron-core"):
+        assert phrase in r.stdout, phrase
+
+
+def test_without_cuda_or_megatron_it_says_what_to_do():
+    r = _run()
+    assert r.returncode == 2 and "no CUDA device" in r.stderr and "--cpu-smoke" in r.stderr
+    block = "sys.modules['megatron'] = None; sys.modules['mbridge'] = None"
+    r = _run("--cpu-smoke", "--only", "numerics", "throughput", pre=block)
+    assert r.returncode == 2, r.stdout + r.stderr
+    rows = _module().parse_table(r.stdout)
+    assert [row["verdict"] for row in rows] == ["SKIP", "SKIP"]
+    assert "megatron-core, mbridge missing" in rows[0]["result"]
+    assert "pip install 'megatron-core==0.16.1' 'mbridge==0.15.1'" in r.stderr
+    assert "--find-links wheels/" in r.stderr
