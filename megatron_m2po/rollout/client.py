@@ -4,8 +4,8 @@ Routes and field names follow SGLang 0.5.x; checked against the source of
 ``sgl-project/sglang`` (stored copies, versions 0.5.3rc2 and later 0.5.x):
 
 - ``python/sglang/srt/entrypoints/http_server.py``: ``/generate`` (POST|PUT, body =
-  ``GenerateReqInput``), ``/health`` and ``/health_generate`` (200, or 503 while starting or
-  unhealthy), ``/get_model_info`` {model_path, tokenizer_path, is_generation,
+  ``GenerateReqInput``), ``/health`` and ``/health_generate`` (both generate a token: 200, or
+  503 while starting, unhealthy or paused), ``/ready`` (503 while paused), ``/get_model_info`` {model_path, tokenizer_path, is_generation,
   preferred_sampling_params, weight_version}, ``/get_server_info`` (server args + scheduler info
   + ``version``); SGLang 0.5.23 serves ``/model_info`` and ``/server_info`` (the ``get_`` forms are
   deprecated aliases) and has no ``/get_weight_version`` -- the version is ``/model_info``'s

@@ -1,45 +1,53 @@
-"""A CPU inference worker that speaks the subset of SGLang 0.5.23's HTTP protocol we use.
+"""A CPU inference worker that speaks SGLang 0.5.23's HTTP protocol, refusals included.
 
     python -m megatron_m2po.rollout.cpu_worker --model-path DIR --host 127.0.0.1 --port 30000
 
 Serves an HF transformers causal LM (float32, one torch thread) so the CPU default, CI and the
-quick-start run the same client, router and weight-sync code as production SGLang. Routes and
-JSON shapes follow SGLang (see ``client.py`` for the source files they were checked against):
+quick-start run the same client, router and weight-sync code as production SGLang. The routes
+are in ``cpu_worker_http.py``, the per-request sampling rules in ``sglang_sampling.py``; every
+rule cites the SGLang 0.5.23 source it follows (``docs/sglang.md`` has the map).
 
 - ``POST /generate`` -- ``input_ids`` (or ``text`` when the model dir has a tokenizer), a list of
-  them for a batch, ``sampling_params`` {temperature, top_p, top_k, max_new_tokens,
-  stop_token_ids, ignore_eos, sampling_seed}, ``return_logprob``, ``rid``. Returns
-  ``{"text", "output_ids", "meta_info": {"id", "finish_reason", "prompt_tokens",
-  "completion_tokens", "cached_tokens", "weight_version", "e2e_latency",
-  "output_token_logprobs": [[logprob, token_id, null], ...]}}`` and, as SGLang 0.5.23
-  (``utils/weight_versions.py`` ``add_weight_versions_to_meta_info``),
-  ``meta_info["weight_versions"]`` = ``[{"version", "start", "end"}, ...]``: the weight version
-  that sampled each run of output tokens (a partial rollout that spans an update has several).
-- ``/health``, ``/health_generate``, ``/get_model_info`` (+ ``/model_info``),
-  ``/get_server_info`` (+ ``/server_info``), ``/flush_cache``, ``/begin_weight_update``,
-  ``/end_weight_update`` (no ``/get_weight_version``: 0.5.23 removed it),
-  ``/abort_request``, ``/pause_generation`` {mode: abort | retract | in_place; SGLang's default
-  is abort}, ``/continue_generation``, ``/update_weights_from_disk``,
-  ``/init_weights_update_group``, ``/update_weights_from_distributed`` (per-tensor broadcasts,
-  or one uint8 broadcast with ``load_format="flattened_bucket"``), ``/destroy_weights_update_group``,
-  ``/update_weight_version``, ``/slow_down`` {forward_sleep_time} (sleep before each decode
-  step; SGLang's testing hook), ``/v1/loads`` (``loads[0]``: num_running_reqs, num_waiting_reqs,
-  num_used_tokens, ... plus ``num_generated_tokens``). sglang-router 0.3.2 probes ``/health``, ``/server_info`` and
-  ``/model_info`` before it routes to a worker.
+  them for a batch; ``sampling_params`` (SGLang's JSON contract: unknown keys are a 400): stop
+  strings / stop_token_ids / ignore_eos / no_stop_trim, temperature, top_p, top_k, min_p,
+  frequency / presence / repetition penalties, min_new_tokens, ``n`` (a list of n samples under
+  new rids), sampling_seed, custom_params (accepted; there is no custom logit processor, so
+  ``custom_logit_processor`` is SGLang's 400); ``return_logprob`` with ``logprob_start_len``
+  (``meta_info.input_token_logprobs`` ``[[logprob | null, id, text | null], ...]``);
+  ``stream`` (server-sent events). Returns ``{"text", "output_ids", "meta_info": {"id",
+  "finish_reason", "prompt_tokens", "completion_tokens", "weight_version", "weight_versions":
+  [{"version", "start", "end"}, ...], "output_token_logprobs", ...}}`` -- the spans give the
+  weight version that sampled each run of output tokens (``utils/weight_versions.py``).
+  Grammars, beam search, watermarks, logit bias and top-logprobs are a 400 naming the field.
+- ``/health`` = ``/health_generate`` (a one-token generation; 503 when no scheduler message
+  arrives within ``SGLANG_HEALTH_CHECK_TIMEOUT`` s -- the case while paused), ``/ready`` (503
+  while paused), ``/model_info`` (+ ``/get_model_info``), ``/server_info`` (+
+  ``/get_server_info``), ``/flush_cache`` (400 unless idle; waiting requests do not count while
+  the scheduler is paused), ``/abort_request`` {rid (prefix match), abort_all},
+  ``/pause_generation`` {mode: abort (default) | retract | in_place}, ``/continue_generation``,
+  ``/begin_weight_update`` / ``/end_weight_update`` (the session distributed updates need),
+  ``/update_weights_from_disk``, ``/init_weights_update_group``,
+  ``/update_weights_from_distributed`` (per-tensor broadcasts, or one uint8 broadcast with
+  ``load_format="flattened_bucket"``), ``/destroy_weights_update_group``,
+  ``/update_weight_version``, ``/slow_down`` {forward_sleep_time} (SGLang's testing hook),
+  ``/v1/loads`` (``loads[0]``: num_running_reqs, num_waiting_reqs, num_used_tokens, ... plus
+  ``num_generated_tokens`` and ``num_held_reqs``). No ``/get_weight_version`` and no
+  ``/get_load``: 0.5.23 has neither. sglang-router 0.3.2 probes ``/health``, ``/server_info``
+  and ``/model_info`` before it routes to a worker; it has no ``/abort_request``.
 
 Log-probs (matches SGLang's sampler): the returned log-prob of a sampled token is
-``log_softmax(logits / temperature)`` -- the temperature-scaled distribution *before* top-p /
-top-k truncation (SGLang computes ``log(probs)`` from the same tensor it then truncates for
-sampling). With ``temperature == 0`` (greedy) it is ``log_softmax(logits)``. With top_p < 1 the
-sampled distribution is the truncated, renormalised one, so the returned value is not its
-log-prob; the trainer recomputes with the same convention (docs/design.md §3, "Log-prob convention").
+``log_softmax(penalised logits / temperature)`` -- the temperature-scaled distribution *before*
+top-p / top-k / min-p truncation. With ``temperature == 0`` (greedy) it is
+``log_softmax(logits)``. The trainer recomputes with the same convention (docs/design.md §3,
+"Log-prob convention").
 
 Scheduling: continuous batching. New requests are prefilled as a left-padded batch and merged
 into the running batch's KV cache; every step decodes one token for each running sequence;
-finished and aborted rows leave the batch. All model work (steps and weight loads) runs on one
-executor thread, so a weight update lands between two decode steps, never inside one.
-``pause_generation(mode=in_place)`` stops stepping; in-flight requests stay with their caches
-and resume on ``continue_generation``.
+finished rows leave the batch. All model work (steps and weight loads) runs on one executor
+thread, so a weight update lands between two decode steps, never inside one. Pausing follows
+SGLang: every mode holds new requests before the scheduler; ``in_place`` stops stepping with the
+running requests and their caches kept, ``retract`` moves them back to the waiting queue (they
+are prefilled again, output included, on ``continue_generation``), ``abort`` aborts everything.
 """
 
 from __future__ import annotations

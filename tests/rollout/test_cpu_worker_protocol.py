@@ -18,7 +18,7 @@ import torch
 
 from megatron_m2po.config import RolloutConfig
 from megatron_m2po.rollout import sglang_sampling as sampling
-from megatron_m2po.rollout.client import SGLangClient
+from megatron_m2po.rollout.client import EngineError, SGLangClient
 from megatron_m2po.rollout.engines import EngineFleet
 from rollout_testlib import build_tiny_qwen2
 from waiting import async_wait_until
@@ -327,6 +327,50 @@ def test_abort_through_the_router_reaches_the_owner(fleet):
     assert status == 404 and sorted(took) == sorted(fleet.engine_urls)
     assert out.aborted and out.rid == "owned" and 0 < len(out.output_ids) < 200
     assert out.finish_reason == {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
+
+
+def test_a_generate_that_times_out_behind_the_router_is_aborted_on_its_engine(fleet):
+    async def scenario():
+        engines = [SGLangClient(u) for u in fleet.engine_urls]
+        for e in engines:
+            # 900 tokens take >= 180 s: the engines can only be idle within the 60 s wait if the
+            # client's abort reached the one that runs the request
+            await e.slow_down(0.2)
+        async with SGLangClient(fleet.router_url, timeout_s=1.0, max_retries=0) as c:
+            with pytest.raises(EngineError, match="timed out"):
+                await c.generate(PROMPT, {"max_new_tokens": 900, "ignore_eos": True}, rid="too-slow")
+        await async_wait_until(lambda: _idle(engines), what="both engines idle after the abort", timeout=60)
+        for e in engines:
+            await e.slow_down(None)
+            await e.close()
+    run(scenario())
+
+
+async def _idle(engines) -> bool:
+    loads = [await e.loads() for e in engines]
+    return all(x["num_running_reqs"] == 0 and x["num_waiting_reqs"] == 0 for x in loads)
+
+
+def test_an_abort_nobody_takes_is_an_error():
+    """A base URL that answers 404 to /abort_request and is no router: raised, not swallowed."""
+    from aiohttp import web
+
+    async def scenario():
+        runner = web.AppRunner(web.Application())
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+        try:
+            async with SGLangClient(url) as c:
+                with pytest.raises(EngineError, match="not an sglang-router"):
+                    await c.abort("r")
+            async with SGLangClient(url, engine_urls=[url]) as c:
+                with pytest.raises(EngineError, match="abort not delivered"):
+                    await c.abort("r")
+        finally:
+            await runner.cleanup()
+    run(scenario())
 
 
 async def _busy(engines) -> bool:
