@@ -351,6 +351,14 @@ async def _idle(engines) -> bool:
     return all(x["num_running_reqs"] == 0 and x["num_waiting_reqs"] == 0 for x in loads)
 
 
+def test_client_generate_refuses_n_above_1():
+    async def go():
+        async with SGLangClient("http://127.0.0.1:9") as c:
+            await c.generate([1, 2], {"n": 2})
+    with pytest.raises(ValueError, match="send n requests with n=1"):
+        run(go())
+
+
 def test_an_abort_nobody_takes_is_an_error():
     """A base URL that answers 404 to /abort_request and is no router: raised, not swallowed."""
     from aiohttp import web

@@ -172,6 +172,7 @@ def test_cpu_worker_exposes_only_sglang_routes(sgl):
     extra = sorted(worker - set(routes))
     assert extra == [], f"the CPU worker serves routes SGLang {SUPPORTED_SGLANG} lacks: {extra}"
     assert "/get_weight_version" not in routes and "/get_weight_version" not in worker
+    assert "/get_load" not in routes and "/get_load" not in worker  # 0.5.23 reports loads at /v1/loads
 
 
 def _tuple_const(sgl, path: str, name: str) -> tuple:
