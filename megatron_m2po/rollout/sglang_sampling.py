@@ -11,8 +11,8 @@ Each rule names the SGLang 0.5.23 source it follows (paths under ``python/sglang
   ``min_new_tokens.py``, over the *output* tokens only. Under the overlap scheduler (the default)
   ``sampling_batch_info.py`` ``_apply_pre_grammar_logits_transforms`` adds the additive penalties
   first, then applies the scaling one (repetition: ``apply_scaling_penalties``).
-- sampling: ``srt/layers/sampler.py`` ``Sampler.forward`` (greedy: argmax, log-prob
-  ``log_softmax(logits)``; otherwise ``logits / T``, softmax, and the returned log-prob is
+- sampling: ``srt/layers/sampler.py`` ``Sampler.forward`` (greedy -- temperature 0 or top_k 1;
+  SGLang takes this path when the whole batch is greedy -- argmax, log-prob ``log_softmax(logits)``; otherwise ``logits / T``, softmax, and the returned log-prob is
   ``log(probs)`` *before* truncation) and ``top_k_top_p_min_p_sampling_from_probs_torch``
   (top-k, then top-p on the sorted cumulative sum, then min-p relative to the top probability).
 - stopping: ``srt/managers/schedule_batch.py`` ``Req.update_finish_state``: stop strings first
@@ -243,9 +243,9 @@ def penalise(s: Sampling, logits: torch.Tensor, output: list[int], stop_ids: fro
 
 def sample(s: Sampling, logits: torch.Tensor, generator: torch.Generator) -> tuple[int, float]:
     """(token, returned log-prob) from one row of penalised logits (``Sampler.forward``)."""
-    if s.greedy:
+    if s.greedy:  # top_k == 1: a batch of such rows is ``is_all_greedy``: no temperature in the log-prob
         tok = int(torch.argmax(logits))
-        return tok, float(torch.log_softmax(logits / s.temperature, -1)[tok])
+        return tok, float(torch.log_softmax(logits, -1)[tok])
     logp = torch.log_softmax(logits / s.temperature, -1)
     probs = logp.exp()
     if s.top_p < 1.0 or s.top_k < logits.numel() or s.min_p > 0.0:
