@@ -109,6 +109,30 @@ def test_penalties_match_a_naive_implementation():
     assert torch.equal(sampling.penalise(sp, logits, [4, 5], frozenset([1, 9])), logits)
 
 
+def test_greedy_and_truncated_sampling_rules():
+    """sampler.py: greedy (temperature 0 or top_k 1) returns log_softmax of the raw logits; top-k /
+    top-p / min-p sample from the truncated distribution but return the untruncated log-prob."""
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(40, generator=g) * 2
+    for params in ({"temperature": 0.0}, {"temperature": 0.5, "top_k": 1}):
+        tok, lp = sampling.sample(sampling.parse(params, None, 40), logits, g)
+        assert tok == int(logits.argmax()) and abs(lp - float(torch.log_softmax(logits, -1)[tok])) < 1e-6
+    sp = sampling.parse({"temperature": 0.7, "top_k": 5, "top_p": 0.6, "min_p": 0.2}, None, 40)
+    p = torch.softmax(logits / 0.7, -1)
+    order = p.argsort(descending=True).tolist()
+    cum, allowed = 0.0, set()
+    for rank, t in enumerate(order):  # naive: top-k, then top-p over what precedes, then min-p
+        if rank < 5 and cum <= 0.6 and p[t] >= p[order[0]] * 0.2:
+            allowed.add(t)
+        cum += float(p[t])
+    seen = set()
+    for _ in range(300):
+        tok, lp = sampling.sample(sp, logits, g)
+        seen.add(tok)
+        assert abs(lp - float(torch.log(p[tok]))) < 1e-5
+    assert seen == allowed, (seen, allowed)
+
+
 def test_greedy_with_penalties_equals_hf_with_naive_penalties(fleet):
     url = fleet.router_url
     params = {"temperature": 0.0, "max_new_tokens": 16, "ignore_eos": True, "frequency_penalty": 0.8,
