@@ -68,22 +68,16 @@ import torch
 
 from megatron_m2po.parallel.side_group import broadcast, new_side_group
 from megatron_m2po.rollout import sglang_sampling as sampling
+from megatron_m2po.rollout.cpu_worker_http import _DEFAULT_GROUP, RequestError, make_app
 from megatron_m2po.rollout.sglang_sampling import Sampling
 from megatron_m2po.utils.hf_dir import iter_safetensors
 
 log = logging.getLogger("m2po.cpu_worker")
 
-_VERSION = "0.5.23"  # the SGLang version it emulates, in server_info's "version" as SGLang's __version__
-_DEFAULT_GROUP = "weight_update_group"
 # schedule_batch.py FINISH_ABORT().to_json(): a running request aborted by /abort_request.
 _ABORT_RUNNING = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
 # tokenizer_manager.py _handle_abort_req: a request aborted before it was scheduled.
 _ABORT_WAITING = {"type": "abort", "message": "Abort in waiting queue"}
-HEALTH_CHECK_RID_PREFIX = "HEALTH_CHECK"  # sglang/srt/constants.py
-
-
-class RequestError(ValueError):
-    """A bad request: answered with HTTP 400 and the message."""
 
 
 @dataclass(eq=False)
@@ -678,8 +672,6 @@ def main(argv: Optional[list[str]] = None) -> None:
     logging.getLogger("aiohttp.server").addFilter(_DropH2Probe())
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
     from aiohttp import web
-
-    from megatron_m2po.rollout.cpu_worker_http import make_app
     engine = Engine(args.model_path, max_running=args.max_running_requests, seed=args.seed,
                     weight_version=args.weight_version, dist_timeout_s=args.dist_timeout_s,
                     quantization=args.quantization)

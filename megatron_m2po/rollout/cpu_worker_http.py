@@ -1,5 +1,5 @@
 """The HTTP layer of the CPU worker: SGLang 0.5.23's routes (``entrypoints/http_server.py``) over
-``cpu_worker.Engine``. Each handler names the SGLang function whose behaviour it follows."""
+``cpu_worker.Engine`` (which imports this module). Each handler names the SGLang function whose behaviour it follows."""
 
 from __future__ import annotations
 
@@ -11,10 +11,18 @@ import uuid
 from typing import Optional
 
 from megatron_m2po.rollout import sglang_sampling as sampling
-from megatron_m2po.rollout.cpu_worker import _DEFAULT_GROUP, _VERSION, HEALTH_CHECK_RID_PREFIX, Engine, RequestError
+
+_VERSION = "0.5.23"  # the SGLang version it emulates, in server_info's "version" as SGLang's __version__
+_DEFAULT_GROUP = "weight_update_group"
+HEALTH_CHECK_RID_PREFIX = "HEALTH_CHECK"  # sglang/srt/constants.py
 
 
-def make_app(engine: Engine):
+class RequestError(ValueError):
+    """A bad request: answered with HTTP 400 and the message."""
+
+
+def make_app(engine):
+    """The aiohttp application over ``engine`` (a ``cpu_worker.Engine``)."""
     from aiohttp import web
 
     health_generates = os.environ.get("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", "true").lower() not in (
