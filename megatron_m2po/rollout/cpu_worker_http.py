@@ -11,8 +11,9 @@ import uuid
 from typing import Optional
 
 from megatron_m2po.rollout import sglang_sampling as sampling
+from megatron_m2po.rollout.sglang_version import SUPPORTED_SGLANG
 
-_VERSION = "0.5.23"  # the SGLang version it emulates, in server_info's "version" as SGLang's __version__
+_VERSION = SUPPORTED_SGLANG  # the SGLang version it emulates: server_info's "version" (SGLang's __version__)
 _DEFAULT_GROUP = "weight_update_group"
 HEALTH_CHECK_RID_PREFIX = "HEALTH_CHECK"  # sglang/srt/constants.py
 
