@@ -4,8 +4,8 @@ Routes and field names follow SGLang 0.5.x; checked against the source of
 ``sgl-project/sglang`` (stored copies, versions 0.5.3rc2 and later 0.5.x):
 
 - ``python/sglang/srt/entrypoints/http_server.py``: ``/generate`` (POST|PUT, body =
-  ``GenerateReqInput``), ``/health`` and ``/health_generate`` (200, or 503 while starting or
-  unhealthy), ``/get_model_info`` {model_path, tokenizer_path, is_generation,
+  ``GenerateReqInput``), ``/health`` and ``/health_generate`` (both generate a token: 200, or
+  503 while starting, unhealthy or paused), ``/ready`` (503 while paused), ``/get_model_info`` {model_path, tokenizer_path, is_generation,
   preferred_sampling_params, weight_version}, ``/get_server_info`` (server args + scheduler info
   + ``version``); SGLang 0.5.23 serves ``/model_info`` and ``/server_info`` (the ``get_`` forms are
   deprecated aliases) and has no ``/get_weight_version`` -- the version is ``/model_info``'s
@@ -42,8 +42,10 @@ Routes and field names follow SGLang 0.5.x; checked against the source of
 - sglang-router 0.3.2 (the Rust ``smg`` router, installed here): forwards ``/generate``,
   ``/get_model_info``, ``/flush_cache``, ``/health_generate``; registers workers with
   ``POST /workers {"url"}`` (202, asynchronous) / ``GET /workers`` / ``DELETE /workers/{id}``.
-  It does *not* forward ``/abort_request``, pause/continue or weight updates: send those to each
-  engine (``EngineFleet.engine_urls``).
+  It does *not* forward ``/abort_request`` (404), pause/continue or weight updates: send those to
+  each engine (``EngineFleet.engine_urls``). ``SGLangClient.abort`` does so by itself: given
+  ``engine_urls``, or when the base URL answers 404 (a router), it sends the abort to every
+  worker the router lists (``GET /workers``); only the engine that owns the rid acts on it.
 
 Retries: connection errors, timeouts of non-generate calls, HTTP 502/503/504 and other 5xx are
 retried with exponential backoff and jitter; 4xx never (the request is wrong). A generate that
@@ -53,6 +55,7 @@ timed out is aborted on the engine (best effort) before the error is raised.
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 import uuid
 from dataclasses import dataclass
@@ -60,6 +63,7 @@ from typing import Any, Optional, Sequence
 
 import aiohttp
 
+log = logging.getLogger("m2po.client")
 
 class EngineError(RuntimeError):
     """An engine answered with an error, or could not be reached after the retries."""
@@ -156,12 +160,14 @@ class SGLangClient:
             await c.pause_generation(); await c.update_weights_from_disk(path, weight_version="7")
             await c.continue_generation()
 
+    ``engine_urls`` (optional, with a router as ``base_url``) are the engines aborts go to.
     ``concurrency`` bounds in-flight ``generate`` calls; ``timeout_s`` is the total time of one
     generate request; control calls use ``control_timeout_s``. Use one client per event loop.
     """
 
     def __init__(self, base_url: str, *, concurrency: int = 64, timeout_s: float = 600.0,
-                 max_retries: int = 3, backoff_s: float = 0.5, control_timeout_s: float = 60.0) -> None:
+                 max_retries: int = 3, backoff_s: float = 0.5, control_timeout_s: float = 60.0,
+                 engine_urls: Optional[Sequence[str]] = None) -> None:
         if concurrency < 1 or timeout_s <= 0 or max_retries < 0:
             raise ValueError(f"SGLangClient: concurrency={concurrency} (>=1), timeout_s={timeout_s} "
                              f"(>0), max_retries={max_retries} (>=0)")
@@ -169,6 +175,8 @@ class SGLangClient:
         self.timeout_s, self.max_retries, self.backoff_s = timeout_s, max_retries, backoff_s
         self.control_timeout_s = control_timeout_s
         self.concurrency = concurrency
+        # Where aborts go when base_url is a router (None: ask the router for its workers).
+        self.engine_urls = [u.rstrip("/") for u in engine_urls] if engine_urls else None
         self._sem: Optional[asyncio.Semaphore] = None
         self._session: Optional[aiohttp.ClientSession] = None
 
@@ -227,6 +235,9 @@ class SGLangClient:
     async def generate(self, input_ids: Sequence[int], sampling_params: dict, return_logprob: bool = True,
                        *, rid: Optional[str] = None) -> GenerateOutput:
         """POST /generate for one prompt. ``rid`` lets ``abort(rid)`` stop it later."""
+        if (sampling_params or {}).get("n", 1) not in (None, 1):
+            raise ValueError(f"sampling_params.n={sampling_params['n']}: SGLang answers n > 1 with a list of "
+                             "n outputs under new rids; send n requests with n=1 instead")
         rid = rid or uuid.uuid4().hex
         payload = {"input_ids": [int(t) for t in input_ids], "sampling_params": dict(sampling_params),
                    "return_logprob": bool(return_logprob), "rid": rid}
@@ -271,14 +282,59 @@ class SGLangClient:
         return list(await asyncio.gather(*(self.generate(p, sampling_params, return_logprob)
                                            for p in prompts)))
 
-    async def abort(self, rid: Optional[str] = None, *, abort_all: bool = False) -> None:
-        """POST /abort_request (engines only; sglang-router 0.3.2 does not forward it)."""
-        await self.request("POST", "/abort_request", {"rid": rid or "", "abort_all": abort_all})
+    async def abort(self, rid: Optional[str] = None, *, abort_all: bool = False,
+                    timeout_s: Optional[float] = None) -> list[str]:
+        """POST /abort_request {rid, abort_all}; returns the engine URLs that took it.
+
+        sglang-router 0.3.2 has no ``/abort_request`` (404): behind it the abort goes to every
+        engine (``engine_urls``, else the router's ``GET /workers``); SGLang ignores a rid it does
+        not hold, so only the owner acts. Raises ``EngineError`` when an engine refuses or cannot
+        be reached, or when the base URL answers 404 and lists no workers."""
+        payload = {"rid": rid or "", "abort_all": abort_all}
+        urls = self.engine_urls
+        if urls is None:
+            try:
+                await self.request("POST", "/abort_request", payload, timeout_s=timeout_s, retry=False,
+                                   expect_json=False)
+                return [self.base_url]
+            except EngineError as e:
+                if e.status != 404:
+                    raise
+            urls = await self._router_workers(timeout_s)
+        failed = []
+        for url, res in zip(urls, await asyncio.gather(*(self._post_abort(u, payload, timeout_s) for u in urls),
+                                                       return_exceptions=True)):
+            if isinstance(res, BaseException):
+                failed.append(f"{url}: {res}")
+        if failed:
+            raise EngineError(self.base_url, "/abort_request", "abort not delivered to " + "; ".join(failed))
+        return list(urls)
+
+    async def _router_workers(self, timeout_s: Optional[float]) -> list[str]:
+        try:
+            out = await self.request("GET", "/workers", timeout_s=timeout_s, retry=False)
+        except EngineError as e:
+            raise EngineError(self.base_url, "/abort_request", "answered 404 and is not an sglang-router "
+                              f"either (GET /workers failed: {e}); point the client at an engine or pass "
+                              "engine_urls") from None
+        urls = [str(w.get("url", "")).rstrip("/") for w in (out or {}).get("workers", []) if w.get("url")]
+        if not urls:
+            raise EngineError(self.base_url, "/abort_request", f"the router lists no workers ({out!r})")
+        return urls
+
+    async def _post_abort(self, url: str, payload: dict, timeout_s: Optional[float]) -> None:
+        async with self._sess().post(url + "/abort_request", json=payload,
+                                     timeout=aiohttp.ClientTimeout(total=timeout_s or self.control_timeout_s)) as r:
+            if r.status != 200:
+                raise EngineError(url, "/abort_request", (await r.text())[:300], r.status)
 
     async def _abort_quietly(self, rid: str) -> None:
+        """Abort a request the caller gave up on; a failure is logged, never raised."""
         try:
-            await asyncio.shield(self.request("POST", "/abort_request", {"rid": rid}, timeout_s=5, retry=False))
-        except (EngineError, asyncio.CancelledError):
+            await asyncio.shield(self.abort(rid, timeout_s=5))
+        except (EngineError, aiohttp.ClientError, asyncio.TimeoutError) as e:
+            log.warning("could not abort request %s on %s: %s", rid, self.base_url, e)
+        except asyncio.CancelledError:
             pass
 
     # ------------------------------------------------------------------ info

@@ -1,45 +1,53 @@
-"""A CPU inference worker that speaks the subset of SGLang 0.5.23's HTTP protocol we use.
+"""A CPU inference worker that speaks SGLang 0.5.23's HTTP protocol, refusals included.
 
     python -m megatron_m2po.rollout.cpu_worker --model-path DIR --host 127.0.0.1 --port 30000
 
 Serves an HF transformers causal LM (float32, one torch thread) so the CPU default, CI and the
-quick-start run the same client, router and weight-sync code as production SGLang. Routes and
-JSON shapes follow SGLang (see ``client.py`` for the source files they were checked against):
+quick-start run the same client, router and weight-sync code as production SGLang. The routes
+are in ``cpu_worker_http.py``, the per-request sampling rules in ``sglang_sampling.py``; every
+rule cites the SGLang 0.5.23 source it follows (``docs/sglang.md`` has the map).
 
 - ``POST /generate`` -- ``input_ids`` (or ``text`` when the model dir has a tokenizer), a list of
-  them for a batch, ``sampling_params`` {temperature, top_p, top_k, max_new_tokens,
-  stop_token_ids, ignore_eos, sampling_seed}, ``return_logprob``, ``rid``. Returns
-  ``{"text", "output_ids", "meta_info": {"id", "finish_reason", "prompt_tokens",
-  "completion_tokens", "cached_tokens", "weight_version", "e2e_latency",
-  "output_token_logprobs": [[logprob, token_id, null], ...]}}`` and, as SGLang 0.5.23
-  (``utils/weight_versions.py`` ``add_weight_versions_to_meta_info``),
-  ``meta_info["weight_versions"]`` = ``[{"version", "start", "end"}, ...]``: the weight version
-  that sampled each run of output tokens (a partial rollout that spans an update has several).
-- ``/health``, ``/health_generate``, ``/get_model_info`` (+ ``/model_info``),
-  ``/get_server_info`` (+ ``/server_info``), ``/flush_cache``, ``/begin_weight_update``,
-  ``/end_weight_update`` (no ``/get_weight_version``: 0.5.23 removed it),
-  ``/abort_request``, ``/pause_generation`` {mode: abort | retract | in_place; SGLang's default
-  is abort}, ``/continue_generation``, ``/update_weights_from_disk``,
-  ``/init_weights_update_group``, ``/update_weights_from_distributed`` (per-tensor broadcasts,
-  or one uint8 broadcast with ``load_format="flattened_bucket"``), ``/destroy_weights_update_group``,
-  ``/update_weight_version``, ``/slow_down`` {forward_sleep_time} (sleep before each decode
-  step; SGLang's testing hook), ``/v1/loads`` (``loads[0]``: num_running_reqs, num_waiting_reqs,
-  num_used_tokens, ... plus ``num_generated_tokens``). sglang-router 0.3.2 probes ``/health``, ``/server_info`` and
-  ``/model_info`` before it routes to a worker.
+  them for a batch; ``sampling_params`` (SGLang's JSON contract: unknown keys are a 400): stop
+  strings / stop_token_ids / ignore_eos / no_stop_trim, temperature, top_p, top_k, min_p,
+  frequency / presence / repetition penalties, min_new_tokens, ``n`` (a list of n samples under
+  new rids), sampling_seed, custom_params (accepted; there is no custom logit processor, so
+  ``custom_logit_processor`` is SGLang's 400); ``return_logprob`` with ``logprob_start_len``
+  (``meta_info.input_token_logprobs`` ``[[logprob | null, id, text | null], ...]``);
+  ``stream`` (server-sent events). Returns ``{"text", "output_ids", "meta_info": {"id",
+  "finish_reason", "prompt_tokens", "completion_tokens", "weight_version", "weight_versions":
+  [{"version", "start", "end"}, ...], "output_token_logprobs", ...}}`` -- the spans give the
+  weight version that sampled each run of output tokens (``utils/weight_versions.py``).
+  Grammars, beam search, watermarks, logit bias and top-logprobs are a 400 naming the field.
+- ``/health`` = ``/health_generate`` (a one-token generation; 503 when no scheduler message
+  arrives within ``SGLANG_HEALTH_CHECK_TIMEOUT`` s -- the case while paused), ``/ready`` (503
+  while paused), ``/model_info`` (+ ``/get_model_info``), ``/server_info`` (+
+  ``/get_server_info``), ``/flush_cache`` (400 unless idle; waiting requests do not count while
+  the scheduler is paused), ``/abort_request`` {rid (prefix match), abort_all},
+  ``/pause_generation`` {mode: abort (default) | retract | in_place}, ``/continue_generation``,
+  ``/begin_weight_update`` / ``/end_weight_update`` (the session distributed updates need),
+  ``/update_weights_from_disk``, ``/init_weights_update_group``,
+  ``/update_weights_from_distributed`` (per-tensor broadcasts, or one uint8 broadcast with
+  ``load_format="flattened_bucket"``), ``/destroy_weights_update_group``,
+  ``/update_weight_version``, ``/slow_down`` {forward_sleep_time} (SGLang's testing hook),
+  ``/v1/loads`` (``loads[0]``: num_running_reqs, num_waiting_reqs, num_used_tokens, ... plus
+  ``num_generated_tokens`` and ``num_held_reqs``). No ``/get_weight_version`` and no
+  ``/get_load``: 0.5.23 has neither. sglang-router 0.3.2 probes ``/health``, ``/server_info``
+  and ``/model_info`` before it routes to a worker; it has no ``/abort_request``.
 
 Log-probs (matches SGLang's sampler): the returned log-prob of a sampled token is
-``log_softmax(logits / temperature)`` -- the temperature-scaled distribution *before* top-p /
-top-k truncation (SGLang computes ``log(probs)`` from the same tensor it then truncates for
-sampling). With ``temperature == 0`` (greedy) it is ``log_softmax(logits)``. With top_p < 1 the
-sampled distribution is the truncated, renormalised one, so the returned value is not its
-log-prob; the trainer recomputes with the same convention (docs/design.md §3, "Log-prob convention").
+``log_softmax(penalised logits / temperature)`` -- the temperature-scaled distribution *before*
+top-p / top-k / min-p truncation. With ``temperature == 0`` (greedy) it is
+``log_softmax(logits)``. The trainer recomputes with the same convention (docs/design.md §3,
+"Log-prob convention").
 
 Scheduling: continuous batching. New requests are prefilled as a left-padded batch and merged
 into the running batch's KV cache; every step decodes one token for each running sequence;
-finished and aborted rows leave the batch. All model work (steps and weight loads) runs on one
-executor thread, so a weight update lands between two decode steps, never inside one.
-``pause_generation(mode=in_place)`` stops stepping; in-flight requests stay with their caches
-and resume on ``continue_generation``.
+finished rows leave the batch. All model work (steps and weight loads) runs on one executor
+thread, so a weight update lands between two decode steps, never inside one. Pausing follows
+SGLang: every mode holds new requests before the scheduler; ``in_place`` stops stepping with the
+running requests and their caches kept, ``retract`` moves them back to the waiting queue (they
+are prefilled again, output included, on ``continue_generation``), ``abort`` aborts everything.
 """
 
 from __future__ import annotations
@@ -47,9 +55,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import concurrent.futures
-import datetime
 import glob
-import json
 import logging
 import os
 import threading
@@ -61,42 +67,40 @@ from typing import Any, Iterable, Optional
 import torch
 
 from megatron_m2po.parallel.side_group import broadcast, new_side_group
+from megatron_m2po.rollout import sglang_sampling as sampling
+from megatron_m2po.rollout.cpu_worker_http import _DEFAULT_GROUP, RequestError, make_app
+from megatron_m2po.rollout.sglang_sampling import Sampling
 from megatron_m2po.utils.hf_dir import iter_safetensors
 
 log = logging.getLogger("m2po.cpu_worker")
 
-_VERSION = "0.5.23"  # the SGLang version it emulates, in server_info's "version" as SGLang's __version__
-_DEFAULT_GROUP = "weight_update_group"
-_SUPPORTED_SAMPLING = {"max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids",
-                       "ignore_eos", "sampling_seed", "skip_special_tokens", "no_stop_trim",
-                       "spaces_between_special_tokens", "n", "stop", "min_p",
-                       "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens"}
-# Parameters we accept only at their neutral value (anything else would change log-probs silently).
-_NEUTRAL = {"n": 1, "min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0,
-            "repetition_penalty": 1.0, "min_new_tokens": 0, "stop": None}
+# schedule_batch.py FINISH_ABORT().to_json(): a running request aborted by /abort_request.
+_ABORT_RUNNING = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
+# tokenizer_manager.py _handle_abort_req: a request aborted before it was scheduled.
+_ABORT_WAITING = {"type": "abort", "message": "Abort in waiting queue"}
 
 
-class RequestError(ValueError):
-    """A bad request: answered with HTTP 400 and the message."""
-
-
-@dataclass
+@dataclass(eq=False)
 class _Seq:
     rid: str
     prompt: list[int]
-    max_new_tokens: int
-    temperature: float
-    top_p: float
-    top_k: int
-    stop_ids: frozenset
+    sp: Sampling
+    stop_ids: frozenset  # stop_token_ids | the model's and the tokenizer's EOS ids
     generator: Optional[torch.Generator]
     future: asyncio.Future
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    return_text_in_logprobs: bool = False
+    events: Optional[tuple] = None  # (asyncio.Queue, index): a streamed request's progress
     start: float = field(default_factory=time.time)
     output: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[str] = field(default_factory=list)
+    input_logprobs: Optional[list] = None  # [(logprob | None, token_id), ...] from logprob_start_len
     finish: Optional[dict] = None
     aborted: bool = False
+    abort_sent: bool = False  # tokenizer_manager.py ReqState.abort_sent: later aborts of this rid are ignored
+    retractions: int = 0
 
 
 class _Batch:
@@ -193,31 +197,74 @@ class Engine:
         if eos is None:
             eos = getattr(self.config, "eos_token_id", None)
         self.eos_ids = frozenset([] if eos is None else ([eos] if isinstance(eos, int) else eos))
+        if self.tokenizer is not None:  # Req._check_token_based_finish: the tokenizer's EOS ids too
+            extra = {self.tokenizer.eos_token_id} | set(getattr(self.tokenizer, "additional_stop_token_ids", None) or [])
+            self.eos_ids |= frozenset(t for t in extra if t is not None)
+        self.vocab_size = int(self.model.get_input_embeddings().weight.shape[0])
         self.context_len = int(getattr(self.config, "max_position_embeddings", 1 << 20))
         self.max_running = max_running
         self.weight_version = weight_version
         self.dist_timeout_s = dist_timeout_s
         self.generator = torch.Generator().manual_seed(seed)
+        # Two pause flags, as SGLang 0.5.23 has: the tokenizer manager's ``is_pause`` (new requests
+        # wait for continue_generation; every mode) and the scheduler's ``_engine_paused`` (no
+        # forward steps; in_place and retract only -- "abort" aborts everything instead).
         self.paused = False
+        self.sched_paused = False
         # SGLang's /slow_down (scheduler.py: ``forward_sleep_time``, slept before each forward).
         self.forward_sleep_time: Optional[float] = None
         self.waiting: list[_Seq] = []
+        self.prefilling: list[_Seq] = []
+        self.live: dict[str, _Seq] = {}  # rid -> request not yet answered (tokenizer's rid_to_state)
+        # rid -> abort_sent of requests that arrived while paused and wait in the tokenizer manager
+        # (registered in rid_to_state, not yet sent to the scheduler).
+        self.held: dict[str, bool] = {}
         self.batch = _Batch()
         self.qlock = threading.Lock()
         self.executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="model")
         self.groups: dict[str, Any] = {}
         self.loop: Optional[asyncio.AbstractEventLoop] = None
         self.wake: Optional[asyncio.Event] = None
+        self.resumed: Optional[asyncio.Event] = None
         self.step_lock: Optional[asyncio.Lock] = None
+        # Messages the tokenizer manager received from the scheduler (a counter and an event per
+        # message): /health succeeds once one arrives after it started (http_server.py).
+        self.received = 0
+        self.receive_event: Optional[asyncio.Event] = None
 
     # ---------------------------------------------------------------- scheduler
     async def start(self) -> None:
         self.loop = asyncio.get_running_loop()
         self.wake, self.step_lock = asyncio.Event(), asyncio.Lock()
+        self.resumed, self.receive_event = asyncio.Event(), asyncio.Event()
+        self.resumed.set()
         self.loop_task = asyncio.create_task(self._run())
 
     async def run_model(self, fn, *args):
         return await self.loop.run_in_executor(self.executor, fn, *args)
+
+    def note_receive(self) -> None:
+        """A scheduler message reached the tokenizer manager (loop thread only)."""
+        self.received += 1
+        ev, self.receive_event = self.receive_event, asyncio.Event()
+        ev.set()
+
+    async def received_since(self, mark: int, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while self.received <= mark:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            try:
+                await asyncio.wait_for(self.receive_event.wait(), left)
+            except asyncio.TimeoutError:
+                return self.received > mark
+        return True
+
+    async def wait_resumed(self) -> None:
+        """tokenizer_manager.py generate_request: ``is_pause_cond.wait_for(not is_pause)``."""
+        while self.paused:
+            await self.resumed.wait()
 
     async def _run(self) -> None:
         while True:
@@ -225,8 +272,7 @@ class Engine:
             self.wake.clear()
             while True:
                 async with self.step_lock:
-                    if self.paused:
-                        await self.run_model(self._evict_aborted)
+                    if self.sched_paused:
                         break
                     with self.qlock:
                         idle = not self.waiting and not len(self.batch)
@@ -239,36 +285,28 @@ class Engine:
                     except Exception as e:  # noqa: BLE001 - fail the requests, keep serving
                         log.exception("step failed")
                         self._fail_all(f"worker step failed: {e}")
+                    self.note_receive()
 
     def _resolve(self, seq: _Seq) -> None:
         def done() -> None:
+            if self.live.get(seq.rid) is seq:
+                del self.live[seq.rid]
             if not seq.future.done():
                 seq.future.set_result(seq)
+            if seq.events is not None:
+                seq.events[0].put_nowait(seq.events[1])
         self.loop.call_soon_threadsafe(done)
 
     def _fail_all(self, message: str) -> None:
         with self.qlock:
-            seqs, self.waiting = self.batch.seqs + self.waiting, []
+            seqs, self.waiting, self.prefilling = self.batch.seqs + self.prefilling + self.waiting, [], []
         self.batch = _Batch()
         for s in seqs:
             s.finish = {"type": "abort", "message": message}
             self._resolve(s)
 
-    def _evict_aborted(self) -> None:
-        with self.qlock:
-            gone = [s for s in self.waiting if s.aborted]
-            self.waiting = [s for s in self.waiting if not s.aborted]
-        keep = [i for i, s in enumerate(self.batch.seqs) if not s.aborted]
-        gone += [s for s in self.batch.seqs if s.aborted]
-        if len(keep) != len(self.batch):
-            self.batch.keep(keep)
-        for s in gone:
-            s.finish = s.finish or {"type": "abort", "message": "Abort request."}
-            self._resolve(s)
-
     @torch.no_grad()
     def _step(self) -> None:
-        self._evict_aborted()
         if len(self.batch):
             b = self.batch
             mask = torch.cat([b.mask, torch.ones(len(b), 1, dtype=torch.long)], 1)
@@ -281,8 +319,11 @@ class Engine:
         with self.qlock:
             room = max(self.max_running - len(self.batch), 0)
             new, self.waiting = self.waiting[:room], self.waiting[room:]
+            self.prefilling = new  # abort() marks them like running requests
         if new:
             self.batch.merge(self._prefill(new))
+        with self.qlock:
+            self.prefilling = []
         finished = [i for i, s in enumerate(self.batch.seqs) if s.finish is not None]
         if finished:
             done = [self.batch.seqs[i] for i in finished]
@@ -290,142 +331,218 @@ class Engine:
             for s in done:
                 self._resolve(s)
 
+    def _retract_all(self) -> None:
+        """pause_generation(mode="retract") (scheduler.py pause_generation): running requests go
+        back to the waiting queue with their output so far and are prefilled again on resume."""
+        with self.qlock:
+            seqs = list(self.batch.seqs)
+            self.batch = _Batch()
+            self.waiting = seqs + self.waiting
+        for s in seqs:
+            s.retractions += 1
+
     def _make_cache(self, kv):
         from transformers import DynamicCache
         return DynamicCache(ddp_cache_data=list(kv), config=self.config)
 
     def _prefill(self, seqs: list[_Seq]) -> _Batch:
-        length = max(len(s.prompt) for s in seqs)
+        """Prompt (+ the output of a retracted request) of each row, left-padded; samples the next token."""
+        ctxs = [s.prompt + s.output for s in seqs]
+        length = max(len(c) for c in ctxs)
         ids = torch.zeros(len(seqs), length, dtype=torch.long)
         mask = torch.zeros(len(seqs), length, dtype=torch.long)
-        for i, s in enumerate(seqs):
-            ids[i, length - len(s.prompt):] = torch.tensor(s.prompt)
-            mask[i, length - len(s.prompt):] = 1
+        for i, c in enumerate(ctxs):
+            ids[i, length - len(c):] = torch.tensor(c)
+            mask[i, length - len(c):] = 1
         pos = (mask.cumsum(1) - 1).clamp(min=0)
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
+        logits = out.logits.float()
+        for i, s in enumerate(seqs):
+            if s.return_logprob and s.input_logprobs is None and 0 <= s.logprob_start_len < len(s.prompt):
+                s.input_logprobs = _input_logprobs(s, logits[i, length - len(ctxs[i]):])
         b = _Batch()
         b.seqs, b.kv, b.mask = list(seqs), _cache_tensors(out.past_key_values), mask
-        b.pos = torch.tensor([len(s.prompt) for s in seqs], dtype=torch.long)
-        b.last = self._sample(seqs, out.logits[:, -1].float())
+        b.pos = torch.tensor([len(c) for c in ctxs], dtype=torch.long)
+        b.last = self._sample(seqs, logits[:, -1])
         return b
 
     def _sample(self, seqs: list[_Seq], logits: torch.Tensor) -> torch.Tensor:
-        """One token per row; record its log-prob (SGLang convention, see module docstring)."""
+        """One token per row and its log-prob (``sglang_sampling``), then SGLang's finish checks
+        in ``Req.update_finish_state`` order: abort, stop string, stop token, length."""
         nxt = torch.empty(len(seqs), dtype=torch.long)
         for i, s in enumerate(seqs):
-            row = logits[i]
-            if s.temperature < 1e-6:
-                logp = torch.log_softmax(row, -1)
-                tok = int(torch.argmax(row))
-            else:
-                logp = torch.log_softmax(row / s.temperature, -1)
-                probs = logp.exp()
-                if s.top_p < 1.0 or 0 < s.top_k < row.numel():
-                    p_sort, p_idx = probs.sort(descending=True)
-                    csum = p_sort.cumsum(0)
-                    p_sort = p_sort.clone()
-                    if 0 < s.top_k < row.numel():
-                        p_sort[s.top_k:] = 0.0
-                    p_sort[(csum - p_sort) > s.top_p] = 0.0
-                    j = torch.multinomial(p_sort, 1, generator=s.generator or self.generator)
-                    tok = int(p_idx[j])
-                else:
-                    tok = int(torch.multinomial(probs, 1, generator=s.generator or self.generator))
+            if s.sp.max_new_tokens == 0:  # prompt log-probs only; finished in submit()
+                nxt[i] = 0
+                continue
+            row = sampling.penalise(s.sp, logits[i], s.output, s.stop_ids)
+            tok, lp = sampling.sample(s.sp, row, s.generator or self.generator)
             nxt[i] = tok
             s.output.append(tok)
-            s.logprobs.append(float(logp[tok]))
+            s.logprobs.append(lp)
             s.versions.append(self.weight_version)
-            if tok in s.stop_ids:
-                s.finish = {"type": "stop", "matched": tok}
-            elif len(s.output) >= s.max_new_tokens or len(s.prompt) + len(s.output) >= self.context_len:
+            if s.aborted:  # to_finish: the request ran this one more step
+                s.finish = dict(_ABORT_RUNNING)
+            elif (r := sampling.stop_reason(s.sp, s.output, s.stop_ids, self.tokenizer)) is not None:
+                s.finish = r
+            elif s.sp.max_new_tokens is not None and len(s.output) >= s.sp.max_new_tokens:
+                s.finish = {"type": "length", "length": s.sp.max_new_tokens}
+            elif len(s.prompt) + len(s.output) >= self.context_len:
                 s.finish = {"type": "length", "length": len(s.output)}
+            if s.events is not None and s.finish is None:
+                self.loop.call_soon_threadsafe(s.events[0].put_nowait, s.events[1])
         return nxt
 
     # ---------------------------------------------------------------- requests
-    def make_seq(self, input_ids: list[int], params: dict, rid: Optional[str]) -> _Seq:
-        params = dict(params or {})
-        unknown = set(params) - _SUPPORTED_SAMPLING
-        if unknown:
-            raise RequestError(f"sampling_params {sorted(unknown)} are not supported by the CPU worker")
-        for k, neutral in _NEUTRAL.items():
-            if params.get(k, neutral) not in (neutral, None) and not (k == "stop" and not params[k]):
-                raise RequestError(f"sampling_params.{k}={params[k]!r} is not supported by the CPU "
-                                   f"worker (only {neutral!r})")
-        if not input_ids or not all(isinstance(t, int) for t in input_ids):
+    def make_seq(self, input_ids: list[int], params: Optional[dict], rid: Optional[str], *,
+                 return_logprob: bool = False, logprob_start_len: Optional[int] = -1,
+                 return_text_in_logprobs: bool = False) -> _Seq:
+        """Validate one request as SGLang 0.5.23 does (``sglang_sampling.parse``, then
+        ``tokenizer_manager.py`` ``_validate_one_request``, then the scheduler's
+        ``logprob_start_len`` check); raises ContractError / ParamError / RequestError."""
+        sp = sampling.parse(params, self.tokenizer, self.vocab_size)
+        if not input_ids or not all(isinstance(t, int) and not isinstance(t, bool) for t in input_ids):
             raise RequestError("input_ids must be a non-empty list of ints")
-        vocab = self.model.get_input_embeddings().weight.shape[0]
-        if min(input_ids) < 0 or max(input_ids) >= vocab:
-            raise RequestError(f"input_ids contain ids outside [0, {vocab})")
+        if min(input_ids) < 0 or max(input_ids) >= self.vocab_size:
+            raise RequestError(f"input_ids contain ids outside [0, {self.vocab_size})")
         if len(input_ids) >= self.context_len:
             raise RequestError(f"The input ({len(input_ids)} tokens) is longer than the model's "
                                f"context length ({self.context_len} tokens).")
-        if params.get("max_new_tokens") is not None and len(input_ids) + int(params["max_new_tokens"]) > self.context_len:
+        mnt = sp.max_new_tokens
+        if mnt is not None and len(input_ids) + mnt > self.context_len:
             # SGLang 0.5.23 managers/tokenizer_manager.py _validate_one_request (no auto-truncate)
-            mnt = int(params["max_new_tokens"])
             raise RequestError(
                 f"Requested token count exceeds the model's maximum context length of {self.context_len} "
                 f"tokens. You requested a total of {len(input_ids) + mnt} tokens: {len(input_ids)} tokens "
                 f"from the input messages and {mnt} tokens for the completion. Please reduce the number "
                 f"of tokens in the input messages or the completion to fit within the limit.")
-        temperature = float(params.get("temperature", 1.0))
-        top_p, top_k = float(params.get("top_p", 1.0)), int(params.get("top_k", -1))
-        max_new = int(params.get("max_new_tokens", 128))
-        if temperature < 0 or not 0 < top_p <= 1 or max_new < 0:
-            raise RequestError(f"bad sampling params: temperature={temperature} top_p={top_p} "
-                               f"max_new_tokens={max_new}")
-        stop = set(params.get("stop_token_ids") or [])
-        if not params.get("ignore_eos", False):
-            stop |= self.eos_ids
-        seed = params.get("sampling_seed")
-        gen = torch.Generator().manual_seed(int(seed)) if seed is not None else None
-        return _Seq(rid=rid or uuid.uuid4().hex, prompt=list(input_ids), max_new_tokens=max_new,
-                    temperature=temperature, top_p=top_p, top_k=top_k, stop_ids=frozenset(stop),
-                    generator=gen, future=self.loop.create_future())
+        start = -1 if logprob_start_len is None or not return_logprob else int(logprob_start_len)
+        if start > len(input_ids):  # scheduler.py handle_generate_request: an abort with status 400
+            raise RequestError(f"req.logprob_start_len={start} is higher than the number of input tokens "
+                               f"len(req.origin_input_ids)={len(input_ids)}. Please use a smaller "
+                               "logprob_start_len.")
+        if start < -1:
+            raise RequestError(f"logprob_start_len={start}: use -1 (output log-probs only) or a prompt position")
+        gen = torch.Generator().manual_seed(sp.sampling_seed) if sp.sampling_seed is not None else None
+        return _Seq(rid=rid or uuid.uuid4().hex, prompt=list(input_ids), sp=sp,
+                    stop_ids=sp.stop_token_ids | self.eos_ids, generator=gen,
+                    future=self.loop.create_future(), return_logprob=bool(return_logprob),
+                    logprob_start_len=start, return_text_in_logprobs=bool(return_text_in_logprobs))
 
-    async def generate_one(self, seq: _Seq, return_logprob: bool) -> dict:
-        if seq.max_new_tokens == 0:
+    def submit(self, seq: _Seq) -> None:
+        """Queue a request (``max_new_tokens == 0``: answered at once, prompt only)."""
+        self.live[seq.rid] = seq
+        if seq.sp.max_new_tokens == 0:
             seq.finish = {"type": "length", "length": 0}
+            if seq.return_logprob and 0 <= seq.logprob_start_len < len(seq.prompt):
+                with self.qlock:  # prompt log-probs need a forward: let the scheduler run it
+                    self.waiting.append(seq)
+                self.wake.set()
+                return
+            self._resolve(seq)
+            return
+        with self.qlock:
+            self.waiting.append(seq)
+        self.wake.set()
+
+    async def generate_one(self, seq: _Seq) -> dict:
+        self.submit(seq)
+        try:
+            await asyncio.shield(seq.future)
+        except asyncio.CancelledError:
+            # tokenizer_manager.py: a client that disconnects aborts its request.
+            self.abort(seq.rid, False)
+            raise
+        return self.response(seq)
+
+    def meta(self, seq: _Seq, finished: bool) -> dict:
+        """``meta_info`` as tokenizer_manager.py ``_handle_batch_output`` builds it (and
+        ``_handle_abort_req`` for a request aborted while waiting)."""
+        n = len(seq.output)
+        if seq.finish == _ABORT_WAITING:
+            meta = {"id": seq.rid, "finish_reason": dict(seq.finish), "weight_version": self.weight_version,
+                    "e2e_latency": time.time() - seq.start}
         else:
-            with self.qlock:
-                self.waiting.append(seq)
-            self.wake.set()
-            await seq.future
-        meta = {"id": seq.rid, "finish_reason": seq.finish, "prompt_tokens": len(seq.prompt),
-                "weight_version": self.weight_version, "completion_tokens": len(seq.output),
-                "cached_tokens": 0, "e2e_latency": time.time() - seq.start,
-                "weight_versions": _version_spans(seq.versions, self.weight_version)}
-        if return_logprob:
-            meta["input_token_logprobs"] = []
-            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(seq.logprobs, seq.output)]
-        text = ""
-        if self.tokenizer is not None:
-            text = self.tokenizer.decode(seq.output, skip_special_tokens=True)
-        return {"text": text, "output_ids": list(seq.output), "meta_info": meta}
+            meta = {"id": seq.rid, "finish_reason": dict(seq.finish) if finished else None,
+                    "prompt_tokens": len(seq.prompt), "weight_version": self.weight_version,
+                    "num_retractions": seq.retractions, "reasoning_tokens": 0, "completion_tokens": n,
+                    "cached_tokens": 0, "e2e_latency": time.time() - seq.start}
+        meta["weight_versions"] = _version_spans(seq.versions[:n], self.weight_version)
+        if seq.return_logprob:
+            def fmt(pairs):  # detokenize_logprob_tokens: (logprob, token_id, text | None)
+                if seq.return_text_in_logprobs and self.tokenizer is not None:
+                    return [[lp, t, self.tokenizer.decode([t])] for lp, t in pairs]
+                return [[lp, t, None] for lp, t in pairs]
+            meta["input_token_logprobs"] = fmt(seq.input_logprobs or [])
+            meta["output_token_logprobs"] = fmt(zip(seq.logprobs[:n], seq.output[:n]))
+            meta["output_token_logprobs_length"] = n
+        meta["completion_tokens"] = n
+        return meta
+
+    def response(self, seq: _Seq) -> dict:
+        text = sampling.output_text(seq.sp, seq.output, seq.finish, self.tokenizer)
+        return {"text": text, "output_ids": list(seq.output), "meta_info": self.meta(seq, True)}
+
+    def partial(self, seq: _Seq) -> dict:
+        """A streamed chunk before the end: everything so far (non-incremental streaming)."""
+        out = list(seq.output)
+        text = "" if self.tokenizer is None else self.tokenizer.decode(
+            out, skip_special_tokens=seq.sp.skip_special_tokens)
+        meta = self.meta(seq, False)
+        meta["completion_tokens"] = len(out)
+        return {"text": text, "output_ids": out, "meta_info": meta}
 
     def abort(self, rid: Optional[str], abort_all: bool) -> int:
-        n = 0
+        """tokenizer_manager.py ``abort_request`` + scheduler.py ``abort_request``: an empty rid
+        without abort_all, or a rid the server does not know, is ignored; otherwise every request
+        whose rid *starts with* it (or all) is aborted: a waiting one at once, a running one after
+        one more decode step (its partial output is returned with finish_reason abort). A request
+        held by a pause is not in the scheduler yet: aborting it by rid does nothing (and, as the
+        tokenizer marks ``abort_sent``, neither does any later abort of that rid); it runs after
+        continue_generation."""
+        if not abort_all:
+            if not rid:
+                return 0
+            if rid in self.held:  # the scheduler does not have it: the abort is lost (0.5.23)
+                self.held[rid] = True
+                return 0
+            s = self.live.get(rid)
+            if s is None or s.abort_sent:
+                return 0
+            s.abort_sent = True
         with self.qlock:
-            for s in self.waiting + self.batch.seqs:
-                if abort_all or (rid and s.rid == rid):
-                    s.aborted, n = True, n + 1
+            hits = [s for s in self.live.values() if abort_all or s.rid.startswith(rid)]
+            waiting = [s for s in self.waiting if any(s is h for h in hits)]
+            self.waiting = [s for s in self.waiting if not any(s is w for w in waiting)]
+            for s in hits:
+                s.aborted = True
+        for s in waiting:
+            s.finish = dict(_ABORT_WAITING)
+            self._resolve(s)
         self.wake.set()
-        return n
+        return len(hits)
 
     def load(self) -> dict:
         """Core fields of SGLang 0.5.23's ``LoadSnapshot`` (``managers/load_snapshot.py``)."""
         with self.qlock:
-            running, waiting = list(self.batch.seqs), list(self.waiting)
+            running, waiting = list(self.batch.seqs) + list(self.prefilling), list(self.waiting)
         used = sum(len(s.prompt) + len(s.output) for s in running)
         return {"dp_rank": 0, "num_running_reqs": len(running), "num_waiting_reqs": len(waiting),
                 "num_waiting_uncached_tokens": sum(len(s.prompt) for s in waiting),
                 "num_used_tokens": used, "num_total_tokens": used, "num_active_tokens": used,
                 "max_running_requests": self.max_running,
-                # Not in SGLang: tokens sampled so far by the running requests (tests wait on it).
-                "num_generated_tokens": sum(len(s.output) for s in running)}
+                # Not in SGLang (tests wait on them): tokens sampled so far by the running requests,
+                # and requests held by a pause before reaching the scheduler.
+                "num_generated_tokens": sum(len(s.output) for s in running), "num_held_reqs": len(self.held)}
 
     def busy(self) -> bool:
         with self.qlock:
-            return bool(self.waiting) or len(self.batch) > 0
+            return bool(self.waiting) or bool(self.prefilling) or len(self.batch) > 0
+
+    def flushable(self) -> bool:
+        """scheduler.py ``flush_cache``: ``is_fully_idle(ignore_waiting=self._engine_paused)`` --
+        no running request, and no waiting one unless the scheduler is paused (retract)."""
+        with self.qlock:
+            return not len(self.batch) and not self.prefilling and (not self.waiting or self.sched_paused)
 
     # ---------------------------------------------------------------- weights
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> int:
@@ -497,6 +614,22 @@ class Engine:
         return list(zip(names, tensors))
 
 
+def _input_logprobs(s: _Seq, rows: torch.Tensor) -> list:
+    """``meta_info.input_token_logprobs`` from ``logprob_start_len`` L (rows: the prefill logits of
+    the prompt). logprob_result_processor.py ``_process_input_token_logprobs``: values are
+    ``[None] + logprobs[:-1]`` -- the token at L gets None even when L > 0 -- from
+    ``log_softmax`` of the raw logits (logprob_processor.py ``InputLogprobProcessor``: no
+    temperature, no penalties); ids are ``prompt[L:]`` with the last vocabulary id reported as 0
+    (SGLang clips ``x < vocab_size - 1``, meant for multimodal hashes)."""
+    n, start = len(s.prompt), s.logprob_start_len
+    vals: list = [None]
+    if n - start > 1:
+        lp = torch.log_softmax(rows[start:n - 1], -1)
+        vals += lp.gather(1, torch.tensor(s.prompt[start + 1:n])[:, None])[:, 0].tolist()
+    vocab = rows.shape[-1]
+    return [(v, t if t < vocab - 1 else 0) for v, t in zip(vals, s.prompt[start:])]
+
+
 # -------------------------------------------------------------------- HTTP layer
 def _version_spans(versions: list[str], current: str) -> list[dict]:
     """Per-token versions as SGLang 0.5.23's spans (``utils/weight_versions.py``
@@ -509,256 +642,6 @@ def _version_spans(versions: list[str], current: str) -> list[dict]:
         else:
             spans.append({"version": v, "start": i, "end": i + 1})
     return spans or [{"version": current, "start": 0, "end": 0}]
-
-
-def make_app(engine: Engine):
-    from aiohttp import web
-
-    def ok(payload: dict, status: int = 200):
-        return web.json_response(payload, status=status)
-
-    async def body(request) -> dict:
-        if not request.can_read_body:
-            return {}
-        try:
-            data = await request.json()
-        except json.JSONDecodeError as e:
-            raise web.HTTPBadRequest(text=f"invalid JSON: {e}") from None
-        return data or {}
-
-    async def generate(request):
-        req = await body(request)
-        if req.get("stream"):
-            return ok({"error": {"message": "stream=True is not supported by the CPU worker"}}, 400)
-        if req.get("top_logprobs_num") or req.get("token_ids_logprob"):
-            return ok({"error": {"message": "top_logprobs_num / token_ids_logprob are not supported"}}, 400)
-        if req.get("logprob_start_len") not in (None, -1):
-            # SGLang would return teacher-forced prompt log-probs from this position; refuse
-            # rather than answer an empty input_token_logprobs.
-            return ok({"error": {"message": "logprob_start_len (prompt log-probs) is not supported by the "
-                                            "CPU worker"}}, 400)
-        ids, text = req.get("input_ids"), req.get("text")
-        if ids is None and text is not None:
-            if engine.tokenizer is None:
-                return ok({"error": {"message": "text input needs a tokenizer in the model dir; "
-                                                "send input_ids"}}, 400)
-            ids = ([engine.tokenizer.encode(t) for t in text] if isinstance(text, list)
-                   else engine.tokenizer.encode(text))
-        if ids is None:
-            return ok({"error": {"message": "one of input_ids / text is required"}}, 400)
-        batch = bool(ids) and isinstance(ids[0], list)
-        items = ids if batch else [ids]
-        params, rids, rlp = req.get("sampling_params"), req.get("rid"), req.get("return_logprob", False)
-        try:
-            seqs = []
-            for i, item in enumerate(items):
-                p = params[i] if isinstance(params, list) else params
-                r = rids[i] if isinstance(rids, list) else (f"{rids}_{i}" if batch and rids else rids)
-                seqs.append(engine.make_seq(item, p, r))
-        except (RequestError, TypeError, ValueError) as e:
-            return ok({"error": {"message": str(e)}}, 400)
-        lps = rlp if isinstance(rlp, list) else [rlp] * len(seqs)
-        outs = await asyncio.gather(*(engine.generate_one(s, bool(lp)) for s, lp in zip(seqs, lps)))
-        return web.json_response(outs if batch else outs[0])
-
-    async def health(request):
-        return web.Response(status=200)
-
-    async def health_generate(request):
-        if engine.busy() or engine.paused:
-            return web.Response(status=200)
-        seq = engine.make_seq([0], {"max_new_tokens": 1, "temperature": 0.0}, f"HEALTH_CHECK_{time.time()}")
-        try:
-            await asyncio.wait_for(engine.generate_one(seq, False), 20)
-        except asyncio.TimeoutError:
-            return web.Response(status=503)
-        return web.Response(status=200)
-
-    def model_info():
-        return {"model_path": engine.model_path, "tokenizer_path": engine.model_path if engine.tokenizer else None,
-                "is_generation": True, "preferred_sampling_params": None,
-                "weight_version": engine.weight_version, "model_type": getattr(engine.config, "model_type", None),
-                "architectures": getattr(engine.config, "architectures", None)}
-
-    async def get_model_info(request):
-        return ok(model_info())
-
-    async def get_server_info(request):
-        return ok({"model_path": engine.model_path, "tokenizer_path": model_info()["tokenizer_path"],
-                   "tp_size": 1, "dp_size": 1, "pp_size": 1, "context_length": engine.context_len,
-                   "max_running_requests": engine.max_running, "weight_version": engine.weight_version,
-                   "quantization": "fp8" if engine.fp8 is not None else None,
-                   "version": _VERSION, "engine": "m2po-cpu-worker", "internal_states": [{}]})
-
-    async def flush_cache(request):
-        if engine.busy():
-            return web.Response(text="Cache not flushed: there are running or waiting requests.\n", status=400)
-        return web.Response(text="Cache flushed.\n", status=200)
-
-    async def abort_request(request):
-        req = await body(request)
-        engine.abort(req.get("rid"), bool(req.get("abort_all", False)))
-        return web.Response(status=200)
-
-    async def pause_generation(request):
-        req = await body(request)
-        mode = req.get("mode", "abort")
-        if mode not in ("abort", "retract", "in_place"):
-            return ok({"error": {"message": f"Invalid mode: {mode!r}. Expected one of "
-                                            "['abort', 'retract', 'in_place']."}}, 400)
-        async with engine.step_lock:  # returns only after the current step ends
-            engine.paused = True
-        if mode == "abort":
-            engine.abort(None, True)
-            await engine.run_model(engine._evict_aborted)
-        return ok({"message": "Generation paused successfully.", "status": "ok"})
-
-    async def continue_generation(request):
-        engine.paused = False
-        engine.wake.set()
-        return ok({"message": "Generation continued successfully.", "status": "ok"})
-
-    # SGLang 0.5.23 managers/scheduler_components/weight_updater.py: a weight-update session;
-    # distributed updates outside it fail, begin inside one and end outside one fail (HTTP 400).
-    session: dict = {"open": False}
-
-    async def begin_weight_update(request):
-        await body(request)
-        if session["open"]:
-            return ok({"success": False, "message": "a weight-update session is already open; "
-                                                    "call end_weight_update() first"}, 400)
-        session["open"] = True
-        return ok({"success": True, "message": "Success"})
-
-    async def end_weight_update(request):
-        await body(request)
-        if not session["open"]:
-            return ok({"success": False, "message": "no weight-update session is open; "
-                                                    "call begin_weight_update() first"}, 400)
-        session["open"] = False
-        return ok({"success": True, "message": "Success"})
-
-    def flush_after_update(req: dict, success_msg: str):
-        # weight_updater.py flush_cache_after_weight_update: flush_cache defaults to true and a
-        # flush refused because requests run or wait fails the (already applied) update.
-        if req.get("flush_cache", True) and engine.busy():
-            return ok({"success": False, "message": "Weights were updated, but the cache was not flushed because "
-                       "requests are still running or queued. Retract or finish them, then call /flush_cache."},
-                      400)
-        return None
-
-    def set_version(v) -> None:
-        if v is not None:
-            engine.weight_version = str(v)
-
-    async def update_from_disk(request):
-        req = await body(request)
-        if req.get("abort_all_requests"):
-            engine.abort(None, True)
-        path = req.get("model_path", "")
-        try:
-            await engine.run_model(engine.load_from_disk, path)
-        except Exception as e:  # noqa: BLE001 - reported to the caller
-            return ok({"success": False, "message": f"Failed to update weights: {e}.",
-                       "num_paused_requests": 0}, 400)
-        engine.model_path = path
-        set_version(req.get("weight_version"))
-        msg = "Succeeded to update model weights."
-        if req.get("weight_version") is not None:
-            msg += f" Weight version updated to {req['weight_version']}."
-        refused = flush_after_update(req, msg)
-        if refused is not None:
-            return refused
-        return ok({"success": True, "message": msg, "num_paused_requests": 0})
-
-    async def init_group(request):
-        req = await body(request)
-        try:
-            await asyncio.to_thread(engine.init_group, req)
-        except Exception as e:  # noqa: BLE001
-            return ok({"success": False, "message": f"Failed to initialize custom process group: {e}."}, 400)
-        return ok({"success": True, "message": "Succeeded to initialize custom process group."})
-
-    async def destroy_group(request):
-        req = await body(request)
-        name = req.get("group_name", _DEFAULT_GROUP)
-        if engine.groups.pop(name, None) is None:
-            return ok({"success": False, "message": f"group {name!r} does not exist"}, 400)
-        return ok({"success": True, "message": "Succeeded to destroy custom process group."})
-
-    async def update_from_distributed(request):
-        req = await body(request)
-        if not session["open"]:
-            return ok({"success": False, "message": "update_weights_from_distributed must run between "
-                                                    "begin_weight_update() and end_weight_update()"}, 400)
-        if req.get("abort_all_requests"):
-            engine.abort(None, True)
-        try:
-            named = await asyncio.to_thread(engine.receive, req)
-            await engine.run_model(engine.load_weights, named)
-        except Exception as e:  # noqa: BLE001
-            return ok({"success": False, "message": f"Failed to update parameter online: {e}."}, 400)
-        set_version(req.get("weight_version"))
-        msg = "Succeeded to update parameter online."
-        if req.get("weight_version") is not None:
-            msg += f" Weight version updated to {req['weight_version']}."
-        refused = flush_after_update(req, msg)
-        if refused is not None:
-            return refused
-        return ok({"success": True, "message": msg})
-
-    async def slow_down(request):
-        # SGLang: SlowDownReqInput(forward_sleep_time: Optional[float]); None turns it off.
-        req = await body(request)
-        t = req.get("forward_sleep_time")
-        if t is not None and (not isinstance(t, (int, float)) or t < 0):
-            return ok({"error": {"message": f"forward_sleep_time must be a number >= 0 or null, got {t!r}"}}, 400)
-        engine.forward_sleep_time = float(t) if t else None
-        engine.wake.set()
-        return ok({})
-
-    async def v1_loads(request):
-        # SGLang 0.5.23 entrypoints/v1_loads.py: per-DP-rank load snapshots.
-        return ok({"timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(), "version": _VERSION,
-                   "accelerator": None, "num_accelerators": 1, "loads": [engine.load()]})
-
-    async def update_weight_version(request):
-        req = await body(request)
-        if req.get("abort_all_requests"):
-            engine.abort(None, True)
-        set_version(req.get("new_version"))
-        return ok({"success": True, "message": f"Weight version updated to {req.get('new_version')}",
-                   "new_version": req.get("new_version")})
-
-    async def on_startup(app):
-        await engine.start()
-
-    app = web.Application(client_max_size=1 << 30)
-    app.on_startup.append(on_startup)
-    r = app.router
-    r.add_route("POST", "/generate", generate)
-    r.add_route("PUT", "/generate", generate)
-    r.add_get("/health", health)
-    r.add_get("/health_generate", health_generate)
-    for p in ("/get_model_info", "/model_info"):
-        r.add_get(p, get_model_info)
-    for p in ("/get_server_info", "/server_info"):
-        r.add_get(p, get_server_info)
-    r.add_post("/begin_weight_update", begin_weight_update)
-    r.add_post("/end_weight_update", end_weight_update)
-    r.add_route("*", "/flush_cache", flush_cache)
-    r.add_post("/abort_request", abort_request)
-    r.add_post("/pause_generation", pause_generation)
-    r.add_post("/continue_generation", continue_generation)
-    r.add_post("/update_weights_from_disk", update_from_disk)
-    r.add_post("/init_weights_update_group", init_group)
-    r.add_post("/destroy_weights_update_group", destroy_group)
-    r.add_post("/update_weights_from_distributed", update_from_distributed)
-    r.add_post("/update_weight_version", update_weight_version)
-    r.add_route("GET", "/slow_down", slow_down)
-    r.add_route("POST", "/slow_down", slow_down)
-    r.add_get("/v1/loads", v1_loads)
-    return app
 
 
 class _DropH2Probe(logging.Filter):

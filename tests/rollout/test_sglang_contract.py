@@ -49,7 +49,7 @@ def _wheel() -> zipfile.ZipFile:
 def sgl():
     with _wheel() as z:
         yield {n: z.read(n).decode() for n in z.namelist()
-               if n.startswith("sglang/srt/") and n.endswith(".py")}
+               if n.startswith(("sglang/srt/", "sglang/api/")) and n.endswith(".py")}
 
 
 def _const(node):
@@ -112,7 +112,7 @@ def _client_calls() -> dict[str, set[str]]:
 
 
 def _worker_routes() -> set[str]:
-    tree = ast.parse((PKG / "cpu_worker.py").read_text())
+    tree = ast.parse((PKG / "cpu_worker_http.py").read_text())
     routes = set()
     for n in ast.walk(tree):
         if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and \
@@ -167,7 +167,52 @@ def test_response_fields_the_client_reads_exist(sgl):
 def test_cpu_worker_exposes_only_sglang_routes(sgl):
     routes = _sglang_routes(sgl)
     worker = _worker_routes()
-    assert {"/generate", "/begin_weight_update", "/end_weight_update", "/v1/loads", "/slow_down"} <= worker
+    assert {"/generate", "/begin_weight_update", "/end_weight_update", "/v1/loads", "/slow_down", "/ready",
+            "/health", "/health_generate", "/abort_request"} <= worker
     extra = sorted(worker - set(routes))
     assert extra == [], f"the CPU worker serves routes SGLang {SUPPORTED_SGLANG} lacks: {extra}"
     assert "/get_weight_version" not in routes and "/get_weight_version" not in worker
+    assert "/get_load" not in routes and "/get_load" not in worker  # 0.5.23 reports loads at /v1/loads
+
+
+def _tuple_const(sgl, path: str, name: str) -> tuple:
+    for n in ast.walk(ast.parse(sgl[path])):
+        if isinstance(n, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in n.targets):
+            return tuple(ast.literal_eval(n.value))
+    raise AssertionError(f"{name} not in {path}")
+
+
+def test_worker_sampling_fields_are_sglangs(sgl):
+    """The CPU worker's sampling-parameter contract is 0.5.23's: the JSON contract's field list
+    (api/v1/api_types.py, unknown keys rejected) and the scheduler's SamplingParams."""
+    from megatron_m2po.rollout import sglang_sampling
+    api = _tuple_const(sgl, "sglang/api/v1/api_types.py", "_FIELDS_SamplingParams")
+    assert sglang_sampling.API_FIELDS == api
+    srt = _class_fields(sgl)["SamplingParams"]
+    implemented = set(API_FIELDS_IMPLEMENTED)
+    assert implemented <= set(api) and implemented <= srt, sorted(implemented - srt)
+    assert set(sglang_sampling.UNSUPPORTED) == set(api) - implemented
+
+
+# Sampling parameters the CPU worker honours (the others are a 400 naming the field).
+API_FIELDS_IMPLEMENTED = ("max_new_tokens", "stop", "stop_token_ids", "temperature", "top_p", "top_k", "min_p",
+                          "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens", "n",
+                          "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim",
+                          "stream_interval", "sampling_seed", "custom_params")
+
+
+def test_worker_generate_fields_exist_in_sglang(sgl):
+    """Every top-level /generate field the CPU worker reads is a GenerateReqInput field."""
+    tree = ast.parse((PKG / "cpu_worker_http.py").read_text())
+    read = {_const(n.args[0]) for n in ast.walk(tree) if isinstance(n, ast.Call)
+            and isinstance(n.func, ast.Attribute) and n.func.attr == "get" and isinstance(n.func.value, ast.Name)
+            and n.func.value.id == "req" and n.args and _const(n.args[0])}
+    for fn in ast.walk(tree):  # the per-request keys read through a loop over a tuple of names
+        if isinstance(fn, ast.For) and isinstance(fn.iter, ast.Tuple):
+            read |= {_const(e.elts[0]) for e in fn.iter.elts if isinstance(e, ast.Tuple) and _const(e.elts[0])}
+    fields = _class_fields(sgl)["GenerateReqInput"]
+    generate_read = read - {"mode", "model_path", "weight_version", "abort_all_requests", "flush_cache",
+                            "group_name", "forward_sleep_time", "new_version", "abort_all"}
+    assert {"input_ids", "text", "sampling_params", "rid", "stream", "return_logprob", "logprob_start_len",
+            "custom_logit_processor", "return_text_in_logprobs"} <= generate_read
+    assert generate_read - fields == set(), sorted(generate_read - fields)

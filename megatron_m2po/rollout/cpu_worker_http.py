@@ -1,0 +1,447 @@
+"""The HTTP layer of the CPU worker: SGLang 0.5.23's routes (``entrypoints/http_server.py``) over
+``cpu_worker.Engine`` (which imports this module). Each handler names the SGLang function whose behaviour it follows."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import json
+import os
+import uuid
+from typing import Optional
+
+from megatron_m2po.rollout import sglang_sampling as sampling
+from megatron_m2po.rollout.sglang_version import SUPPORTED_SGLANG
+
+_VERSION = SUPPORTED_SGLANG  # the SGLang version it emulates: server_info's "version" (SGLang's __version__)
+_DEFAULT_GROUP = "weight_update_group"
+HEALTH_CHECK_RID_PREFIX = "HEALTH_CHECK"  # sglang/srt/constants.py
+
+
+class RequestError(ValueError):
+    """A bad request: answered with HTTP 400 and the message."""
+
+
+def make_app(engine):
+    """The aiohttp application over ``engine`` (a ``cpu_worker.Engine``)."""
+    from aiohttp import web
+
+    health_generates = os.environ.get("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", "true").lower() not in (
+        "0", "false", "no", "off")
+    health_timeout_s = float(os.environ.get("SGLANG_HEALTH_CHECK_TIMEOUT", 20))
+
+    def ok(payload: dict, status: int = 200):
+        return web.json_response(payload, status=status)
+
+    async def body(request) -> dict:
+        if not request.can_read_body:
+            return {}
+        try:
+            data = await request.json()
+        except json.JSONDecodeError as e:
+            raise web.HTTPBadRequest(text=f"invalid JSON: {e}") from None
+        return data or {}
+
+    def err(message: str, status: int = 400):
+        return ok({"error": {"message": message}}, status)
+
+    def expand(req: dict) -> tuple[list, bool]:
+        """GenerateReqInput normalisation (io_struct.py ``_handle_parallel_sampling``,
+        ``_normalize_batch_inputs``, ``_normalize_rid``, ``_normalize_logprob_params``) and
+        tokenizer_manager.py ``_handle_batch_request``: -> (per-request kwargs, is_batch).
+        ``n`` > 1 turns a request into a batch of n samples per prompt, each with a new rid."""
+        if req.get("custom_logit_processor"):
+            # tokenizer_manager.py _validate_one_request; the worker has no such flag.
+            raise sampling.ParamError("The server is not configured to enable custom logit processor. "
+                                      "Please set `--enable-custom-logit-processor` to enable this feature.")
+        if req.get("top_logprobs_num") or req.get("token_ids_logprob"):
+            raise sampling.ParamError("top_logprobs_num / token_ids_logprob are not supported by the CPU "
+                                      "worker; use return_logprob (sampled tokens) and logprob_start_len")
+        ids, text = req.get("input_ids"), req.get("text")
+        if ids is None and text is not None:
+            if engine.tokenizer is None:
+                raise RequestError("text input needs a tokenizer in the model dir; send input_ids")
+            ids = ([engine.tokenizer.encode(t) for t in text] if isinstance(text, list)
+                   else engine.tokenizer.encode(text))
+        if ids is None:
+            raise RequestError("one of input_ids / text is required")
+        batch = bool(ids) and isinstance(ids[0], list)
+        items = ids if batch else [ids]
+        params = req.get("sampling_params")
+        plist = params if isinstance(params, list) else None
+        if plist is not None:
+            if len(plist) != len(items):
+                raise RequestError(f"sampling_params has {len(plist)} entries for {len(items)} prompts")
+            n = (plist[0] or {}).get("n", 1) if plist else 1
+            if any((p or {}).get("n", 1) != n for p in plist):
+                raise sampling.ParamError("The parallel_sample_num should be the same for all samples in "
+                                          "sample params.")
+        else:
+            n = (params or {}).get("n", 1) if isinstance(params, dict) else 1
+        n = 1 if n is None else n
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise sampling.ParamError(f"sampling_params.n must be an integer >= 1, got {n!r}")
+        if n > 1:
+            batch = True
+        per = {}
+        for key, default in (("return_logprob", False), ("logprob_start_len", -1),
+                             ("return_text_in_logprobs", False)):
+            v = req.get(key)
+            if isinstance(v, list):
+                if n > 1:
+                    raise sampling.ParamError(f"Cannot use list {key} with parallel_sample_num > 1")
+                if len(v) != len(items):
+                    raise RequestError(f"{key} has {len(v)} entries for {len(items)} prompts")
+                per[key] = v
+            else:
+                per[key] = [default if v is None else v] * len(items)
+        rid = req.get("rid")
+        if not batch:
+            rids = [rid if rid is not None else uuid.uuid4().hex]
+        elif n > 1:  # every sample gets a fresh rid (regenerate_rid): the caller's rid names none
+            rids = [None] * len(items)
+        elif rid is None:
+            rids = [uuid.uuid4().hex for _ in items]
+        elif isinstance(rid, str):
+            rids = [f"{rid}_{i}" for i in range(len(items))]
+        elif isinstance(rid, list):
+            if len(rid) != len(items):
+                raise sampling.ParamError("The specified rids length mismatch with the batch_size for batch "
+                                          "processing.")
+            rids = rid
+        else:
+            raise sampling.ParamError("The rid should be a string or a list of strings.")
+        out = []
+        for i, item in enumerate(items):
+            kw = dict(input_ids=item, params=plist[i] if plist is not None else params,
+                      return_logprob=per["return_logprob"][i], logprob_start_len=per["logprob_start_len"][i],
+                      return_text_in_logprobs=per["return_text_in_logprobs"][i])
+            for _ in range(n):
+                out.append(dict(kw, rid=uuid.uuid4().hex if n > 1 else rids[i]))
+        return out, batch
+
+    async def generate(request):
+        req = await body(request)
+        params = req.get("sampling_params")
+        try:  # api_contract.py generate_contract_error: HTTP 400 {"error": "<text>"}, streaming or not
+            for p in (params if isinstance(params, list) else [params]):
+                if p is not None:
+                    sampling.check_contract(p)
+        except sampling.ContractError as e:
+            return ok({"error": str(e)}, 400)
+        stream = bool(req.get("stream"))
+        try:
+            reqs, batch = expand(req)
+            if engine.paused:  # tokenizer_manager.py generate_request: rid registered, then the wait
+                held = [r["rid"] for r in reqs]
+                engine.held.update((r, False) for r in held)
+                try:
+                    await engine.wait_resumed()
+                finally:
+                    sent = {r: engine.held.pop(r, False) for r in held}
+            else:
+                sent = {}
+            seqs = [engine.make_seq(r.pop("input_ids"), r.pop("params"), r.pop("rid"), **r) for r in reqs]
+            for s in seqs:
+                s.abort_sent = sent.get(s.rid, False)
+        except sampling.ContractError as e:
+            return ok({"error": str(e)}, 400)
+        except (sampling.ParamError, RequestError, TypeError, ValueError) as e:
+            if stream:  # http_server.py stream_results: the error is an SSE event of a 200 answer
+                return await sse(request, [], error=str(e))
+            return err(str(e))
+        if stream:
+            return await sse(request, seqs, batch=batch)
+        outs = await asyncio.gather(*(engine.generate_one(s) for s in seqs))
+        return web.json_response(outs if batch else outs[0])
+
+    async def sse(request, seqs: list, *, batch: bool = False, error: Optional[str] = None):
+        """stream=true: ``data: <json>\\n\\n`` events, then ``data: [DONE]`` (http_server.py
+        ``serve_generate_request``). Each event carries everything generated so far
+        (non-incremental streaming, SGLang's default); batch events add ``index``
+        (tokenizer_manager.py ``_stream_batch_responses``). A chunk is held back while the text
+        could still become a stop string (``check_match_stop_str_prefix``)."""
+        resp = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream",
+                                                       "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+
+        async def send(obj) -> None:
+            await resp.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
+
+        if error is not None:
+            await send({"error": {"message": error, "type": "invalid_request_error", "code": 400,
+                                  "retryable": False}})
+        queue: asyncio.Queue = asyncio.Queue()
+        for i, s in enumerate(seqs):
+            s.events = (queue, i)
+            engine.submit(s)
+        pending, sent = set(range(len(seqs))), [0] * len(seqs)
+        try:
+            while pending:
+                i = await queue.get()
+                s = seqs[i]
+                if i not in pending:
+                    continue
+                if s.future.done():
+                    chunk = engine.response(s)
+                    pending.discard(i)
+                else:
+                    n, interval = len(s.output), s.sp.stream_interval or 1
+                    if not (interval == 1 or n - sent[i] >= interval or (sent[i] == 0 and n > 0)):
+                        continue
+                    if sampling.holds_stop_prefix(s.sp, s.output, engine.tokenizer):
+                        continue
+                    chunk, sent[i] = engine.partial(s), n
+                if batch:
+                    chunk["index"] = i
+                await send(chunk)
+        except (asyncio.CancelledError, ConnectionResetError):
+            for i in pending:
+                engine.abort(seqs[i].rid, False)
+            raise
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    async def health_generate(request):
+        """/health and /health_generate (http_server.py ``health_generate``; /health generates too
+        unless SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION is false): a one-token request is sent
+        (skipped by the scheduler when it is busy, which answers at once), and the check passes
+        when any scheduler message arrives after it started; after SGLANG_HEALTH_CHECK_TIMEOUT
+        seconds without one it is 503. While generation is paused (any mode) the request waits
+        in the tokenizer manager, so a paused, quiet server answers 503."""
+        if request.path == "/health" and not health_generates:
+            return web.Response(status=200)
+        mark = engine.received
+
+        async def send() -> None:
+            await engine.wait_resumed()
+            if engine.busy():  # scheduler.py: skipped, "ongoing requests already carry health info"
+                engine.note_receive()
+                return
+            seq = engine.make_seq([0], {"max_new_tokens": 1, "temperature": 0.0},
+                                  f"{HEALTH_CHECK_RID_PREFIX}_{uuid.uuid4().hex}")
+            engine.submit(seq)
+
+        task = asyncio.create_task(send())
+        healthy = await engine.received_since(mark, health_timeout_s)
+        task.cancel()
+        return web.Response(status=200 if healthy else 503)
+
+    async def ready(request):
+        # http_server.py /ready: tokenizer_manager.is_ready() = not paused and healthy.
+        return web.Response(status=503 if engine.paused else 200)
+
+    def model_info():
+        return {"model_path": engine.model_path, "tokenizer_path": engine.model_path if engine.tokenizer else None,
+                "is_generation": True, "preferred_sampling_params": None,
+                "weight_version": engine.weight_version, "model_type": getattr(engine.config, "model_type", None),
+                "architectures": getattr(engine.config, "architectures", None)}
+
+    async def get_model_info(request):
+        return ok(model_info())
+
+    async def get_server_info(request):
+        return ok({"model_path": engine.model_path, "tokenizer_path": model_info()["tokenizer_path"],
+                   "tp_size": 1, "dp_size": 1, "pp_size": 1, "context_length": engine.context_len,
+                   "max_running_requests": engine.max_running, "weight_version": engine.weight_version,
+                   "quantization": "fp8" if engine.fp8 is not None else None,
+                   "version": _VERSION, "engine": "m2po-cpu-worker", "internal_states": [{}]})
+
+    async def flush_cache(request):
+        engine.note_receive()
+        if not engine.flushable():
+            return web.Response(text="Cache not flushed: there are running or waiting requests.\n", status=400)
+        return web.Response(text="Cache flushed.\n", status=200)
+
+    async def abort_request(request):
+        req = await body(request)
+        engine.abort(req.get("rid"), bool(req.get("abort_all", False)))
+        return web.Response(status=200)
+
+    async def pause_generation(request):
+        """tokenizer_manager.py / scheduler.py ``pause_generation``: every mode makes new requests
+        wait; "in_place" stops the scheduler with its requests and caches as they are; "retract"
+        stops it and moves running requests back to the waiting queue (their KV is freed, so a
+        cache flush is legal); "abort" (the default) aborts everything and returns once no request
+        is left, without stopping the scheduler."""
+        req = await body(request)
+        mode = req.get("mode", "abort")
+        if mode not in ("abort", "retract", "in_place"):
+            return err(f"Invalid mode: {mode!r}. Expected one of ['abort', 'retract', 'in_place'].")
+        engine.paused = True
+        engine.resumed.clear()
+        if mode == "abort":
+            while engine.live:
+                engine.abort(None, True)
+                await asyncio.gather(*(asyncio.shield(s.future) for s in list(engine.live.values())),
+                                     return_exceptions=True)
+        else:
+            async with engine.step_lock:  # returns only after the current step ends
+                engine.sched_paused = True
+                if mode == "retract":
+                    await engine.run_model(engine._retract_all)
+            engine.note_receive()
+        return ok({"message": "Generation paused successfully.", "status": "ok"})
+
+    async def continue_generation(request):
+        engine.paused = engine.sched_paused = False
+        engine.resumed.set()
+        engine.wake.set()
+        engine.note_receive()
+        return ok({"message": "Generation continued successfully.", "status": "ok"})
+
+    # SGLang 0.5.23 managers/scheduler_components/weight_updater.py: a weight-update session;
+    # distributed updates outside it fail, begin inside one and end outside one fail (HTTP 400).
+    session: dict = {"open": False}
+
+    async def begin_weight_update(request):
+        await body(request)
+        if session["open"]:
+            return ok({"success": False, "message": "a weight-update session is already open; "
+                                                    "call end_weight_update() first"}, 400)
+        session["open"] = True
+        return ok({"success": True, "message": "Success"})
+
+    async def end_weight_update(request):
+        await body(request)
+        if not session["open"]:
+            return ok({"success": False, "message": "no weight-update session is open; "
+                                                    "call begin_weight_update() first"}, 400)
+        session["open"] = False
+        return ok({"success": True, "message": "Success"})
+
+    def flush_after_update(req: dict, success_msg: str):
+        # weight_updater.py flush_cache_after_weight_update: flush_cache defaults to true and a
+        # flush refused because requests run or wait fails the (already applied) update.
+        if req.get("flush_cache", True) and not engine.flushable():
+            return ok({"success": False, "message": "Weights were updated, but the cache was not flushed because "
+                       "requests are still running or queued. Retract or finish them, then call /flush_cache."},
+                      400)
+        return None
+
+    def set_version(v) -> None:
+        if v is not None:
+            engine.weight_version = str(v)
+
+    async def update_from_disk(request):
+        req = await body(request)
+        if req.get("abort_all_requests"):
+            engine.abort(None, True)
+        path = req.get("model_path", "")
+        try:
+            await engine.run_model(engine.load_from_disk, path)
+        except Exception as e:  # noqa: BLE001 - reported to the caller
+            return ok({"success": False, "message": f"Failed to update weights: {e}.",
+                       "num_paused_requests": 0}, 400)
+        engine.model_path = path
+        set_version(req.get("weight_version"))
+        msg = "Succeeded to update model weights."
+        if req.get("weight_version") is not None:
+            msg += f" Weight version updated to {req['weight_version']}."
+        refused = flush_after_update(req, msg)
+        if refused is not None:
+            return refused
+        return ok({"success": True, "message": msg, "num_paused_requests": 0})
+
+    async def init_group(request):
+        req = await body(request)
+        try:
+            await asyncio.to_thread(engine.init_group, req)
+        except Exception as e:  # noqa: BLE001
+            return ok({"success": False, "message": f"Failed to initialize custom process group: {e}."}, 400)
+        return ok({"success": True, "message": "Succeeded to initialize custom process group."})
+
+    async def destroy_group(request):
+        req = await body(request)
+        name = req.get("group_name", _DEFAULT_GROUP)
+        if engine.groups.pop(name, None) is None:
+            return ok({"success": False, "message": f"group {name!r} does not exist"}, 400)
+        return ok({"success": True, "message": "Succeeded to destroy custom process group."})
+
+    async def update_from_distributed(request):
+        req = await body(request)
+        if not session["open"]:
+            return ok({"success": False, "message": "update_weights_from_distributed must run between "
+                                                    "begin_weight_update() and end_weight_update()"}, 400)
+        if req.get("abort_all_requests"):
+            engine.abort(None, True)
+        try:
+            named = await asyncio.to_thread(engine.receive, req)
+            await engine.run_model(engine.load_weights, named)
+        except Exception as e:  # noqa: BLE001
+            return ok({"success": False, "message": f"Failed to update parameter online: {e}."}, 400)
+        set_version(req.get("weight_version"))
+        msg = "Succeeded to update parameter online."
+        if req.get("weight_version") is not None:
+            msg += f" Weight version updated to {req['weight_version']}."
+        refused = flush_after_update(req, msg)
+        if refused is not None:
+            return refused
+        return ok({"success": True, "message": msg})
+
+    async def slow_down(request):
+        # SGLang: SlowDownReqInput(forward_sleep_time: Optional[float]); None turns it off.
+        req = await body(request)
+        t = req.get("forward_sleep_time")
+        if t is not None and (not isinstance(t, (int, float)) or t < 0):
+            return ok({"error": {"message": f"forward_sleep_time must be a number >= 0 or null, got {t!r}"}}, 400)
+        engine.forward_sleep_time = float(t) if t else None
+        engine.wake.set()
+        return ok({})
+
+    async def v1_loads(request):
+        # SGLang 0.5.23 entrypoints/v1_loads.py: per-DP-rank load snapshots.
+        return ok({"timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(), "version": _VERSION,
+                   "accelerator": None, "num_accelerators": 1, "loads": [engine.load()]})
+
+    async def update_weight_version(request):
+        req = await body(request)
+        if req.get("abort_all_requests"):
+            engine.abort(None, True)
+        set_version(req.get("new_version"))
+        return ok({"success": True, "message": f"Weight version updated to {req.get('new_version')}",
+                   "new_version": req.get("new_version")})
+
+    async def on_startup(app):
+        await engine.start()
+
+    def via_scheduler(fn):
+        """A control request answered by the scheduler: its reply is a message to the tokenizer
+        manager (what /health waits for)."""
+        async def handler(request):
+            try:
+                return await fn(request)
+            finally:
+                engine.note_receive()
+        return handler
+
+    app = web.Application(client_max_size=1 << 30)
+    app.on_startup.append(on_startup)
+    r = app.router
+    r.add_route("POST", "/generate", generate)
+    r.add_route("PUT", "/generate", generate)
+    r.add_get("/health", health_generate)
+    r.add_get("/ready", ready)
+    r.add_get("/health_generate", health_generate)
+    for p in ("/get_model_info", "/model_info"):
+        r.add_get(p, get_model_info)
+    for p in ("/get_server_info", "/server_info"):
+        r.add_get(p, get_server_info)
+    r.add_post("/begin_weight_update", via_scheduler(begin_weight_update))
+    r.add_post("/end_weight_update", via_scheduler(end_weight_update))
+    r.add_route("*", "/flush_cache", flush_cache)
+    r.add_post("/abort_request", abort_request)
+    r.add_post("/pause_generation", pause_generation)
+    r.add_post("/continue_generation", continue_generation)
+    r.add_post("/update_weights_from_disk", via_scheduler(update_from_disk))
+    r.add_post("/init_weights_update_group", via_scheduler(init_group))
+    r.add_post("/destroy_weights_update_group", via_scheduler(destroy_group))
+    r.add_post("/update_weights_from_distributed", via_scheduler(update_from_distributed))
+    r.add_post("/update_weight_version", update_weight_version)
+    r.add_route("GET", "/slow_down", via_scheduler(slow_down))
+    r.add_route("POST", "/slow_down", via_scheduler(slow_down))
+    r.add_get("/v1/loads", via_scheduler(v1_loads))
+    return app
+
+
