@@ -24,6 +24,7 @@ import argparse
 import json
 import os
 import sqlite3
+import sys
 
 from megatron_m2po.config import StoreConfig, load_config
 
@@ -102,7 +103,12 @@ def check_db_file(cmd: str, path: str, *, must_exist: bool, writable: bool) -> N
 
 
 def _open_error(cmd: str, path: str, e: BaseException) -> SystemExit:
-    return SystemExit(f"m2po store {cmd}: {path}: cannot open it as a rollout store ({type(e).__name__}: {e}); "
+    from megatron_m2po.store.sqlite import NotAStoreError
+
+    if isinstance(e, (NotAStoreError, PermissionError)):  # these already say what to do
+        return SystemExit(f"m2po store {cmd}: {e}")
+    msg = str(e).splitlines()[0] if str(e) else ""
+    return SystemExit(f"m2po store {cmd}: {path}: cannot open it as a rollout store ({type(e).__name__}: {msg}); "
                       "check --path or restore it from a 'm2po store backup' copy")
 
 
@@ -119,6 +125,8 @@ def run_serve(args: argparse.Namespace) -> int:
     if not path:
         raise SystemExit("m2po store serve: --path (or store.path in --config) is required")
     check_db_file("serve", path, must_exist=False, writable=True)
+    if not os.path.exists(path):
+        print(f"note: no store at {path}: creating a new one", file=sys.stderr, flush=True)
     try:
         token = load_token(args.token_env or cfg.token_env, args.token_file or cfg.token_file)
         trainer_token = load_token(args.trainer_token_env, args.trainer_token_file or "")
@@ -172,20 +180,30 @@ def run_stats(args: argparse.Namespace) -> int:
 def run_backup(args: argparse.Namespace) -> int:
     """SQLite's online backup API: a consistent snapshot (WAL included) while writers run."""
     check_db_file("backup", args.path, must_exist=True, writable=False)
+    from megatron_m2po.store import sqlite as db
+
     if os.path.exists(args.out):
         raise SystemExit(f"m2po store backup: {args.out} exists; choose a new --out")
-    from urllib.parse import quote
+    out_dir = os.path.dirname(os.path.abspath(args.out))
+    if not os.path.isdir(out_dir) or not os.access(out_dir, os.W_OK):
+        raise SystemExit(f"m2po store backup: cannot write {args.out}: its directory {out_dir} is missing or "
+                         "read-only; choose another --out")
     try:
-        src = sqlite3.connect(f"file:{quote(os.path.abspath(args.path))}?mode=ro", uri=True, timeout=30)
+        src = db.connect(args.path, readonly=True)
+    except (sqlite3.DatabaseError, RuntimeError, OSError) as e:
+        raise _open_error("backup", args.path, e) from None
+    try:
         dst = sqlite3.connect(args.out)
         try:
             src.backup(dst, pages=1024)
             (ok,) = dst.execute("PRAGMA integrity_check").fetchone()
         finally:
             dst.close()
-            src.close()
     except (sqlite3.DatabaseError, OSError) as e:
-        raise _open_error("backup", args.path, e) from None
+        raise SystemExit(f"m2po store backup: copying {args.path} to {args.out} failed ({type(e).__name__}: {e}); "
+                         "check that the source is a healthy store and --out is writable with room") from None
+    finally:
+        src.close()
     if ok != "ok":
         raise SystemExit(f"m2po store backup: the copy {args.out} fails SQLite's integrity check: {ok}")
     print(f"m2po store backup: {args.path} -> {args.out} ({os.path.getsize(args.out):,} bytes, integrity ok)")

@@ -325,35 +325,6 @@ def _cli(*args, env=None):
                           timeout=60, env={**os.environ, "M2PO_STORE_TOKEN": TOKEN, **(env or {})})
 
 
-def test_bad_database_files_give_one_clear_line(tmp_path):
-    import os
-    good = tmp_path / "good.sqlite"
-    s = RolloutStore(str(good))
-    s.put_groups([make_group("g", 0)])
-    s.close()
-    foreign = tmp_path / "foreign.sqlite"
-    foreign.write_bytes(b"PK\x03\x04 not a database at all" * 10)
-    truncated = tmp_path / "truncated.sqlite"
-    truncated.write_bytes(good.read_bytes()[:10])
-    cases = [(tmp_path / "missing.sqlite", "no such file", ("stats",)),
-             (foreign, "not a SQLite rollout store", ("stats", "serve")),
-             (truncated, "not a SQLite rollout store", ("stats", "serve"))]
-    if os.geteuid() != 0:  # root ignores file permissions
-        ro = tmp_path / "ro"
-        ro.mkdir()
-        (ro / "s.sqlite").write_bytes(good.read_bytes())
-        os.chmod(ro / "s.sqlite", 0o444)
-        os.chmod(ro, 0o555)
-        cases.append((ro / "s.sqlite", "read-only", ("serve",)))
-    for path, needle, cmds in cases:
-        for cmd in cmds:
-            r = _cli(cmd, "--path", str(path), *(("--port", "0") if cmd == "serve" else ()))
-            out = (r.stdout + r.stderr).strip()
-            assert r.returncode != 0 and "Traceback" not in out, out
-            lines = [ln for ln in out.splitlines() if not ln.startswith("note:")]
-            assert len(lines) == 1 and str(path) in lines[0] and needle in lines[0], out
-
-
 def test_stats_is_read_only_and_backup_is_consistent_while_serving(tmp_path):
     import hashlib
     path = tmp_path / "live.sqlite"
