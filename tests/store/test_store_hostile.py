@@ -19,9 +19,10 @@ import pytest
 
 from megatron_m2po.store import RolloutStore
 from megatron_m2po.store.client import StoreClient, StoreClientError
-from megatron_m2po.store.codec import (MAX_GROUPS_PER_REQUEST, MAX_TRAJECTORIES_PER_GROUP, encode_binary,
-                                       encode_json, group_to_dict)
+from megatron_m2po.store.codec import (MAX_GROUPS_PER_REQUEST, MAX_ID_CHARS, MAX_JSON_BYTES, MAX_TRAJECTORIES_PER_GROUP,
+                                       encode_binary, encode_json, group_to_dict)
 from store_testlib import make_group, start_server, stop
+from waiting import wait_until
 
 TOKEN = "h0stile"
 RSS_BOUND = 400 * 1024 * 1024  # the server's RSS may not exceed this under any request below
@@ -119,9 +120,11 @@ def test_huge_integers_are_400_naming_the_field(server):
     r = make_group("big", 0, n=1).trajectories[0].response_ids.size
     refused(server, one_traj_doc("big", versions=2**63), "versions", str(2**63))
     refused(server, one_traj_doc("big", versions=[2**63] * r), "versions[0]", "int64")
-    refused(server, one_traj_doc("big", reward=10**400), "reward", "bits")
-    refused(server, one_traj_doc("big", behav_logprobs=[-(10**400)] * r), "behav_logprobs[0]", "bits")
-    refused(server, one_traj_doc("big", prompt_ids=[10**400]), "prompt_ids[0]", "bits")
+    refused(server, one_traj_doc("big", reward=10**400), "reward", "401 digits")
+    refused(server, one_traj_doc("big", behav_logprobs=[-(10**400)] * r), "behav_logprobs[0]", "401 digits")
+    refused(server, one_traj_doc("big", prompt_ids=[10**400]), "prompt_ids[0]", "401 digits")
+    refused(server, one_traj_doc("big", versions=10**400), "versions", "401 digits")
+    refused(server, one_traj_doc("big", reward=10**39), "reward", "float range")  # 40 digits: converted, refused
     _, url, _ = server
     st, doc = post(url, json.dumps({"version": 2**63}).encode(), path="/v1/version")
     assert st == 400 and "version" in doc["error"]
@@ -158,6 +161,103 @@ def test_metadata_depth_and_size_limited(server):
         cur = cur["a"]
     refused(server, one_traj_doc("md", metadata=deep), "metadata", "nested", "16")
     refused(server, one_traj_doc("md", metadata={"x": "y" * 100_000}), "metadata", "65536")
+
+
+def test_json_parse_is_bounded_before_it_allocates(open_server):
+    """What the JSON parser itself would build is bounded: size, nesting, integer literals, ids."""
+    path, url, proc = open_server
+    srv = open_server
+    # the worst JSON for the parser (~25 bytes of objects per byte) just over the JSON limit: 413
+    # before parsing, although the request limit (24 MiB) would take it
+    n = MAX_JSON_BYTES // 3 + 1
+    body = b'{"groups": [' + b"[]," * n + b"[]]}"
+    refused(srv, body, str(MAX_JSON_BYTES), "binary framing", status=413)
+    # nesting deeper than the parser's recursion: 400, nothing else
+    refused(srv, b'{"groups": ' + b"[" * 1_000_000, "nested too deeply")
+    refused(srv, b'{"groups": [{"group_id": "d", "trajectories": [' + b"{\"a\": " * 100_000, "nested too deeply")
+    # integer literals longer than any field takes are refused before Python converts them
+    r = make_group("h", 0, n=1).trajectories[0].response_ids.size
+    body = json.dumps(one_traj_doc("digits", reward=0)).encode().replace(b'"reward": 0', b'"reward": ' + b"9" * 200_000)
+    refused(srv, body, "reward", "200000 digits", "limit of 40")
+    refused(srv, one_traj_doc("digits", behav_logprobs=[-(10**50)] * r), "behav_logprobs[0]", "51 digits")
+    # floats beyond the float range parse as inf and are refused by the field
+    body = json.dumps(one_traj_doc("flt", reward=0.5)).encode().replace(b"0.5", b"1e999999")
+    refused(srv, body, "reward", "finite")
+    # ids are bounded (they are echoed in every message and stored as keys)
+    refused(srv, one_traj_doc("uid", uid="u" * (MAX_ID_CHARS + 1)), "uid", str(MAX_ID_CHARS))
+    # an error message never echoes a large value back
+    err = refused(srv, one_traj_doc("echo", finish_reason=["x" * 10] * 100_000), "finish_reason")
+    assert len(err) < 500
+    # POST /v1/version is small and never 5xx
+    for body, code in ((b"[" * 5000, 413), (b"[" * 900, 400), (b"{\"version\": " + b"9" * 500 + b"}", 400),
+                       (b"{\"version\": 1" + b"0" * 30 + b"}", 400), (b"\xff\xfe", 400)):
+        st, doc = post(url, body, path="/v1/version")
+        assert st == code, (body[:20], st, doc)
+
+
+def test_request_bytes_in_flight_are_bounded(tmp_path):
+    """Bodies being received count against a budget (2x the request limit): beyond it, 429."""
+    import socket
+    path = str(tmp_path / "inflight.sqlite")
+    proc, url = start_server(path, token=TOKEN, extra=("--max-request-mb", "4", "--body-timeout-s", "600"))
+    u = urllib.parse.urlparse(url)
+    socks = []
+    try:
+        limit = 4 * 2**20
+        for _ in range(2):  # two uploads that declare the limit and stall: the budget is held
+            sk = socket.create_connection((u.hostname, u.port), timeout=30)
+            sk.sendall(b"POST /v1/groups HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + TOKEN.encode()
+                       + b"\r\nContent-Type: application/json\r\nContent-Length: " + str(limit).encode()
+                       + b"\r\n\r\n{")
+            socks.append(sk)
+        body = encode_json([make_group("fits", 0, n=1)])
+        doc = wait_until(lambda: (lambda r: r if r[0] == 429 else None)(post(url, body)),
+                         what="a 429 while two stalled uploads hold the in-flight budget", timeout=120)
+        assert "in flight" in doc[1]["error"] and "retry" in doc[1]["error"], doc
+        for sk in socks:
+            sk.close()
+        st, doc = wait_until(lambda: (lambda r: r if r[0] == 200 else None)(post(url, body, hostile=False)),
+                             what="the budget released after the stalled uploads closed", timeout=120)
+        assert doc["stored"] == ["fits"]
+        assert proc.poll() is None
+    finally:
+        for sk in socks:
+            sk.close()
+        stop(proc)
+
+
+def _raw(url, data: bytes) -> bytes:
+    import socket
+    u = urllib.parse.urlparse(url)
+    with socket.create_connection((u.hostname, u.port), timeout=30) as sk:
+        sk.sendall(data)
+        out = b""
+        while b"\r\n" not in out:  # the status line is all we need
+            chunk = sk.recv(65536)
+            if not chunk:
+                break
+            out += chunk
+    STATS["sent"] += 1
+    return out
+
+
+def test_malformed_http_framing_is_4xx(server):
+    _, url, proc = server
+    head = (b"POST /v1/groups HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + TOKEN.encode()
+            + b"\r\nContent-Type: application/json\r\n")
+    for raw in (head + b"Transfer-Encoding: chunked\r\n\r\nzz\r\nabc\r\n0\r\n\r\n",
+                head + b"Transfer-Encoding: chunked\r\n\r\n" + b"f" * 40 + b"\r\nabc\r\n",
+                head + b"Transfer-Encoding: chunked\r\n\r\n3\r\nabcXX0\r\n\r\n",
+                head + b"Content-Length: -5\r\n\r\n{}",
+                head + b"Content-Length: 99999999999999999999999999\r\n\r\n{}",
+                head + b"Content-Length: 2\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+                head + b"X-Long: " + b"a" * 100_000 + b"\r\n\r\n",
+                b"POST /v1/groups HTTP/1.1\r\n" + b"X: y\r\n" * 20_000 + b"\r\n"):
+        out = _raw(url, raw)
+        status = int(out.split(b" ", 2)[1])
+        STATS["5xx"] += status >= 500
+        assert 400 <= status < 500, (raw[:80], out[:200])
+    assert rss(proc) < RSS_BOUND
 
 
 def test_non_utf8_authorization_header_is_401(server):
@@ -200,9 +300,9 @@ def test_resend_at_capacity_is_duplicate_and_conflict_is_409(server):
 
 @pytest.fixture(scope="module")
 def open_server(tmp_path_factory):
-    """No capacity limit: every valid group must be stored."""
+    """No capacity limit: every valid group must be stored. Requests up to 24 MiB (over the JSON limit)."""
     path = str(tmp_path_factory.mktemp("hyp") / "h.sqlite")
-    proc, url = start_server(path, token=TOKEN, extra=("--max-request-mb", "8"))
+    proc, url = start_server(path, token=TOKEN, extra=("--max-request-mb", "24"))
     yield path, url, psutil.Process(proc.pid)
     stop(proc)
 
