@@ -21,7 +21,7 @@ from megatron_m2po.store import RolloutStore
 from megatron_m2po.store.client import StoreClient, StoreClientError
 from megatron_m2po.store.codec import (MAX_GROUPS_PER_REQUEST, MAX_ID_CHARS, MAX_JSON_BYTES, MAX_TRAJECTORIES_PER_GROUP,
                                        encode_binary, encode_json, group_to_dict)
-from store_testlib import make_group, start_server, stop
+from store_testlib import make_group, same_group, start_server, stop
 from waiting import wait_until
 
 TOKEN = "h0stile"
@@ -337,36 +337,110 @@ def test_hypothesis_malformed_and_valid_groups(open_server):
     counter = iter(range(10**9))
 
     @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
-    @given(field=st.sampled_from(sorted(bad_fields)), data=st.data(), valid=st.booleans())
-    def check(field, data, valid):
+    @given(field=st.sampled_from(sorted(bad_fields)), data=st.data(), with_bad=st.booleans(),
+           n_good=st.integers(0, 2), binary=st.booleans())
+    def check(field, data, with_bad, n_good, binary):
         i = next(counter)
-        gid = f"hyp{i}"
-        t = {**base, "uid": f"{gid}/0", "group_id": gid}
-        if not valid:
+        good = [make_group(f"hyp{i}-{k}", data.draw(st.integers(0, version)), n=data.draw(st.integers(1, 3)),
+                           resp_len=data.draw(st.integers(1, 20)), seed=i) for k in range(n_good)]
+        if not with_bad and not good:
+            with_bad = True
+        gdocs = [group_to_dict(g) for g in good]
+        if with_bad:
+            gid = f"hyp{i}-bad"
+            t = {**base, "uid": f"{gid}/0", "group_id": gid}
             val = data.draw(bad_fields[field])
             if field == "versions" and isinstance(val, int) and not isinstance(val, bool) and 0 <= val <= version:
                 val = 2**63  # a scalar version inside the range is valid: force an invalid one
             if field in ("reward",) and val is None:
                 val = "x"
             t[field] = val
-        doc = {"groups": [{"group_id": gid, "trajectories": [t]}]}
+            gdocs.insert(data.draw(st.integers(0, len(gdocs))), {"group_id": gid, "trajectories": [t]})
         before = n_groups(path)
-        body = json.dumps(doc).encode()
-        st_, ans = post(url, body)
-        if valid:
-            assert st_ == 200 and ans["stored"] == [gid], ans
-            assert gid not in seen_valid
-            seen_valid.add(gid)
-            assert n_groups(path) == before + 1
+        if binary and not with_bad:
+            st_, ans = post(url, encode_binary(good), ctype="application/x-m2po-groups")
         else:
+            st_, ans = post(url, json.dumps({"groups": gdocs}).encode())
+        if with_bad:  # one invalid group refuses the whole request: nothing stored
             assert 400 <= st_ < 500 and st_ != 429, (field, st_, ans)
             assert n_groups(path) == before, (field, ans)
+        else:
+            ids = [g.group_id for g in good]
+            assert st_ == 200 and ans["stored"] == ids, ans
+            assert not seen_valid & set(ids)
+            seen_valid.update(ids)
+            assert n_groups(path) == before + len(good)
+            st_, ans = post(url, encode_json(good), hostile=False)  # a re-send stores nothing again
+            assert st_ == 200 and ans["duplicates"] == ids and ans["stored"] == [], ans
+            assert n_groups(path) == before + len(good)
+            stored = _read_back(path, ids)
+            for g in good:
+                assert same_group(stored[g.group_id], g)
         assert rss(proc) < RSS_BOUND
 
     check()
     assert STATS["5xx"] == 0
     print(f"\nafter the property test: hostile requests sent: {STATS['sent']}, 5xx: {STATS['5xx']}, "
           f"peak server RSS: {STATS['peak_rss'] / 2**20:.1f} MiB")
+
+
+def _read_back(path, ids) -> dict:
+    import sqlite3
+
+    from megatron_m2po.store import sqlite as db
+    conn = sqlite3.connect(path)
+    try:
+        return {gid: db.load_group(conn, conn.execute("SELECT seq FROM groups WHERE group_id=?", (gid,)).fetchone()[0])
+                for gid in ids}
+    finally:
+        conn.close()
+
+
+def test_hypothesis_mutated_binary_bodies(open_server):
+    """Bytes of a valid binary body flipped, overwritten, cut or appended: 200 (stored exactly once,
+    as decoded) or 4xx (nothing stored), never 5xx, memory bounded."""
+    pytest.importorskip("hypothesis")
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    path, url, proc = open_server
+    counter = iter(range(10**9))
+    stored_before: set[str] = set()
+
+    @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(data=st.data())
+    def check(data):
+        i = next(counter)
+        body = bytearray(encode_binary([make_group(f"bin{i:07d}-{k}", 0, n=2, resp_len=4, seed=i) for k in range(2)]))
+        for _ in range(data.draw(st.integers(1, 4))):
+            op = data.draw(st.sampled_from(["flip", "set", "cut", "append", "len"]))
+            pos = data.draw(st.integers(0, len(body) - 1))
+            if op == "flip":
+                body[pos] ^= 1 << data.draw(st.integers(0, 7))
+            elif op == "set":
+                body[pos] = data.draw(st.integers(0, 255))
+            elif op == "cut":
+                del body[pos:]
+                if not body:
+                    body += b"M"
+            elif op == "append":
+                body += data.draw(st.binary(max_size=64))
+            else:  # header_len or a declared count overwritten with a large value
+                struct.pack_into("<I", body, 8, data.draw(st.integers(0, 2**32 - 1)))
+        before = n_groups(path)
+        st_, ans = post(url, bytes(body), ctype="application/x-m2po-groups")
+        assert st_ == 200 or (400 <= st_ < 500 and st_ != 429), (st_, ans)
+        if st_ == 200:
+            new = set(ans["stored"])
+            assert not new & stored_before and not set(ans["duplicates"]) - stored_before, ans
+            stored_before.update(new)
+            assert n_groups(path) == before + len(new)
+        else:
+            assert n_groups(path) == before, ans
+        assert rss(proc) < RSS_BOUND
+
+    check()
+    assert STATS["5xx"] == 0
 
 
 def test_versions_within_known_range_even_before_first_version(tmp_path):
@@ -438,6 +512,17 @@ def test_stats_is_read_only_and_backup_is_consistent_while_serving(tmp_path):
         assert r.returncode == 0, r.stderr
         assert sum(v["groups"] for v in json.loads(r.stdout)["groups"].values()) == 5
         assert hashlib.sha256(path.read_bytes()).hexdigest() == before  # stats wrote nothing
+        # copying the file alone is not a backup: acknowledged groups still live in the WAL
+        import shutil
+        import sqlite3
+        shutil.copy(path, tmp_path / "copy.sqlite")
+        conn = sqlite3.connect(str(tmp_path / "copy.sqlite"))
+        try:
+            n_copied = conn.execute("SELECT COUNT(*) FROM groups").fetchone()[0]
+        except sqlite3.DatabaseError:
+            n_copied = 0  # not even the schema reached the main file yet
+        conn.close()
+        assert n_copied < 5
         out = tmp_path / "backup.sqlite"
         r = _cli("backup", "--path", str(path), "--out", str(out))
         assert r.returncode == 0 and "integrity ok" in r.stdout, r.stdout + r.stderr
