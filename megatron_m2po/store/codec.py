@@ -83,6 +83,11 @@ MAX_ID_CHARS = 1024                     # uid, group_id
 # (``[[],[],...]``); so JSON is bounded on its own: larger batches use the binary framing, whose
 # arrays are checked against the header before they are copied.
 MAX_JSON_BYTES = 8 << 20
+# The costliest constructs per byte are containers (an empty list is 3 bytes of JSON and ~64 bytes
+# of Python) and short strings (~50 bytes each): both are counted in the raw bytes before parsing
+# (every '[' / '{' and every '"', escaped or in a string or not: an upper bound).
+MAX_JSON_CONTAINERS = 1 << 18
+MAX_JSON_STRINGS = 1 << 20
 MAX_INT_DIGITS = 40                     # no field takes an integer beyond the float range (~39 digits)
 
 
@@ -337,6 +342,14 @@ def _load_json(body: bytes, what: str) -> Any:
         raise PayloadTooLarge(f"{what} is {len(body)} bytes of JSON, over the limit of {MAX_JSON_BYTES} bytes "
                               f"for JSON; send smaller batches or the binary framing ({BINARY_CONTENT_TYPE!r}, "
                               "what StoreClient sends by default)")
+    n_cont = body.count(b"[") + body.count(b"{")
+    if n_cont > MAX_JSON_CONTAINERS:
+        raise PayloadError(f"{what} holds up to {n_cont} JSON arrays and objects ('[' and '{{' bytes), over the limit "
+                           f"of {MAX_JSON_CONTAINERS}; send smaller batches or the binary framing")
+    n_str = body.count(b'"') // 2
+    if n_str > MAX_JSON_STRINGS:
+        raise PayloadError(f"{what} holds up to {n_str} JSON strings, over the limit of {MAX_JSON_STRINGS}; send "
+                           "smaller batches or the binary framing")
     try:
         return json.loads(body.decode("utf-8"), parse_constant=_reject_constant, parse_int=_parse_int)
     except PayloadError:
