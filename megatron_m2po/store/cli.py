@@ -1,4 +1,4 @@
-"""``m2po store serve|stats``.
+"""``m2po store serve|stats|backup``.
 
 * ``m2po store serve --path P [--host 127.0.0.1] [--port 8765] [--token-file F] [--insecure-no-auth]``
   runs the HTTP ingestion service (:mod:`megatron_m2po.store.server`). The token comes from the
@@ -6,14 +6,17 @@
   ``--producer-token-file`` (alias of ``--token-file``) holds the producer token;
   ``--trainer-token-file`` / ``$M2PO_STORE_TRAINER_TOKEN`` the trainer token (only it may set
   the version). Without a trainer token one token serves both roles (said at start-up).
+  A missing ``P`` is created (said at start-up).
 * ``m2po store stats --path P [--json]`` prints :meth:`RolloutStore.metrics` of a store file,
-  opened read-only (safe next to a running server).
+  opened read-only (safe next to a running server; in a read-only directory it is opened
+  ``immutable`` when no write-ahead log is pending), quarantined groups included.
 * ``m2po store backup --path P --out B`` writes a consistent copy with SQLite's online backup
   API while the server runs. Copying ``P`` alone is *not* a backup: the store runs in WAL mode,
   so acknowledged groups may live only in ``P-wal`` until a checkpoint, and a copy taken during a
   write can be torn.
 
-A missing, read-only, truncated or foreign file gives one line naming the file and what to do.
+A missing, read-only, truncated, garbage or foreign file (another program's SQLite database,
+never written to), or a directory, gives one line naming the file and what to do.
 
 Defaults come from ``StoreConfig``; ``--config file.yaml`` reads the ``store`` section of a run.
 """
@@ -157,6 +160,10 @@ def format_metrics(m: dict) -> str:
               "  groups by staleness: " + json.dumps(st["groups"]),
               f"leases: {json.dumps(m['leases'])}",
               f"bytes: arrays {m['bytes']['arrays']:,}, db {m['bytes']['db_file']:,}, wal {m['bytes']['wal_file']:,}"]
+    q = m.get("quarantined") or {}
+    if q.get("groups"):
+        lines.append(f"quarantined (stored data failed its checksum, never served): {q['groups']} groups")
+        lines += [f"  {r['group_id']} (was {r['was']}): {r['reason']}" for r in q.get("latest", [])]
     return "\n".join(lines)
 
 

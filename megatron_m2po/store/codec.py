@@ -395,6 +395,29 @@ def _count(where: str, t: dict, key: str) -> int:
     return n
 
 
+def _check_binary_length(doc: Any, payload: int) -> None:
+    """The header's declared array sizes must add up to the payload, checked before any copy."""
+    want = 0
+    for i, g in enumerate(_groups_list(doc)):
+        gid, tl = _group_header(i, g)
+        for j, t in enumerate(tl):
+            if not isinstance(t, dict):
+                raise PayloadError(f"group {gid!r} trajectories[{j}] must be an object")
+            where = f"group {gid!r} trajectories[{j}]"
+            npr, nr, nrun = (_count(where, t, k) for k in ("n_prompt", "n_response", "n_runs"))
+            _check_len(f"{where}.n_prompt", npr)
+            _check_len(f"{where}.n_response", nr)
+            if nrun > max(nr, 1):
+                raise PayloadError(f"{where}.n_runs={nrun} exceeds n_response={nr}")
+            want += 4 * npr + 8 * nr + 16 * nrun + nr * bool(t.get("has_loss_mask", False)) \
+                + 4 * nr * bool(t.get("has_recomputed", False))
+    if want != payload:
+        what = (f"{payload - want} trailing bytes after the last array" if payload > want
+                else f"{want - payload} bytes missing")
+        raise PayloadError(f"binary payload has {payload} bytes, the header's counts declare {want}: {what} "
+                           "(lengths disagree with the header)")
+
+
 def decode_binary(body: bytes) -> list[Group]:
     if len(body) < _PREAMBLE.size:
         raise PayloadError(f"binary body has {len(body)} bytes, shorter than the {_PREAMBLE.size}-byte preamble")
@@ -406,6 +429,7 @@ def decode_binary(body: bytes) -> list[Group]:
     if _PREAMBLE.size + hlen > len(body):
         raise PayloadError(f"binary header_len={hlen} runs past the end of the {len(body)}-byte body")
     doc = _load_json(body[_PREAMBLE.size:_PREAMBLE.size + hlen], "binary header")
+    _check_binary_length(doc, len(body) - _PREAMBLE.size - hlen)
     mv = memoryview(body)
     off = _PREAMBLE.size + hlen
     groups = []

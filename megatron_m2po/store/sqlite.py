@@ -296,9 +296,16 @@ class CorruptGroupError(Exception):
 
 
 def insert_group(conn: sqlite3.Connection, g: Group, *, digest: str, state: str, now: float) -> int:
-    """Insert one validated group (inside the caller's transaction); returns its array bytes."""
+    """Insert one validated group (inside the caller's transaction); returns its array bytes.
+
+    Each trajectory's blobs are built, checksummed and written one row at a time, so a large
+    group never has a second copy of all its arrays in memory."""
+    cur = conn.execute(
+        "INSERT INTO groups (group_id, digest, gen_version, max_version, n_traj, n_prompt_tokens, "
+        "n_response_tokens, nbytes, vruns, state, ingested_at) VALUES (?,?,?,?,?,0,0,0,'[]',?,?)",
+        (g.group_id, digest, max(g.min_version, 0), max(g.max_version, 0), len(g.trajectories), state, now))
+    seq = cur.lastrowid
     runs_all: dict[int, int] = {}
-    rows = []
     nbytes = n_prompt = n_resp = 0
     for i, t in enumerate(g.trajectories):
         runs = rle_encode(t.versions)
@@ -312,7 +319,11 @@ def insert_group(conn: sqlite3.Connection, g: Group, *, digest: str, state: str,
         n_prompt += t.prompt_ids.size
         n_resp += t.response_ids.size
         scal = (t.uid, i, t.reward, t.finish_reason, json.dumps(t.metadata, allow_nan=False), t.min_version)
-        rows.append((*scal, *blobs, row_checksum(*scal, *blobs)))
+        conn.execute("INSERT INTO trajectories (uid, group_seq, idx, reward, finish_reason, metadata, "
+                     "min_version, prompt, response, logp, vruns, mask, recomputed, checksum) "
+                     "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)", (scal[0], seq, *scal[1:], *blobs,
+                                                               row_checksum(*scal, *blobs)))
+        del blobs, mask, rec
         conn.execute(
             "INSERT INTO version_stats (version, trajectories, prompt_tokens) VALUES (?, 1, ?) "
             "ON CONFLICT(version) DO UPDATE SET trajectories=trajectories+1, "
@@ -321,15 +332,8 @@ def insert_group(conn: sqlite3.Connection, g: Group, *, digest: str, state: str,
         conn.execute("INSERT INTO version_stats (version, response_tokens) VALUES (?, ?) "
                      "ON CONFLICT(version) DO UPDATE SET response_tokens=response_tokens+excluded.response_tokens",
                      (v, c))
-    cur = conn.execute(
-        "INSERT INTO groups (group_id, digest, gen_version, max_version, n_traj, n_prompt_tokens, "
-        "n_response_tokens, nbytes, vruns, state, ingested_at) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
-        (g.group_id, digest, max(g.min_version, 0), max(g.max_version, 0), len(g.trajectories), n_prompt,
-         n_resp, nbytes, json.dumps(sorted(runs_all.items())), state, now))
-    seq = cur.lastrowid
-    conn.executemany("INSERT INTO trajectories (uid, group_seq, idx, reward, finish_reason, metadata, "
-                     "min_version, prompt, response, logp, vruns, mask, recomputed, checksum) "
-                     "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)", [(r[0], seq, *r[1:]) for r in rows])
+    conn.execute("UPDATE groups SET n_prompt_tokens=?, n_response_tokens=?, nbytes=?, vruns=? WHERE seq=?",
+                 (n_prompt, n_resp, nbytes, json.dumps(sorted(runs_all.items())), seq))
     return nbytes
 
 

@@ -230,3 +230,19 @@ def test_checksum_covers_what_the_trainer_gets():
         if i == 4:
             changed[i] = '{"x": 1}'
         assert db.row_checksum(*changed) != ref, i
+
+
+def test_stats_reports_quarantined_groups(tmp_path):
+    import subprocess
+    import sys
+    path = tmp_path / "s.sqlite"
+    _fill(path, ["a", "b"])
+    _flip_in_file(path, "a", field="response_ids")
+    s = RolloutStore(str(path))
+    s.lease(fifo(), n_groups=1)
+    s.close()
+    r = subprocess.run([sys.executable, "-m", "megatron_m2po.cli", "store", "stats", "--path", str(path)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "quarantined (stored data failed its checksum, never served): 1 groups" in r.stdout
+    assert "  a (was available): trajectory 'a/0' fails its checksum" in r.stdout
