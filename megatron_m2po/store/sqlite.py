@@ -231,10 +231,11 @@ def _migrate_1_to_2(conn: sqlite3.Connection, path: str) -> None:
     cols = [r[1] for r in conn.execute("PRAGMA table_info(trajectories)")]
     if "checksum" not in cols:
         conn.execute("ALTER TABLE trajectories ADD COLUMN checksum TEXT")
-    n = 0
-    for row in conn.execute(f"SELECT rowid, {_ROW_COLS} FROM trajectories WHERE response IS NOT NULL").fetchall():
-        conn.execute("UPDATE trajectories SET checksum=? WHERE rowid=?", (row_checksum(*row[1:]), row[0]))
-        n += 1
+    rowids = [r[0] for r in conn.execute("SELECT rowid FROM trajectories WHERE response IS NOT NULL")]
+    for rowid in rowids:  # one row in memory at a time
+        row = conn.execute(f"SELECT {_ROW_COLS} FROM trajectories WHERE rowid=?", (rowid,)).fetchone()
+        conn.execute("UPDATE trajectories SET checksum=? WHERE rowid=?", (row_checksum(*row), rowid))
+    n = len(rowids)
     set_meta(conn, "schema_version", str(SCHEMA_VERSION))
     log.warning("rollout store %s: migrated from schema 1 to %d (checksummed %d stored trajectories as they are "
                 "now; damage older than this migration cannot be detected)", path, SCHEMA_VERSION, n)
