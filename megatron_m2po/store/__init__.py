@@ -20,9 +20,11 @@ Trainer side::
     store.restore_cursor(extra_state["store_cursor"])    # on resume: exact replay
 """
 
-from megatron_m2po.store.store import (Bounded, ConflictError, ExactStaleK, Fifo, Lease, NotReadyError,
-                                       PutResult, RolloutStore, StoreFullError, bounded, exact_stale_k, fifo)
+from megatron_m2po.store.store import (Bounded, ConflictError, CorruptGroupError, ExactStaleK, Fifo, Lease,
+                                       NotReadyError, PutResult, RolloutStore, StoreFullError, bounded,
+                                       exact_stale_k, fifo)
 from megatron_m2po.store.types import Group, Trajectory
 
 __all__ = ["RolloutStore", "Lease", "PutResult", "Group", "Trajectory", "exact_stale_k", "bounded", "fifo",
-           "ExactStaleK", "Bounded", "Fifo", "NotReadyError", "ConflictError", "StoreFullError"]
+           "ExactStaleK", "Bounded", "Fifo", "NotReadyError", "ConflictError", "StoreFullError",
+           "CorruptGroupError"]

@@ -1,4 +1,4 @@
-"""``m2po store serve|stats``.
+"""``m2po store serve|stats|backup``.
 
 * ``m2po store serve --path P [--host 127.0.0.1] [--port 8765] [--token-file F] [--insecure-no-auth]``
   runs the HTTP ingestion service (:mod:`megatron_m2po.store.server`). The token comes from the
@@ -6,14 +6,17 @@
   ``--producer-token-file`` (alias of ``--token-file``) holds the producer token;
   ``--trainer-token-file`` / ``$M2PO_STORE_TRAINER_TOKEN`` the trainer token (only it may set
   the version). Without a trainer token one token serves both roles (said at start-up).
+  A missing ``P`` is created (said at start-up).
 * ``m2po store stats --path P [--json]`` prints :meth:`RolloutStore.metrics` of a store file,
-  opened read-only (safe next to a running server).
+  opened read-only (safe next to a running server; in a read-only directory it is opened
+  ``immutable`` when no write-ahead log is pending), quarantined groups included.
 * ``m2po store backup --path P --out B`` writes a consistent copy with SQLite's online backup
   API while the server runs. Copying ``P`` alone is *not* a backup: the store runs in WAL mode,
   so acknowledged groups may live only in ``P-wal`` until a checkpoint, and a copy taken during a
   write can be torn.
 
-A missing, read-only, truncated or foreign file gives one line naming the file and what to do.
+A missing, read-only, truncated, garbage or foreign file (another program's SQLite database,
+never written to), or a directory, gives one line naming the file and what to do.
 
 Defaults come from ``StoreConfig``; ``--config file.yaml`` reads the ``store`` section of a run.
 """
@@ -24,6 +27,7 @@ import argparse
 import json
 import os
 import sqlite3
+import sys
 
 from megatron_m2po.config import StoreConfig, load_config
 
@@ -102,7 +106,12 @@ def check_db_file(cmd: str, path: str, *, must_exist: bool, writable: bool) -> N
 
 
 def _open_error(cmd: str, path: str, e: BaseException) -> SystemExit:
-    return SystemExit(f"m2po store {cmd}: {path}: cannot open it as a rollout store ({type(e).__name__}: {e}); "
+    from megatron_m2po.store.sqlite import NotAStoreError
+
+    if isinstance(e, (NotAStoreError, PermissionError)):  # these already say what to do
+        return SystemExit(f"m2po store {cmd}: {e}")
+    msg = str(e).splitlines()[0] if str(e) else ""
+    return SystemExit(f"m2po store {cmd}: {path}: cannot open it as a rollout store ({type(e).__name__}: {msg}); "
                       "check --path or restore it from a 'm2po store backup' copy")
 
 
@@ -119,6 +128,8 @@ def run_serve(args: argparse.Namespace) -> int:
     if not path:
         raise SystemExit("m2po store serve: --path (or store.path in --config) is required")
     check_db_file("serve", path, must_exist=False, writable=True)
+    if not os.path.exists(path):
+        print(f"note: no store at {path}: creating a new one", file=sys.stderr, flush=True)
     try:
         token = load_token(args.token_env or cfg.token_env, args.token_file or cfg.token_file)
         trainer_token = load_token(args.trainer_token_env, args.trainer_token_file or "")
@@ -149,6 +160,10 @@ def format_metrics(m: dict) -> str:
               "  groups by staleness: " + json.dumps(st["groups"]),
               f"leases: {json.dumps(m['leases'])}",
               f"bytes: arrays {m['bytes']['arrays']:,}, db {m['bytes']['db_file']:,}, wal {m['bytes']['wal_file']:,}"]
+    q = m.get("quarantined") or {}
+    if q.get("groups"):
+        lines.append(f"quarantined (stored data failed its checksum, never served): {q['groups']} groups")
+        lines += [f"  {r['group_id']} (was {r['was']}): {r['reason']}" for r in q.get("latest", [])]
     return "\n".join(lines)
 
 
@@ -172,20 +187,30 @@ def run_stats(args: argparse.Namespace) -> int:
 def run_backup(args: argparse.Namespace) -> int:
     """SQLite's online backup API: a consistent snapshot (WAL included) while writers run."""
     check_db_file("backup", args.path, must_exist=True, writable=False)
+    from megatron_m2po.store import sqlite as db
+
     if os.path.exists(args.out):
         raise SystemExit(f"m2po store backup: {args.out} exists; choose a new --out")
-    from urllib.parse import quote
+    out_dir = os.path.dirname(os.path.abspath(args.out))
+    if not os.path.isdir(out_dir) or not os.access(out_dir, os.W_OK):
+        raise SystemExit(f"m2po store backup: cannot write {args.out}: its directory {out_dir} is missing or "
+                         "read-only; choose another --out")
     try:
-        src = sqlite3.connect(f"file:{quote(os.path.abspath(args.path))}?mode=ro", uri=True, timeout=30)
+        src = db.connect(args.path, readonly=True)
+    except (sqlite3.DatabaseError, RuntimeError, OSError) as e:
+        raise _open_error("backup", args.path, e) from None
+    try:
         dst = sqlite3.connect(args.out)
         try:
             src.backup(dst, pages=1024)
             (ok,) = dst.execute("PRAGMA integrity_check").fetchone()
         finally:
             dst.close()
-            src.close()
     except (sqlite3.DatabaseError, OSError) as e:
-        raise _open_error("backup", args.path, e) from None
+        raise SystemExit(f"m2po store backup: copying {args.path} to {args.out} failed ({type(e).__name__}: {e}); "
+                         "check that the source is a healthy store and --out is writable with room") from None
+    finally:
+        src.close()
     if ok != "ok":
         raise SystemExit(f"m2po store backup: the copy {args.out} fails SQLite's integrity check: {ok}")
     print(f"m2po store backup: {args.path} -> {args.out} ({os.path.getsize(args.out):,} bytes, integrity ok)")

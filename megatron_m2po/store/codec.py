@@ -41,6 +41,7 @@ import hashlib
 import json
 import math
 import struct
+import sys
 from typing import Any, Iterable, Optional
 
 import numpy as np
@@ -48,7 +49,7 @@ import numpy as np
 from megatron_m2po.store.types import Group, Trajectory
 
 __all__ = [
-    "PayloadError", "JSON_CONTENT_TYPE", "BINARY_CONTENT_TYPE", "rle_encode", "rle_decode",
+    "PayloadError", "PayloadTooLarge", "JSON_CONTENT_TYPE", "BINARY_CONTENT_TYPE", "rle_encode", "rle_decode",
     "encode_json", "decode_json", "encode_binary", "decode_binary", "decode_payload",
     "group_digest", "group_to_dict", "group_from_dict",
 ]
@@ -65,6 +66,10 @@ class PayloadError(ValueError):
     """A request body cannot be decoded into groups; the message names the field."""
 
 
+class PayloadTooLarge(PayloadError):
+    """A part of the body is over a size limit checked before it is parsed (HTTP 413)."""
+
+
 # Limits checked against *declared* sizes before anything is allocated (issue 17).
 MAX_GROUPS_PER_REQUEST = 4096
 MAX_TRAJECTORIES_PER_GROUP = 4096
@@ -72,6 +77,18 @@ MAX_TOKENS_PER_ARRAY = 1 << 21          # prompt or response tokens of one traje
 MAX_VERSION = (1 << 63) - 1
 MAX_METADATA_DEPTH = 16
 MAX_METADATA_BYTES = 64 * 1024
+MAX_ID_CHARS = 1024                     # uid, group_id
+# JSON (a body, or the header of the binary framing) is parsed into Python objects before any
+# field can be checked, and the parser builds up to ~25 bytes of objects per byte of input
+# (``[[],[],...]``); so JSON is bounded on its own: larger batches use the binary framing, whose
+# arrays are checked against the header before they are copied.
+MAX_JSON_BYTES = 8 << 20
+# The costliest constructs per byte are containers (an empty list is 3 bytes of JSON and ~64 bytes
+# of Python) and short strings (~50 bytes each): both are counted in the raw bytes before parsing
+# (every '[' / '{' and every '"', escaped or in a string or not: an upper bound).
+MAX_JSON_CONTAINERS = 1 << 18
+MAX_JSON_STRINGS = 1 << 20
+MAX_INT_DIGITS = 40                     # no field takes an integer beyond the float range (~39 digits)
 
 
 def check_metadata(where: str, md: Any) -> dict:
@@ -136,7 +153,7 @@ def _reject_constant(name: str) -> Any:
 
 def _int_list(where: str, x: Any) -> np.ndarray:
     if not isinstance(x, list):
-        raise PayloadError(f"{where} must be a list of integers, got {type(x).__name__}")
+        raise PayloadError(f"{where} must be a list of integers, got {_kind(x)}")
     _check_len(where, len(x))
     for i, e in enumerate(x):
         if isinstance(e, bool) or not isinstance(e, int):
@@ -151,11 +168,11 @@ def _int_list(where: str, x: Any) -> np.ndarray:
 
 def _float_list(where: str, x: Any) -> np.ndarray:
     if not isinstance(x, list):
-        raise PayloadError(f"{where} must be a list of numbers, got {type(x).__name__}")
+        raise PayloadError(f"{where} must be a list of numbers, got {_kind(x)}")
     _check_len(where, len(x))
     for i, e in enumerate(x):
         if isinstance(e, bool) or not isinstance(e, (int, float)):
-            raise PayloadError(f"{where}[{i}]={e!r} is not a number")
+            raise PayloadError(f"{where}[{i}]={_short(e)} is not a number")
         if isinstance(e, int) and abs(e) > 1 << 128:
             raise PayloadError(f"{where}[{i}]={_short(e)} is out of the float range")
     return np.asarray(x, dtype=np.float32)
@@ -169,8 +186,14 @@ def _check_int32(where: str, a: np.ndarray) -> np.ndarray:
 
 def _str_field(where: str, x: Any) -> str:
     if not isinstance(x, str) or not x:
-        raise PayloadError(f"{where} must be a non-empty string, got {x!r}")
+        raise PayloadError(f"{where} must be a non-empty string, got {_short(x)}")
+    if len(x) > MAX_ID_CHARS:
+        raise PayloadError(f"{where} has {len(x)} characters, over the limit of {MAX_ID_CHARS}")
     return x
+
+
+def _kind(x: Any) -> str:
+    return repr(x) if isinstance(x, _HugeInt) else type(x).__name__
 
 
 def _short(x: Any) -> str:
@@ -184,7 +207,7 @@ def _reward(where: str, x: Any) -> Optional[float]:
     if isinstance(x, int) and not isinstance(x, bool) and abs(x) > 1 << 128:
         raise PayloadError(f"{where}={_short(x)} must be a finite number or null (out of the float range)")
     if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x):
-        raise PayloadError(f"{where}={x!r} must be a finite number or null")
+        raise PayloadError(f"{where}={_short(x)} must be a finite number or null")
     return float(x)
 
 
@@ -227,7 +250,7 @@ def traj_from_dict(d: Any, group_id: str, where: str) -> Trajectory:
     rec = d.get("recomputed_behav_logprobs")
     fr = d.get("finish_reason", "stop")
     if not isinstance(fr, str):
-        raise PayloadError(f"{w}.finish_reason must be a string, got {fr!r}")
+        raise PayloadError(f"{w}.finish_reason must be a string, got {_short(fr)}")
     md = check_metadata(w, d.get("metadata", {}))
     return Trajectory(
         uid=uid, group_id=gid,
@@ -296,15 +319,46 @@ def encode_json(groups: Iterable[Group]) -> bytes:
     return json.dumps({"groups": [group_to_dict(g) for g in groups]}, allow_nan=False).encode()
 
 
+class _HugeInt:
+    """An integer literal longer than any field takes, kept unconverted (Python's conversion is
+    quadratic in the digits); every field check refuses it by name, as it would a wrong type."""
+
+    __slots__ = ("digits",)
+
+    def __init__(self, digits: int):
+        self.digits = digits
+
+    def __repr__(self) -> str:
+        return f"an integer literal of {self.digits} digits (over the limit of {MAX_INT_DIGITS})"
+
+
+def _parse_int(s: str) -> Any:
+    digits = len(s) - s.startswith("-")
+    return _HugeInt(digits) if digits > MAX_INT_DIGITS else int(s)
+
+
 def _load_json(body: bytes, what: str) -> Any:
+    if len(body) > MAX_JSON_BYTES:
+        raise PayloadTooLarge(f"{what} is {len(body)} bytes of JSON, over the limit of {MAX_JSON_BYTES} bytes "
+                              f"for JSON; send smaller batches or the binary framing ({BINARY_CONTENT_TYPE!r}, "
+                              "what StoreClient sends by default)")
+    n_cont = body.count(b"[") + body.count(b"{")
+    if n_cont > MAX_JSON_CONTAINERS:
+        raise PayloadError(f"{what} holds up to {n_cont} JSON arrays and objects ('[' and '{{' bytes), over the limit "
+                           f"of {MAX_JSON_CONTAINERS}; send smaller batches or the binary framing")
+    n_str = body.count(b'"') // 2
+    if n_str > MAX_JSON_STRINGS:
+        raise PayloadError(f"{what} holds up to {n_str} JSON strings, over the limit of {MAX_JSON_STRINGS}; send "
+                           "smaller batches or the binary framing")
     try:
-        return json.loads(body.decode("utf-8"), parse_constant=_reject_constant)
+        return json.loads(body.decode("utf-8"), parse_constant=_reject_constant, parse_int=_parse_int)
     except PayloadError:
         raise
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise PayloadError(f"{what} is not valid UTF-8 JSON: {e}") from None
-    except RecursionError:
-        raise PayloadError(f"{what} is nested too deeply") from None
+    except RecursionError:  # the C parser recurses once per level of nesting
+        raise PayloadError(f"{what} is nested too deeply (JSON arrays or objects inside each other "
+                           f"~{sys.getrecursionlimit()} levels; metadata may nest {MAX_METADATA_DEPTH})") from None
 
 
 def decode_json(body: bytes) -> list[Group]:
@@ -337,8 +391,31 @@ def encode_binary(groups: Iterable[Group]) -> bytes:
 def _count(where: str, t: dict, key: str) -> int:
     n = t.get(key)
     if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-        raise PayloadError(f"{where}.{key}={n!r} must be a non-negative integer")
+        raise PayloadError(f"{where}.{key}={_short(n)} must be a non-negative integer")
     return n
+
+
+def _check_binary_length(doc: Any, payload: int) -> None:
+    """The header's declared array sizes must add up to the payload, checked before any copy."""
+    want = 0
+    for i, g in enumerate(_groups_list(doc)):
+        gid, tl = _group_header(i, g)
+        for j, t in enumerate(tl):
+            if not isinstance(t, dict):
+                raise PayloadError(f"group {gid!r} trajectories[{j}] must be an object")
+            where = f"group {gid!r} trajectories[{j}]"
+            npr, nr, nrun = (_count(where, t, k) for k in ("n_prompt", "n_response", "n_runs"))
+            _check_len(f"{where}.n_prompt", npr)
+            _check_len(f"{where}.n_response", nr)
+            if nrun > max(nr, 1):
+                raise PayloadError(f"{where}.n_runs={nrun} exceeds n_response={nr}")
+            want += 4 * npr + 8 * nr + 16 * nrun + nr * bool(t.get("has_loss_mask", False)) \
+                + 4 * nr * bool(t.get("has_recomputed", False))
+    if want != payload:
+        what = (f"{payload - want} trailing bytes after the last array" if payload > want
+                else f"{want - payload} bytes missing")
+        raise PayloadError(f"binary payload has {payload} bytes, the header's counts declare {want}: {what} "
+                           "(lengths disagree with the header)")
 
 
 def decode_binary(body: bytes) -> list[Group]:
@@ -352,6 +429,7 @@ def decode_binary(body: bytes) -> list[Group]:
     if _PREAMBLE.size + hlen > len(body):
         raise PayloadError(f"binary header_len={hlen} runs past the end of the {len(body)}-byte body")
     doc = _load_json(body[_PREAMBLE.size:_PREAMBLE.size + hlen], "binary header")
+    _check_binary_length(doc, len(body) - _PREAMBLE.size - hlen)
     mv = memoryview(body)
     off = _PREAMBLE.size + hlen
     groups = []
@@ -392,7 +470,7 @@ def decode_binary(body: bytes) -> list[Group]:
             fr = t.get("finish_reason", "stop")
             md = t.get("metadata", {})
             if not isinstance(fr, str):
-                raise PayloadError(f"{where}.finish_reason must be a string, got {fr!r}")
+                raise PayloadError(f"{where}.finish_reason must be a string, got {_short(fr)}")
             check_metadata(where, md)
             trajs.append(Trajectory(
                 uid=uid, group_id=gid, prompt_ids=_check_int32(f"{where}.prompt_ids", arrs["prompt_ids"]),

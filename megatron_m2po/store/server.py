@@ -23,9 +23,12 @@ invalid trajectory (NaN, wrong lengths, versions ahead of the trainer's — befo
 published a version only version 0 is accepted —, wrong types, sizes over the limits of
 :mod:`.codec`: groups per request, trajectories per group, tokens per array, metadata depth
 and size; declared sizes are checked before anything is allocated), 401
-missing / wrong token, 409 a known id with different content, 413 body over the size limit,
-415 unknown content type, 429 store at capacity (with ``Retry-After``), 500 anything else.
-A request that fails stores nothing.
+missing / wrong token, 403 a producer token on a trainer route, 408 a body that stalls, 409 a
+known id with different content, 413 body over the size limit (or JSON over
+:data:`~.codec.MAX_JSON_BYTES`: larger batches use the binary framing), 415 unknown content
+type, 429 store at capacity or too many request bytes in flight (with ``Retry-After``), 500 a
+failure of the store itself (never for anything a client sends). A request that fails stores
+nothing.
 
 Security: binds 127.0.0.1 unless told otherwise; refuses to start without a token unless
 ``--insecure-no-auth`` is given (then it warns loudly). Tokens are compared in constant time.
@@ -46,8 +49,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Optional
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
-from megatron_m2po.store.codec import PayloadError, decode_payload
+from megatron_m2po.store.codec import PayloadError, PayloadTooLarge, decode_payload
 from megatron_m2po.store.store import ConflictError, RolloutStore, StoreFullError
 
 log = logging.getLogger(__name__)
@@ -80,14 +84,22 @@ TRAINER_ROUTES = {("POST", "/v1/version")}
 
 
 def build_app(store: RolloutStore, *, token: Optional[str], max_request_bytes: int,
-              trainer_token: Optional[str] = None, body_timeout_s: float = 60.0) -> web.Application:
+              trainer_token: Optional[str] = None, body_timeout_s: float = 60.0,
+              max_inflight_bytes: Optional[int] = None) -> web.Application:
     """The aiohttp application; store calls run on one worker thread (SQLite is blocking).
+
+    Memory: at most ``max_inflight_bytes`` (default twice ``max_request_bytes``) of request
+    bodies are held at once (more gets 429 + ``Retry-After``), and one body at a time is decoded
+    and stored, JSON at most :data:`~.codec.MAX_JSON_BYTES` of it.
 
     Roles: ``token`` is the *producer* credential (push groups, read the version, stats);
     ``trainer_token`` the *trainer* credential (everything, including ``POST /v1/version``).
     Without ``trainer_token`` there is no role separation: ``token`` serves both roles."""
     if trainer_token is not None and token is not None and hmac.compare_digest(trainer_token.encode(), token.encode()):
         raise ValueError("the trainer token equals the producer token: role separation needs two different tokens")
+    if max_inflight_bytes is None:
+        max_inflight_bytes = 2 * max_request_bytes
+    inflight = [0]
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="store-db")
     # Control routes (the version) are answered on their own thread and read-only connection, so a
     # large push being decoded or written never delays them (WAL readers do not wait for the writer).
@@ -139,6 +151,19 @@ def build_app(store: RolloutStore, *, token: Optional[str], max_request_bytes: i
         if request.content_length is not None and request.content_length > max_request_bytes:
             return _err(413, f"request body of {request.content_length} bytes exceeds the limit of "
                              f"{max_request_bytes} bytes; send smaller batches")
+        # Bodies held in memory at once are bounded: a body counts with its declared length (the
+        # limit when it declares none) until its request is answered; beyond the budget, 429.
+        held = max_request_bytes if request.content_length is None else request.content_length
+        if inflight[0] + held > max_inflight_bytes and inflight[0] > 0:
+            return _err(429, f"{inflight[0]} request bytes are already in flight (being received or stored; budget "
+                             f"{max_inflight_bytes}); retry shortly", **{"Retry-After": "1"})
+        inflight[0] += held
+        try:
+            return await _post_groups(request, t0)
+        finally:
+            inflight[0] -= held
+
+    async def _post_groups(request: web.Request, t0: float) -> web.Response:
         try:
             body = await asyncio.wait_for(request.read(), timeout=body_timeout_s)
         except asyncio.TimeoutError:
@@ -146,12 +171,16 @@ def build_app(store: RolloutStore, *, token: Optional[str], max_request_bytes: i
                              "the connection is closed", Connection="close")
         except web.HTTPRequestEntityTooLarge:
             return _err(413, f"request body exceeds the limit of {max_request_bytes} bytes; send smaller batches")
+        except (ConnectionError, HttpProcessingError) as e:  # the client went away or framed the body wrongly
+            return _err(400, f"request body not received: {type(e).__name__}: {e}", Connection="close")
         try:
             groups = await in_pool(decode_payload, body, request.headers.get("Content-Type", ""))
             # Versions must lie in the store's known range [0, current version]; before the trainer
             # published a version only the initial weights (version 0) exist.
             res = await in_pool(lambda: store.put_groups(groups, received_at=t0,
                                                          current_version=store.current_version or 0))
+        except PayloadTooLarge as e:
+            return _err(413, str(e))
         except PayloadError as e:
             return _err(415 if str(e).startswith("Content-Type") else 400, str(e))
         except ConflictError as e:
@@ -173,13 +202,20 @@ def build_app(store: RolloutStore, *, token: Optional[str], max_request_bytes: i
         return web.json_response({"version": v})
 
     async def post_version(request: web.Request) -> web.Response:
+        if request.content_length is None or request.content_length > 1024:
+            return _err(413 if request.content_length else 411,
+                        f"POST /v1/version takes a small JSON body with a Content-Length (at most 1024 bytes), "
+                        f"got {request.content_length}")
         try:
-            doc = json.loads(await request.text())
-        except (ValueError, UnicodeDecodeError) as e:
-            return _err(400, f"body is not JSON: {e}")
+            raw = await asyncio.wait_for(request.read(), timeout=body_timeout_s)
+            doc = json.loads(raw.decode("utf-8"), parse_int=lambda x: int(x) if len(x) <= 20 else None)
+        except asyncio.TimeoutError:
+            return _err(408, f"request body not received within {body_timeout_s:g} s", Connection="close")
+        except (ValueError, UnicodeDecodeError, RecursionError) as e:
+            return _err(400, f"body is not JSON: {type(e).__name__}: {str(e)[:200]}")
         v = doc.get("version") if isinstance(doc, dict) else None
         if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < (1 << 63):
-            return _err(400, f"'version' must be an integer, got {v!r}")
+            return _err(400, f"'version' must be an integer in [0, 2^63), got {str(v)[:80]}")
         try:
             await in_pool(store.set_version, v)
         except ValueError as e:

@@ -19,13 +19,29 @@ Pages are 64 KiB (set at creation). Arrays are stored compactly, one row per tra
 as float32, the loss mask as uint8 (NULL when all ones) and the per-token versions run-length
 encoded as (version, count) int64 pairs. A ``meta`` table holds the schema version, a random
 store id (so a cursor from another store is refused) and the trainer's current weight version.
+
+Integrity on read: every trajectory row carries a SHA-256 ``checksum`` over everything the
+trainer receives from it (uid, position, reward, finish reason, metadata, min version and every
+array blob, each with its length), written at insert and rewritten with the row when
+``set_rewards`` scores it. :func:`load_group` recomputes it (and checks the row count, blob
+lengths and the group's version columns) before decoding; a mismatch raises
+:class:`CorruptGroupError` naming the group, which the store *quarantines* (state
+``quarantined``, a row in ``quarantine`` with the reason) instead of serving it. The group-level
+``digest`` is different: it hashes the group *as sent* (idempotency of re-sends) and stays fixed
+while rewards are scored.
+
+Schema 1 files (before checksums) are migrated when first opened for writing: the rows are
+checksummed as they are then, so damage done before the migration is not detected.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import os
 import sqlite3
+import struct
 import uuid
 from contextlib import contextmanager
 from typing import Iterator, Optional, Sequence
@@ -35,7 +51,9 @@ import numpy as np
 from megatron_m2po.store.codec import rle_decode, rle_encode
 from megatron_m2po.store.types import Group, Trajectory
 
-SCHEMA_VERSION = 1
+log = logging.getLogger(__name__)
+
+SCHEMA_VERSION = 2
 SYNC_MODES = ("FULL", "NORMAL", "EXTRA")
 
 _SCHEMA = """
@@ -51,7 +69,7 @@ CREATE TABLE IF NOT EXISTS groups (
     n_response_tokens INTEGER NOT NULL,
     nbytes INTEGER NOT NULL,
     vruns TEXT NOT NULL,                 -- JSON [[version, response tokens], ...] over the group
-    state TEXT NOT NULL,                 -- pending | available | leased | consumed | retired
+    state TEXT NOT NULL,                 -- pending | available | leased | consumed | retired | quarantined
     lease_id INTEGER,                    -- holder (leased), consumer (consumed) or retirer (retired)
     ingested_at REAL NOT NULL,
     pruned INTEGER NOT NULL DEFAULT 0
@@ -65,7 +83,8 @@ CREATE TABLE IF NOT EXISTS trajectories (
     finish_reason TEXT NOT NULL,
     metadata TEXT NOT NULL,
     min_version INTEGER NOT NULL,
-    prompt BLOB, response BLOB, logp BLOB, vruns BLOB, mask BLOB, recomputed BLOB
+    prompt BLOB, response BLOB, logp BLOB, vruns BLOB, mask BLOB, recomputed BLOB,
+    checksum TEXT                        -- row_checksum() of the row, NULL once pruned
 );
 CREATE INDEX IF NOT EXISTS trajectories_by_group ON trajectories (group_seq, idx);
 CREATE TABLE IF NOT EXISTS leases (
@@ -89,6 +108,13 @@ CREATE TABLE IF NOT EXISTS lease_groups (
     group_seq INTEGER NOT NULL,
     PRIMARY KEY (lease_id, role, pos)
 );
+CREATE TABLE IF NOT EXISTS quarantine (
+    group_seq INTEGER PRIMARY KEY,       -- a group whose stored data failed its checksum on read
+    group_id TEXT NOT NULL,
+    prev_state TEXT NOT NULL,
+    reason TEXT NOT NULL,
+    detected_at REAL NOT NULL
+);
 CREATE TABLE IF NOT EXISTS version_stats (
     version INTEGER PRIMARY KEY,
     trajectories INTEGER NOT NULL DEFAULT 0,   -- counted at the trajectory's min version
@@ -110,19 +136,16 @@ def connect(path: str, *, synchronous: str = "FULL", busy_timeout_s: float = 30.
     if (readonly or not create) and not os.path.exists(path):
         raise FileNotFoundError(f"no rollout store at {path!r}")
     if readonly:
-        from urllib.parse import quote
-        conn = sqlite3.connect(f"file:{quote(os.path.abspath(path))}?mode=ro", uri=True, timeout=busy_timeout_s,
-                               isolation_level=None, check_same_thread=False)
-        conn.execute(f"PRAGMA busy_timeout={int(busy_timeout_s * 1000)}")
-        row = conn.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
-        if row is None or int(row[0]) != SCHEMA_VERSION:
-            raise RuntimeError(f"rollout store {path!r} has schema version {row and row[0]}, this code reads "
-                               f"{SCHEMA_VERSION}; use the matching megatron_m2po version")
-        return conn
+        return _connect_readonly(path, busy_timeout_s)
     parent = os.path.dirname(os.path.abspath(path))
     os.makedirs(parent, exist_ok=True)
     conn = sqlite3.connect(path, timeout=busy_timeout_s, isolation_level=None, check_same_thread=False)
     conn.execute(f"PRAGMA busy_timeout={int(busy_timeout_s * 1000)}")
+    tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+    if tables and "meta" not in tables:  # never touch someone else's database (not even its journal mode)
+        conn.close()
+        raise NotAStoreError(f"{path} is a SQLite database of something else (tables {sorted(tables)[:5]}), "
+                             "not a rollout store; check the path")
     # Trajectory arrays are 10 KB - 1 MB blobs: 64 KiB pages cut their overflow-page chains (~20% faster
     # ingest than 4 KiB pages). Only takes effect when the file is new (before WAL is switched on).
     conn.execute("PRAGMA page_size=65536")
@@ -139,10 +162,83 @@ def connect(path: str, *, synchronous: str = "FULL", busy_timeout_s: float = 30.
         if row is None:
             conn.execute("INSERT INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
             conn.execute("INSERT INTO meta VALUES ('store_id', ?)", (uuid.uuid4().hex,))
+        elif int(row[0]) == 1:
+            _migrate_1_to_2(conn, path)
         elif int(row[0]) != SCHEMA_VERSION:
             raise RuntimeError(f"rollout store {path!r} has schema version {row[0]}, this code reads "
                                f"{SCHEMA_VERSION}; use the matching megatron_m2po version")
     return conn
+
+
+class NotAStoreError(RuntimeError):
+    """The file is a SQLite database, but not a rollout store."""
+
+
+def _schema_of(conn: sqlite3.Connection, path: str) -> int:
+    try:
+        row = conn.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
+    except sqlite3.OperationalError as e:
+        if "no such table" not in str(e):
+            raise
+        row = None
+    if row is None:
+        raise NotAStoreError(f"{path} is a SQLite database but not a rollout store (no schema version); "
+                             "check the path")
+    return int(row[0])
+
+
+def _connect_readonly(path: str, busy_timeout_s: float) -> sqlite3.Connection:
+    """``mode=ro``: nothing is written, no schema is created; safe next to a running server.
+
+    A WAL database normally needs its ``-shm`` file to be writable (or creatable) even for reading.
+    When the directory is read-only and no write-ahead log is pending (no server has un-checkpointed
+    data), the file is opened ``immutable`` instead; with a pending log it cannot be read safely
+    without write access, and the error says so."""
+    from urllib.parse import quote
+
+    uri = f"file:{quote(os.path.abspath(path))}?mode=ro"
+
+    def open_(u: str) -> sqlite3.Connection:
+        c = sqlite3.connect(u, uri=True, timeout=busy_timeout_s, isolation_level=None, check_same_thread=False)
+        c.execute(f"PRAGMA busy_timeout={int(busy_timeout_s * 1000)}")
+        return c
+
+    conn = open_(uri)
+    try:
+        schema = _schema_of(conn, path)
+    except sqlite3.OperationalError as e:
+        conn.close()
+        msg = str(e).lower()
+        if "readonly" not in msg and "unable to open" not in msg:
+            raise
+        wal = path + "-wal"
+        if os.path.exists(wal) and os.path.getsize(wal) > 0:
+            raise PermissionError(
+                f"{path} has a pending write-ahead log ({wal}) and this user cannot write next to it (SQLite "
+                "needs that to read it consistently); run this as the user that runs the server, or read a "
+                "'m2po store backup' copy") from None
+        conn = open_(uri + "&immutable=1")
+        schema = _schema_of(conn, path)
+    if schema not in (1, SCHEMA_VERSION):  # schema 1 reads fine (no checksums yet)
+        conn.close()
+        raise RuntimeError(f"rollout store {path!r} has schema version {schema}, this code reads "
+                           f"{SCHEMA_VERSION}; use the matching megatron_m2po version")
+    return conn
+
+
+def _migrate_1_to_2(conn: sqlite3.Connection, path: str) -> None:
+    """Schema 1 -> 2 (inside the caller's transaction): add and fill the per-row checksums."""
+    cols = [r[1] for r in conn.execute("PRAGMA table_info(trajectories)")]
+    if "checksum" not in cols:
+        conn.execute("ALTER TABLE trajectories ADD COLUMN checksum TEXT")
+    rowids = [r[0] for r in conn.execute("SELECT rowid FROM trajectories WHERE response IS NOT NULL")]
+    for rowid in rowids:  # one row in memory at a time
+        row = conn.execute(f"SELECT {_ROW_COLS} FROM trajectories WHERE rowid=?", (rowid,)).fetchone()
+        conn.execute("UPDATE trajectories SET checksum=? WHERE rowid=?", (row_checksum(*row), rowid))
+    n = len(rowids)
+    set_meta(conn, "schema_version", str(SCHEMA_VERSION))
+    log.warning("rollout store %s: migrated from schema 1 to %d (checksummed %d stored trajectories as they are "
+                "now; damage older than this migration cannot be detected)", path, SCHEMA_VERSION, n)
 
 
 @contextmanager
@@ -171,10 +267,46 @@ def _b(a: np.ndarray, dt: str) -> bytes:
     return np.ascontiguousarray(a, dtype=dt).tobytes()
 
 
+# Columns row_checksum() covers, in its argument order.
+_ROW_COLS = "uid, idx, reward, finish_reason, metadata, min_version, prompt, response, logp, vruns, mask, recomputed"
+
+
+def row_checksum(uid: str, idx: int, reward: Optional[float], finish_reason: str, metadata: str, min_version: int,
+                 *blobs: Optional[bytes]) -> str:
+    """SHA-256 of one stored trajectory row: its scalars, then each blob (absent / length + bytes)."""
+    h = hashlib.sha256()
+    # reward as SQLite returns it (REAL): an int reward written as 1 reads back as 1.0
+    scal = json.dumps([uid, idx, None if reward is None else float(reward), finish_reason, metadata,
+                       min_version]).encode()
+    h.update(struct.pack("<Q", len(scal)) + scal)
+    for b in blobs:
+        h.update(b"\x00" if b is None else b"\x01" + struct.pack("<Q", len(b)))
+        if b is not None:
+            h.update(b)
+    return h.hexdigest()
+
+
+class CorruptGroupError(Exception):
+    """A stored group fails its integrity check on read (checksum, row count, lengths)."""
+
+    def __init__(self, seq: int, group_id: str, reason: str):
+        super().__init__(f"group {group_id!r}: {reason}")
+        self.seq = seq
+        self.group_id = group_id
+        self.reason = reason
+
+
 def insert_group(conn: sqlite3.Connection, g: Group, *, digest: str, state: str, now: float) -> int:
-    """Insert one validated group (inside the caller's transaction); returns its array bytes."""
+    """Insert one validated group (inside the caller's transaction); returns its array bytes.
+
+    Each trajectory's blobs are built, checksummed and written one row at a time, so a large
+    group never has a second copy of all its arrays in memory."""
+    cur = conn.execute(
+        "INSERT INTO groups (group_id, digest, gen_version, max_version, n_traj, n_prompt_tokens, "
+        "n_response_tokens, nbytes, vruns, state, ingested_at) VALUES (?,?,?,?,?,0,0,0,'[]',?,?)",
+        (g.group_id, digest, max(g.min_version, 0), max(g.max_version, 0), len(g.trajectories), state, now))
+    seq = cur.lastrowid
     runs_all: dict[int, int] = {}
-    rows = []
     nbytes = n_prompt = n_resp = 0
     for i, t in enumerate(g.trajectories):
         runs = rle_encode(t.versions)
@@ -187,8 +319,12 @@ def insert_group(conn: sqlite3.Connection, g: Group, *, digest: str, state: str,
         nbytes += sum(len(x) for x in blobs if x is not None)
         n_prompt += t.prompt_ids.size
         n_resp += t.response_ids.size
-        rows.append((t.uid, i, t.reward, t.finish_reason, json.dumps(t.metadata, allow_nan=False),
-                     t.min_version, *blobs))
+        scal = (t.uid, i, t.reward, t.finish_reason, json.dumps(t.metadata, allow_nan=False), t.min_version)
+        conn.execute("INSERT INTO trajectories (uid, group_seq, idx, reward, finish_reason, metadata, "
+                     "min_version, prompt, response, logp, vruns, mask, recomputed, checksum) "
+                     "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)", (scal[0], seq, *scal[1:], *blobs,
+                                                               row_checksum(*scal, *blobs)))
+        del blobs, mask, rec
         conn.execute(
             "INSERT INTO version_stats (version, trajectories, prompt_tokens) VALUES (?, 1, ?) "
             "ON CONFLICT(version) DO UPDATE SET trajectories=trajectories+1, "
@@ -197,46 +333,82 @@ def insert_group(conn: sqlite3.Connection, g: Group, *, digest: str, state: str,
         conn.execute("INSERT INTO version_stats (version, response_tokens) VALUES (?, ?) "
                      "ON CONFLICT(version) DO UPDATE SET response_tokens=response_tokens+excluded.response_tokens",
                      (v, c))
-    cur = conn.execute(
-        "INSERT INTO groups (group_id, digest, gen_version, max_version, n_traj, n_prompt_tokens, "
-        "n_response_tokens, nbytes, vruns, state, ingested_at) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
-        (g.group_id, digest, max(g.min_version, 0), max(g.max_version, 0), len(g.trajectories), n_prompt,
-         n_resp, nbytes, json.dumps(sorted(runs_all.items())), state, now))
-    seq = cur.lastrowid
-    conn.executemany("INSERT INTO trajectories (uid, group_seq, idx, reward, finish_reason, metadata, "
-                     "min_version, prompt, response, logp, vruns, mask, recomputed) "
-                     "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)", [(r[0], seq, *r[1:]) for r in rows])
+    conn.execute("UPDATE groups SET n_prompt_tokens=?, n_response_tokens=?, nbytes=?, vruns=? WHERE seq=?",
+                 (n_prompt, n_resp, nbytes, json.dumps(sorted(runs_all.items())), seq))
     return nbytes
 
 
+def load_group(conn: sqlite3.Connection, seq: int) -> Group:
+    """Decode the group with this ``seq`` after checking its integrity.
+
+    Raises :class:`CorruptGroupError` when a row's checksum, the row count, a blob's length or
+    the group's version columns disagree with what was written; ``ValueError`` for a pruned group.
+    """
+    row = conn.execute("SELECT group_id, pruned, n_traj, gen_version, max_version FROM groups WHERE seq=?",
+                       (seq,)).fetchone()
+    if row is None:
+        raise LookupError(f"no group with seq {seq} in the store")
+    gid, pruned, n_traj, gen_v, max_v = row
+    if pruned:
+        raise ValueError(f"group {gid!r} was pruned from the store (its data is gone); it cannot be served "
+                         "again — restore a cursor newer than the one passed to prune_consumed()")
+
+    def bad(why: str) -> CorruptGroupError:
+        return CorruptGroupError(seq, gid, why)
+
+    rows = conn.execute(f"SELECT {_ROW_COLS}, checksum FROM trajectories WHERE group_seq=? ORDER BY idx",
+                        (seq,)).fetchall()
+    if len(rows) != n_traj:
+        raise bad(f"{len(rows)} stored trajectories, {n_traj} written")
+    trajs = []
+    for i, r in enumerate(rows):
+        (uid, idx, reward, fr, md, min_v, prompt, resp, logp, vruns, mask, rec), cs = r[:-1], r[-1]
+        if idx != i:
+            raise bad(f"trajectory positions are not 0..{n_traj - 1} (found {idx} at {i})")
+        if cs is None or row_checksum(*r[:-1]) != cs:
+            raise bad(f"trajectory {uid!r} fails its checksum (stored data changed since it was written)")
+        if any(b is None for b in (prompt, resp, logp, vruns)) or len(prompt) % 4 or len(resp) % 4 or len(vruns) % 16:
+            raise bad(f"trajectory {uid!r} has arrays of impossible lengths")
+        rl = len(resp) // 4
+        if len(logp) != 4 * rl or (mask is not None and len(mask) != rl) or (rec is not None and len(rec) != 4 * rl):
+            raise bad(f"trajectory {uid!r} has arrays whose lengths disagree with its {rl} response tokens")
+        runs = np.frombuffer(vruns, "<i8").reshape(-1, 2)
+        if (runs[:, 1] < 0).any() or int(runs[:, 1].sum()) != rl:
+            raise bad(f"trajectory {uid!r} has version runs that do not cover its {rl} response tokens")
+        trajs.append(Trajectory(
+            uid=uid, group_id=gid, prompt_ids=np.frombuffer(prompt, "<i4").copy(),
+            response_ids=np.frombuffer(resp, "<i4").copy(), behav_logprobs=np.frombuffer(logp, "<f4").copy(),
+            versions=rle_decode(runs), reward=reward,
+            loss_mask=np.ones(rl, np.uint8) if mask is None else np.frombuffer(mask, "u1").copy(),
+            finish_reason=fr, metadata=json.loads(md),
+            recomputed_behav_logprobs=None if rec is None else np.frombuffer(rec, "<f4").copy()))
+        if trajs[-1].min_version != min_v:
+            raise bad(f"trajectory {uid!r} has versions from {trajs[-1].min_version}, recorded {min_v}")
+    g = Group(gid, trajs)
+    if (max(g.min_version, 0), max(g.max_version, 0)) != (gen_v, max_v):
+        raise bad(f"versions {g.min_version}..{g.max_version} disagree with the group's recorded "
+                  f"{gen_v}..{max_v}")
+    return g
+
+
 def load_groups(conn: sqlite3.Connection, seqs: Sequence[int]) -> list[Group]:
-    """Decode the groups with these ``seq`` numbers, in the given order."""
-    out = []
-    for seq in seqs:
-        gid, pruned = conn.execute("SELECT group_id, pruned FROM groups WHERE seq=?", (seq,)).fetchone()
-        if pruned:
-            raise ValueError(f"group {gid!r} was pruned from the store (its data is gone); it cannot be served "
-                             "again — restore a cursor newer than the one passed to prune_consumed()")
-        trajs = []
-        for (uid, reward, fr, md, prompt, resp, logp, vruns, mask, rec) in conn.execute(
-                "SELECT uid, reward, finish_reason, metadata, prompt, response, logp, vruns, mask, recomputed "
-                "FROM trajectories WHERE group_seq=? ORDER BY idx", (seq,)):
-            r = np.frombuffer(resp, "<i4")
-            trajs.append(Trajectory(
-                uid=uid, group_id=gid, prompt_ids=np.frombuffer(prompt, "<i4").copy(), response_ids=r.copy(),
-                behav_logprobs=np.frombuffer(logp, "<f4").copy(),
-                versions=rle_decode(np.frombuffer(vruns, "<i8").reshape(-1, 2)),
-                reward=reward,
-                loss_mask=np.ones(r.size, np.uint8) if mask is None else np.frombuffer(mask, "u1").copy(),
-                finish_reason=fr, metadata=json.loads(md),
-                recomputed_behav_logprobs=None if rec is None else np.frombuffer(rec, "<f4").copy()))
-        out.append(Group(gid, trajs))
-    return out
+    """Decode the groups with these ``seq`` numbers, in the given order (see :func:`load_group`)."""
+    return [load_group(conn, seq) for seq in seqs]
+
+
+def quarantine_group(conn: sqlite3.Connection, seq: int, group_id: str, reason: str, now: float) -> bool:
+    """Set a group aside (inside the caller's transaction); False if it already was."""
+    row = conn.execute("SELECT state FROM groups WHERE seq=?", (seq,)).fetchone()
+    if row is None or row[0] == "quarantined":
+        return False
+    conn.execute("INSERT OR REPLACE INTO quarantine VALUES (?, ?, ?, ?, ?)", (seq, group_id, row[0], reason, now))
+    conn.execute("UPDATE groups SET state='quarantined' WHERE seq=?", (seq,))
+    return True
 
 
 def prune_groups(conn: sqlite3.Connection, seqs: Sequence[int]) -> None:
     """Drop the arrays of these groups, keeping their ids (idempotency) and counters (metrics)."""
     for seq in seqs:
         conn.execute("UPDATE trajectories SET prompt=NULL, response=NULL, logp=NULL, vruns=NULL, mask=NULL, "
-                     "recomputed=NULL WHERE group_seq=?", (seq,))
+                     "recomputed=NULL, checksum=NULL WHERE group_seq=?", (seq,))
         conn.execute("UPDATE groups SET pruned=1, nbytes=0 WHERE seq=?", (seq,))

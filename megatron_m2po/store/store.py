@@ -25,6 +25,7 @@ are ahead of the ``current_version`` it is given.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import threading
@@ -40,8 +41,11 @@ from megatron_m2po.store.types import Group
 if TYPE_CHECKING:
     from megatron_m2po.config import StoreConfig
 
+log = logging.getLogger(__name__)
+
 __all__ = ["RolloutStore", "Lease", "PutResult", "Policy", "ExactStaleK", "Bounded", "Fifo",
-           "exact_stale_k", "bounded", "fifo", "NotReadyError", "ConflictError", "StoreFullError"]
+           "exact_stale_k", "bounded", "fifo", "NotReadyError", "ConflictError", "StoreFullError",
+           "CorruptGroupError"]
 
 
 class NotReadyError(LookupError):
@@ -54,6 +58,17 @@ class ConflictError(ValueError):
 
 class StoreFullError(RuntimeError):
     """Accepting the put would exceed ``capacity_groups``; retry after the trainer consumed some."""
+
+
+class CorruptGroupError(RuntimeError):
+    """A lease recorded for replay holds a group whose stored data fails its integrity check."""
+
+    def __init__(self, message: str, group_ids: list[str]):
+        super().__init__(message)
+        self.group_ids = group_ids
+
+
+STATES = ("pending", "available", "leased", "consumed", "retired", "quarantined")
 
 
 # ----------------------------------------------------------------------------- policies
@@ -119,7 +134,8 @@ class Lease:
 
     ``retired`` lists group ids this lease retired (bounded policy with ``retire=True``);
     ``replayed`` is True when the lease repeats a recorded one (after a restart or a cursor
-    restore) — its groups and order are identical to the original.
+    restore) — its groups and order are identical to the original. ``quarantined`` lists the
+    group ids this lease found corrupt (failed checksum) and set aside instead of serving.
     """
 
     lease_id: int
@@ -131,6 +147,7 @@ class Lease:
     groups: list[Group]
     retired: list[str] = field(default_factory=list)
     replayed: bool = False
+    quarantined: list[str] = field(default_factory=list)
 
     @property
     def uids(self) -> list[str]:
@@ -163,6 +180,7 @@ class RolloutStore:
         put_groups ──> pending ──set_rewards──> available ──lease──> leased ──ack──> consumed
         (all rewards set) ────────────────────> available      │          └─release──> available
                                                    └─(bounded, retire=True, over-age)──> retired
+        pending / available ──(stored data fails its checksum when read)──> quarantined
 
     * **Ingest.** :meth:`put_groups` validates every group (lengths, finite log-probs <= 0,
       versions non-decreasing and not ahead of the current version) and then stores all of them
@@ -187,6 +205,13 @@ class RolloutStore:
       order, to the resumed trainer's requests (a request that differs raises, since the run
       would no longer be a resume; :meth:`discard_replay` drops the recorded leases instead).
       Consumed data stays on disk until :meth:`prune_consumed` drops it.
+    * **Integrity.** Each stored trajectory row carries a checksum (:mod:`.sqlite`), checked
+      every time the group is read to be served (:meth:`lease`, :meth:`pending_groups`) or
+      scored (:meth:`set_rewards`). A group that fails it is never handed out: it is
+      *quarantined* (kept on disk, its id and the reason logged, in :meth:`metrics` under
+      ``quarantined`` and in the lease's ``quarantined``), and the next candidate is served in
+      its place. A lease recorded for replay whose group went bad raises
+      :class:`CorruptGroupError` (it cannot be repeated identically).
     * **Versions.** :meth:`set_version` records the trainer's weight version (persisted; ``m2po
       store serve`` publishes it to external producers and checks incoming versions against it).
 
@@ -354,10 +379,12 @@ class RolloutStore:
 
     def pending_groups(self, limit: Optional[int] = None) -> list[Group]:
         """Stored groups with unscored trajectories, in arrival order (for an external scorer)."""
-        with self._lock:
-            seqs = [r[0] for r in self._conn.execute(
+        with self._lock, db.transaction(self._conn) as c:
+            seqs = [r[0] for r in c.execute(
                 "SELECT seq FROM groups WHERE state='pending' ORDER BY seq LIMIT ?", (limit or -1,))]
-            return db.load_groups(self._conn, seqs)
+            bad: list[db.CorruptGroupError] = []
+            groups = [self._verified(seq, bad) for seq in seqs]
+        return [g for g in groups if g is not None]
 
     def set_rewards(self, rewards: Mapping[str, float]) -> list[str]:
         """Score pending trajectories by uid; returns the group ids that became available."""
@@ -367,17 +394,29 @@ class RolloutStore:
         out = []
         with self._lock, db.transaction(self._conn) as c:
             seqs = set()
+            corrupt: set[int] = set()
             for uid, r in rewards.items():
-                row = c.execute("SELECT t.group_seq, g.state FROM trajectories t JOIN groups g ON g.seq=t.group_seq "
-                                "WHERE t.uid=?", (uid,)).fetchone()
+                row = c.execute("SELECT t.group_seq, g.state, g.group_id FROM trajectories t JOIN groups g "
+                                "ON g.seq=t.group_seq WHERE t.uid=?", (uid,)).fetchone()
                 if row is None:
                     raise ValueError(f"set_rewards: uid {uid!r} is not in the store")
+                if row[1] == "quarantined" or row[0] in corrupt:
+                    continue  # set aside: its data is not trusted, scoring it changes nothing
                 if row[1] != "pending":
                     raise ValueError(f"set_rewards: uid {uid!r} belongs to a {row[1]} group; only pending groups "
                                      "are scored (rewards of served data never change)")
-                c.execute("UPDATE trajectories SET reward=? WHERE uid=?", (float(r), uid))
+                # The row checksum covers the reward: check the row as written, then rewrite both.
+                cur = c.execute(f"SELECT {db._ROW_COLS}, checksum FROM trajectories WHERE uid=?", (uid,)).fetchone()
+                if db.row_checksum(*cur[:-1]) != cur[-1]:
+                    reason = f"trajectory {uid!r} fails its checksum (stored data changed since it was written)"
+                    db.quarantine_group(c, row[0], row[2], reason, time.time())
+                    log.error("rollout store %s: group %r quarantined while scoring: %s", self.path, row[2], reason)
+                    corrupt.add(row[0])
+                    continue
+                c.execute("UPDATE trajectories SET reward=?, checksum=? WHERE uid=?",
+                          (float(r), db.row_checksum(cur[0], cur[1], float(r), *cur[3:-1]), uid))
                 seqs.add(row[0])
-            for seq in sorted(seqs):
+            for seq in sorted(seqs - corrupt):
                 (n_none,) = c.execute("SELECT COUNT(*) FROM trajectories WHERE group_seq=? AND reward IS NULL",
                                       (seq,)).fetchone()
                 if n_none == 0:
@@ -435,6 +474,27 @@ class RolloutStore:
             time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
 
     def _replay_or_select(self, policy, spec, gen, n_groups, cv, step):
+        bad: list[db.CorruptGroupError] = []
+        try:
+            return self._replay_or_select_txn(policy, spec, gen, n_groups, cv, step, bad)
+        except BaseException:
+            if bad:  # the transaction rolled back: set the corrupt groups aside all the same
+                with db.transaction(self._conn) as c:
+                    for e in bad:
+                        db.quarantine_group(c, e.seq, e.group_id, e.reason, time.time())
+            raise
+
+    def _verified(self, seq: int, bad: list) -> Optional[Group]:
+        """The group, or None after quarantining it (inside the open transaction) when it is corrupt."""
+        try:
+            return db.load_group(self._conn, seq)
+        except db.CorruptGroupError as e:
+            bad.append(e)
+            if db.quarantine_group(self._conn, e.seq, e.group_id, e.reason, time.time()):
+                log.error("rollout store %s: group %r quarantined, not served: %s", self.path, e.group_id, e.reason)
+            return None
+
+    def _replay_or_select_txn(self, policy, spec, gen, n_groups, cv, step, bad):
         c = self._conn
         with db.transaction(c):
             row = c.execute("SELECT lease_id, step, policy, n_groups, current_version, generated_at, replay_reason "
@@ -446,7 +506,17 @@ class RolloutStore:
                 if want == got:
                     c.execute("UPDATE leases SET state='open', owner=?, replay_reason=NULL WHERE lease_id=?",
                               (self._session, lid))
-                    return self._lease_record(lid, replayed=True)
+                    seqs = [r[0] for r in c.execute("SELECT group_seq FROM lease_groups WHERE lease_id=? AND "
+                                                    "role='served' ORDER BY pos", (lid,))]
+                    groups = [self._verified(sq, bad) for sq in seqs]
+                    if bad:
+                        raise CorruptGroupError(
+                            f"lease {lid}, recorded for replay, holds group(s) "
+                            f"{[e.group_id for e in bad]} whose stored data fails its integrity check "
+                            f"({bad[0].reason}); they are quarantined and the lease cannot be repeated "
+                            "identically — call discard_replay() to drop the recorded consumption",
+                            [e.group_id for e in bad])
+                    return self._lease_record(lid, replayed=True, groups=groups)
                 if reason == "restore":
                     raise ValueError(
                         f"resumed consumer asked for policy={spec} n_groups={n_groups} current_version={cv} step={step}, "
@@ -461,11 +531,24 @@ class RolloutStore:
                 if policy.retire:
                     retire = sorted(over, key=lambda r: (r[2], r[0]))  # oldest first, then arrival
                     avail = [r for r in avail if cv - r[2] <= policy.max_staleness]
+            where = f"generated at version {gen}" if gen is not None else f"under {spec}"
             if len(avail) < n_groups:
-                where = f"generated at version {gen}" if gen is not None else f"under {spec}"
                 return (f"store holds {len(avail)} available groups {where}, lease asks for {n_groups} "
                         f"(current_version={cv}, step={step})")
-            chosen = avail[:n_groups]
+            # Integrity on read: every group is checked before it is served; a corrupt one is
+            # quarantined and the next candidate takes its place.
+            chosen, loaded = [], []
+            for r in avail:
+                if len(chosen) == n_groups:
+                    break
+                g = self._verified(r[0], bad)
+                if g is not None:
+                    chosen.append(r)
+                    loaded.append(g)
+            if len(chosen) < n_groups:
+                return (f"store holds {len(chosen)} available groups {where} after quarantining "
+                        f"{[e.group_id for e in bad]} (stored data fails its checksum), lease asks for {n_groups} "
+                        f"(current_version={cv}, step={step})")
             if isinstance(policy, Bounded) and not policy.retire:
                 bad = [r for r in chosen if cv - r[2] > policy.max_staleness]
                 if bad:
@@ -490,7 +573,7 @@ class RolloutStore:
             for pos, r in enumerate(retire):
                 c.execute("UPDATE groups SET state='retired', lease_id=? WHERE seq=?", (lid, r[0]))
                 c.execute("INSERT INTO lease_groups VALUES (?, 'retired', ?, ?)", (lid, pos, r[0]))
-            return self._lease_record(lid, replayed=False)
+            return self._lease_record(lid, replayed=False, groups=loaded, quarantined=[e.group_id for e in bad])
 
     def _candidates(self, policy, gen) -> list[tuple]:
         q = "SELECT seq, group_id, gen_version, max_version FROM groups WHERE state='available'"
@@ -506,15 +589,14 @@ class RolloutStore:
         u = [r[0] for r in self._conn.execute("SELECT uid FROM trajectories WHERE group_seq=? ORDER BY idx", (seq,))]
         return ", ".join(u[:4]) + (f", ... ({len(u)})" if len(u) > 4 else "")
 
-    def _lease_record(self, lid: int, *, replayed: bool) -> Lease:
+    def _lease_record(self, lid: int, *, replayed: bool, groups: list[Group],
+                      quarantined: Optional[list[str]] = None) -> Lease:
         c = self._conn
         step, spec, n, cv, gen = c.execute("SELECT step, policy, n_groups, current_version, generated_at FROM leases "
                                            "WHERE lease_id=?", (lid,)).fetchone()
-        served = [r[0] for r in c.execute("SELECT group_seq FROM lease_groups WHERE lease_id=? AND role='served' "
-                                          "ORDER BY pos", (lid,))]
         retired = [r[0] for r in c.execute("SELECT g.group_id FROM lease_groups l JOIN groups g ON g.seq=l.group_seq "
                                            "WHERE l.lease_id=? AND l.role='retired' ORDER BY l.pos", (lid,))]
-        return Lease(lid, step, json.loads(spec), n, cv, gen, db.load_groups(c, served), retired, replayed)
+        return Lease(lid, step, json.loads(spec), n, cv, gen, groups, retired, replayed, quarantined or [])
 
     def _release_rows(self, lid: int) -> None:
         self._conn.execute("UPDATE groups SET state='available', lease_id=NULL WHERE lease_id=? AND state='leased'",
@@ -635,14 +717,14 @@ class RolloutStore:
         """Number of groups in each state."""
         with self._lock:
             rows = dict(self._conn.execute("SELECT state, COUNT(*) FROM groups GROUP BY state").fetchall())
-        return {s: int(rows.get(s, 0)) for s in ("pending", "available", "leased", "consumed", "retired")}
+        return {s: int(rows.get(s, 0)) for s in STATES}
 
     def metrics(self) -> dict:
         """Counters (JSON-serialisable): states, versions, staleness at consumption, bytes, latency."""
         with self._lock:
             c = self._conn
             by_state = {s: {"groups": 0, "trajectories": 0, "response_tokens": 0}
-                        for s in ("pending", "available", "leased", "consumed", "retired")}
+                        for s in STATES}
             for s, ng, nt, nr in c.execute("SELECT state, COUNT(*), SUM(n_traj), SUM(n_response_tokens) FROM groups "
                                            "GROUP BY state"):
                 by_state[s] = {"groups": ng, "trajectories": nt, "response_tokens": nr}
@@ -661,6 +743,10 @@ class RolloutStore:
             ntok = sum(tok_hist.values())
             (nbytes,) = c.execute("SELECT COALESCE(SUM(nbytes), 0) FROM groups").fetchone()
             leases = dict(c.execute("SELECT state, COUNT(*) FROM leases GROUP BY state").fetchall())
+            has_q = c.execute("SELECT 1 FROM sqlite_master WHERE name='quarantine'").fetchone() is not None
+            quarantined = [{"group_id": g, "was": w, "reason": r, "at": t} for g, w, r, t in c.execute(
+                "SELECT group_id, prev_state, reason, detected_at FROM quarantine ORDER BY detected_at DESC "
+                "LIMIT 20")] if has_q else []
             lat = sorted(self._lat)
         size = lambda p: os.path.getsize(p) if os.path.exists(p) else 0  # noqa: E731
         pct = lambda q: lat[min(len(lat) - 1, int(q * len(lat)))] if lat else None  # noqa: E731
@@ -675,6 +761,7 @@ class RolloutStore:
                 "max": max(tok_hist) if tok_hist else None,
             },
             "retired": by_state["retired"],
+            "quarantined": {**by_state["quarantined"], "latest": quarantined},
             "bytes": {"arrays": int(nbytes), "db_file": size(self.path), "wal_file": size(self.path + "-wal")},
             "leases": {s: int(leases.get(s, 0)) for s in ("open", "acked", "replay", "released")},
             "ingest": {**self._ingest, "latency_s": {"mean": sum(lat) / len(lat) if lat else None,

@@ -53,7 +53,7 @@ def start_server(path: str, *, token: str | None = "s3cret", extra: tuple = (), 
     proc = subprocess.Popen([sys.executable, "-m", "megatron_m2po.cli", "store", "serve", "--path", path,
                              "--port", str(port), *extra], cwd=root, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 120  # generous: a loaded CI machine imports and fsyncs slowly
     lines = []
     while time.monotonic() < deadline:
         line = proc.stdout.readline()

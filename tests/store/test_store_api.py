@@ -101,7 +101,7 @@ def test_bounded_oldest_retire(store):
     m = store.metrics()
     assert m["retired"] == {"groups": 2, "trajectories": 4, "response_tokens": 22}
     store.ack(lease)
-    assert store.counts() == {"pending": 0, "available": 2, "leased": 0, "consumed": 2, "retired": 2}
+    assert store.counts() == {"pending": 0, "available": 2, "leased": 0, "consumed": 2, "retired": 2, "quarantined": 0}
 
 
 def test_bounded_freshest(store):
@@ -232,7 +232,8 @@ def test_unacked_lease_comes_back_after_restart(tmp_path):
     s = RolloutStore(path)
     other = s.lease(fifo(), n_groups=1, step=7)
     assert ids(other) == ["g4"] and not other.replayed
-    assert s.counts() == {"pending": 0, "available": 0, "leased": 1, "consumed": 4, "retired": 0}
+    assert s.counts() == {"pending": 0, "available": 0, "leased": 1, "consumed": 4, "retired": 0,
+                        "quarantined": 0}
     s.close()
 
 

@@ -78,3 +78,15 @@ def test_strict_decoding_names_the_field():
                     b'"response_ids": [1], "behav_logprobs": [-1], "versions": 0}]}]}')
     with pytest.raises(PayloadError, match="Content-Type 'text/plain' unsupported"):
         decode_payload(good, "text/plain")
+
+
+def test_binary_lengths_checked_before_any_array_is_copied():
+    import tracemalloc
+    body = encode_binary([make_group("big", 0, n=4, resp_len=500_000)])  # ~18 MB of arrays
+    for bad in (body[:-1], body + b"\0"):
+        tracemalloc.start()
+        with pytest.raises(PayloadError, match="lengths disagree"):
+            decode_binary(bad)
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        assert peak < len(body) // 20, peak  # nothing proportional to the arrays was allocated

@@ -122,6 +122,7 @@ def http_ingest(path: str, groups: list[Group], per_put: int) -> float:
             m = re.search(r"on (http://\S+)", line)
             url = m.group(1) if m else None
         c = StoreClient(url, token="bench", encoding="binary")
+        c.set_version(max(g.max_version for g in groups))  # versions ahead of the trainer's are refused
         t0 = time.perf_counter()
         for i in range(0, len(groups), per_put):
             c.put_groups(groups[i:i + per_put])
