@@ -3,8 +3,8 @@
 Both ends of a weight-update group are built the way SGLang 0.5.23 builds its end
 (``srt/utils/common.py`` ``init_custom_process_group``, called by
 ``model_runner_components/weight_updater.py`` ``init_weights_update_group`` with
-``init_method=tcp://<master_address>:<master_port>`` and no timeout): a ``tcp://`` rendezvous
-(rank 0 hosts the TCPStore), the store wrapped in ``PrefixStore(group_name, ...)``, then torch's
+``init_method=tcp://<master_address>:<master_port>`` and no timeout): the ``tcp://`` rendezvous's
+store (rank 0 hosts a TCPStore), the store wrapped in ``PrefixStore(group_name, ...)``, then torch's
 ``_new_process_group_helper`` (which nests its own ``<group_name>/`` prefix). Building one side any
 other way (e.g. ``ProcessGroupGloo`` on the prefixed store directly) puts the rendezvous keys under
 different names and each side waits for the other until the timeout. The trainer's sender of a
@@ -17,38 +17,33 @@ with an explicit timeout, so a dead peer fails the call instead of hanging it.
 from __future__ import annotations
 
 import datetime
-import ipaddress
 from typing import Optional
 
 import torch
 
-__all__ = ["init_custom_process_group", "new_side_group", "destroy_side_group", "broadcast", "tcp_url"]
+__all__ = ["init_custom_process_group", "new_side_group", "destroy_side_group", "broadcast"]
 
 
-def tcp_url(host: str, port: int) -> str:
-    """``tcp://host:port`` with IPv6 literals bracketed (SGLang's ``NetworkAddress.to_tcp``)."""
-    try:
-        if ipaddress.ip_address(host).version == 6:
-            return f"tcp://[{host}]:{port}"
-    except ValueError:
-        pass  # a host name
-    return f"tcp://{host}:{port}"
-
-
-def init_custom_process_group(backend: str, init_method: str, world_size: int, rank: int, group_name: str,
+def init_custom_process_group(backend: str, host: str, port: int, world_size: int, rank: int, group_name: str,
                               timeout_s: Optional[float] = None):
-    """The same construction as SGLang 0.5.23's ``init_custom_process_group`` (init_method form).
+    """The same construction as SGLang 0.5.23's ``init_custom_process_group`` with
+    ``init_method=tcp://host:port``.
 
+    The store is the one torch's ``tcp://`` rendezvous creates (``rendezvous.py``
+    ``_create_c10d_store``: rank 0 hosts a multi-tenant TCPStore), made here directly: under
+    torchrun (``TORCHELASTIC_USE_AGENT_STORE``) that rendezvous makes every rank a client of an agent
+    store, so a trainer rank would wait for a store nobody hosts. The keys are the same either way.
     ``timeout_s=None`` is SGLang's own choice (torch's ``default_pg_timeout``, 30 minutes); the
     trainer passes its weight-sync timeout so a dead engine fails the sender in bounded time.
     """
+    import torch.distributed as dist
     from torch.distributed.distributed_c10d import (Backend, PrefixStore, _new_process_group_helper, _world,
-                                                    default_pg_timeout, rendezvous)
+                                                    default_pg_timeout)
 
     if not group_name:
         raise ValueError("group_name must be non-empty (SGLang asserts it)")
     timeout = datetime.timedelta(seconds=timeout_s) if timeout_s else default_pg_timeout
-    store, rank, world_size = next(rendezvous(init_method, rank, world_size, timeout=timeout))
+    store = dist.TCPStore(host, port, world_size, is_master=(rank == 0), timeout=timeout, multi_tenant=True)
     store.set_timeout(timeout)
     store = PrefixStore(group_name, store)
     pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), store, group_name=group_name,
@@ -62,7 +57,7 @@ def new_side_group(backend: str, host: str, port: int, *, rank: int, world_size:
     """Join (rank 0: host) a ``backend`` ("gloo" or "nccl") group of ``world_size`` at ``host:port``."""
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend={backend!r}: use 'nccl' or 'gloo'")
-    return init_custom_process_group(backend, tcp_url(host, port), world_size, rank, group_name, timeout_s)
+    return init_custom_process_group(backend, host, port, world_size, rank, group_name, timeout_s)
 
 
 def destroy_side_group(pg) -> None:

@@ -6,7 +6,8 @@ receive with ``torch.distributed.broadcast(t, src=0, group=pg)`` as
 ``weight_updater.py`` does, after a default process group of their own as an SGLang engine has.
 Two senders (two pipeline stages) each host one group with both engines; the engines join the
 groups and receive in stage order, as the weight push drives them. A sender built any other way
-than SGLang's (e.g. a bare ``ProcessGroupGloo`` on a ``PrefixStore``) waits until its timeout here.
+than SGLang's (e.g. a bare ``ProcessGroupGloo`` on a ``PrefixStore``) waits until its timeout here, and
+so does one that lets torch's ``tcp://`` rendezvous pick the store under torchrun's environment.
 """
 
 from __future__ import annotations
@@ -52,6 +53,9 @@ def _engine(rank_offset: int, ports: list[int], source: str, q) -> None:
 
 
 def _sender(stage: int, port: int, q) -> None:
+    import os
+
+    os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"  # as under torchrun: the sender must still host
     try:
         pg = new_side_group("gloo", "127.0.0.1", port, rank=0, world_size=1 + N_ENGINES,
                             group_name=f"m2po_test_s{stage}", timeout_s=60)
