@@ -492,11 +492,11 @@ class MegatronActor:
         return iter_stage_hf_weights(self.chunks, self.bridge)
 
     def export_hf(self, path: str) -> None:
-        """HF safetensors + config + tokenizer files of the current weights (rank 0 writes)."""
-        from megatron_m2po.actor.model import export_hf
+        """HF safetensors + config + tokenizer files of the current weights; every pipeline stage
+        writes its own shards (collective: all ranks call it)."""
+        from megatron_m2po.actor.hf_export import export_hf_stages
 
-        export_hf(self.chunks, self.bridge, path)
-        dist.barrier()
+        export_hf_stages(self.chunks, self.bridge, path)
 
     def save_checkpoint(self, path: str, extra_state: Optional[dict] = None) -> None:
         """Atomic checkpoint (weights, optimizer, RNG, version, ``extra_state``); updates ``<parent>/latest``."""

@@ -17,11 +17,11 @@ Expert parallelism (EP > 1) is not supported here: expert shards span data-paral
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
 
-__all__ = ["StageLayout", "stage_layout", "iter_stage_hf_weights"]
+__all__ = ["StageLayout", "stage_layout", "iter_stage_hf_weights", "export_hf_stages"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,3 +86,63 @@ def iter_stage_hf_weights(chunks, bridge) -> Iterator[tuple[str, torch.Tensor]]:
                     continue
                 seen.add(hf_name)
                 yield hf_name, t.detach()
+
+
+def export_hf_stages(chunks, bridge, out_dir: str, *, tokenizer_src: Optional[str] = None,
+                     shard_mb: float = 4096.0) -> None:
+    """HF safetensors + config (+ tokenizer files) with every stage writing its own shards.
+
+    Collective (every rank calls it). Each stage's sender writes its layers into ``<out>.tmp`` (at
+    most ``shard_mb`` of host memory at a time); global rank 0 names the files
+    ``model-0000k-of-0000n.safetensors``, writes ``model.safetensors.index.json``, the config and
+    tokenizer files, and renames the directory to ``out_dir``: it is complete once it exists.
+    """
+    import os
+    import shutil
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    from megatron_m2po.actor.model import TOKENIZER_FILES
+    from megatron_m2po.utils.hf_dir import assemble_shards, write_stage_shards
+
+    layout = stage_layout()
+    rank = dist.get_rank()
+    out = Path(out_dir)
+    tmp = out.with_name(out.name + ".tmp")
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    files, error = [], ""
+    if layout.exports:
+        it = iter_stage_hf_weights(chunks, bridge)
+        try:
+            if layout.sender:
+                files = write_stage_shards(it, tmp, layout.stage, int(shard_mb * 2**20))
+        except Exception as e:  # noqa: BLE001 - every rank must hear of it
+            error = f"stage {layout.stage}: {type(e).__name__}: {e}"
+        finally:
+            for _ in it:  # the stage's other tensor-parallel ranks gather with the sender
+                pass
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (layout.stage, layout.sender, files, error))
+    errors = [g[3] for g in gathered if g[3]]
+    if errors:
+        raise RuntimeError(f"HF export to {out_dir} failed: " + "; ".join(errors))
+    if rank == 0:
+        stage_files = [f for _, _, fs, _ in sorted((g for g in gathered if g[1]), key=lambda g: g[0]) for f in fs]
+        assemble_shards(tmp, stage_files, always_index=True)
+        src = tokenizer_src or getattr(bridge, "hf_path", None)
+        if src:
+            for fname in TOKENIZER_FILES:
+                if os.path.isfile(os.path.join(src, fname)):
+                    shutil.copy2(os.path.join(src, fname), tmp / fname)
+        if src and os.path.isfile(os.path.join(src, "config.json")):
+            shutil.copy2(os.path.join(src, "config.json"), tmp / "config.json")  # faithful to the source
+        else:
+            bridge.hf_config.save_pretrained(str(tmp))
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    dist.barrier()

@@ -38,7 +38,6 @@ import socket
 import time
 import uuid
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Iterable, Iterator
 
 import torch
@@ -47,6 +46,7 @@ from megatron_m2po.parallel.side_group import broadcast, destroy_side_group, new
 from megatron_m2po.rollout.client import SGLangClient
 from megatron_m2po.rollout.fp8 import quantize_named
 from megatron_m2po.utils.background_loop import BackgroundLoop
+from megatron_m2po.utils.hf_dir import write_stage_shards
 from megatron_m2po.utils.net import free_port
 
 __all__ = ["PushPlan", "StageResult", "WeightSyncError", "run_stage", "push_from_stages", "each_engine"]
@@ -188,30 +188,15 @@ def run_stage(plan: PushPlan, stage: int, weights: Iterable[tuple[str, torch.Ten
 
 # ------------------------------------------------------------------------ disk
 def _write_stage(plan: PushPlan, stage: int, it: Iterator, res: StageResult) -> None:
-    from safetensors.torch import save_file
-
     if plan.reuse_dir:
         return
-    shard: dict[str, torch.Tensor] = {}
-    size = 0
 
-    def flush() -> None:
-        nonlocal shard, size
-        fname = f"stage{stage:05d}-{len(res.files):05d}.safetensors"
-        save_file(shard, str(Path(plan.tmp_dir) / fname), metadata={"format": "pt"})
-        res.files.append((fname, list(shard), size))
-        shard, size = {}, 0
-
-    for name, t in it:
-        t = t.detach().to("cpu").contiguous()
-        if shard and size + nbytes(t) > plan.shard_bytes:
-            flush()
-        shard[name] = t
-        size += nbytes(t)
-        res.bytes += nbytes(t)
-        res.n_tensors += 1
-    if shard:
-        flush()
+    def counted():
+        for name, t in it:
+            res.bytes += nbytes(t)
+            res.n_tensors += 1
+            yield name, t
+    res.files = write_stage_shards(counted(), plan.tmp_dir, stage, plan.shard_bytes)
 
 
 # ------------------------------------------------------------------------ distributed

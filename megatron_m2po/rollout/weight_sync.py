@@ -57,7 +57,7 @@ from megatron_m2po.rollout.fp8 import is_fp8_config, write_fp8_config
 from megatron_m2po.rollout.weight_stage import (PushPlan, StageResult, WeightSyncError, each_engine,
                                                 forget_groups, run_stage)
 from megatron_m2po.utils.background_loop import BackgroundLoop
-from megatron_m2po.utils.hf_dir import iter_safetensors
+from megatron_m2po.utils.hf_dir import assemble_shards, iter_safetensors
 
 __all__ = ["DiskWeightSync", "DistributedWeightSync", "SyncStats", "WeightSyncError", "export_fp8_dir"]
 
@@ -239,22 +239,10 @@ class DiskWeightSync(_Base):
     def _assemble(self, plan: PushPlan, results: list[StageResult]) -> str:
         """Name the stages' files in stage order, write the index and the HF files, publish."""
         tmp, final = Path(plan.tmp_dir), self.sync_dir / f"v{plan.version}"
-        files = [f for r in results for f in r.files]
-        if not files:
-            raise WeightSyncError(f"version {plan.version}: the stages wrote no tensors")
-        index, total = {}, 0
-        for i, (fname, names, size) in enumerate(files):
-            new = ("model.safetensors" if len(files) == 1
-                   else f"model-{i + 1:05d}-of-{len(files):05d}.safetensors")
-            os.rename(tmp / fname, tmp / new)
-            for n in names:
-                if n in index:
-                    raise WeightSyncError(f"version {plan.version}: tensor {n} was written by two stages")
-                index[n] = new
-            total += size
-        if len(files) > 1:
-            (tmp / "model.safetensors.index.json").write_text(
-                json.dumps({"metadata": {"total_size": total}, "weight_map": dict(sorted(index.items()))}, indent=1))
+        try:
+            assemble_shards(tmp, [f for r in results for f in r.files])
+        except ValueError as e:
+            raise WeightSyncError(f"version {plan.version}: {e}") from None
         if self.base_model_dir:
             for f in _COPY:
                 src = Path(self.base_model_dir) / f

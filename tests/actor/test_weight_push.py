@@ -80,6 +80,13 @@ def _push_job(rank, world, hf, urls, sync_dir, tp, pp):
             if version == 2:
                 out["disk_dir"] = disk_sync.latest_dir
                 out["ref2"] = {n: t.numpy() for n, t in ref.items()}  # tensors do not cross the queue
+        # the final HF export: every stage writes its own shards as well
+        export_dir = os.path.join(os.path.dirname(sync_dir), f"export_tp{tp}_pp{pp}")
+        actor.export_hf(export_dir)
+        if rank == 0:
+            got = lib.read_safetensors_dir(export_dir)
+            out["export"] = (sorted(got) == sorted(ref), all(torch.equal(got[n], ref[n]) for n in ref),
+                             os.path.isfile(os.path.join(export_dir, "model.safetensors.index.json")))
     finally:
         for s in (dist_sync, disk_sync):
             if s is not None:
@@ -102,6 +109,7 @@ def test_every_stage_sends_its_layers_bit_exact(fleet, tmp_path, tp, pp):
     senders = [lay for lay in layouts if lay[3]]
     assert [s[0] for s in senders] == list(range(pp)) and all(s[1] == pp for s in senders)  # one per stage
     r0 = res[0]
+    assert r0["export"] == (True, True, True)
     bad = [c for c in r0["checks"] if not c[3]]
     assert not bad, bad[:5]
     n_ref = len(r0["ref2"])
