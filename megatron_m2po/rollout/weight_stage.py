@@ -343,13 +343,13 @@ def push_from_stages(controller, weights: Iterable[tuple[str, torch.Tensor]], ve
         try:
             box[0] = controller.begin(version, n_stages)
         except Exception as e:  # noqa: BLE001 - every rank must hear of it
-            box[0] = f"{describe(e)}"
+            box[0] = str(e) if isinstance(e, WeightSyncError) else f"weight push of version {version} could not start: {describe(e)}"
     dist.broadcast_object_list(box, src=0, group=group)
     plan = box[0]
     if isinstance(plan, str):
         for _ in weights:
             pass
-        raise WeightSyncError(f"weight push of version {version} could not start: {plan}")
+        raise WeightSyncError(plan)
     store = dist.distributed_c10d._get_default_store()
     if sender:
         result = run_stage(plan, stage, weights, store)
