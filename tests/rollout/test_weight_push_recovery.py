@@ -50,7 +50,7 @@ def test_engine_killed_mid_push_is_replaced_refit_and_readmitted(tiny_model_dir,
     cfg = RolloutConfig(engine="cpu_worker", launcher="local", num_engines=2, base_port=0, use_router=True,
                         weight_sync_timeout_s=30.0)
     fleet = EngineFleet(cfg, tiny_model_dir, run_dir=str(tmp_path / "run"), startup_timeout_s=120).start()
-    sync = (DistributedWeightSync(fleet.engine_urls, backend="gloo", bucket_mb=0.01, timeout_s=20)
+    sync = (DistributedWeightSync(fleet.engine_urls, backend="gloo", bucket_mb=0.05, timeout_s=20)
             if kind == "distributed" else
             DiskWeightSync(fleet.engine_urls, str(tmp_path / "weights"), base_model_dir=tiny_model_dir, timeout_s=20))
     try:
