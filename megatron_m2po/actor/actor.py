@@ -482,12 +482,27 @@ class MegatronActor:
 
         return iter_hf_weights(self.chunks, self.bridge)
 
-    def export_hf(self, path: str) -> None:
-        """HF safetensors + config + tokenizer files of the current weights (rank 0 writes)."""
-        from megatron_m2po.actor.model import export_hf
+    def stage_layout(self):
+        """This rank's part in a weight push from every stage (``hf_export.StageLayout``)."""
+        from megatron_m2po.actor.hf_export import stage_layout
 
-        export_hf(self.chunks, self.bridge, path)
-        dist.barrier()
+        return stage_layout()
+
+    def iter_stage_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(hf_name, full tensor)`` of this rank's pipeline stage only, tensor-parallel shards gathered
+        within the stage; empty on ranks that do not export (data-parallel replicas after the first)."""
+        from megatron_m2po.actor.hf_export import iter_stage_hf_weights
+
+        if not self.stage_layout().exports:
+            return iter(())
+        return iter_stage_hf_weights(self.chunks, self.bridge)
+
+    def export_hf(self, path: str) -> None:
+        """HF safetensors + config + tokenizer files of the current weights; every pipeline stage
+        writes its own shards (collective: all ranks call it)."""
+        from megatron_m2po.actor.hf_export import export_hf_stages
+
+        export_hf_stages(self.chunks, self.bridge, path)
 
     def save_checkpoint(self, path: str, extra_state: Optional[dict] = None) -> None:
         """Atomic checkpoint (weights, optimizer, RNG, version, ``extra_state``); updates ``<parent>/latest``."""

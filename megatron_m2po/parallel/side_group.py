@@ -1,41 +1,77 @@
-"""Process groups outside the default one: the trainer-to-engine weight-sync group.
+"""Process groups outside the default one: the trainer-to-engine weight-sync groups.
 
-SGLang's ``init_custom_process_group`` joins the trainer's rank 0 and every engine rank in a
-group of its own, rendezvousing on a TCP store that rank 0 hosts. Both sides of that
-rehearsal live here: the trainer's weight sync (rank 0) and the CPU worker (the engine
-ranks). The group is a bare ``ProcessGroup`` object, not registered with
-``torch.distributed``: collectives are called on it directly (:func:`broadcast`) and fail
-after ``timeout_s`` instead of hanging.
+Both ends of a weight-update group are built the way SGLang 0.5.23 builds its end
+(``srt/utils/common.py`` ``init_custom_process_group``, called by
+``model_runner_components/weight_updater.py`` ``init_weights_update_group`` with
+``init_method=tcp://<master_address>:<master_port>`` and no timeout): the ``tcp://`` rendezvous's
+store (rank 0 hosts a TCPStore), the store wrapped in ``PrefixStore(group_name, ...)``, then torch's
+``_new_process_group_helper`` (which nests its own ``<group_name>/`` prefix). Building one side any
+other way (e.g. ``ProcessGroupGloo`` on the prefixed store directly) puts the rendezvous keys under
+different names and each side waits for the other until the timeout. The trainer's sender of a
+pipeline stage is rank 0 of its group; the CPU worker joins as SGLang does.
+
+Collectives on these groups are called on the ``ProcessGroup`` object directly (:func:`broadcast`)
+with an explicit timeout, so a dead peer fails the call instead of hanging it.
 """
 
 from __future__ import annotations
 
 import datetime
+from typing import Optional
 
 import torch
 
-__all__ = ["new_side_group", "broadcast"]
+__all__ = ["init_custom_process_group", "new_side_group", "destroy_side_group", "broadcast"]
+
+
+def init_custom_process_group(backend: str, host: str, port: int, world_size: int, rank: int, group_name: str,
+                              timeout_s: Optional[float] = None):
+    """The same construction as SGLang 0.5.23's ``init_custom_process_group`` with
+    ``init_method=tcp://host:port``.
+
+    The store is the one torch's ``tcp://`` rendezvous creates (``rendezvous.py``
+    ``_create_c10d_store``: rank 0 hosts a multi-tenant TCPStore), made here directly: under
+    torchrun (``TORCHELASTIC_USE_AGENT_STORE``) that rendezvous makes every rank a client of an agent
+    store, so a trainer rank would wait for a store nobody hosts. The keys are the same either way.
+    ``timeout_s=None`` is SGLang's own choice (torch's ``default_pg_timeout``, 30 minutes); the
+    trainer passes its weight-sync timeout so a dead engine fails the sender in bounded time.
+    """
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import (Backend, PrefixStore, _new_process_group_helper, _world,
+                                                    default_pg_timeout)
+
+    if not group_name:
+        raise ValueError("group_name must be non-empty (SGLang asserts it)")
+    timeout = datetime.timedelta(seconds=timeout_s) if timeout_s else default_pg_timeout
+    store = dist.TCPStore(host, port, world_size, is_master=(rank == 0), timeout=timeout, multi_tenant=True)
+    store.set_timeout(timeout)
+    store = PrefixStore(group_name, store)
+    pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), store, group_name=group_name,
+                                      backend_options=None, timeout=timeout, device_id=None)
+    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+    return pg
 
 
 def new_side_group(backend: str, host: str, port: int, *, rank: int, world_size: int, group_name: str,
-                   timeout_s: float):
+                   timeout_s: Optional[float]):
     """Join (rank 0: host) a ``backend`` ("gloo" or "nccl") group of ``world_size`` at ``host:port``."""
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend={backend!r}: use 'nccl' or 'gloo'")
+    return init_custom_process_group(backend, host, port, world_size, rank, group_name, timeout_s)
+
+
+def destroy_side_group(pg) -> None:
+    """Release a group built by :func:`init_custom_process_group` (SGLang: ``destroy_process_group(pg)``)."""
     import torch.distributed as dist
 
-    timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore(host, port, world_size, is_master=(rank == 0), timeout=timeout, wait_for_workers=False)
-    prefix = dist.PrefixStore(group_name, store)
-    if backend == "gloo":
-        return dist.ProcessGroupGloo(prefix, rank, world_size, timeout)
-    if backend == "nccl":
-        opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = timeout
-        return dist.ProcessGroupNCCL(prefix, rank, world_size, opts)
-    raise ValueError(f"backend={backend!r}: use 'nccl' or 'gloo'")
+    try:
+        dist.destroy_process_group(pg)
+    except (RuntimeError, ValueError, KeyError):  # already torn down (a peer died): nothing left to free
+        pass
 
 
 def broadcast(pg, tensor: torch.Tensor, timeout_s: float, root: int = 0):
-    """``pg.broadcast`` from ``root`` on a bare ProcessGroup; returns the work handle to ``wait()`` on."""
+    """``pg.broadcast`` from group rank ``root``; returns the work handle to ``wait()`` on."""
     import torch.distributed as dist
 
     opts = dist.BroadcastOptions()

@@ -10,6 +10,9 @@ import os
 import uuid
 from typing import Optional
 
+import torch
+
+from megatron_m2po.parallel.side_group import destroy_side_group
 from megatron_m2po.rollout import sglang_sampling as sampling
 from megatron_m2po.rollout.sglang_version import SUPPORTED_SGLANG
 
@@ -344,10 +347,16 @@ def make_app(engine):
             return refused
         return ok({"success": True, "message": msg, "num_paused_requests": 0})
 
+    # SGLang's scheduler runs one request at a time and its group set-up and broadcasts block it
+    # (managers/communicator.py queues each kind; scheduler_components/weight_updater.py):
+    # weight-update group requests are served one after another, never side by side.
+    group_ops = asyncio.Lock()
+
     async def init_group(request):
         req = await body(request)
         try:
-            await asyncio.to_thread(engine.init_group, req)
+            async with group_ops:
+                await asyncio.to_thread(engine.init_group, req)
         except Exception as e:  # noqa: BLE001
             return ok({"success": False, "message": f"Failed to initialize custom process group: {e}."}, 400)
         return ok({"success": True, "message": "Succeeded to initialize custom process group."})
@@ -355,8 +364,11 @@ def make_app(engine):
     async def destroy_group(request):
         req = await body(request)
         name = req.get("group_name", _DEFAULT_GROUP)
-        if engine.groups.pop(name, None) is None:
+        async with group_ops:
+            pg = engine.groups.pop(name, None)
+        if pg is None:
             return ok({"success": False, "message": f"group {name!r} does not exist"}, 400)
+        destroy_side_group(pg)  # weight_updater.py: torch.distributed.destroy_process_group(pg)
         return ok({"success": True, "message": "Succeeded to destroy custom process group."})
 
     async def update_from_distributed(request):
@@ -367,8 +379,9 @@ def make_app(engine):
         if req.get("abort_all_requests"):
             engine.abort(None, True)
         try:
-            named = await asyncio.to_thread(engine.receive, req)
-            await engine.run_model(engine.load_weights, named)
+            async with group_ops:
+                named = await asyncio.to_thread(engine.receive, req)
+                await engine.run_model(engine.load_weights, named)
         except Exception as e:  # noqa: BLE001
             return ok({"success": False, "message": f"Failed to update parameter online: {e}."}, 400)
         set_version(req.get("weight_version"))
@@ -402,6 +415,25 @@ def make_app(engine):
         set_version(req.get("new_version"))
         return ok({"success": True, "message": f"Weight version updated to {req.get('new_version')}",
                    "new_version": req.get("new_version")})
+
+    # SGLang 0.5.23 http_server.py /get_weights_by_name (GetWeightsByNameReqInput {name,
+    # truncate_size=100}) -> models/llama.py get_weights_by_name: the parameter as float32 nested
+    # lists, its first truncate_size rows; a tied lm_head.weight answers with embed_tokens.weight;
+    # an unknown name is a 400 {"error": {"message": "Get parameter by name failed"}}.
+    def weights_by_name(name: str, truncate_size: int):
+        params = dict(engine.model.named_parameters())
+        if name == "lm_head.weight" and getattr(engine.config, "tie_word_embeddings", False):
+            name = "model.embed_tokens.weight"
+        if name not in params:
+            return None
+        return params[name].detach().to(torch.float32).numpy().tolist()[:truncate_size]
+
+    async def get_weights_by_name(request):
+        req = await body(request)
+        out = await engine.run_model(weights_by_name, str(req.get("name", "")), int(req.get("truncate_size", 100)))
+        if out is None:
+            return ok({"error": {"message": "Get parameter by name failed"}}, 400)
+        return ok(out)
 
     async def on_startup(app):
         await engine.start()
@@ -442,6 +474,8 @@ def make_app(engine):
     r.add_route("GET", "/slow_down", via_scheduler(slow_down))
     r.add_route("POST", "/slow_down", via_scheduler(slow_down))
     r.add_get("/v1/loads", via_scheduler(v1_loads))
+    r.add_route("GET", "/get_weights_by_name", via_scheduler(get_weights_by_name))
+    r.add_route("POST", "/get_weights_by_name", via_scheduler(get_weights_by_name))
     return app
 
 

@@ -73,6 +73,7 @@ class _Engine:
     spec: Optional[EngineSpec] = None
     restarts: int = 0
     router_id: Optional[str] = None
+    pending: bool = False  # relaunched, not yet refit nor registered
 
 
 @dataclass
@@ -145,8 +146,13 @@ class EngineFleet:
                 raise
         return self
 
-    def check_and_restart(self) -> list[str]:
-        """Probe every engine; relaunch, refit and re-register dead ones. Returns their URLs."""
+    def check_and_restart(self, *, refit: bool = True) -> list[str]:
+        """Probe every engine; relaunch, refit and re-register dead ones. Returns their URLs.
+
+        ``refit=False``: relaunched engines are neither refit nor registered; the caller loads the
+        current weights into them (e.g. with the next weight push, which must rebuild distributed
+        weight-update groups for them) and then calls :meth:`admit`.
+        """
         restarted = []
         for e in self.engines:
             alive = e.handle.alive() if e.handle is not None else True
@@ -162,12 +168,31 @@ class EngineFleet:
             e.url = e.handle.url
             e.restarts += 1
             self._wait_healthy(e)
+            restarted.append(e.url)
+            if not refit:
+                e.pending = True
+                continue
             if self.refit_fn is not None:
                 self.refit_fn(e.url)
             if self.router_url:
                 self._register(e)
-            restarted.append(e.url)
         return restarted
+
+    @property
+    def pending_urls(self) -> list[str]:
+        """Relaunched engines waiting for their weights (``check_and_restart(refit=False)``)."""
+        return [e.url for e in self.engines if e.pending]
+
+    def admit(self) -> list[str]:
+        """Register the relaunched engines that now hold the current weights with the router."""
+        admitted = []
+        for e in self.engines:
+            if e.pending:
+                if self.router_url:
+                    self._register(e)
+                e.pending = False
+                admitted.append(e.url)
+        return admitted
 
     def stop(self) -> None:
         """Terminate the router and every launched engine (in parallel), kill stragglers."""

@@ -29,6 +29,7 @@ from megatron_m2po.rewards import get_reward_fn
 from megatron_m2po.rollout.client import SGLangClient
 from megatron_m2po.rollout.engines import EngineFleet
 from megatron_m2po.rollout.producer import ProducerContext, load_producer
+from megatron_m2po.rollout.weight_stage import PushPlan, run_stage
 from megatron_m2po.rollout.weight_sync import DiskWeightSync, DistributedWeightSync
 from megatron_m2po.store.store import NotReadyError, RolloutStore, bounded
 from megatron_m2po.store.types import Group
@@ -121,27 +122,25 @@ class RolloutDriver:
             # External harnesses load the published v<version> directories themselves.
             return DiskWeightSync(self.engine_urls, str(self.sync_dir), base_model_dir=self.model_path,
                                      timeout_s=r.weight_sync_timeout_s, fp8=r.fp8_weights)
-        import os
-
         import torch
-        # Engines must reach trainer rank 0: under torchrun that is MASTER_ADDR.
-        addr = os.environ.get("M2PO_WEIGHT_SYNC_ADDR") or os.environ.get("MASTER_ADDR") or "127.0.0.1"
-        sync = DistributedWeightSync(self.engine_urls, master_address=addr, timeout_s=r.weight_sync_timeout_s,
+
+        # Engines must reach every stage's sender: each sender uses M2PO_WEIGHT_SYNC_ADDR of its own
+        # node, else the address of its route to the engines (master_address="").
+        sync = DistributedWeightSync(self.engine_urls, master_address="", timeout_s=r.weight_sync_timeout_s,
                                      backend="nccl" if torch.cuda.is_available() else "gloo",
                                      bucket_mb=r.weight_sync_bucket_mb, fp8=r.fp8_weights)
         sync.connect()
         return sync
 
     def _refit(self, url: str) -> None:
-        """A restarted engine gets the current weights before it serves again."""
+        """A restarted engine gets the current weights before it serves again (disk weight sync;
+        distributed engines are refit by the next push from every stage, see :meth:`check_engines`)."""
         if self.engine_version == 0:
             return  # it launched from the base model, which is version 0
         latest = getattr(self.weight_sync, "latest_dir", None)
         if latest is None:
-            raise RuntimeError(
-                f"engine {url} was restarted at weight version {self.engine_version}, but with "
-                "rollout.weight_sync=distributed there is no on-disk copy to refit it from; use "
-                "rollout.weight_sync=disk or restart the run (it resumes from the last checkpoint)")
+            raise RuntimeError(f"engine {url} was restarted at weight version {self.engine_version}, but "
+                               "there is no on-disk copy of that version to refit it from")
         self.weight_sync.push(latest, self.engine_version, engine_urls=[url])
 
     def close(self) -> None:
@@ -171,25 +170,64 @@ class RolloutDriver:
 
     # ------------------------------------------------------------------ weights
     def push_weights(self, weights: Iterable, version: int) -> float:
-        """Push ``weights`` ((hf_name, tensor) iterator, from the trainer) to every engine; returns seconds."""
-        self.wait_generation()
+        """Push ``weights`` ((hf_name, tensor) iterator of the whole model) from this process to every
+        engine; returns seconds. The trainer pushes from every pipeline stage instead
+        (:meth:`begin` / :meth:`finish` through ``weight_stage.push_from_stages``)."""
         t0 = time.perf_counter()
+        plan = self.begin(version, 1)
+        self.finish(plan, [run_stage(plan, 0, weights)])
+        return time.perf_counter() - t0
+
+    def begin(self, version: int, n_stages: int) -> PushPlan:
+        """Rank 0's start of a weight push from ``n_stages`` pipeline stages (the push controller)."""
+        self.wait_generation()
         # The trainer is at ``version`` already: record it first, so tokens an engine samples
         # with the new weights while the push is still returning validate against it.
         self.store.set_version(version)
         # The fleet's current URLs: a replaced engine (e.g. a new Ray actor) may have moved.
-        self.weight_sync.push(weights, version, engine_urls=self.engine_urls)
-        self.engine_version = version
-        return time.perf_counter() - t0
+        return self.weight_sync.begin(version, n_stages, self.engine_urls)
 
-    def check_engines(self) -> list[str]:
-        """Restart (and refit) dead engines; returns their URLs."""
+    def finish(self, plan: PushPlan, results: list):
+        """Rank 0's end of a push: engines at the new version; relaunched engines rejoin the router."""
+        stats = self.weight_sync.finish(plan, results)
+        self.engine_version = plan.version
+        if self.fleet is not None:
+            self.fleet.admit()
+        return stats
+
+    def restart_dead_engines(self) -> list[str]:
+        """Relaunch dead engines without weights or router registration (after a failed push the
+        push is repeated for every engine, which refits them and rebuilds their groups); returns
+        their URLs."""
         if self.fleet is None:
             return []
+        restarted = self.fleet.check_and_restart(refit=False)
+        if restarted:
+            log.warning("restarted %d engine(s): %s; they get the weights with the next push",
+                        len(restarted), ", ".join(restarted))
+            if isinstance(self.weight_sync, DistributedWeightSync):
+                self.weight_sync.invalidate()  # a relaunched engine has lost its weight-update groups
+        return restarted
+
+    def check_engines(self) -> list[str]:
+        """Restart dead engines; returns the URLs of those still waiting for weights.
+
+        Disk weight sync refits a relaunched engine from the latest version directory and
+        re-registers it here. Distributed weight sync cannot refit one engine from rank 0 alone:
+        the engine waits (unregistered) and the trainer pushes the current weights from every
+        stage, which rebuilds the groups for it and admits it.
+        """
+        if self.fleet is None:
+            return []
+        if isinstance(self.weight_sync, DistributedWeightSync) and self.engine_version > 0:
+            self.restart_dead_engines()
+            return self.fleet.pending_urls
         restarted = self.fleet.check_and_restart()
         if restarted:
             log.warning("restarted %d engine(s): %s", len(restarted), ", ".join(restarted))
-        return restarted
+            if isinstance(self.weight_sync, DistributedWeightSync):
+                self.weight_sync.invalidate()  # version 0: launched from the base model, groups lost
+        return []
 
     # ------------------------------------------------------------------ generation
     def _context(self, prefix: str, n_samples: Optional[int] = None, **meta) -> ProducerContext:

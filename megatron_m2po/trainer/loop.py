@@ -181,17 +181,26 @@ class Trainer:
 
     # ------------------------------------------------------------------ weights
     def _push_weights(self) -> float:
-        """All ranks: gather HF-named weights; rank 0 pushes them to the engines."""
-        v = self.actor.version
-        weights = self.actor.iter_hf_weights()
-        if self.lead:
-            secs = self.driver.push_weights(weights, v)
-        else:
-            for _ in weights:  # take part in the gathers
-                pass
-            secs = 0.0
+        """All ranks: every pipeline stage sends its own layers to the engines (rank 0 drives the
+        push). A push that fails because engines died is repeated once after they are relaunched:
+        the repeat loads the current weights into them, then they rejoin the router."""
+        from megatron_m2po.rollout.weight_stage import WeightSyncError, push_from_stages
+
+        v, layout = self.actor.version, self.actor.stage_layout()
+        t0 = time.perf_counter()
+        for attempt in (1, 2):
+            try:
+                push_from_stages(self.driver if self.lead else None, self.actor.iter_stage_hf_weights(), v,
+                                 stage=layout.stage, n_stages=layout.n_stages, sender=layout.sender)
+                break
+            except WeightSyncError as e:
+                restarted = self._from_rank0(lambda: self.driver.restart_dead_engines(), what="engine restarts")
+                if attempt == 2 or not restarted:
+                    raise
+                if self.lead:
+                    log.warning("weight push of version %d failed (%s); pushing again to every engine", v, e)
         self.engines_version = v
-        return secs
+        return time.perf_counter() - t0
 
     def _generation_events(self, version: int) -> dict[str, float]:
         """stale_k / sync: generate the steps scheduled at ``version`` (all ranks)."""
@@ -310,8 +319,9 @@ class Trainer:
         step = self.start_step
         try:
             for step in range(self.start_step, cfg.trainer.num_steps):
-                if self.lead:
-                    self.driver.check_engines()
+                # Relaunched engines that wait for weights (distributed sync) get them now.
+                if self._from_rank0(lambda: self.driver.check_engines(), what="the engine check"):
+                    self._push_weights()
                 metrics, per_update = self._train_step(step)
                 if cfg.trainer.eval_every_steps and (step + 1) % cfg.trainer.eval_every_steps == 0:
                     metrics.update(self._evaluate(step + 1))

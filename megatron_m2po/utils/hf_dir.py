@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator, Optional
+from typing import TYPE_CHECKING, Iterable, Iterator, Optional
 
 if TYPE_CHECKING:
     import torch
 
     from megatron_m2po.config import ModelConfig
 
-__all__ = ["resolve_model_path", "iter_safetensors"]
+__all__ = ["resolve_model_path", "iter_safetensors", "write_stage_shards", "assemble_shards"]
 
 
 def resolve_model_path(model: "ModelConfig", override: Optional[str] = None, *, progress: bool = False) -> str:
@@ -48,3 +48,59 @@ def iter_safetensors(path: str | os.PathLike) -> Iterator[tuple[str, "torch.Tens
         raise ValueError(f"no *.safetensors files in {str(path)!r}")
     for f in files:
         yield from load_file(str(f)).items()
+
+
+def write_stage_shards(tensors: Iterable[tuple[str, "torch.Tensor"]], out_dir: str | os.PathLike, stage: int,
+                       shard_bytes: int) -> list[tuple[str, list[str], int]]:
+    """Write one pipeline stage's tensors as ``stage<stage>-<j>.safetensors`` files of at most
+    ``shard_bytes`` (one tensor larger than that gets a file of its own), holding one shard in host
+    memory at a time; returns ``[(file name, tensor names, bytes)]`` for :func:`assemble_shards`."""
+    from safetensors.torch import save_file
+
+    files: list[tuple[str, list[str], int]] = []
+    shard: dict = {}
+    size = 0
+
+    def flush() -> None:
+        nonlocal shard, size
+        fname = f"stage{stage:05d}-{len(files):05d}.safetensors"
+        save_file(shard, str(Path(out_dir) / fname), metadata={"format": "pt"})
+        files.append((fname, list(shard), size))
+        shard, size = {}, 0
+
+    for name, t in tensors:
+        t = t.detach().to("cpu").contiguous()
+        nb = t.numel() * t.element_size()
+        if shard and size + nb > shard_bytes:
+            flush()
+        shard[name] = t
+        size += nb
+    if shard:
+        flush()
+    return files
+
+
+def assemble_shards(out_dir: str | os.PathLike, files: list[tuple[str, list[str], int]], *,
+                    always_index: bool = False) -> int:
+    """Rename the stages' files (in stage order) to HF's ``model-0000k-of-0000n.safetensors`` and
+    write ``model.safetensors.index.json``; a single file becomes ``model.safetensors`` (with an
+    index only when ``always_index``). Returns the total bytes. A tensor written twice is an error."""
+    import json
+
+    if not files:
+        raise ValueError(f"{out_dir}: no tensors were written")
+    out = Path(out_dir)
+    index: dict[str, str] = {}
+    total = 0
+    for i, (fname, names, size) in enumerate(files):
+        new = "model.safetensors" if len(files) == 1 else f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
+        os.rename(out / fname, out / new)
+        for n in names:
+            if n in index:
+                raise ValueError(f"{out_dir}: tensor {n} was written by two stages")
+            index[n] = new
+        total += size
+    if len(files) > 1 or always_index:
+        (out / "model.safetensors.index.json").write_text(json.dumps(
+            {"metadata": {"total_size": total}, "weight_map": dict(sorted(index.items()))}, indent=1))
+    return total
