@@ -377,6 +377,13 @@ class RolloutStore:
                 found.update(r[0] for r in self._conn.execute(q, chunk))
         return found
 
+    def quarantined_ids(self, prefix: str = "") -> list[str]:
+        """Ids of the quarantined groups whose id starts with ``prefix`` (in detection order)."""
+        with self._lock:
+            return [r[0] for r in self._conn.execute(
+                "SELECT group_id FROM groups WHERE state='quarantined' AND substr(group_id, 1, ?) = ? "
+                "ORDER BY seq", (len(prefix), prefix))]
+
     def pending_groups(self, limit: Optional[int] = None) -> list[Group]:
         """Stored groups with unscored trajectories, in arrival order (for an external scorer)."""
         with self._lock, db.transaction(self._conn) as c:

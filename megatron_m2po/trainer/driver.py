@@ -331,6 +331,17 @@ class RolloutDriver:
                                                step=step, timeout_s=1.0)
                 break
             except NotReadyError:
+                # A group of this step that failed the store's integrity check can never be
+                # served, and regenerating it now would sample at another version than the
+                # exact stale-k schedule says: stop at once instead of waiting for the timeout.
+                lost = self.store.quarantined_ids(f"s{step:06d}-")
+                if lost:
+                    raise RuntimeError(
+                        f"step {step}: group(s) {lost[:5]} of this step failed the rollout store's integrity check "
+                        f"and are quarantined (`m2po store stats {self.store.path}` shows why); exact stale-k "
+                        "cannot serve the step without them. Restore the store from a backup (`m2po store backup` "
+                        "makes one while the run is live) and run the same command again to resume, or resume "
+                        "with a new trainer.run_dir") from None
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"step {step}: rollouts generated at version {generated_at} did not arrive "
                                        f"within {timeout_s:.0f}s; check the engine logs in {self.cfg.trainer.run_dir}"

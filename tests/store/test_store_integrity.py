@@ -246,3 +246,30 @@ def test_stats_reports_quarantined_groups(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "quarantined (stored data failed its checksum, never served): 1 groups" in r.stdout
     assert "  a (was available): trajectory 'a/0' fails its checksum" in r.stdout
+
+
+def test_trainer_step_with_a_quarantined_group_fails_at_once_naming_it(tmp_path):
+    """Exact stale-k cannot serve a step one of whose groups is quarantined: the driver says so at
+    once (which group, what to do) instead of waiting for the step's timeout."""
+    from megatron_m2po.config import Config
+    from megatron_m2po.trainer.driver import RolloutDriver
+
+    path = tmp_path / "s.sqlite"
+    gids = [f"s000003-g{i:05d}" for i in range(4)]
+    _fill(path, gids)
+    _flip_blob_sql(path, f"{gids[2]}/1")
+    cfg = Config()
+    cfg.trainer.prompts_per_step = 4
+    store = RolloutStore(str(path))
+    # The real take_step over a real store; only the engines and producers it does not use are absent.
+    driver = object.__new__(RolloutDriver)
+    driver.cfg, driver.store, driver._inflight, driver._async_future = cfg, store, [], None
+    try:
+        with pytest.raises(RuntimeError) as e:
+            driver.take_step(3, version=4, generated_at=0, timeout_s=600)
+        msg = str(e.value)
+        assert gids[2] in msg and "quarantined" in msg and "did not arrive" not in msg
+        assert "m2po store backup" in msg
+        assert store.quarantined_ids("s000003-") == [gids[2]] and store.quarantined_ids("s000004-") == []
+    finally:
+        store.close()
