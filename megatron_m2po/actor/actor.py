@@ -1,9 +1,11 @@
 """MegatronActor: token log-probs and M2PO / baseline training steps on Megatron-Core.
 
 Every rank constructs the actor and receives the *same* global :class:`RolloutBatch`. The actor
-splits it into optimizer mini-batches (in order), each mini-batch into contiguous data-parallel
-shards (``batch.dp_shard``) and each shard into right-padded micro-batches
-(``batch.make_microbatches``: padding, not packing — see ``MicroBatch``). Pipeline stages run
+splits it into optimizer mini-batches (in order), each mini-batch into data-parallel shards
+balanced by work (``batch.balanced_shards``; contiguous with
+``parallel.balance_data_parallel=false``) and each shard into micro-batches by count or token
+budget (``batch.group_microbatches``), packed (THD, ``PackedSeqParams``) or right-padded
+(``batch.make_microbatches``, ``MicroBatch``). None of these choices changes a result. Pipeline stages run
 Megatron's own schedules (``get_forward_backward_func``); the last stage turns final hidden
 states of *response rows only* into log-probs with the vocab-parallel fused kernel
 (``parallel/logprobs.py``), so ``[tokens, vocab]`` logits never exist.
@@ -46,7 +48,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_m2po.actor.batch import MicroBatch, RolloutBatch, dp_shard, make_microbatches
+from megatron_m2po.actor.batch import (MicroBatch, RolloutBatch, balanced_shards, dp_shard, group_microbatches,
+                                       make_microbatches)
 from megatron_m2po.config import AlgoConfig, Config, ModelConfig, OptimConfig, ParallelConfig
 
 __all__ = ["ActorConfig", "MegatronActor", "init_parallel", "destroy_parallel"]
@@ -244,16 +247,41 @@ class MegatronActor:
 
     # ------------------------------------------------------------------------------ schedules
 
-    def _microbatches(self, samples: list, indices) -> list[MicroBatch]:
-        # Sequence parallelism scatters the sequence dimension over TP ranks (Megatron asserts it
-        # divides evenly): pad rows to a multiple of TP. Padding sits right of every sequence and
-        # is never a predicting row, so it reaches no log-prob, mask, loss or token count.
+    def _shards(self, samples: list) -> list[list[int]]:
+        """Indices of ``samples`` per data-parallel rank: balanced by work
+        (``parallel.balance_data_parallel``, :func:`~megatron_m2po.actor.batch.balanced_shards`) or
+        contiguous. The same on every rank; no loss quantity depends on it (module docstring)."""
+        limit = int(self.bridge.hf_config.max_position_embeddings)
+        for s in samples:
+            if s.length > limit:
+                raise ValueError(f"sample {s.uid!r} has {s.length} tokens (prompt {s.prompt_ids.shape[0]} + response "
+                                 f"{s.response_ids.shape[0]}), more than the model's max_position_embeddings={limit}; "
+                                 "lower rollout.max_response_len or the prompt length")
+        if self.cfg.parallel.balance_data_parallel:
+            return balanced_shards([s.length for s in samples], self.dp_size, int(self.bridge.hf_config.hidden_size))
+        return [list(dp_shard(len(samples), self.dp_size, r)) for r in range(self.dp_size)]
+
+    def _microbatches(self, samples: list, indices: list[int]) -> list[MicroBatch]:
+        """This rank's micro-batches of ``samples[i] for i in indices`` (packed or padded; by count
+        or by token budget, ``parallel.max_tokens_per_microbatch``)."""
         p = self.cfg.parallel
+        # Sequence parallelism scatters the sequence dimension over TP ranks (Megatron asserts it
+        # divides evenly): pad rows to a multiple of TP. Padding sits right of every sequence
+        # (packed: one pseudo-sequence at the end) and is never a predicting row, so it reaches no
+        # log-prob, mask, loss or token count.
         pad = p.tensor_parallel if p.sequence_parallel else 1
-        mbs = make_microbatches(samples, indices, p.micro_batch_size, pad_multiple=pad)
+        groups = group_microbatches([s.length for s in samples], indices, micro_batch_size=p.micro_batch_size,
+                                    max_tokens=p.max_tokens_per_microbatch, packing=p.packing, pad_multiple=pad)
+        if self.pp_size > 1:
+            # Every stage of a replica computes the same plan from the same data; the schedule
+            # deadlocks if they ever disagree, so check it (one tiny collective per pass).
+            n = torch.tensor([len(groups), -len(groups)], dtype=torch.int64, device=self.device)
+            dist.all_reduce(n, op=dist.ReduceOp.MAX, group=self.pp_group)
+            assert int(n[0]) == -int(n[1]) == len(groups), "pipeline stages disagree on the micro-batch count"
+        mbs = make_microbatches(samples, groups, pad_multiple=pad, packing=p.packing)
         for mb in mbs:
             for name in ("tokens", "position_ids", "row_pos", "row_seq", "targets", "behav_logprobs",
-                         "advantages", "loss_mask", "engine_logprobs", "seq_index", "token_index"):
+                         "advantages", "loss_mask", "engine_logprobs", "seq_index", "token_index", "cu_seqlens"):
                 t = getattr(mb, name)
                 if t is not None:
                     setattr(mb, name, t.to(self.device))
@@ -283,16 +311,22 @@ class MegatronActor:
         """
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
+        from megatron.core.packed_seq_params import PackedSeqParams
+
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
-            out = model(mb.tokens, mb.position_ids, None)
+            packed = None
+            if mb.cu_seqlens is not None:  # THD: TE attention on GPU, actor/attention.py on CPU
+                packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=mb.cu_seqlens, cu_seqlens_kv=mb.cu_seqlens,
+                                         max_seqlen_q=mb.max_seqlen, max_seqlen_kv=mb.max_seqlen)
+            out = model(mb.tokens, mb.position_ids, None, packed_seq_params=packed)
             return out, partial(loss_fn, mb, model)
 
         iters: Any = iter(mbs) if len(self.model) == 1 else [iter(mbs) for _ in self.model]
         return get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=iters,
             model=self.model if len(self.model) > 1 else self.model[0], num_microbatches=len(mbs),
-            seq_length=max(mb.tokens.shape[1] for mb in mbs), micro_batch_size=self.cfg.parallel.micro_batch_size,
+            seq_length=max(mb.tokens.shape[1] for mb in mbs), micro_batch_size=max(mb.tokens.shape[0] for mb in mbs),
             forward_only=forward_only)
 
     def _forward_logprobs(self, mbs: list[MicroBatch], with_entropy: bool) -> list[dict]:
@@ -304,17 +338,19 @@ class MegatronActor:
         with torch.no_grad():
             return self._run(mbs, loss_fn, forward_only=True)
 
-    def _gather_to_all(self, samples: list, shard_values: list[torch.Tensor], shard: range) -> torch.Tensor:
+    def _gather_to_all(self, samples: list, shard_values: list[torch.Tensor], order: list[int]) -> torch.Tensor:
         """Flat per-token values of all samples on every rank: one SUM all-reduce over the world.
 
-        Exactly one rank (last stage, TP rank 0) writes each value; all other entries are 0.
+        ``shard_values`` are this rank's micro-batch outputs, whose tokens belong to the samples
+        ``order`` (micro-batch order). Exactly one rank (last stage, TP rank 0) writes each
+        value; all other entries are 0.
         """
         lengths = [s.response_ids.shape[0] for s in samples]
         offsets = np.concatenate([[0], np.cumsum(lengths)])
         buf = torch.zeros(int(offsets[-1]), dtype=torch.float32, device=self.device)
-        if self.is_last_stage and self.tp_rank == 0 and len(shard):
-            lo, hi = int(offsets[shard.start]), int(offsets[shard.stop])
-            buf[lo:hi] = torch.cat(shard_values).float()
+        if self.is_last_stage and self.tp_rank == 0 and order:
+            where = torch.from_numpy(np.concatenate([np.arange(offsets[i], offsets[i + 1]) for i in order]))
+            buf[where.to(self.device)] = torch.cat(shard_values).float()
         dist.all_reduce(buf)
         return buf
 
@@ -329,11 +365,11 @@ class MegatronActor:
         samples = batch.samples
         if not samples:
             return ([], []) if with_entropy else []
-        shard = dp_shard(len(samples), self.dp_size, self.dp_rank)
-        mbs = self._microbatches(samples, shard)
+        mbs = self._microbatches(samples, self._shards(samples)[self.dp_rank])
         outs = self._forward_logprobs(mbs, with_entropy) if mbs else []
-        lp = self._gather_to_all(samples, [o["logp"] for o in outs], shard)
-        ent = self._gather_to_all(samples, [o["entropy"] for o in outs], shard) if with_entropy else None
+        order = [i for mb in mbs for i in mb.sample_index]
+        lp = self._gather_to_all(samples, [o["logp"] for o in outs], order)
+        ent = self._gather_to_all(samples, [o["entropy"] for o in outs], order) if with_entropy else None
         lengths = np.cumsum([0] + [s.response_ids.shape[0] for s in samples])
         split = lambda t: [t[lengths[i]:lengths[i + 1]].cpu().numpy() for i in range(len(samples))]  # noqa: E731
         return (split(lp), split(ent)) if with_entropy else split(lp)
@@ -360,8 +396,7 @@ class MegatronActor:
         denom = float(mini.num_response_tokens)  # global N (identical on all ranks: they hold the whole batch)
         if denom == 0:
             raise ValueError("the optimizer mini-batch has no response tokens with loss_mask=1")
-        shard = dp_shard(len(samples), self.dp_size, self.dp_rank)
-        mbs = self._microbatches(samples, shard)
+        mbs = self._microbatches(samples, self._shards(samples)[self.dp_rank])
 
         # 1. what the loss needs before the first backward (M2PO: the global mask)
         keeps, prepass_metrics = self._mask_prepass(mbs, spec, settings)

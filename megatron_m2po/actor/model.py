@@ -156,7 +156,8 @@ def build_transformer_config(cfg: Config, bridge=None):
 def _layer_spec(config, vp_stage=None):
     """The decoder spec of one model chunk: Transformer Engine's layer spec when importable, else
     Megatron's local spec with :class:`~megatron_m2po.actor.norm.SequenceParallelTorchNorm` for the
-    pre-norms and the final norm (Megatron's ``WrappedTorchNorm`` refuses sequence parallelism; see
+    pre-norms and the final norm and :class:`~megatron_m2po.actor.attention.PackedDotProductAttention`
+    as core attention (packed micro-batches) (Megatron's ``WrappedTorchNorm`` refuses sequence parallelism; see
     ``actor/norm.py``). The local case returns ``TransformerBlockSubmodules`` because the final norm
     is chosen by the block, not the layer spec (``transformer_block._get_block_submodules``)."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
@@ -165,12 +166,14 @@ def _layer_spec(config, vp_stage=None):
         return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
+    from megatron_m2po.actor.attention import PackedDotProductAttention
     from megatron_m2po.actor.norm import HeadTorchNorm, SequenceParallelTorchNorm
 
     layer = specs.get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization=config.normalization)
     layer.submodules.input_layernorm = SequenceParallelTorchNorm
     layer.submodules.pre_mlp_layernorm = SequenceParallelTorchNorm
     attn = layer.submodules.self_attention.submodules
+    attn.core_attention = PackedDotProductAttention  # packed (THD) micro-batches, actor/attention.py
     if config.qk_layernorm:
         attn.q_layernorm = attn.k_layernorm = HeadTorchNorm
     return TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config, vp_stage=vp_stage),
