@@ -1,7 +1,9 @@
 """MegatronActor: token log-probs and M2PO / baseline training steps on Megatron-Core.
 
-Every rank constructs the actor and receives the *same* global :class:`RolloutBatch`. The actor
-splits it into optimizer mini-batches (in order), each mini-batch into data-parallel shards
+Every rank constructs the actor. A training update gets one optimizer mini-batch: the same
+:class:`RolloutBatch` on every rank, or (what the trainer sends) a :class:`ShardedBatch`, the
+mini-batch's global :class:`BatchPlan` (sizes, loss-token counts, versions) plus the samples of
+this rank's data-parallel shard only. The actor splits each mini-batch into data-parallel shards
 balanced by work (``batch.balanced_shards``; contiguous with
 ``parallel.balance_data_parallel=false``) and each shard into micro-batches by count or token
 budget (``batch.group_microbatches``), packed (THD, ``PackedSeqParams``) or right-padded
@@ -24,7 +26,7 @@ One optimizer update (``_update``), docs/design.md §3:
 2. forward-backward over the micro-batches with the mask fixed (``_policy_loss``; metrics in
    ``_update_metrics``). The loss of a micro-batch is
    ``sum(...) / N`` with ``N`` the response-token count (``loss_mask``) of the whole mini-batch.
-   Every rank holds the global batch, so ``N`` is computed locally and equals the DP x CP
+   Every rank holds the global plan, so ``N`` is computed locally and equals the DP x CP
    all-reduce of the per-rank counts. Megatron is told ``calculate_per_token_loss`` (no division
    by micro-batch count, gradients *summed* over data parallel ranks) and its grad finaliser is
    called without a token count, so the gradient is exactly ``d/dθ [-(1/N) Σ M r A]`` over the
@@ -48,8 +50,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_m2po.actor.batch import (MicroBatch, RolloutBatch, balanced_shards, dp_shard, group_microbatches,
-                                       make_microbatches)
+from megatron_m2po.actor.batch import (BatchPlan, MicroBatch, RolloutBatch, ShardedBatch, balanced_shards, dp_shard,
+                                       group_microbatches, make_microbatches)
 from megatron_m2po.config import AlgoConfig, Config, ModelConfig, OptimConfig, ParallelConfig
 
 __all__ = ["ActorConfig", "MegatronActor", "init_parallel", "destroy_parallel"]
@@ -247,21 +249,28 @@ class MegatronActor:
 
     # ------------------------------------------------------------------------------ schedules
 
-    def _shards(self, samples: list) -> list[list[int]]:
-        """Indices of ``samples`` per data-parallel rank: balanced by work
+    def shards(self, plan: BatchPlan, uids: Optional[list[str]] = None) -> list[list[int]]:
+        """Mini-batch indices per data-parallel rank: balanced by work
         (``parallel.balance_data_parallel``, :func:`~megatron_m2po.actor.batch.balanced_shards`) or
-        contiguous. The same on every rank; no loss quantity depends on it (module docstring)."""
+        contiguous. A pure function of the plan, the same on every rank (and what the trainer uses
+        to send each rank its shard); no loss quantity depends on it (module docstring)."""
         limit = int(self.bridge.hf_config.max_position_embeddings)
-        for s in samples:
-            if s.length > limit:
-                raise ValueError(f"sample {s.uid!r} has {s.length} tokens (prompt {s.prompt_ids.shape[0]} + response "
-                                 f"{s.response_ids.shape[0]}), more than the model's max_position_embeddings={limit}; "
-                                 "lower rollout.max_response_len or the prompt length")
+        over = np.flatnonzero(plan.lengths > limit)
+        if over.size:
+            i = int(over[0])
+            name = repr(uids[i]) if uids else f"{i} of the mini-batch"
+            raise ValueError(f"sample {name} has {int(plan.lengths[i])} tokens (response "
+                             f"{int(plan.response_lengths[i])}), more than the model's max_position_embeddings={limit}; "
+                             "lower rollout.max_new_tokens or the prompt length")
         if self.cfg.parallel.balance_data_parallel:
-            return balanced_shards([s.length for s in samples], self.dp_size, int(self.bridge.hf_config.hidden_size))
-        return [list(dp_shard(len(samples), self.dp_size, r)) for r in range(self.dp_size)]
+            return balanced_shards(plan.lengths.tolist(), self.dp_size, int(self.bridge.hf_config.hidden_size))
+        return [list(dp_shard(len(plan), self.dp_size, r)) for r in range(self.dp_size)]
 
-    def _microbatches(self, samples: list, indices: list[int]) -> list[MicroBatch]:
+    def _shards(self, samples: list) -> list[list[int]]:
+        """:meth:`shards` of a list of samples (an over-long sample is named by its uid)."""
+        return self.shards(BatchPlan.of(samples), uids=[s.uid for s in samples])
+
+    def _microbatches(self, samples, indices: list[int], plan: Optional[BatchPlan] = None) -> list[MicroBatch]:
         """This rank's micro-batches of ``samples[i] for i in indices`` (packed or padded; by count
         or by token budget, ``parallel.max_tokens_per_microbatch``)."""
         p = self.cfg.parallel
@@ -270,7 +279,8 @@ class MegatronActor:
         # (packed: one pseudo-sequence at the end) and is never a predicting row, so it reaches no
         # log-prob, mask, loss or token count.
         pad = p.tensor_parallel if p.sequence_parallel else 1
-        groups = group_microbatches([s.length for s in samples], indices, micro_batch_size=p.micro_batch_size,
+        lengths = plan.lengths.tolist() if plan is not None else [s.length for s in samples]
+        groups = group_microbatches(lengths, indices, micro_batch_size=p.micro_batch_size,
                                     max_tokens=p.max_tokens_per_microbatch, packing=p.packing, pad_multiple=pad)
         if self.pp_size > 1:
             # Every stage of a replica computes the same plan from the same data; the schedule
@@ -278,7 +288,8 @@ class MegatronActor:
             n = torch.tensor([len(groups), -len(groups)], dtype=torch.int64, device=self.device)
             dist.all_reduce(n, op=dist.ReduceOp.MAX, group=self.pp_group)
             assert int(n[0]) == -int(n[1]) == len(groups), "pipeline stages disagree on the micro-batch count"
-        mbs = make_microbatches(samples, groups, pad_multiple=pad, packing=p.packing)
+        mbs = make_microbatches(samples, groups, pad_multiple=pad, packing=p.packing,
+                                response_lengths=None if plan is None else plan.response_lengths)
         for mb in mbs:
             for name in ("tokens", "position_ids", "row_pos", "row_seq", "targets", "behav_logprobs",
                          "advantages", "loss_mask", "engine_logprobs", "seq_index", "token_index", "cu_seqlens"):
@@ -379,24 +390,37 @@ class MegatronActor:
 
         Returns one metrics dict per update, reduced across ranks as each metric declares.
         """
+        return [self.train_update(mini) for mini in batch.split(num_minibatches)]
+
+    def train_update(self, mini: RolloutBatch | ShardedBatch) -> dict[str, float]:
+        """One optimizer update over one mini-batch: the whole of it (every rank the same
+        ``RolloutBatch``), or, as a :class:`ShardedBatch`, its global plan plus the samples of
+        this rank's data-parallel shard (``shards(plan)[dp_rank]``; the results are the same)."""
         for model in self.model:
             model.train()
-        return [self._update(mini) for mini in batch.split(num_minibatches)]
+        if isinstance(mini, ShardedBatch):
+            return self._update(mini.plan, mini.samples)
+        return self._update(BatchPlan.of(mini.samples), mini.samples)
 
-    def _update(self, mini: RolloutBatch) -> dict[str, float]:
-        """One optimizer update over the mini-batch ``mini`` (module docstring, steps 1-3)."""
+    def _update(self, plan: BatchPlan, samples) -> dict[str, float]:
+        """One optimizer update over the mini-batch of ``plan`` (module docstring, steps 1-3);
+        ``samples[i]`` holds at least this rank's shard."""
         from megatron_m2po.algo.losses import loss_settings, resolve_loss
 
         spec = resolve_loss(self.cfg.algo)
         settings = loss_settings(spec, self.cfg.algo)
-        samples = mini.samples
-        if len(samples) < self.dp_size:
-            raise ValueError(f"an optimizer mini-batch of {len(samples)} samples cannot be split over "
+        if len(plan) < self.dp_size:
+            raise ValueError(f"an optimizer mini-batch of {len(plan)} samples cannot be split over "
                              f"{self.dp_size} data-parallel ranks; use at least {self.dp_size} samples per update")
-        denom = float(mini.num_response_tokens)  # global N (identical on all ranks: they hold the whole batch)
+        denom = float(plan.num_response_tokens)  # global N (identical on all ranks: from the global plan)
         if denom == 0:
             raise ValueError("the optimizer mini-batch has no response tokens with loss_mask=1")
-        mbs = self._microbatches(samples, self._shards(samples)[self.dp_rank])
+        mine = self.shards(plan)[self.dp_rank]
+        missing = [i for i in mine if i not in samples] if isinstance(samples, dict) else []
+        if missing:
+            raise ValueError(f"data-parallel rank {self.dp_rank} was sent a shard without mini-batch samples "
+                             f"{missing[:5]}: send each rank actor.shards(plan)[its dp rank]")
+        mbs = self._microbatches(samples, mine, plan)
 
         # 1. what the loss needs before the first backward (M2PO: the global mask)
         keeps, prepass_metrics = self._mask_prepass(mbs, spec, settings)
@@ -417,7 +441,7 @@ class MegatronActor:
         if not ok:
             raise RuntimeError("the optimizer step was skipped (non-finite gradients)")
         self.version += 1
-        return self._update_metrics(mini, records, prepass_metrics, grad_norm)
+        return self._update_metrics(plan, records, prepass_metrics, grad_norm)
 
     def _mask_prepass(self, mbs: list[MicroBatch], spec, settings) -> tuple[list[Optional[torch.Tensor]], dict]:
         """Forward-only pre-pass at the current weights and the loss's global token mask, when the
@@ -478,7 +502,7 @@ class MegatronActor:
         records.append(metrics)
         return loss, torch.tensor(mb.num_tokens, dtype=torch.int), None
 
-    def _update_metrics(self, mini: RolloutBatch, records: list[dict], prepass_metrics: dict,
+    def _update_metrics(self, plan: BatchPlan, records: list[dict], prepass_metrics: dict,
                         grad_norm) -> dict[str, float]:
         """Metrics of one update: reduced on the last stage's DP x CP group as each record declares,
         then shared with the other pipeline stages."""
@@ -496,17 +520,19 @@ class MegatronActor:
         if grad_norm is not None:
             out["optim/grad_norm"] = float(grad_norm)
         out["optim/lr"] = float(self.optimizer.param_groups[0]["lr"])
-        out.update(self._staleness(mini, self.version - 1))
+        out.update(self._staleness(plan, self.version - 1))
         return out
 
     @staticmethod
-    def _staleness(mini: RolloutBatch, update: int) -> dict[str, float]:
-        v = np.concatenate([s.versions[s.loss_mask > 0] for s in mini.samples])
-        if v.size == 0:
+    def _staleness(plan: BatchPlan, update: int) -> dict[str, float]:
+        counts = plan.version_counts
+        if counts.sum() == 0:
             return {}
-        st = update - v
-        return {"staleness/mean": float(st.mean()), "staleness/max": float(st.max()),
-                "staleness/min": float(st.min())}
+        versions = plan.version_base + np.arange(counts.shape[0])
+        present = versions[counts > 0]
+        mean_version = float((versions * counts).sum()) / float(counts.sum())
+        return {"staleness/mean": float(update - mean_version), "staleness/max": float(update - present.min()),
+                "staleness/min": float(update - present.max())}
 
     # ------------------------------------------------------------------- weights / checkpoints
 

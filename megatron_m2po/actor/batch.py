@@ -1,9 +1,11 @@
 """What the trainer hands to the actor, and how the actor lays it out over ranks and micro-batches.
 
-Every rank receives the same global :class:`RolloutBatch`; the actor splits it into optimizer
-mini-batches in the given order, then over data-parallel ranks (:func:`balanced_shards`) and
-micro-batches (:func:`group_microbatches`, :func:`make_microbatches`) itself. Every result is a
-pure function of the mini-batch and the layout, identical on every rank, and no loss quantity
+The trainer splits a step's :class:`RolloutBatch` into optimizer mini-batches in order; every
+rank gets each mini-batch's :class:`BatchPlan` (a few numbers per sample) and the samples of its
+own data-parallel shard (:class:`ShardedBatch`). The actor assigns data-parallel shards
+(:func:`balanced_shards`) and micro-batches (:func:`group_microbatches`,
+:func:`make_microbatches`) from the plan alone. Every result is a pure function of the plan and
+the layout, identical on every rank, and no loss quantity
 depends on it: the loss denominator is the mini-batch's response-token count and the M2 mask is
 ordered by the canonical token index (sample order in the mini-batch, then position).
 """
@@ -83,6 +85,53 @@ class RolloutBatch:
     @property
     def num_response_tokens(self) -> int:
         return int(sum(int(s.loss_mask.sum()) for s in self.samples))
+
+
+@dataclass(slots=True)
+class BatchPlan:
+    """What every rank knows of one optimizer mini-batch: sizes and versions, not the tokens.
+
+    Enough to compute the data-parallel shards and micro-batch plans, the loss denominator,
+    the canonical token order and the staleness metrics on every rank, while each rank holds
+    the samples of its own shard only (:class:`ShardedBatch`). A few numbers per sample.
+
+    Attributes:
+        lengths: int64 [n], prompt + response tokens per sample.
+        response_lengths: int64 [n]. loss_tokens: int64 [n], ``loss_mask`` sums.
+        version_base: the smallest weight version of a loss token (0 when there is none).
+        version_counts: int64 [k], loss tokens per version ``version_base + j``.
+    """
+
+    lengths: np.ndarray
+    response_lengths: np.ndarray
+    loss_tokens: np.ndarray
+    version_base: int
+    version_counts: np.ndarray
+
+    @classmethod
+    def of(cls, samples: list[Sample]) -> "BatchPlan":
+        v = np.concatenate([s.versions[s.loss_mask > 0] for s in samples]) if samples else np.zeros(0, np.int64)
+        base = int(v.min()) if v.size else 0
+        return cls(lengths=np.array([s.length for s in samples], np.int64),
+                   response_lengths=np.array([s.response_ids.shape[0] for s in samples], np.int64),
+                   loss_tokens=np.array([int(s.loss_mask.sum()) for s in samples], np.int64),
+                   version_base=base, version_counts=np.bincount(v - base) if v.size else np.zeros(0, np.int64))
+
+    def __len__(self) -> int:
+        return int(self.lengths.shape[0])
+
+    @property
+    def num_response_tokens(self) -> int:
+        return int(self.loss_tokens.sum())
+
+
+@dataclass(slots=True)
+class ShardedBatch:
+    """One optimizer mini-batch as one data-parallel rank receives it: the global plan and the
+    samples of its shard (``samples[i]`` is mini-batch sample ``i``)."""
+
+    plan: BatchPlan
+    samples: dict[int, Sample]
 
 
 # --------------------------------------------------------------------------------------------
@@ -225,11 +274,17 @@ def _check_sample(s: Sample) -> None:
                          f"{s.response_ids.shape[0]} response tokens; both must be >= 1")
 
 
-def make_microbatches(samples: list[Sample], groups: list[list[int]], *, pad_multiple: int = 1,
-                      packing: bool = False) -> list[MicroBatch]:
-    """One :class:`MicroBatch` per group of indices into ``samples`` (see :func:`group_microbatches`),
-    packed or right-padded, with the length rounded up to ``pad_multiple``."""
-    offsets = np.concatenate([[0], np.cumsum([s.response_ids.shape[0] for s in samples])])
+def make_microbatches(samples, groups: list[list[int]], *, pad_multiple: int = 1, packing: bool = False,
+                      response_lengths=None) -> list[MicroBatch]:
+    """One :class:`MicroBatch` per group of mini-batch indices (see :func:`group_microbatches`),
+    packed or right-padded, with the length rounded up to ``pad_multiple``.
+
+    ``samples`` is the mini-batch's list of samples, or a mapping from index to sample holding
+    at least the grouped ones together with ``response_lengths`` of the whole mini-batch (for the
+    canonical token index)."""
+    if response_lengths is None:
+        response_lengths = [s.response_ids.shape[0] for s in samples]
+    offsets = np.concatenate([[0], np.cumsum(np.asarray(response_lengths, np.int64))])
     out = []
     for part in groups:
         for i in part:

@@ -355,3 +355,52 @@ def test_sequence_parallel_with_bf16_and_recompute(tmp_path):
         # bf16 keeps 8 mantissa bits: log-probs of a tiny model within 0.1 nat of fp32
         err = max(float(np.abs(a - b).max()) for a, b in zip(lp_bf16, lp_fp32))
         assert 0 < err < 0.1, err
+
+
+def _sharded_vs_whole(rank, world_size, root):
+    """Two updates from the whole mini-batches on every rank, then from their plans plus each
+    rank's own shard (``ShardedBatch``), starting from the same weights."""
+    from megatron_m2po.actor.actor import ActorConfig, MegatronActor
+    from megatron_m2po.actor.batch import BatchPlan, ShardedBatch
+
+    d = _hf_dir(root, "qwen2", seed=17)
+    cfg = lib.actor_config(d, mbs=2)
+    cfg.parallel.packing, cfg.parallel.max_tokens_per_microbatch = True, 40
+    cfg.algo.m2po.threshold = 0.02
+    out = []
+    for sharded in (False, True):
+        actor = MegatronActor.from_config(ActorConfig.from_config(cfg, total_updates=100))
+        batch = _stale_batch(actor, lib.make_samples(8, seed=18, version=0), noise=0.5)
+        actor.version = 2
+        minis = batch.split(2)
+        if not sharded:
+            metrics = [actor.train_update(m) for m in minis]
+            wrong = None
+        else:
+            plans = [BatchPlan.of(m.samples) for m in minis]
+            try:  # a rank sent someone else's shard is told so, before any collective
+                other = actor.shards(plans[0])[1 - actor.dp_rank]
+                actor.train_update(ShardedBatch(plans[0], {i: minis[0].samples[i] for i in other}))
+                wrong = "no error"
+            except ValueError as e:
+                wrong = str(e)
+            metrics = []
+            for m, plan in zip(minis, plans):
+                mine = actor.shards(plan)[actor.dp_rank]
+                metrics.append(actor.train_update(ShardedBatch(plan, {i: m.samples[i] for i in mine})))
+        weights = {k: v.numpy().copy() for k, v in actor.iter_hf_weights()}
+        actor.close()
+        out.append((metrics, weights, wrong))
+    return out
+
+
+def test_a_rank_needs_only_its_shard(tmp_path):
+    """DP=2: updates from (global plan + own shard) equal updates from the whole mini-batch on
+    every rank: metrics (staleness from the plan's version counts included) and weights."""
+    res = run_distributed(_sharded_vs_whole, 2, args=(str(tmp_path),), timeout_s=240)
+    for (m_whole, w_whole, _), (m_shard, w_shard, wrong) in res:
+        assert "was sent a shard without mini-batch samples" in wrong, wrong
+        assert m_whole == m_shard
+        assert m_whole[0]["staleness/mean"] == 2.0 and m_whole[1]["staleness/max"] == 3.0
+        for k in w_whole:
+            assert np.array_equal(w_whole[k], w_shard[k]), k
