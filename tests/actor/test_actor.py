@@ -1,5 +1,7 @@
-"""MegatronActor on CPU / gloo: log-probs vs HF, layout invariance of a train step, exact gradient
-scale vs an HF reference, on-policy sanity, every loss, checkpoint resume.
+"""MegatronActor on CPU / gloo: log-probs vs HF, layout invariance of a train step (TP / PP / DP,
+sequence parallel, packed and padded micro-batches, token budgets, balanced shards), SP with bf16
+and recompute, training from a plan and a shard, exact gradient scale vs an HF reference,
+on-policy sanity, every loss, checkpoint resume.
 
 Several layouts share one spawned job (each actor is built, used and closed in turn) to keep the
 suite small on a 2-core CI machine.
