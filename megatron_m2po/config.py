@@ -102,9 +102,19 @@ class ParallelConfig:
     context_parallel: int = _f(1, ge=1, help="Context parallel size (only 1 for now: the actor does not split "
                                "sequences across CP ranks yet).")
     virtual_pipeline_parallel: Optional[int] = _f(None, ge=1, help="Interleaved pipeline chunks per rank.")
-    sequence_parallel: bool = _f(False, help="Megatron sequence parallelism (needs TP > 1 and TE/apex norms on GPU).")
+    sequence_parallel: bool = _f(False, help="Megatron sequence parallelism (needs TP > 1; micro-batch "
+                                 "lengths are padded to a multiple of TP).")
     use_distributed_optimizer: bool = _f(False, help="Shard optimizer states over data-parallel ranks (ZeRO-1).")
-    micro_batch_size: int = _f(1, ge=1, help="Sequences per micro-batch.")
+    micro_batch_size: int = _f(1, ge=1, help="Sequences per micro-batch (when max_tokens_per_microbatch is not set).")
+    packing: bool = _f(False, help="Concatenate the sequences of a micro-batch without padding (Megatron's THD "
+                       "packed-sequence path: Transformer Engine attention on GPU, a per-sequence causal mask on CPU).")
+    max_tokens_per_microbatch: Optional[int] = _f(None, ge=1, help="Token budget of a micro-batch: sequences are "
+                                                  "grouped (longest first) while their rows (packed: the sum of lengths; "
+                                                  "padded: sequences x longest) fit; a longer sequence gets its own "
+                                                  "micro-batch. Unset = micro_batch_size sequences per micro-batch.")
+    balance_data_parallel: bool = _f(True, help="Assign each update's sequences to data-parallel ranks so that their "
+                                     "work (tokens and attention's quadratic term) is near-equal; false = contiguous "
+                                     "shards. Results are identical either way.")
     recompute: Literal["none", "selective", "full"] = _f("none", help="Activation recomputation.")
     backend: Literal["auto", "nccl", "gloo"] = _f("auto", help="torch.distributed backend; auto = nccl with CUDA, gloo without.")
     logprob_chunk_rows: int = _f(2048, ge=1, help="Rows per chunk of the fused vocab-parallel log-prob.")

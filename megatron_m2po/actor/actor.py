@@ -1,9 +1,13 @@
 """MegatronActor: token log-probs and M2PO / baseline training steps on Megatron-Core.
 
-Every rank constructs the actor and receives the *same* global :class:`RolloutBatch`. The actor
-splits it into optimizer mini-batches (in order), each mini-batch into contiguous data-parallel
-shards (``batch.dp_shard``) and each shard into right-padded micro-batches
-(``batch.make_microbatches``: padding, not packing — see ``MicroBatch``). Pipeline stages run
+Every rank constructs the actor. A training update gets one optimizer mini-batch: the same
+:class:`RolloutBatch` on every rank, or (what the trainer sends) a :class:`ShardedBatch`, the
+mini-batch's global :class:`BatchPlan` (sizes, loss-token counts, versions) plus the samples of
+this rank's data-parallel shard only. The actor splits each mini-batch into data-parallel shards
+balanced by work (``batch.balanced_shards``; contiguous with
+``parallel.balance_data_parallel=false``) and each shard into micro-batches by count or token
+budget (``batch.group_microbatches``), packed (THD, ``PackedSeqParams``) or right-padded
+(``batch.make_microbatches``, ``MicroBatch``). None of these choices changes a result. Pipeline stages run
 Megatron's own schedules (``get_forward_backward_func``); the last stage turns final hidden
 states of *response rows only* into log-probs with the vocab-parallel fused kernel
 (``parallel/logprobs.py``), so ``[tokens, vocab]`` logits never exist.
@@ -22,7 +26,7 @@ One optimizer update (``_update``), docs/design.md §3:
 2. forward-backward over the micro-batches with the mask fixed (``_policy_loss``; metrics in
    ``_update_metrics``). The loss of a micro-batch is
    ``sum(...) / N`` with ``N`` the response-token count (``loss_mask``) of the whole mini-batch.
-   Every rank holds the global batch, so ``N`` is computed locally and equals the DP x CP
+   Every rank holds the global plan, so ``N`` is computed locally and equals the DP x CP
    all-reduce of the per-rank counts. Megatron is told ``calculate_per_token_loss`` (no division
    by micro-batch count, gradients *summed* over data parallel ranks) and its grad finaliser is
    called without a token count, so the gradient is exactly ``d/dθ [-(1/N) Σ M r A]`` over the
@@ -46,7 +50,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_m2po.actor.batch import MicroBatch, RolloutBatch, dp_shard, make_microbatches
+from megatron_m2po.actor.batch import (BatchPlan, MicroBatch, RolloutBatch, ShardedBatch, balanced_shards, dp_shard,
+                                       group_microbatches, make_microbatches)
 from megatron_m2po.config import AlgoConfig, Config, ModelConfig, OptimConfig, ParallelConfig
 
 __all__ = ["ActorConfig", "MegatronActor", "init_parallel", "destroy_parallel"]
@@ -248,11 +253,50 @@ class MegatronActor:
 
     # ------------------------------------------------------------------------------ schedules
 
-    def _microbatches(self, samples: list, indices) -> list[MicroBatch]:
-        mbs = make_microbatches(samples, indices, self.cfg.parallel.micro_batch_size)
+    def shards(self, plan: BatchPlan, uids: Optional[list[str]] = None) -> list[list[int]]:
+        """Mini-batch indices per data-parallel rank: balanced by work
+        (``parallel.balance_data_parallel``, :func:`~megatron_m2po.actor.batch.balanced_shards`) or
+        contiguous. A pure function of the plan, the same on every rank (and what the trainer uses
+        to send each rank its shard); no loss quantity depends on it (module docstring)."""
+        limit = int(self.bridge.hf_config.max_position_embeddings)
+        over = np.flatnonzero(plan.lengths > limit)
+        if over.size:
+            i = int(over[0])
+            name = repr(uids[i]) if uids else f"{i} of the mini-batch"
+            raise ValueError(f"sample {name} has {int(plan.lengths[i])} tokens (response "
+                             f"{int(plan.response_lengths[i])}), more than the model's max_position_embeddings={limit}; "
+                             "lower rollout.max_new_tokens or the prompt length")
+        if self.cfg.parallel.balance_data_parallel:
+            return balanced_shards(plan.lengths.tolist(), self.dp_size, int(self.bridge.hf_config.hidden_size))
+        return [list(dp_shard(len(plan), self.dp_size, r)) for r in range(self.dp_size)]
+
+    def _shards(self, samples: list) -> list[list[int]]:
+        """:meth:`shards` of a list of samples (an over-long sample is named by its uid)."""
+        return self.shards(BatchPlan.of(samples), uids=[s.uid for s in samples])
+
+    def _microbatches(self, samples, indices: list[int], plan: Optional[BatchPlan] = None) -> list[MicroBatch]:
+        """This rank's micro-batches of ``samples[i] for i in indices`` (packed or padded; by count
+        or by token budget, ``parallel.max_tokens_per_microbatch``)."""
+        p = self.cfg.parallel
+        # Sequence parallelism scatters the sequence dimension over TP ranks (Megatron asserts it
+        # divides evenly): pad rows to a multiple of TP. Padding sits right of every sequence
+        # (packed: one pseudo-sequence at the end) and is never a predicting row, so it reaches no
+        # log-prob, mask, loss or token count.
+        pad = p.tensor_parallel if p.sequence_parallel else 1
+        lengths = plan.lengths.tolist() if plan is not None else [s.length for s in samples]
+        groups = group_microbatches(lengths, indices, micro_batch_size=p.micro_batch_size,
+                                    max_tokens=p.max_tokens_per_microbatch, packing=p.packing, pad_multiple=pad)
+        if self.pp_size > 1:
+            # Every stage of a replica computes the same plan from the same data; the schedule
+            # deadlocks if they ever disagree, so check it (one tiny collective per pass).
+            n = torch.tensor([len(groups), -len(groups)], dtype=torch.int64, device=self.device)
+            dist.all_reduce(n, op=dist.ReduceOp.MAX, group=self.pp_group)
+            assert int(n[0]) == -int(n[1]) == len(groups), "pipeline stages disagree on the micro-batch count"
+        mbs = make_microbatches(samples, groups, pad_multiple=pad, packing=p.packing,
+                                response_lengths=None if plan is None else plan.response_lengths)
         for mb in mbs:
             for name in ("tokens", "position_ids", "row_pos", "row_seq", "targets", "behav_logprobs",
-                         "advantages", "loss_mask", "engine_logprobs", "seq_index", "token_index"):
+                         "advantages", "loss_mask", "engine_logprobs", "seq_index", "token_index", "cu_seqlens"):
                 t = getattr(mb, name)
                 if t is not None:
                     setattr(mb, name, t.to(self.device))
@@ -282,16 +326,22 @@ class MegatronActor:
         """
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
+        from megatron.core.packed_seq_params import PackedSeqParams
+
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
-            out = model(mb.tokens, mb.position_ids, None)
+            packed = None
+            if mb.cu_seqlens is not None:  # THD: TE attention on GPU, actor/attention.py on CPU
+                packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=mb.cu_seqlens, cu_seqlens_kv=mb.cu_seqlens,
+                                         max_seqlen_q=mb.max_seqlen, max_seqlen_kv=mb.max_seqlen)
+            out = model(mb.tokens, mb.position_ids, None, packed_seq_params=packed)
             return out, partial(loss_fn, mb, model)
 
         iters: Any = iter(mbs) if len(self.model) == 1 else [iter(mbs) for _ in self.model]
         return get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=iters,
             model=self.model if len(self.model) > 1 else self.model[0], num_microbatches=len(mbs),
-            seq_length=max(mb.tokens.shape[1] for mb in mbs), micro_batch_size=self.cfg.parallel.micro_batch_size,
+            seq_length=max(mb.tokens.shape[1] for mb in mbs), micro_batch_size=max(mb.tokens.shape[0] for mb in mbs),
             forward_only=forward_only)
 
     def _forward_logprobs(self, mbs: list[MicroBatch], with_entropy: bool) -> list[dict]:
@@ -303,17 +353,19 @@ class MegatronActor:
         with torch.no_grad():
             return self._run(mbs, loss_fn, forward_only=True)
 
-    def _gather_to_all(self, samples: list, shard_values: list[torch.Tensor], shard: range) -> torch.Tensor:
+    def _gather_to_all(self, samples: list, shard_values: list[torch.Tensor], order: list[int]) -> torch.Tensor:
         """Flat per-token values of all samples on every rank: one SUM all-reduce over the world.
 
-        Exactly one rank (last stage, TP rank 0) writes each value; all other entries are 0.
+        ``shard_values`` are this rank's micro-batch outputs, whose tokens belong to the samples
+        ``order`` (micro-batch order). Exactly one rank (last stage, TP rank 0) writes each
+        value; all other entries are 0.
         """
         lengths = [s.response_ids.shape[0] for s in samples]
         offsets = np.concatenate([[0], np.cumsum(lengths)])
         buf = torch.zeros(int(offsets[-1]), dtype=torch.float32, device=self.device)
-        if self.is_last_stage and self.tp_rank == 0 and len(shard):
-            lo, hi = int(offsets[shard.start]), int(offsets[shard.stop])
-            buf[lo:hi] = torch.cat(shard_values).float()
+        if self.is_last_stage and self.tp_rank == 0 and order:
+            where = torch.from_numpy(np.concatenate([np.arange(offsets[i], offsets[i + 1]) for i in order]))
+            buf[where.to(self.device)] = torch.cat(shard_values).float()
         dist.all_reduce(buf)
         return buf
 
@@ -328,11 +380,11 @@ class MegatronActor:
         samples = batch.samples
         if not samples:
             return ([], []) if with_entropy else []
-        shard = dp_shard(len(samples), self.dp_size, self.dp_rank)
-        mbs = self._microbatches(samples, shard)
+        mbs = self._microbatches(samples, self._shards(samples)[self.dp_rank])
         outs = self._forward_logprobs(mbs, with_entropy) if mbs else []
-        lp = self._gather_to_all(samples, [o["logp"] for o in outs], shard)
-        ent = self._gather_to_all(samples, [o["entropy"] for o in outs], shard) if with_entropy else None
+        order = [i for mb in mbs for i in mb.sample_index]
+        lp = self._gather_to_all(samples, [o["logp"] for o in outs], order)
+        ent = self._gather_to_all(samples, [o["entropy"] for o in outs], order) if with_entropy else None
         lengths = np.cumsum([0] + [s.response_ids.shape[0] for s in samples])
         split = lambda t: [t[lengths[i]:lengths[i + 1]].cpu().numpy() for i in range(len(samples))]  # noqa: E731
         return (split(lp), split(ent)) if with_entropy else split(lp)
@@ -342,25 +394,37 @@ class MegatronActor:
 
         Returns one metrics dict per update, reduced across ranks as each metric declares.
         """
+        return [self.train_update(mini) for mini in batch.split(num_minibatches)]
+
+    def train_update(self, mini: RolloutBatch | ShardedBatch) -> dict[str, float]:
+        """One optimizer update over one mini-batch: the whole of it (every rank the same
+        ``RolloutBatch``), or, as a :class:`ShardedBatch`, its global plan plus the samples of
+        this rank's data-parallel shard (``shards(plan)[dp_rank]``; the results are the same)."""
         for model in self.model:
             model.train()
-        return [self._update(mini) for mini in batch.split(num_minibatches)]
+        if isinstance(mini, ShardedBatch):
+            return self._update(mini.plan, mini.samples)
+        return self._update(BatchPlan.of(mini.samples), mini.samples)
 
-    def _update(self, mini: RolloutBatch) -> dict[str, float]:
-        """One optimizer update over the mini-batch ``mini`` (module docstring, steps 1-3)."""
+    def _update(self, plan: BatchPlan, samples) -> dict[str, float]:
+        """One optimizer update over the mini-batch of ``plan`` (module docstring, steps 1-3);
+        ``samples[i]`` holds at least this rank's shard."""
         from megatron_m2po.algo.losses import loss_settings, resolve_loss
 
         spec = resolve_loss(self.cfg.algo)
         settings = loss_settings(spec, self.cfg.algo)
-        samples = mini.samples
-        if len(samples) < self.dp_size:
-            raise ValueError(f"an optimizer mini-batch of {len(samples)} samples cannot be split over "
+        if len(plan) < self.dp_size:
+            raise ValueError(f"an optimizer mini-batch of {len(plan)} samples cannot be split over "
                              f"{self.dp_size} data-parallel ranks; use at least {self.dp_size} samples per update")
-        denom = float(mini.num_response_tokens)  # global N (identical on all ranks: they hold the whole batch)
+        denom = float(plan.num_response_tokens)  # global N (identical on all ranks: from the global plan)
         if denom == 0:
             raise ValueError("the optimizer mini-batch has no response tokens with loss_mask=1")
-        shard = dp_shard(len(samples), self.dp_size, self.dp_rank)
-        mbs = self._microbatches(samples, shard)
+        mine = self.shards(plan)[self.dp_rank]
+        missing = [i for i in mine if i not in samples] if isinstance(samples, dict) else []
+        if missing:
+            raise ValueError(f"data-parallel rank {self.dp_rank} was sent a shard without mini-batch samples "
+                             f"{missing[:5]}: send each rank actor.shards(plan)[its dp rank]")
+        mbs = self._microbatches(samples, mine, plan)
 
         # 1. what the loss needs before the first backward (M2PO: the global mask)
         keeps, prepass_metrics = self._mask_prepass(mbs, spec, settings)
@@ -381,7 +445,7 @@ class MegatronActor:
         if not ok:
             raise RuntimeError("the optimizer step was skipped (non-finite gradients)")
         self.version += 1
-        return self._update_metrics(mini, records, prepass_metrics, grad_norm)
+        return self._update_metrics(plan, records, prepass_metrics, grad_norm)
 
     def _mask_prepass(self, mbs: list[MicroBatch], spec, settings) -> tuple[list[Optional[torch.Tensor]], dict]:
         """Forward-only pre-pass at the current weights and the loss's global token mask, when the
@@ -444,7 +508,7 @@ class MegatronActor:
         records.append(metrics)
         return loss, torch.tensor(mb.num_tokens, dtype=torch.int), None
 
-    def _update_metrics(self, mini: RolloutBatch, records: list[dict], prepass_metrics: dict,
+    def _update_metrics(self, plan: BatchPlan, records: list[dict], prepass_metrics: dict,
                         grad_norm) -> dict[str, float]:
         """Metrics of one update: reduced on the last stage's DP x CP group as each record declares,
         then shared with the other pipeline stages."""
@@ -462,17 +526,19 @@ class MegatronActor:
         if grad_norm is not None:
             out["optim/grad_norm"] = float(grad_norm)
         out["optim/lr"] = float(self.optimizer.param_groups[0]["lr"])
-        out.update(self._staleness(mini, self.version - 1))
+        out.update(self._staleness(plan, self.version - 1))
         return out
 
     @staticmethod
-    def _staleness(mini: RolloutBatch, update: int) -> dict[str, float]:
-        v = np.concatenate([s.versions[s.loss_mask > 0] for s in mini.samples])
-        if v.size == 0:
+    def _staleness(plan: BatchPlan, update: int) -> dict[str, float]:
+        counts = plan.version_counts
+        if counts.sum() == 0:
             return {}
-        st = update - v
-        return {"staleness/mean": float(st.mean()), "staleness/max": float(st.max()),
-                "staleness/min": float(st.min())}
+        versions = plan.version_base + np.arange(counts.shape[0])
+        present = versions[counts > 0]
+        mean_version = float((versions * counts).sum()) / float(counts.sum())
+        return {"staleness/mean": float(update - mean_version), "staleness/max": float(update - present.min()),
+                "staleness/min": float(update - present.max())}
 
     # ------------------------------------------------------------------- weights / checkpoints
 

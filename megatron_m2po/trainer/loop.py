@@ -2,8 +2,9 @@
 
 Every rank runs :class:`Trainer`; global rank 0 also owns the rollout side (:class:`_Lead`: the
 :class:`~megatron_m2po.trainer.driver.RolloutDriver`, metric logging, progress). The driver issues
-no collectives: it returns data, and the loop shares it with every rank (:meth:`Trainer._from_rank0`)
-and runs the actor's collectives (log-prob recompute, weight gathers, checkpoints) on all of them.
+no collectives: it returns data, and the loop shares it with every rank (:meth:`Trainer._from_rank0`;
+a step's rollouts are scattered: each rank receives its data-parallel shard and the mini-batches'
+plans, :meth:`Trainer._fetch_step`) and runs the actor's collectives (log-prob recompute, weight gathers, checkpoints) on all of them.
 The trainer creates the process group and destroys it when the run ends, however it ends.
 
 Modes (docs/design.md §3):
@@ -36,11 +37,11 @@ import numpy as np
 import torch.distributed as dist
 
 from megatron_m2po.actor.actor import ActorConfig, MegatronActor, destroy_parallel, init_parallel
-from megatron_m2po.actor.batch import RolloutBatch
+from megatron_m2po.actor.batch import BatchPlan, RolloutBatch, ShardedBatch
 from megatron_m2po.actor.checkpoint import latest_checkpoint
 from megatron_m2po.config import Config, config_to_dict, dump_config
 from megatron_m2po.trainer.batching import groups_to_batch, rollout_metrics, trajectory_to_sample
-from megatron_m2po.trainer.rank0 import any_rank, check_shared_run_dir, from_rank0
+from megatron_m2po.trainer.rank0 import any_rank, check_shared_run_dir, from_rank0, scatter_from_rank0
 from megatron_m2po.trainer.schedule import events_at, generation_version
 from megatron_m2po.trainer.token_dump import TokenDump
 from megatron_m2po.utils.hf_dir import resolve_model_path
@@ -114,6 +115,10 @@ class Trainer:
                 ActorConfig.from_config(cfg, total_updates=cfg.trainer.num_steps * self.U))
             self.ckpt_dir = cfg.resolved_path(cfg.checkpoint.dir, "checkpoints")
             self.token_dump = TokenDump(cfg, self.actor, self.run_dir) if cfg.logging.dump_tokens_every else None
+            # the data-parallel rank of every global rank: rank 0 sends each rank its shard only
+            self._dp_of = [self.actor.dp_rank] * dist.get_world_size()
+            if dist.get_world_size() > 1:
+                dist.all_gather_object(self._dp_of, self.actor.dp_rank)
             if self.rank == 0:
                 self.lead = _Lead(cfg, self.model_path)
                 self.driver = self.lead.driver
@@ -242,20 +247,30 @@ class Trainer:
             return self.driver.take_async(step, u)
         return self.driver.take_step(step, u, generation_version(step, self.U, self.k))
 
-    def _fetch_step(self, step: int) -> tuple[Any, Any, dict]:
-        """Rank 0 leases the step's groups; every rank gets the batch (and the lease on rank 0)."""
+    def _fetch_step(self, step: int) -> tuple[list[ShardedBatch], Any, dict]:
+        """Rank 0 leases the step's groups and splits them into optimizer mini-batches; every rank
+        receives, per mini-batch, the global plan (sizes and versions) and the samples of its own
+        data-parallel shard only (``actor.shards``), not the whole step. Returns those, the lease
+        (rank 0) and the rollout metrics."""
         leased: dict[str, Any] = {}
 
         def lease() -> list:
             groups, leased["lease"] = self._lease(step)
-            return groups
+            meta = rollout_metrics(groups, correct_reward=self.cfg.reward.correct)
+            batch = groups_to_batch(groups, advantage=self.cfg.algo.advantage, adv_eps=self.cfg.algo.adv_eps,
+                                    use_recomputed=self.cfg.algo.recompute_behav_logprobs)
+            minis = []
+            for mini in batch.split(self.U):
+                plan = BatchPlan.of(mini.samples)
+                minis.append((plan, mini.samples, self.actor.shards(plan, uids=[s.uid for s in mini.samples])))
+            if self.token_dump is not None and self.token_dump.wants(step):
+                leased["full"] = [RolloutBatch(samples) for _, samples, _ in minis]
+            return [(meta, [ShardedBatch(plan, {i: samples[i] for i in shards[dp]}) for plan, samples, shards in minis])
+                    for dp in self._dp_of]
 
-        groups = self._from_rank0(lease, what=f"the rollouts of step {step}")
-        lease = leased.get("lease")
-        meta = rollout_metrics(groups, correct_reward=self.cfg.reward.correct)
-        batch = groups_to_batch(groups, advantage=self.cfg.algo.advantage, adv_eps=self.cfg.algo.adv_eps,
-                                use_recomputed=self.cfg.algo.recompute_behav_logprobs)
-        return batch, lease, meta
+        meta, minibatches = scatter_from_rank0(lease, what=f"the rollouts of step {step}")
+        self._full_minibatches = leased.get("full")  # rank 0 only: the whole mini-batches (token dumps)
+        return minibatches, leased.get("lease"), meta
 
     def _train_step(self, step: int) -> tuple[dict[str, float], list[dict[str, float]]]:
         t0 = time.perf_counter()
@@ -263,10 +278,9 @@ class Trainer:
         mode = self.cfg.trainer.mode
         if mode != "async":
             extra.update(self._generation_events(self.actor.version))
-        batch, lease, rollout = self._fetch_step(step)
-        minibatches = batch.split(self.U)
+        minibatches, lease, rollout = self._fetch_step(step)
         per_update = []
-        ages = []
+        ages, age_counts = [], []
         dump = self.token_dump if self.token_dump is not None and self.token_dump.wants(step) else None
         if dump:
             dump.begin(step)
@@ -274,13 +288,16 @@ class Trainer:
         for j, mb in enumerate(minibatches):
             if j > 0 and mode != "async":
                 extra.update(self._generation_events(self.actor.version))
-            ages += [self.actor.version - s.versions[s.loss_mask > 0] for s in mb.samples]
+            counts = mb.plan.version_counts
+            present = counts > 0
+            ages.append(self.actor.version - (mb.plan.version_base + np.arange(counts.shape[0]))[present])
+            age_counts.append(counts[present])
             update = self.actor.version
-            m = self.actor.train_step(mb, 1)[0]
+            m = self.actor.train_update(mb)
             per_update.append(m)
-            if dump:
-                dump.end_update(mb, update, first_sample)
-            first_sample += len(mb.samples)
+            if dump:  # rank 0 assembles the dump from the whole mini-batch it leased
+                dump.end_update(self._full_minibatches[j] if self.lead else None, update, first_sample)
+            first_sample += len(mb.plan.lengths)
             if mode == "async" and self.actor.version % self.cfg.trainer.sync_every_updates == 0:
                 extra["sync/weight_s"] = extra.get("sync/weight_s", 0.0) + self._push_weights()
         if dump:
@@ -295,11 +312,12 @@ class Trainer:
                 metrics[key] = fn(m[key] for m in per_update)
         ages = np.concatenate(ages) if ages else np.zeros(0, np.int64)
         if ages.size:
-            metrics["staleness/hist"] = np.bincount(ages).tolist()
+            hist = np.bincount(ages, weights=np.concatenate(age_counts))
+            metrics["staleness/hist"] = [int(c) for c in hist]
         metrics.update(extra)
         if rollout:
             metrics.update(rollout)
-        n_tokens = sum(s.length for s in batch.samples)
+        n_tokens = sum(int(mb.plan.lengths.sum()) for mb in minibatches)
         metrics["perf/step_s"] = step_s
         metrics["perf/tokens_per_s"] = n_tokens / step_s
         metrics["train/version"] = float(self.actor.version)

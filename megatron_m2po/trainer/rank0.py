@@ -56,12 +56,10 @@ def _wait_key(store: Any, key: str, what: str, poll_s: float, log_every_s: float
             log.info("still waiting for rank 0: %s (%.0f min so far)", what, (now - t0) / 60)
 
 
-def from_rank0(fn: Callable[[], T], *, what: str = "rank 0's result", poll_s: float = POLL_S,
-               log_every_s: float = LOG_EVERY_S) -> T:
-    """``fn()`` evaluated on global rank 0 only; every rank returns its (picklable) result."""
-    rank, world = _world()
-    if world == 1:
-        return fn()
+def _wait_for_rank0(fn: Callable[[], T], what: str, poll_s: float, log_every_s: float) -> Optional[T]:
+    """``fn()`` on rank 0 (announced on the launcher's store); other ranks wait for the
+    announcement and get None. Every rank then enters the same collective."""
+    rank, _ = _world()
     key = f"m2po/from_rank0/{next(_calls)}"
     store = dist.distributed_c10d._get_default_store()
     if rank == 0:
@@ -71,13 +69,41 @@ def from_rank0(fn: Callable[[], T], *, what: str = "rank 0's result", poll_s: fl
             store.set(key, _ERROR + f"{type(e).__name__}: {e}".encode(errors="replace")[:4000])
             raise
         store.set(key, b"ok")
-    else:
-        status = _wait_key(store, key, what, poll_s, log_every_s)
-        if status.startswith(_ERROR):
-            raise RuntimeError(f"rank 0 failed while producing {what}: {status[len(_ERROR):].decode()}")
-        out = None
-    box = [out]
+        return out
+    status = _wait_key(store, key, what, poll_s, log_every_s)
+    if status.startswith(_ERROR):
+        raise RuntimeError(f"rank 0 failed while producing {what}: {status[len(_ERROR):].decode()}")
+    return None
+
+
+def from_rank0(fn: Callable[[], T], *, what: str = "rank 0's result", poll_s: float = POLL_S,
+               log_every_s: float = LOG_EVERY_S) -> T:
+    """``fn()`` evaluated on global rank 0 only; every rank returns its (picklable) result."""
+    if _world()[1] == 1:
+        return fn()
+    box = [_wait_for_rank0(fn, what, poll_s, log_every_s)]
     dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def scatter_from_rank0(fn: Callable[[], list[T]], *, what: str = "rank 0's result", poll_s: float = POLL_S,
+                       log_every_s: float = LOG_EVERY_S) -> T:
+    """``fn()`` evaluated on global rank 0 only, returning one (picklable) object per global rank;
+    rank ``r`` returns element ``r`` and receives nothing else (a scatter, not a broadcast)."""
+    rank, world = _world()
+    if world == 1:
+        return fn()[0]
+
+    def checked() -> list[T]:
+        parts = fn()
+        if not isinstance(parts, list) or len(parts) != world:
+            raise AssertionError(f"scatter_from_rank0 needs a list of one object per rank ({world}), "
+                                 f"got {type(parts).__name__}")
+        return parts
+
+    parts = _wait_for_rank0(checked, what, poll_s, log_every_s)
+    box: list[Any] = [None]
+    dist.scatter_object_list(box, parts if rank == 0 else None, src=0)
     return box[0]
 
 

@@ -51,6 +51,29 @@ def test_rank0_failure_reaches_the_other_ranks():
     assert out[1] == "RuntimeError: rank 0 failed while producing the rollouts of step 3: ValueError: the store is full"
 
 
+def _scatter(rank, world_size):
+    from megatron_m2po.trainer import rank0
+
+    def work():
+        time.sleep(3 * PG_TIMEOUT_S)  # outlasting the collective timeout, as in the broadcast test
+        return [{"rank": r, "shard": list(range(r * 3, r * 3 + 3))} for r in range(world_size)]
+
+    got = rank0.scatter_from_rank0(work, what="the shards", poll_s=0.5, log_every_s=1.0)
+    try:
+        rank0.scatter_from_rank0(lambda: ["only one"], what="a short list", poll_s=0.5)
+        bad = "no error"
+    except Exception as e:  # noqa: BLE001 - the test inspects what each rank raised
+        bad = f"{type(e).__name__}: {e}"
+    return got, bad
+
+
+@pytest.mark.multiproc
+def test_scatter_sends_each_rank_its_part_only():
+    out = run_distributed(_scatter, world_size=2, pg_timeout_s=PG_TIMEOUT_S, timeout_s=120)
+    assert [o[0] for o in out] == [{"rank": 0, "shard": [0, 1, 2]}, {"rank": 1, "shard": [3, 4, 5]}]
+    assert "one object per rank (2)" in out[0][1] and "rank 0 failed" in out[1][1], out
+
+
 def _run_dir_per_node(rank, world_size, root, run_dir):
     """Each simulated node starts in its own working directory (nothing shared but ``root``)."""
     import os
