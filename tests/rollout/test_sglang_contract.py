@@ -210,9 +210,13 @@ def test_worker_generate_fields_exist_in_sglang(sgl):
     for fn in ast.walk(tree):  # the per-request keys read through a loop over a tuple of names
         if isinstance(fn, ast.For) and isinstance(fn.iter, ast.Tuple):
             read |= {_const(e.elts[0]) for e in fn.iter.elts if isinstance(e, ast.Tuple) and _const(e.elts[0])}
-    fields = _class_fields(sgl)["GenerateReqInput"]
-    generate_read = read - {"mode", "model_path", "weight_version", "abort_all_requests", "flush_cache",
-                            "group_name", "forward_sleep_time", "new_version", "abort_all"}
+    classes = _class_fields(sgl)
+    fields = classes["GenerateReqInput"]
+    weights_by_name = {"name", "truncate_size"}  # /get_weights_by_name's request
+    assert weights_by_name <= classes["GetWeightsByNameReqInput"]
+    generate_read = read - weights_by_name - {"mode", "model_path", "weight_version", "abort_all_requests",
+                                              "flush_cache", "group_name", "forward_sleep_time", "new_version",
+                                              "abort_all"}
     assert {"input_ids", "text", "sampling_params", "rid", "stream", "return_logprob", "logprob_start_len",
             "custom_logit_processor", "return_text_in_logprobs"} <= generate_read
     assert generate_read - fields == set(), sorted(generate_read - fields)
