@@ -23,6 +23,12 @@ from megatron_m2po.trainer.token_dump import TokenDump, grpo_clipped, m2po_maske
 REPO = Path(__file__).resolve().parents[1]
 
 
+def _microbatches(samples, indices, size: int):
+    """Micro-batches of ``size`` consecutive samples of ``indices`` (the padded layout)."""
+    idx = list(indices)
+    return make_microbatches(samples, [idx[k:k + size] for k in range(0, len(idx), size)])
+
+
 def test_grpo_clipped_matches_the_ppo_objective_by_hand():
     eps = 0.2
     # (log r, A) -> clipped?  r > 1 + eps with A > 0, r < 1 - eps with A < 0 take the clipped branch
@@ -87,7 +93,7 @@ def test_dump_assembles_micro_batches_across_ranks_and_writes_the_step(tmp_path)
     expect_logp, first = [], 0
     minis = [RolloutBatch(_samples(rng, 5, version=10)), RolloutBatch(_samples(rng, 4, version=10))]
     for j, mini in enumerate(minis):
-        mbs = make_microbatches(mini.samples, range(len(mini.samples)), 2)
+        mbs = _microbatches(mini.samples, range(len(mini.samples)), 2)
         n = sum(s.response_ids.shape[0] for s in mini.samples)
         logp = -rng.random(n).astype(np.float32)
         ent = rng.random(n).astype(np.float32)
@@ -125,7 +131,7 @@ def test_dump_size_is_bounded_by_a_seeded_subset(tmp_path):
         dump.begin(0)
         mini = RolloutBatch(_samples(np.random.default_rng(3), 6, version=0))
         n = sum(s.response_ids.shape[0] for s in mini.samples)
-        for mb in make_microbatches(mini.samples, range(6), 64):
+        for mb in _microbatches(mini.samples, range(6), 64):
             actor.token_hook(mb, torch.from_numpy(-rng.random(n).astype(np.float32)),
                              torch.zeros(n), torch.ones(n, dtype=torch.bool))
         dump.end_update(mini, 0, 0)
@@ -209,7 +215,7 @@ def _dp_dump_worker(rank, world, payload):
     dump.begin(0)
     first = 0
     for j, (mini, (logp, ent)) in enumerate(zip(minis, values)):
-        for mb in make_microbatches(mini.samples, dp_shard(len(mini.samples), world, rank), 2):
+        for mb in _microbatches(mini.samples, dp_shard(len(mini.samples), world, rank), 2):
             idx = mb.token_index.numpy()
             actor.token_hook(mb, torch.from_numpy(logp[idx]), torch.from_numpy(ent[idx]), None)
         dump.end_update(mini, 4 + j, first)
