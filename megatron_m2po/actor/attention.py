@@ -10,12 +10,11 @@ Megatron-Core 0.16.1's local ``DotProductAttention`` asserts ``packed_seq_params
 (``megatron/core/transformer/dot_product_attention.py``); everything around it (the THD
 reshapes in ``Attention.forward``, RoPE per sequence, the output reshape to ``[t, 1, h]``) is
 Megatron's own code and runs on CPU. :class:`PackedDotProductAttention` fills that one gap: with
-THD input it runs the parent's arithmetic on each sequence of the pack separately (a batch row
-of the sequence's length with the parent's causal mask), which is what TE's ``padding_causal``
-THD kernels compute: token ``i`` attends to ``j`` iff both lie in the same sequence and
-``j <= i``, and no work is spent on pairs of different sequences. Without packed parameters it
-is the parent unchanged. So the actor runs one packed code path on both platforms; only the
-attention kernel differs. :func:`block_causal_mask` states the same rule as one mask (tests).
+THD input it runs the parent's arithmetic on the packed tokens as one batch row of length
+``t`` with a block-diagonal causal mask (token ``i`` attends to ``j`` iff both lie in the same
+sequence and ``j <= i``), which is what TE's ``padding_causal`` THD kernels compute. Without
+packed parameters it is the parent unchanged. So the actor runs one packed code path on both
+platforms; only the attention kernel differs.
 """
 
 from __future__ import annotations
@@ -51,12 +50,7 @@ class PackedDotProductAttention(DotProductAttention):
             raise ValueError(f"packed sequences in format {packed_seq_params.qkv_format!r}: only 'thd' is supported")
         if not torch.equal(packed_seq_params.cu_seqlens_q, packed_seq_params.cu_seqlens_kv):
             raise ValueError("packed self-attention needs cu_seqlens_q == cu_seqlens_kv")
-        if attention_bias is not None:
-            raise ValueError("packed sequences with an attention bias are not supported on the local spec")
-        bounds = packed_seq_params.cu_seqlens_q.tolist()
-        outs = []
-        for a, b in zip(bounds[:-1], bounds[1:]):
-            if b > a:  # each sequence alone, with the parent's causal mask (mask None: built for its length)
-                outs.append(super().forward(query[a:b].unsqueeze(1), key[a:b].unsqueeze(1), value[a:b].unsqueeze(1),
-                                            None, attn_mask_type=attn_mask_type).squeeze(1))  # [s, 1, h] -> [s, h]
-        return torch.cat(outs, dim=0)
+        mask = block_causal_mask(packed_seq_params.cu_seqlens_q)
+        out = super().forward(query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1), mask,
+                              attn_mask_type=attn_mask_type, attention_bias=attention_bias)
+        return out.squeeze(1)  # [t, 1, h] -> [t, h]
