@@ -177,7 +177,10 @@ class RolloutDriver:
         # The trainer is at ``version`` already: record it first, so tokens an engine samples
         # with the new weights while the push is still returning validate against it.
         self.store.set_version(version)
-        # The fleet's current URLs: a replaced engine (e.g. a new Ray actor) may have moved.
+        # The fleet's current URLs: a replaced engine (e.g. a new Ray actor) may have moved, and a
+        # router-discovered fleet is re-read from the router (engines that joined get this push).
+        if self.fleet is not None:
+            self.fleet.refresh()
         self.weight_sync.push(weights, version, engine_urls=self.engine_urls)
         self.engine_version = version
         return time.perf_counter() - t0
