@@ -15,7 +15,7 @@ running sglang-router lists (``GET /workers``; sglang-router 0.3.2 has no ``/lis
 A router-discovered fleet is re-read by :meth:`EngineFleet.refresh` before every weight push:
 engines that joined the router since are validated the same way and get the push, engines it no
 longer lists (or lists as unhealthy) are dropped. ``rollout.engine == "sglang"`` launches
-``python -m sglang.launch_server``; ``"cpu_worker"`` launches ``megatron_m2po.rollout.cpu_worker``.
+``$SGLANG_PYTHON -m sglang.launch_server`` (SGLang's own venv; this interpreter when unset); ``"cpu_worker"`` launches ``megatron_m2po.rollout.cpu_worker``.
 Each engine logs to ``<run_dir>/engines/engine_<i>.log``; a failed start raises with the
 log's last lines. The router (sglang-router 0.3.2) is started with no workers and workers are
 added with ``POST /workers``; a restarted engine is removed from the router first and added back
@@ -39,7 +39,7 @@ from megatron_m2po.config import RolloutConfig
 from megatron_m2po.rollout.client import EngineError, SGLangClient
 from megatron_m2po.rollout.sglang_version import check_sglang_version
 from megatron_m2po.rollout.launcher import (EngineHandle, EngineSpec, FleetError, Launcher, LocalHandle,
-                                            LocalLauncher)
+                                            LocalLauncher, sglang_python)
 from megatron_m2po.utils.net import free_port
 
 log = logging.getLogger("m2po.engines")
@@ -248,7 +248,7 @@ class EngineFleet:
                    "--dist-timeout-s", str(cfg.weight_sync_timeout_s)]
             env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
         else:
-            cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", self.model_path,
+            cmd = [sglang_python(), "-m", "sglang.launch_server", "--model-path", self.model_path,
                    "--tp-size", str(cfg.engine_tp), "--mem-fraction-static", str(cfg.engine_mem_fraction),
                    "--host", cfg.host, "--port", str(port), "--weight-version", self.weight_version]
             gpus = (cfg.engine_gpu_ids[i * cfg.engine_tp:(i + 1) * cfg.engine_tp] if cfg.engine_gpu_ids
