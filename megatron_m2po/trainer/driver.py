@@ -222,6 +222,16 @@ class RolloutDriver:
         ctx.positions = positions
         return ctx, todo, positions
 
+    def missing_steps(self, steps: list[int]) -> list[int]:
+        """Those of ``steps`` whose groups the store does not hold completely (never generated)."""
+        n = self.cfg.trainer.prompts_per_step
+        out = []
+        for step in steps:
+            gids = [f"s{step:06d}-g{i:05d}" for i in range(n)]
+            if len(self.store.existing_group_ids(gids)) < n:
+                out.append(step)
+        return out
+
     def generate_for_step(self, step: int, *, background: bool = True) -> concurrent.futures.Future:
         """Generate and store the step's missing groups (in the background unless ``background=False``)."""
         plan = self._plan_step(step)
