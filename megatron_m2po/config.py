@@ -102,7 +102,8 @@ class ParallelConfig:
     context_parallel: int = _f(1, ge=1, help="Context parallel size (only 1 for now: the actor does not split "
                                "sequences across CP ranks yet).")
     virtual_pipeline_parallel: Optional[int] = _f(None, ge=1, help="Interleaved pipeline chunks per rank.")
-    sequence_parallel: bool = _f(False, help="Megatron sequence parallelism (needs TP > 1 and TE/apex norms on GPU).")
+    sequence_parallel: bool = _f(False, help="Megatron sequence parallelism (needs TP > 1; micro-batch "
+                                 "lengths are padded to a multiple of TP).")
     use_distributed_optimizer: bool = _f(False, help="Shard optimizer states over data-parallel ranks (ZeRO-1).")
     micro_batch_size: int = _f(1, ge=1, help="Sequences per micro-batch.")
     recompute: Literal["none", "selective", "full"] = _f("none", help="Activation recomputation.")

@@ -245,7 +245,12 @@ class MegatronActor:
     # ------------------------------------------------------------------------------ schedules
 
     def _microbatches(self, samples: list, indices) -> list[MicroBatch]:
-        mbs = make_microbatches(samples, indices, self.cfg.parallel.micro_batch_size)
+        # Sequence parallelism scatters the sequence dimension over TP ranks (Megatron asserts it
+        # divides evenly): pad rows to a multiple of TP. Padding sits right of every sequence and
+        # is never a predicting row, so it reaches no log-prob, mask, loss or token count.
+        p = self.cfg.parallel
+        pad = p.tensor_parallel if p.sequence_parallel else 1
+        mbs = make_microbatches(samples, indices, p.micro_batch_size, pad_multiple=pad)
         for mb in mbs:
             for name in ("tokens", "position_ids", "row_pos", "row_seq", "targets", "behav_logprobs",
                          "advantages", "loss_mask", "engine_logprobs", "seq_index", "token_index"):

@@ -153,12 +153,28 @@ def build_transformer_config(cfg: Config, bridge=None):
     return bridge.config
 
 
-def _layer_spec(config):
+def _layer_spec(config, vp_stage=None):
+    """The decoder spec of one model chunk: Transformer Engine's layer spec when importable, else
+    Megatron's local spec with :class:`~megatron_m2po.actor.norm.SequenceParallelTorchNorm` for the
+    pre-norms and the final norm (Megatron's ``WrappedTorchNorm`` refuses sequence parallelism; see
+    ``actor/norm.py``). The local case returns ``TransformerBlockSubmodules`` because the final norm
+    is chosen by the block, not the layer spec (``transformer_block._get_block_submodules``)."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
     if have_transformer_engine():
         return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
-    return specs.get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization=config.normalization)
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+    from megatron_m2po.actor.norm import HeadTorchNorm, SequenceParallelTorchNorm
+
+    layer = specs.get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization=config.normalization)
+    layer.submodules.input_layernorm = SequenceParallelTorchNorm
+    layer.submodules.pre_mlp_layernorm = SequenceParallelTorchNorm
+    attn = layer.submodules.self_attention.submodules
+    if config.qk_layernorm:
+        attn.q_layernorm = attn.k_layernorm = HeadTorchNorm
+    return TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config, vp_stage=vp_stage),
+                                      layer_norm=SequenceParallelTorchNorm)
 
 
 def _hidden_gpt_model_class():
@@ -198,7 +214,6 @@ def build_model(cfg: Config, *, load_weights: bool = True, bridge=None):
     if rope.get("rope_type") == "llama3":
         rope_kwargs = dict(rope_scaling=True, rope_scaling_factor=float(rope.get("factor", 8.0)))
     cls = _hidden_gpt_model_class()
-    spec = _layer_spec(config)
     vpp = ps.get_virtual_pipeline_model_parallel_world_size()
     stages = list(range(vpp)) if vpp and ps.get_pipeline_model_parallel_world_size() > 1 else [None]
     chunks = []
@@ -206,7 +221,7 @@ def build_model(cfg: Config, *, load_weights: bool = True, bridge=None):
         kw = {} if vp is None else {"vp_stage": vp}
         pre = ps.is_pipeline_first_stage(ignore_virtual=vp is None, **kw)
         post = ps.is_pipeline_last_stage(ignore_virtual=vp is None, **kw)
-        model = cls(config=config, transformer_layer_spec=spec, vocab_size=hf.vocab_size,
+        model = cls(config=config, transformer_layer_spec=_layer_spec(config, vp), vocab_size=hf.vocab_size,
                     max_sequence_length=hf.max_position_embeddings, pre_process=pre, post_process=post,
                     share_embeddings_and_output_weights=bool(getattr(hf, "tie_word_embeddings", False)),
                     position_embedding_type="rope", rotary_base=hf.rope_theta, **rope_kwargs, **kw)

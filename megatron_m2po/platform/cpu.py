@@ -37,6 +37,14 @@ What :func:`enable` changes, and why:
    ``Tensor.type(dtype)`` keeps its conversion behaviour.
 6. ``torch.cuda.Stream`` / ``Event`` / ``current_stream`` / ``stream`` / ``nvtx`` ranges ->
    small CPU stand-ins that do nothing (there is one synchronous CPU stream).
+7. The autograd engine does not carry torch-function modes into backward
+   (``torch._C._len_torch_function_stack()`` is 0 inside ``Function.backward``), so change 4
+   would not apply to the allocations Megatron makes in backward: the sequence-parallel
+   gather of ``_ReduceScatterToSequenceParallelRegion.backward`` (``tensor_parallel/mappings.py``,
+   ``torch.empty(..., device=torch.cuda.current_device())``) and the forward that full
+   recomputation re-runs in ``CheckpointFunction.backward`` (``tensor_parallel/random.py``).
+   ``BackwardCFunction.apply`` (``torch/autograd/function.py``, the entry point of every custom
+   Function's backward) is wrapped to re-enter the mode when it is not already active.
 
 Nothing else in the package special-cases the CPU beyond choosing gloo, the local layer spec
 and turning fused kernels off (see ``actor/model.py``).
@@ -208,6 +216,19 @@ def enable() -> None:
     _MODE.__enter__()
     from torch.autograd.function import BackwardCFunction
     BackwardCFunction.apply = _backward_under_mode(BackwardCFunction.apply)
+
+    # 7. the same rewriting inside custom autograd Functions' backward
+    from torch.autograd import function as autograd_function
+
+    backward_apply = autograd_function.BackwardCFunction.apply
+
+    def apply_with_mode(self, *args):
+        if _MODE in torch.overrides._get_current_function_mode_stack():
+            return backward_apply(self, *args)
+        with _MODE:
+            return backward_apply(self, *args)
+
+    autograd_function.BackwardCFunction.apply = apply_with_mode
 
     # 2 (Megatron side): its own copies of the CUDA RNG accessors
     try:

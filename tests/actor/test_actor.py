@@ -80,43 +80,79 @@ def _gathered_mask(actor):
     return out
 
 
+def _norm_grads(actor):
+    """{name: gradient} of the norm weights (replicated over TP), one dict per TP rank of this
+    model replica (pipeline-parallel layouts: {}, their local layer names differ per stage)."""
+    if actor.pp_size > 1:
+        return [{}]
+    grads = {}
+    for chunk in actor.model:
+        for name, p in chunk.named_parameters():
+            if "layernorm" in name and getattr(p, "main_grad", None) is not None:
+                grads[name] = p.main_grad.detach().clone().numpy()
+    objs = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(objs, (actor.dp_rank, grads))
+    return [g for dp, g in objs if dp == actor.dp_rank]
+
+
 def _train_layouts(rank, world_size, root, layouts):
     from megatron_m2po.actor.actor import ActorConfig, MegatronActor
 
-    d = _hf_dir(root, "qwen2", seed=4)
+    d = _hf_dir(root, "qwen3", seed=4)
     res = []
-    for tp, pp, mbs, dist_opt in layouts:
+    for tp, pp, mbs, dist_opt, sp in layouts:
         cfg = lib.actor_config(d, tp=tp, pp=pp, mbs=mbs, dist_opt=dist_opt)
+        cfg.parallel.sequence_parallel = sp
         cfg.algo.m2po.threshold = 0.02
         actor = MegatronActor.from_config(ActorConfig.from_config(cfg, total_updates=100))
         batch = _stale_batch(actor, lib.make_samples(8, seed=5), noise=0.5)
+        logps = [lp.copy() for lp in actor.compute_logprobs(batch)]
         metrics = actor.train_step(batch, num_minibatches=2)
         mask = _gathered_mask(actor)
+        grads = _norm_grads(actor) if not dist_opt else [{}]
         weights = {k: v.numpy().copy() for k, v in actor.iter_hf_weights()}
         actor.close()
-        res.append(((tp, pp, mbs, dist_opt), metrics, mask, weights))
+        res.append(((tp, pp, mbs, dist_opt, sp), logps, metrics, mask, grads, weights))
     return res
 
 
 def test_train_step_layout_invariance(tmp_path):
-    """Same data and initial weights: identical M2 mask, metrics and updated weights for
-    (TP, PP, DP) = (1,1,1) x micro-batch 1 and 3, (2,1,1), (1,2,1), (1,1,2) (+ distributed optimizer)."""
-    single = run_distributed(_train_layouts, 1, args=(str(tmp_path), [(1, 1, 1, False), (1, 1, 3, False)]),
-                             timeout_s=180)[0]
-    double = run_distributed(_train_layouts, 2, args=(str(tmp_path), [(2, 1, 2, False), (1, 2, 2, False),
-                                                                     (1, 1, 2, False), (1, 1, 3, True)]),
-                             timeout_s=240)[0]
-    (_, m0, mask0, w0), *others = single + double
+    """Same data and initial weights: identical log-probs, M2 mask, metrics, gradients of the
+    replicated norm weights and updated weights for (TP, PP, DP) = (1,1,1) x micro-batch 1 and 3,
+    (2,1,1) with and without sequence parallelism, (1,2,1), (1,1,2) (+ distributed optimizer).
+
+    The model is Qwen3-shaped (q / k norms as well as the pre-norms and the final norm). With
+    sequence parallelism each TP rank sees half of every sequence, so the norm weights'
+    gradients are partial sums that ``finalize_model_grads`` must add over TP: the test compares
+    them on every TP rank with the TP=1 gradients (a missing reduction gives each rank its own
+    partial value; Adam's scale invariance would hide it in the weights after one step).
+    Sequence lengths are odd and even, so SP pads micro-batches to a multiple of TP."""
+    single = run_distributed(_train_layouts, 1, args=(str(tmp_path), [(1, 1, 1, False, False),
+                                                                     (1, 1, 3, False, False)]), timeout_s=180)[0]
+    double = run_distributed(_train_layouts, 2, args=(str(tmp_path), [(2, 1, 2, False, False), (2, 1, 3, False, True),
+                                                                     (1, 2, 2, False, False), (1, 1, 2, False, False),
+                                                                     (1, 1, 3, True, False)]),
+                             timeout_s=300)[0]
+    (_, lp0, m0, mask0, g0, w0), *others = single + double
     assert len(m0) == 2 and m0[0]["m2po/mask_frac"] > 0, m0  # the test data does mask tokens
     assert sum(not k for k in mask0.values()) > 0
-    for layout, m, mask, w in others:
+    assert any(s.length % 2 for s in lib.make_samples(8, seed=5)), "some sequence must need SP padding"
+    (g0,) = g0
+    assert any("q_layernorm" in k for k in g0) and any("final_layernorm" in k for k in g0), sorted(g0)
+    for layout, lp, m, mask, grads, w in others:
+        for a, b in zip(lp, lp0):
+            np.testing.assert_allclose(a, b, rtol=0, atol=1e-5, err_msg=str(layout))
         assert mask == mask0, layout
         for u in range(2):
             for key in ("m2po/mask_frac", "m2po/m2_before", "m2po/m2_after", "loss/policy", "policy/kl_k3",
                         "policy/entropy", "optim/grad_norm"):
                 assert m[u][key] == pytest.approx(m0[u][key], rel=1e-5, abs=1e-7), (layout, u, key)
+        for g in grads:  # every TP rank of the replica
+            assert not g or set(g) == set(g0), layout
+            for name in g:
+                np.testing.assert_allclose(g[name], g0[name], rtol=1e-4, atol=1e-6, err_msg=f"{layout} {name}")
         for name in w0:
-            np.testing.assert_allclose(w[name], w0[name], rtol=0, atol=2e-5, err_msg=f"{layout} {name}")
+            np.testing.assert_allclose(w[name], w0[name], rtol=0, atol=5e-5, err_msg=f"{layout} {name}")
 
 
 def _grad_scale_and_onpolicy(rank, world_size, root):
@@ -250,3 +286,44 @@ def test_checkpoint_resume_gives_identical_next_step(tmp_path, world_size, dist_
         assert extra == {"cursor": 17, "note": "x"} and version == 2
         assert same and same_metrics and exp_same
         assert listing == ["latest", "step_1"]
+
+
+def _sp_precision_recompute(rank, world_size, root, variants):
+    from megatron_m2po.actor.actor import ActorConfig, MegatronActor
+
+    d = _hf_dir(root, "qwen3", seed=15)
+    out = []
+    for dtype, recompute in variants:
+        cfg = lib.actor_config(d, tp=2, mbs=2)
+        cfg.parallel.sequence_parallel = True
+        cfg.parallel.recompute = recompute
+        cfg.model.dtype = dtype
+        actor = MegatronActor.from_config(ActorConfig.from_config(cfg, total_updates=100))
+        samples = lib.make_samples(4, seed=16)
+        batch = _stale_batch(actor, samples, noise=0.3)
+        before = {k: v.float().clone() for k, v in actor.iter_hf_weights()}
+        m = actor.train_step(batch, 1)[0]
+        after = {k: v.float() for k, v in actor.iter_hf_weights()}
+        out.append((dtype, recompute, m, max(float((after[k] - before[k]).abs().max()) for k in before),
+                    [s.behav_logprobs for s in samples]))
+        actor.close()
+    return out
+
+
+def test_sequence_parallel_with_bf16_and_recompute(tmp_path):
+    """TP=2 with sequence parallelism runs one update in bf16 with selective recompute and in fp32
+    with full recompute: finite metrics, weights move; full recompute gives the metrics and
+    gradient norm of the same update without recompute (it re-runs the same fp32 arithmetic),
+    and bf16 log-probs stay near the fp32 ones."""
+    res = run_distributed(_sp_precision_recompute, 2, args=(str(tmp_path), [
+        ("bfloat16", "selective"), ("float32", "full"), ("float32", "none")]), timeout_s=240)
+    for rank_res in res:
+        for dtype, recompute, m, moved, _ in rank_res:
+            assert all(np.isfinite(v) for v in m.values()), (dtype, recompute, m)
+            assert moved > 0, (dtype, recompute)
+        (_, _, _, _, lp_bf16), (_, _, m_full, _, lp_fp32), (_, _, m_none, _, _) = rank_res
+        for key in ("loss/policy", "optim/grad_norm", "policy/entropy", "m2po/m2_before"):
+            assert m_full[key] == pytest.approx(m_none[key], rel=1e-6, abs=1e-9), key
+        # bf16 keeps 8 mantissa bits: log-probs of a tiny model within 0.1 nat of fp32
+        err = max(float(np.abs(a - b).max()) for a, b in zip(lp_bf16, lp_fp32))
+        assert 0 < err < 0.1, err
