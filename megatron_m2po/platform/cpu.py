@@ -26,11 +26,7 @@ What :func:`enable` changes, and why:
    ``device=`` argument that names CUDA (``"cuda"``, ``"cuda:N"``, ``torch.device("cuda")``,
    or a bare int index) to ``"cpu"`` and drops ``pin_memory=True``, on every torch function
    and tensor method (factories, ``Tensor.to``, ``Tensor.new_*``). Positional device
-   arguments of ``Tensor.to`` are rewritten too. ``torch.autograd.backward`` is itself a torch
-   function, so the mode is off while it runs (a mode is popped during its own handler): the
-   engine's calls into Python ``Function.backward`` push it again, because activation
-   recomputation (Megatron's ``CheckpointFunction``, ``parallel.recompute=full`` / ``selective``)
-   rebuilds the layer there and creates tensors on ``"cuda"`` (e.g. the causal mask).
+   arguments of ``Tensor.to`` are rewritten too.
 5. ``Tensor.type()`` without arguments reports ``torch.cuda.FloatTensor`` (and the Half /
    BFloat16 / other names) for CPU tensors: Megatron's optimizer and grad clipping assert
    these names (``param.grad.type() == 'torch.cuda.FloatTensor'``). With an argument,
@@ -102,18 +98,6 @@ class _CpuDeviceMode(TorchFunctionMode):
         if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
             args = (args[0], "cpu", *args[2:])
         return func(*args, **kwargs)
-
-
-def _backward_under_mode(orig):
-    """``BackwardCFunction.apply`` (the autograd engine's call into a Python ``Function.backward``)
-    with the mode pushed again when it is not on the stack (change 4)."""
-    def apply(self, *args):
-        if _MODE is None or _MODE in torch.overrides._get_current_function_mode_stack():
-            return orig(self, *args)
-        with _MODE:
-            return orig(self, *args)
-
-    return apply
 
 
 class _NullStream:
@@ -214,8 +198,6 @@ def enable() -> None:
     # 4. device-argument rewriting, for the rest of the process
     _MODE = _CpuDeviceMode()
     _MODE.__enter__()
-    from torch.autograd.function import BackwardCFunction
-    BackwardCFunction.apply = _backward_under_mode(BackwardCFunction.apply)
 
     # 7. the same rewriting inside custom autograd Functions' backward
     from torch.autograd import function as autograd_function

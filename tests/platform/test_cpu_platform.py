@@ -49,29 +49,6 @@ def test_torch_level_redirections():
     assert out["type_conv"] and out["rng_restore"] and out["rng_seed"] and out["mem"] == 0
 
 
-def _recompute_in_backward(rank, world_size):
-    from megatron_m2po.platform import cpu
-
-    cpu.enable()
-    from torch.utils.checkpoint import checkpoint
-
-    def layer(x):  # like Megatron's causal mask: a tensor created on "cuda" in the recomputed forward
-        return (x * torch.ones(x.shape, device="cuda")).tanh().sum()
-
-    out = []
-    for backward in (torch.autograd.backward, torch.Tensor.backward):  # reentrant checkpoints refuse .grad()
-        x = torch.randn(3, requires_grad=True)
-        backward(checkpoint(layer, x, use_reentrant=True))
-        out.append(str(x.grad.device))
-    return out
-
-
-def test_tensors_created_in_backward_recompute_land_on_the_cpu():
-    """Full / selective activation recompute runs the layer again inside backward."""
-    (out,) = run_distributed(_recompute_in_backward, 1, timeout_s=60)
-    assert out == ["cpu", "cpu"]
-
-
 def _refuses_on_cuda(rank, world_size):
     from megatron_m2po.platform import cpu
 
