@@ -16,6 +16,8 @@
 # an SGLang server, this package) instead, on no GPU (GPUS is ignored; NUM_ENGINES defaults to 1,
 # ENGINE_TP must be 1): the CPU rehearsal of a recipe (run_*.sh --rehearse) uses it.
 # PROMETHEUS_PORT (the router's default): the router's metrics port.
+# Engines start at --weight-version 0 (the base model; SGLang's own default tag, "default", is no
+# version the trainer can count from).
 # Arguments after the options are appended to every engine command line. --dry-run prints the
 # commands and checks the GPU/port arithmetic without starting anything.
 set -euo pipefail
@@ -74,11 +76,11 @@ for ((i = 0; i < NUM_ENGINES; i++)); do
   port=$((BASE_PORT + i))
   if [ "$ENGINE" = cpu_worker ]; then
     engine_cmds+=("OMP_NUM_THREADS=1 $(printf '%q ' "$PYTHON" -m megatron_m2po.rollout.cpu_worker \
-      --model-path "$MODEL_PATH" --host "$HOST" --port "$port" ${extra[@]+"${extra[@]}"})")
+      --model-path "$MODEL_PATH" --host "$HOST" --port "$port" --weight-version 0 ${extra[@]+"${extra[@]}"})")
   else
     engine_cmds+=("CUDA_VISIBLE_DEVICES=$ids $(printf '%q ' "$ENGINE_PYTHON" -m sglang.launch_server \
       --model-path "$MODEL_PATH" --tp-size "$ENGINE_TP" --host "$HOST" --port "$port" \
-      --mem-fraction-static "$MEM_FRACTION" ${extra[@]+"${extra[@]}"})")
+      --mem-fraction-static "$MEM_FRACTION" --weight-version 0 ${extra[@]+"${extra[@]}"})")
   fi
   urls+=("http://$ADVERTISE_HOST:$port")
 done

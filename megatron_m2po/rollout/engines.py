@@ -318,6 +318,12 @@ class EngineFleet:
                 info = _run(_get_json(e.url + "/model_info"))
                 if not info.get("is_generation", True):
                     problems.append(f"{e.url}: serves a non-generation model ({info.get('model_path')})")
+                wv = str(info.get("weight_version", "0"))
+                if not wv.isdigit():
+                    # SGLang 0.5.23 tags weights "default" unless --weight-version is given
+                    # (srt/arg_groups/fields/serving.py); token versions must be integers for the store.
+                    problems.append(f"{e.url}: reports weight version {wv!r}, not an integer: start it with "
+                                    "--weight-version 0 (scripts/launch_sglang_fleet.sh does)")
                 check_sglang_version(e.url, _run(_get_json(e.url + "/server_info")))
             except (aiohttp.ClientError, EngineError, asyncio.TimeoutError, ValueError) as ex:
                 problems.append(f"{e.url}: {type(ex).__name__}: {ex}")

@@ -16,6 +16,7 @@ from megatron_m2po.config import RolloutConfig
 from megatron_m2po.rollout.client import SGLangClient
 from megatron_m2po.rollout.engines import EngineFleet, FleetError
 from megatron_m2po.rollout.launcher import EngineSpec, LocalLauncher
+from megatron_m2po.rollout.sglang_version import SUPPORTED_SGLANG
 from megatron_m2po.rollout.weight_sync import DiskWeightSync, DistributedWeightSync
 from megatron_m2po.utils.net import free_port
 from waiting import wait_until
@@ -149,8 +150,12 @@ def test_discovered_engines_are_refit_and_joiners_picked_up_at_the_next_push(env
     assert call(a, "health") and call(b, "health")  # stopping a discovered fleet leaves the engines
 
 
-def test_engine_of_another_version_joining_the_router_is_refused_by_name(env, tiny_model_dir):
-    """A worker the router accepts but whose /server_info names another SGLang is refused."""
+@pytest.mark.parametrize("sglang, weight_version, why", [
+    ("0.5.6", "0", "'0.5.6'"),
+    (SUPPORTED_SGLANG, "default", "weight version 'default', not an integer")])
+def test_engine_joining_the_router_is_validated_by_name(env, tiny_model_dir, sglang, weight_version, why):
+    """A worker the router accepts but whose /server_info names another SGLang, or that was started
+    without --weight-version (SGLang's tag is then "default"), is refused by name."""
     from aiohttp import web
     import threading
 
@@ -159,10 +164,10 @@ def test_engine_of_another_version_joining_the_router_is_refused_by_name(env, ti
         return web.Response(status=200)
 
     async def model_info(_):
-        return web.json_response({"is_generation": True, "weight_version": "0"})
+        return web.json_response({"is_generation": True, "weight_version": weight_version})
 
     async def server_info(_):
-        return web.json_response({"version": "0.5.6"})
+        return web.json_response({"version": sglang})
 
     fake = web.Application()
     fake.router.add_get("/health", health)
@@ -183,7 +188,7 @@ def test_engine_of_another_version_joining_the_router_is_refused_by_name(env, ti
         register(router, url)
         with pytest.raises(FleetError) as e:
             fleet.refresh()
-        assert url in str(e.value) and "'0.5.6'" in str(e.value) and router in str(e.value)
+        assert url in str(e.value) and why in str(e.value) and router in str(e.value)
         unregister(router, url)
     finally:
         asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
