@@ -403,7 +403,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--steps", type=int, default=8, help="total steps (default 8)")
     ap.add_argument("--kill-after", type=int, default=4, help="checkpoint after this step, then SIGKILL node 1")
     ap.add_argument("--timeout", type=float, default=900.0, help="bound on each phase, seconds")
-    a = ap.parse_args(argv)
+    a = ap.parse_intermixed_args(argv)
     if not 0 < a.kill_after < a.steps:
         ap.error(f"--kill-after={a.kill_after} must be between 0 and --steps={a.steps}")
     config = Path(a.config).resolve()
