@@ -12,6 +12,12 @@
 # ADVERTISE_HOST (`hostname -f`: how the router and trainer reach the engines), MEM_FRACTION (0.85,
 # SGLang --mem-fraction-static), EXTRA_WORKER_URLS (""), LOG_DIR (./sglang_logs), PYTHON (python3, runs the router),
 # ENGINE_PYTHON ($SGLANG_PYTHON, else PYTHON: runs the engines).
+# ENGINE (sglang): cpu_worker starts `PYTHON -m megatron_m2po.rollout.cpu_worker` (the CPU emulation of
+# an SGLang server, this package) instead, on no GPU (GPUS is ignored; NUM_ENGINES defaults to 1,
+# ENGINE_TP must be 1): the CPU rehearsal of a recipe (run_*.sh --rehearse) uses it.
+# PROMETHEUS_PORT (the router's default): the router's metrics port.
+# Engines start at --weight-version 0 (the base model; SGLang's own default tag, "default", is no
+# version the trainer can count from).
 # Arguments after the options are appended to every engine command line. --dry-run prints the
 # commands and checks the GPU/port arithmetic without starting anything.
 set -euo pipefail
@@ -26,6 +32,16 @@ done
 PYTHON=${PYTHON:-python3}
 ENGINE_PYTHON=${ENGINE_PYTHON:-${SGLANG_PYTHON:-$PYTHON}}   # the image sets SGLANG_PYTHON=/opt/sglang/bin/python
 [ -n "${MODEL_PATH:-}" ] || die "set MODEL_PATH to the HF model directory the engines serve"
+ENGINE=${ENGINE:-sglang}
+case "$ENGINE" in
+  sglang) ;;
+  cpu_worker)
+    [ "${ENGINE_TP:-1}" = 1 ] || die "ENGINE=cpu_worker runs one process per engine: ENGINE_TP must be 1"
+    NUM_ENGINES=${NUM_ENGINES:-1}
+    GPUS=$(seq -s, 0 $((NUM_ENGINES - 1)))   # placeholders: CPU workers use no GPU
+    ;;
+  *) die "ENGINE=$ENGINE: use sglang or cpu_worker" ;;
+esac
 if [ -z "${GPUS:-}" ]; then
   n=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
   [ "${n:-0}" -ge 1 ] 2>/dev/null || n=8
@@ -58,17 +74,25 @@ urls=()
 for ((i = 0; i < NUM_ENGINES; i++)); do
   ids=$(IFS=,; echo "${gpu_list[*]:$((i * ENGINE_TP)):$ENGINE_TP}")
   port=$((BASE_PORT + i))
-  engine_cmds+=("CUDA_VISIBLE_DEVICES=$ids $(printf '%q ' "$ENGINE_PYTHON" -m sglang.launch_server \
-    --model-path "$MODEL_PATH" --tp-size "$ENGINE_TP" --host "$HOST" --port "$port" \
-    --mem-fraction-static "$MEM_FRACTION" ${extra[@]+"${extra[@]}"})")
+  if [ "$ENGINE" = cpu_worker ]; then
+    engine_cmds+=("OMP_NUM_THREADS=1 $(printf '%q ' "$PYTHON" -m megatron_m2po.rollout.cpu_worker \
+      --model-path "$MODEL_PATH" --host "$HOST" --port "$port" --weight-version 0 ${extra[@]+"${extra[@]}"})")
+  else
+    engine_cmds+=("CUDA_VISIBLE_DEVICES=$ids $(printf '%q ' "$ENGINE_PYTHON" -m sglang.launch_server \
+      --model-path "$MODEL_PATH" --tp-size "$ENGINE_TP" --host "$HOST" --port "$port" \
+      --mem-fraction-static "$MEM_FRACTION" --weight-version 0 ${extra[@]+"${extra[@]}"})")
+  fi
   urls+=("http://$ADVERTISE_HOST:$port")
 done
 IFS=', ' read -r -a more <<<"${EXTRA_WORKER_URLS:-}"
+prom=()
+[ -n "${PROMETHEUS_PORT:-}" ] && prom=(--prometheus-port "$PROMETHEUS_PORT")
 router_cmd=$(printf '%q ' "$PYTHON" -m sglang_router.launch_router --host "$HOST" --port "$ROUTER_PORT" \
-  --worker-urls "${urls[@]}" ${more[@]+"${more[@]}"})
+  ${prom[@]+"${prom[@]}"} --worker-urls "${urls[@]}" ${more[@]+"${more[@]}"})
 
 if [ "$dry_run" -eq 1 ]; then
-  echo "# engines ($NUM_ENGINES x TP=$ENGINE_TP on GPUs $GPUS)"
+  if [ "$ENGINE" = cpu_worker ]; then echo "# engines ($NUM_ENGINES CPU workers)"
+  else echo "# engines ($NUM_ENGINES x TP=$ENGINE_TP on GPUs $GPUS)"; fi
   printf '%s\n' "${engine_cmds[@]}"
   if [ "$ROUTER" = 1 ]; then
     echo "# router"; echo "$router_cmd"

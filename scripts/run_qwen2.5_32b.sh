@@ -5,7 +5,7 @@
 #   MODEL_PATH=/models/X scripts/launch_sglang_fleet.sh
 # then on every training node r = 0..3:
 #   NODE_RANK=r MASTER_ADDR=<node0> ROUTER_ADDR=http://<rollout-node>:29999 MODEL_PATH=/models/X \
-#     DATA_TRAIN=/data/train.parquet scripts/run_qwen2.5_32b.sh [--dry-run] [key=value ...]
+#     DATA_TRAIN=/data/train.parquet scripts/run_qwen2.5_32b.sh [--dry-run | --rehearse] [key=value ...]
 # Environment defaults: NNODES=4 GPUS_PER_NODE=8; everything else as in scripts/train.sh.
 set -euo pipefail
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)

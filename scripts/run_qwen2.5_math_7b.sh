@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Recipe: Qwen2.5-Math-7B, one 8-GPU node: GPUs 0-3 train, 4-7 run the engines.
 # Config: examples/qwen2.5-math-7b.yaml (the paper's hyper-parameters, staleness 256; see its header).
-#   MODEL_PATH=/models/X DATA_TRAIN=/data/train.parquet scripts/run_qwen2.5_math_7b.sh [--dry-run] [key=value ...]
+#   MODEL_PATH=/models/X DATA_TRAIN=/data/train.parquet scripts/run_qwen2.5_math_7b.sh [--dry-run | --rehearse] [key=value ...]
 # Environment defaults: NNODES=1 GPUS_PER_NODE=4; everything else as in scripts/train.sh.
 set -euo pipefail
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)

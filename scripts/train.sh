@@ -3,6 +3,9 @@
 #
 #   NNODES=4 NODE_RANK=0 MASTER_ADDR=node0 GPUS_PER_NODE=8 scripts/train.sh CONFIG.yaml [key=value ...]
 #   scripts/train.sh --dry-run CONFIG.yaml [key=value ...]   # print + validate, launch nothing
+#   scripts/train.sh CONFIG.yaml --rehearse [options]   # the recipe end to end on this CPU machine: 2 simulated
+#       nodes x 2 processes through this script, CPU engines behind the router, a node SIGKILLed and resumed
+#       (python -m megatron_m2po.rehearsal --help; every scripts/run_*.sh passes --rehearse here)
 #
 # Environment (defaults): NNODES (1), NODE_RANK (0), MASTER_ADDR (127.0.0.1; required when
 # NNODES > 1), MASTER_PORT (29500), GPUS_PER_NODE (trainer processes per node: all visible GPUs,
@@ -53,6 +56,14 @@ done
 [ "$NNODES" -ge 1 ] || die "NNODES=$NNODES must be >= 1"
 [ "$GPUS_PER_NODE" -ge 1 ] || die "GPUS_PER_NODE=$GPUS_PER_NODE must be >= 1"
 [ "$NODE_RANK" -lt "$NNODES" ] || die "NODE_RANK=$NODE_RANK must be < NNODES=$NNODES"
+
+for a in "$@"; do
+  if [ "$a" = --rehearse ]; then
+    rest=()
+    for b in "$@"; do [ "$b" = --rehearse ] || rest+=("$b"); done
+    exec "$PYTHON" -m megatron_m2po.rehearsal ${rest[@]+"${rest[@]}"}
+  fi
+done
 
 dry_run=0
 train_args=()   # everything for `m2po train`

@@ -45,10 +45,14 @@ class SequenceParallelTorchNorm:
             if getattr(config, flag, False):
                 raise ValueError(f"{flag}=True needs Transformer Engine or Apex norms; the PyTorch norm of the "
                                  "local layer spec does not implement it")
+        # In the model's dtype, as Megatron's own layers (and TE / Apex norms) are: a float32 norm in a
+        # bf16 model puts parameters of two dtypes in one optimizer group, and the distributed
+        # optimizer's checkpoint then pairs their states with the wrong parameters.
+        dtype = getattr(config, "params_dtype", None)
         if config.normalization == "RMSNorm":
-            norm = torch.nn.RMSNorm(hidden_size, eps=eps)
+            norm = torch.nn.RMSNorm(hidden_size, eps=eps, dtype=dtype)
         elif config.normalization == "LayerNorm":
-            norm = torch.nn.LayerNorm(hidden_size, eps=eps)
+            norm = torch.nn.LayerNorm(hidden_size, eps=eps, dtype=dtype)
         else:
             raise ValueError(f"normalization={config.normalization!r} is not supported by the local layer spec "
                              "(RMSNorm, LayerNorm)")

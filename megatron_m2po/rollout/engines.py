@@ -10,8 +10,12 @@
 Engines come from a ``Launcher`` (:mod:`.launcher`: ``LocalLauncher`` starts subprocesses;
 :mod:`.ray_launcher` implements the same protocol with Ray actors) or, with ``rollout.launcher == "external"``, from
 ``rollout.external_addrs`` (validated at start-up: health, model info, server info; each
-problem is reported with the address). ``rollout.engine == "sglang"`` launches
-``python -m sglang.launch_server``; ``"cpu_worker"`` launches ``megatron_m2po.rollout.cpu_worker``.
+problem is reported with the address), or -- ``rollout.router_addr`` alone -- from the workers a
+running sglang-router lists (``GET /workers``; sglang-router 0.3.2 has no ``/list_workers``).
+A router-discovered fleet is re-read by :meth:`EngineFleet.refresh` before every weight push:
+engines that joined the router since are validated the same way and get the push, engines it no
+longer lists (or lists as unhealthy) are dropped. ``rollout.engine == "sglang"`` launches
+``$SGLANG_PYTHON -m sglang.launch_server`` (SGLang's own venv; this interpreter when unset); ``"cpu_worker"`` launches ``megatron_m2po.rollout.cpu_worker``.
 Each engine logs to ``<run_dir>/engines/engine_<i>.log``; a failed start raises with the
 log's last lines. The router (sglang-router 0.3.2) is started with no workers and workers are
 added with ``POST /workers``; a restarted engine is removed from the router first and added back
@@ -35,7 +39,7 @@ from megatron_m2po.config import RolloutConfig
 from megatron_m2po.rollout.client import EngineError, SGLangClient
 from megatron_m2po.rollout.sglang_version import check_sglang_version
 from megatron_m2po.rollout.launcher import (EngineHandle, EngineSpec, FleetError, Launcher, LocalHandle,
-                                            LocalLauncher)
+                                            LocalLauncher, sglang_python)
 from megatron_m2po.utils.net import free_port
 
 log = logging.getLogger("m2po.engines")
@@ -114,13 +118,23 @@ class EngineFleet:
                              "or talk to fleet.engine_urls directly")
         return self.engines[0].url
 
+    @property
+    def discovered(self) -> bool:
+        """Engines come from the router's worker list (launcher=external with router_addr alone)."""
+        return self.cfg.launcher == "external" and not self.cfg.external_addrs
+
     def start(self) -> "EngineFleet":
         cfg = self.cfg
+        if self.discovered:
+            if not cfg.router_addr:
+                raise FleetError("rollout.launcher=external needs rollout.external_addrs (http://host:port) "
+                                 "or rollout.router_addr (an sglang-router the engines are registered with)")
+            self._start_router()
+            self._discover_initial()
+            return self
         if cfg.launcher == "external":
-            if not cfg.external_addrs:
-                raise FleetError("rollout.launcher=external needs rollout.external_addrs (http://host:port)")
             self.engines = [_Engine(i, a.rstrip("/"), None) for i, a in enumerate(cfg.external_addrs)]
-            self._validate_external()
+            self._validate_external(self.engines)
         else:
             if cfg.num_engines < 1:
                 raise FleetError(f"rollout.num_engines={cfg.num_engines}: launch at least one engine")
@@ -146,13 +160,40 @@ class EngineFleet:
                 raise
         return self
 
+    def refresh(self) -> list[str]:
+        """A router-discovered fleet: re-read the router's workers (new ones validated, gone ones
+        dropped); returns the URLs that joined. Other fleets: nothing to do."""
+        if not self.discovered or self.router_url is None:
+            return []
+        listed = self._healthy_router_urls()
+        known = {e.url for e in self.engines}
+        joined = [_Engine(self._next_index(), u, None) for u in listed if u not in known]
+        self._validate_external(joined, where=f" (registered with the router {self.router_url})")
+        left = [e.url for e in self.engines if e.url not in listed]
+        if left:
+            log.warning("engines no longer listed healthy by the router, dropped from the fleet: %s",
+                        ", ".join(left))
+        if joined:
+            log.info("engines that joined the router: %s", ", ".join(e.url for e in joined))
+        self.engines = [e for e in self.engines if e.url in listed] + joined
+        if not self.engines:
+            raise FleetError(f"the router {self.router_url} lists no healthy engine (GET /workers): "
+                             "start engines and register them with it (scripts/launch_sglang_fleet.sh)")
+        return [e.url for e in joined]
+
     def check_and_restart(self, *, refit: bool = True) -> list[str]:
         """Probe every engine; relaunch, refit and re-register dead ones. Returns their URLs.
 
         ``refit=False``: relaunched engines are neither refit nor registered; the caller loads the
         current weights into them (e.g. with the next weight push, which must rebuild distributed
         weight-update groups for them) and then calls :meth:`admit`.
+
+        A router-discovered fleet restarts nothing (its engines belong to whoever runs the
+        router): it is re-read from the router instead (:meth:`refresh`).
         """
+        if self.discovered:
+            self.refresh()
+            return []
         restarted = []
         for e in self.engines:
             alive = e.handle.alive() if e.handle is not None else True
@@ -232,7 +273,7 @@ class EngineFleet:
                    "--dist-timeout-s", str(cfg.weight_sync_timeout_s)]
             env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
         else:
-            cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", self.model_path,
+            cmd = [sglang_python(), "-m", "sglang.launch_server", "--model-path", self.model_path,
                    "--tp-size", str(cfg.engine_tp), "--mem-fraction-static", str(cfg.engine_mem_fraction),
                    "--host", cfg.host, "--port", str(port), "--weight-version", self.weight_version]
             gpus = (cfg.engine_gpu_ids[i * cfg.engine_tp:(i + 1) * cfg.engine_tp] if cfg.engine_gpu_ids
@@ -261,9 +302,37 @@ class EngineFleet:
         except ValueError as ex:
             raise FleetError(f"engine {e.index}: {ex}") from None
 
-    def _validate_external(self) -> None:
+    def _discover_initial(self) -> None:
+        """Wait (up to ``startup_timeout_s``) until the router lists a healthy engine, then validate all."""
+        deadline = time.monotonic() + self.startup_timeout_s
+        while True:
+            urls = self._healthy_router_urls()
+            if urls or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        if not urls:
+            raise FleetError(f"rollout.router_addr={self.cfg.router_addr}: the router lists no healthy engine "
+                             f"after {self.startup_timeout_s:.0f}s (GET /workers); start the engines and register "
+                             "them with it (scripts/launch_sglang_fleet.sh), or list them in rollout.external_addrs")
+        self.engines = [_Engine(i, u, None) for i, u in enumerate(urls)]
+        self._validate_external(self.engines, where=f" (registered with the router {self.router_url})")
+        log.info("%d engine(s) discovered from the router %s: %s", len(urls), self.router_url, ", ".join(urls))
+
+    def _healthy_router_urls(self) -> list[str]:
+        """URLs of the workers the router lists as healthy, in its order (sglang-router 0.3.2
+        lists a worker under ``GET /workers`` once its background add job has health-checked it)."""
+        try:
+            workers = self._router_workers()
+        except (aiohttp.ClientError, EngineError, asyncio.TimeoutError) as ex:
+            raise FleetError(f"sglang-router at {self.router_url}: GET /workers failed: {ex}") from None
+        return [w["url"].rstrip("/") for w in workers if w.get("url") and w.get("is_healthy", False)]
+
+    def _next_index(self) -> int:
+        return max((e.index for e in self.engines), default=-1) + 1
+
+    def _validate_external(self, engines: list[_Engine], where: str = "") -> None:
         problems = []
-        for e in self.engines:
+        for e in engines:
             if not e.url.startswith(("http://", "https://")):
                 problems.append(f"{e.url}: not an http(s):// address")
                 continue
@@ -274,11 +343,17 @@ class EngineFleet:
                 info = _run(_get_json(e.url + "/model_info"))
                 if not info.get("is_generation", True):
                     problems.append(f"{e.url}: serves a non-generation model ({info.get('model_path')})")
+                wv = str(info.get("weight_version", "0"))
+                if not wv.isdigit():
+                    # SGLang 0.5.23 tags weights "default" unless --weight-version is given
+                    # (srt/arg_groups/fields/serving.py); token versions must be integers for the store.
+                    problems.append(f"{e.url}: reports weight version {wv!r}, not an integer: start it with "
+                                    "--weight-version 0 (scripts/launch_sglang_fleet.sh does)")
                 check_sglang_version(e.url, _run(_get_json(e.url + "/server_info")))
             except (aiohttp.ClientError, EngineError, asyncio.TimeoutError, ValueError) as ex:
                 problems.append(f"{e.url}: {type(ex).__name__}: {ex}")
         if problems:
-            raise FleetError("external engines failed validation:\n  " + "\n  ".join(problems))
+            raise FleetError(f"external engines{where} failed validation:\n  " + "\n  ".join(problems))
 
     # ------------------------------------------------------------------ router
     def _start_router(self) -> None:

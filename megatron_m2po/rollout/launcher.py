@@ -12,11 +12,13 @@ import ctypes
 import os
 import signal
 import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Protocol
 
-__all__ = ["FleetError", "EngineSpec", "EngineHandle", "Launcher", "LocalHandle", "LocalLauncher", "child_setup"]
+__all__ = ["FleetError", "EngineSpec", "EngineHandle", "Launcher", "LocalHandle", "LocalLauncher", "child_setup",
+           "sglang_python"]
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
@@ -35,6 +37,23 @@ def child_setup() -> None:
 
 class FleetError(RuntimeError):
     """An engine or the router could not be started, reached or validated."""
+
+
+def sglang_python() -> str:
+    """The interpreter that runs ``sglang.launch_server``: ``$SGLANG_PYTHON`` when set, else this one.
+
+    The image installs SGLang in its own venv (``/opt/sglang``, ``SGLANG_PYTHON=/opt/sglang/bin/python``)
+    because it pins another torch than the trainer; ``python -m sglang.launch_server`` with the
+    trainer's interpreter would not find SGLang there. Ray actors run the same command on their
+    node, so the path must exist on every node (it does in the image)."""
+    p = os.environ.get("SGLANG_PYTHON", "")
+    if not p:
+        return sys.executable
+    if not (os.path.isfile(p) and os.access(p, os.X_OK)):
+        raise FleetError(f"SGLANG_PYTHON={p} is not an executable file: point it at the python of the venv "
+                         "SGLang is installed in (the image: /opt/sglang/bin/python), or unset it to use "
+                         f"{sys.executable}")
+    return p
 
 
 @dataclass

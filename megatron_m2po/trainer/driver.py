@@ -184,7 +184,10 @@ class RolloutDriver:
         # The trainer is at ``version`` already: record it first, so tokens an engine samples
         # with the new weights while the push is still returning validate against it.
         self.store.set_version(version)
-        # The fleet's current URLs: a replaced engine (e.g. a new Ray actor) may have moved.
+        # The fleet's current URLs: a replaced engine (e.g. a new Ray actor) may have moved, and a
+        # router-discovered fleet is re-read from the router (engines that joined get this push).
+        if self.fleet is not None:
+            self.fleet.refresh()
         return self.weight_sync.begin(version, n_stages, self.engine_urls)
 
     def finish(self, plan: PushPlan, results: list):
@@ -256,6 +259,16 @@ class RolloutDriver:
         positions = [gids.index(g) for g in gids if g not in have]
         ctx.positions = positions
         return ctx, todo, positions
+
+    def missing_steps(self, steps: list[int]) -> list[int]:
+        """Those of ``steps`` whose groups the store does not hold completely (never generated)."""
+        n = self.cfg.trainer.prompts_per_step
+        out = []
+        for step in steps:
+            gids = [f"s{step:06d}-g{i:05d}" for i in range(n)]
+            if len(self.store.existing_group_ids(gids)) < n:
+                out.append(step)
+        return out
 
     def generate_for_step(self, step: int, *, background: bool = True) -> concurrent.futures.Future:
         """Generate and store the step's missing groups (in the background unless ``background=False``)."""

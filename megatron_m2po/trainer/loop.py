@@ -127,6 +127,10 @@ class Trainer:
             raise
         self.engines_version = 0  # the weights the engines hold (all ranks track it identically)
         self.start_step = 0
+        # Resume bookkeeping of _catch_up: steps generated off-schedule (step -> version), and the
+        # step count up to which every generation event happened at its scheduled version.
+        self._caught_up: dict[int, int] = {}
+        self._scheduled_through = cfg.trainer.num_steps
 
     def _from_rank0(self, fn: Callable[[], T], what: str = "rank 0's result") -> T:
         """``fn()`` evaluated on global rank 0 only; every rank gets its result, waiting without
@@ -153,6 +157,9 @@ class Trainer:
             return
         extra = self.actor.load_checkpoint(str(ckpt))
         self.start_step = int(extra["step"])
+        # Checkpoints without these predate _catch_up: their run scheduled every step it trains.
+        self._scheduled_through = int(extra.get("scheduled_through", self.cfg.trainer.num_steps))
+        self._caught_up = {int(s): int(v) for s, v in extra.get("caught_up", [])}
         if self.lead:
             d = self.driver
             d.dataset.load_state_dict(extra["dataset"])
@@ -176,7 +183,9 @@ class Trainer:
         """Rank 0: what a resume needs besides the actor (dataset position, store cursor)."""
         self.driver.wait_generation()
         return {"step": step, "dataset": self.driver.dataset.state_dict(),
-                "store_cursor": self.driver.store.cursor_state(), "mode": self.cfg.trainer.mode, "stale_k": self.k}
+                "store_cursor": self.driver.store.cursor_state(), "mode": self.cfg.trainer.mode, "stale_k": self.k,
+                "scheduled_through": self.cfg.trainer.num_steps,
+                "caught_up": sorted(self._caught_up.items())}
 
     def _prune_checkpoints(self) -> None:
         import shutil
@@ -210,6 +219,34 @@ class Trainer:
     def _generation_events(self, version: int) -> dict[str, float]:
         """stale_k / sync: generate the steps scheduled at ``version`` (all ranks)."""
         steps = [s for s in events_at(version, self.U, self.k, self.cfg.trainer.num_steps) if s >= self.start_step]
+        return self._generate_steps(steps, version)
+
+    def _catch_up(self) -> None:
+        """A resumed stale_k / sync run (all ranks): steps whose generation event lies before the
+        resume point but whose rollouts the store lacks are generated now, with the weights the
+        run resumes from. That happens when ``trainer.num_steps`` was raised since the checkpoint:
+        the old run never scheduled them, and no later event would (waiting for them would hang).
+        Their staleness is below the scheduled one (the weights of their event are gone); the
+        warning names them."""
+        v = self.actor.version
+        # Steps the checkpointed run scheduled at their exact version, and those it caught up itself.
+        past = [s for s in range(max(self.start_step, self._scheduled_through), self.cfg.trainer.num_steps)
+                if generation_version(s, self.U, self.k) < v and s not in self._caught_up]
+        if not past:
+            return
+        missing = self._from_rank0(lambda: self.driver.missing_steps(past), what="the steps to catch up")
+        # Present ones were caught up from this same checkpoint before a crash: also at version v.
+        self._caught_up.update({s: v for s in past})
+        if not missing:
+            return
+        if self.lead:
+            log.warning("steps %s were scheduled before the resume point (version %d) but never generated "
+                        "(trainer.num_steps raised since the checkpoint?): generating them now at version %d; "
+                        "their staleness is below the scheduled %d", missing, v, v, self.k)
+        self._generate_steps(missing, v)
+
+    def _generate_steps(self, steps: list[int], version: int) -> dict[str, float]:
+        """Generate the rollouts of ``steps`` with the weights of ``version`` (all ranks)."""
         if not steps:
             return {}
         out = {}
@@ -245,7 +282,7 @@ class Trainer:
         u = step * self.U
         if self.cfg.trainer.mode == "async":
             return self.driver.take_async(step, u)
-        return self.driver.take_step(step, u, generation_version(step, self.U, self.k))
+        return self.driver.take_step(step, u, self._caught_up.get(step, generation_version(step, self.U, self.k)))
 
     def _fetch_step(self, step: int) -> tuple[list[ShardedBatch], Any, dict]:
         """Rank 0 leases the step's groups and splits them into optimizer mini-batches; every rank
@@ -329,6 +366,8 @@ class Trainer:
         self._install_signal_handlers()
         self._resume()
         cfg = self.cfg
+        if cfg.trainer.mode != "async":
+            self._catch_up()
         if cfg.trainer.mode == "async":
             if self.actor.version > 0:
                 self._push_weights()

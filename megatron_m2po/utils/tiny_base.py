@@ -74,10 +74,18 @@ FORMAT_VERSION = 3  # bump when the build procedure changes in a way the paramet
 TinyTask = SyntheticTask
 
 
+FAMILIES = ("qwen2", "qwen3")
+
+
 @dataclass(frozen=True)
 class TinyModelSpec:
-    """Shape of the Qwen2 model (untied embeddings: the safest layout for mbridge)."""
+    """Shape of the model (untied embeddings: the safest layout for mbridge).
 
+    ``family``: ``"qwen2"`` (Qwen2 / Qwen2.5: q/k/v biases) or ``"qwen3"`` (Qwen3: no q/k/v
+    biases, RMSNorm on queries and keys per head, explicit ``head_dim``); the rest of the shape
+    is shared, so the two differ exactly where the real families differ."""
+
+    family: str = "qwen2"
     hidden_size: int = 128
     num_layers: int = 2
     num_heads: int = 4
@@ -110,7 +118,10 @@ class TinyBaseSpec:
     seed: int = 0
 
     def digest(self) -> str:
-        blob = json.dumps({"format": FORMAT_VERSION, **dataclasses.asdict(self)}, sort_keys=True)
+        fields = dataclasses.asdict(self)
+        if fields["model"]["family"] == "qwen2":  # the Qwen2 base keeps the digest it had before families
+            del fields["model"]["family"]
+        blob = json.dumps({"format": FORMAT_VERSION, **fields}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
@@ -205,9 +216,11 @@ def build_tokenizer():
 
 def _build_model(spec: TinyModelSpec, tokenizer):
     import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-    cfg = Qwen2Config(
+    if spec.family not in FAMILIES:
+        raise ValueError(f"TinyModelSpec.family={spec.family!r}: use one of {FAMILIES}")
+    common = dict(
         vocab_size=VOCAB_SIZE, hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
         num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads,
         num_key_value_heads=spec.num_kv_heads, max_position_embeddings=spec.max_position_embeddings,
@@ -216,6 +229,11 @@ def _build_model(spec: TinyModelSpec, tokenizer):
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
+    if spec.family == "qwen3":
+        cfg = Qwen3Config(head_dim=spec.hidden_size // spec.num_heads, attention_bias=False, **common)
+        cfg.architectures = ["Qwen3ForCausalLM"]
+        return Qwen3ForCausalLM(cfg).to(torch.float32)
+    cfg = Qwen2Config(**common)
     cfg.architectures = ["Qwen2ForCausalLM"]
     model = Qwen2ForCausalLM(cfg).to(torch.float32)
     return model
@@ -457,7 +475,7 @@ def _portable_tokenizer_config(out: Path) -> None:
 def tiny_base_path(cache_dir: str | os.PathLike, spec: TinyBaseSpec | None = None) -> Path:
     """Where ``ensure_tiny_base`` puts (or finds) the model for ``spec``."""
     spec = spec or TinyBaseSpec()
-    return Path(cache_dir).expanduser() / f"qwen2-tiny-{spec.digest()}"
+    return Path(cache_dir).expanduser() / f"{spec.model.family}-tiny-{spec.digest()}"
 
 
 def is_complete(path: str | os.PathLike) -> bool:

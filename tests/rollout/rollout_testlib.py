@@ -24,3 +24,29 @@ def hf_logprobs(model, prompt: list[int], output: list[int], temperature: float)
     scale = temperature if temperature > 0 else 1.0
     logp = torch.log_softmax(logits / scale, -1)[len(prompt) - 1:-1]
     return logp.gather(1, torch.tensor(output)[:, None])[:, 0]
+
+
+def sglang_python_standin(directory) -> str:
+    """An executable that stands in for SGLang's venv python (``$SGLANG_PYTHON``; SGLang cannot be
+    installed here): it logs how it was called, accepts only ``-m sglang.launch_server``, drops the
+    GPU-only flags and serves the same model with the CPU worker, so a fleet that starts through it
+    proves the engine command went to ``$SGLANG_PYTHON`` and nowhere else."""
+    import os
+    import stat
+    import sys
+    from pathlib import Path
+
+    path = Path(directory) / "sglang-python"
+    path.write_text(f"""#!/usr/bin/env bash
+echo "sglang-python called with: $*"
+[ "$1 $2" = "-m sglang.launch_server" ] || {{ echo "not an SGLang launch" >&2; exit 3; }}
+shift 2
+args=()
+while [ $# -gt 0 ]; do
+  case "$1" in --tp-size|--mem-fraction-static) shift 2 ;; *) args+=("$1"); shift ;; esac
+done
+exec {sys.executable} -m megatron_m2po.rollout.cpu_worker "${{args[@]}}"
+""")
+    path.chmod(path.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+    assert os.access(path, os.X_OK)
+    return str(path)

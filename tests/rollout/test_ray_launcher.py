@@ -153,3 +153,26 @@ def test_from_config_requests_gpus_for_sglang():
     assert (launcher.num_cpus, launcher.num_gpus) == (8.0, 4.0)
     cfg = RolloutConfig(engine="cpu_worker", launcher="ray", engine_tp=4)
     assert RayLauncher.from_config(cfg).num_gpus == 0.0
+
+
+def test_ray_engine_starts_with_sglang_python(ray_fleet, tiny_model_dir, tmp_path, monkeypatch):
+    """The Ray actor runs the fleet's SGLang command, i.e. ``$SGLANG_PYTHON -m sglang.launch_server``."""
+    from rollout_testlib import sglang_python_standin
+    standin = sglang_python_standin(tmp_path)
+    monkeypatch.setenv("SGLANG_PYTHON", standin)
+    cfg = RolloutConfig(engine="sglang", launcher="ray", num_engines=1, base_port=0)
+    fleet = EngineFleet(cfg, tiny_model_dir, run_dir=str(tmp_path))
+    spec = fleet._spec(0, fleet._engine_port(0))
+    handle = RayLauncher(num_cpus=0.0).launch(spec)  # the module's cluster is full: no CPU reservation
+    try:
+        wait_until(lambda: asyncio.run(_healthy(handle.url)), what=f"engine at {handle.url} healthy",
+                   timeout=120, hopeless=lambda: not handle.alive() and f"it exited; see {spec.log_path}")
+    finally:
+        handle.stop()
+    log = spec.log_path.read_text()
+    assert f"{standin} -m sglang.launch_server" in log and "sglang-python called with: -m sglang.launch_server" in log
+
+
+async def _healthy(url: str) -> bool:
+    async with SGLangClient(url, max_retries=0) as c:
+        return await c.health(2.0)

@@ -140,6 +140,29 @@ def test_sigkill_and_resume_lose_and_duplicate_nothing(tmp_path):
         assert before[u]["loss/policy"] == pytest.approx(after[u]["loss/policy"], rel=1e-4, abs=1e-6)
 
 
+def test_raising_num_steps_on_a_resumed_stale_k_run_generates_the_unscheduled_steps(tmp_path):
+    """A 2-step stale-k run (k = 2 steps) never schedules steps 2 and 3 (their events, at versions
+    0 and 2, lay past its horizon); resumed with 4 steps it generates them at the resume version
+    instead of waiting for rollouts nobody produces."""
+    run = tmp_path / "raised"
+    U, k = 2, 4
+    common = (f"trainer.stale_k={k}", "checkpoint.save_every_steps=2")
+    _train(run, "trainer.num_steps=2", *common)
+    _train(run, "trainer.num_steps=4", *common, timeout=300)
+    ups = _updates(run)
+    assert sorted(ups) == list(range(1, 4 * U + 1))
+    for s in (0, 1):  # on schedule
+        for j in range(U):
+            assert ups[s * U + j + 1]["staleness/max"] == expected_staleness(s, j, U, k)
+    for u in range(2 * U + 1, 4 * U + 1):  # generated at the resume version 4
+        assert ups[u]["staleness/min"] == ups[u]["staleness/max"] == u - 1 - 2 * U, (u, ups[u])
+    log = (tmp_path / "raised.log").read_text()
+    assert "steps [2, 3] were scheduled before the resume point (version 4) but never generated" in log
+    con = sqlite3.connect(run / "rollouts.sqlite")
+    states = dict(con.execute("SELECT state, COUNT(*) FROM groups GROUP BY state").fetchall())
+    assert states == {"consumed": 4 * 8}, states
+
+
 # The reward-rise run; tools/test_margins.py runs exactly this command over many seeds.
 RISE_STEPS = 32
 RISE_OVERRIDES = [f"trainer.num_steps={RISE_STEPS}", "trainer.prompts_per_step=64", "trainer.prompts_per_update=16",

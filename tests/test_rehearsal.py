@@ -1,0 +1,61 @@
+"""The Qwen2.5-32B recipe rehearsed end to end on CPU through the script its users run:
+``scripts/run_qwen2.5_32b.sh --rehearse`` -- 2 simulated nodes x 2 processes (torchrun via
+scripts/train.sh, each node in its own working directory), CPU engines started by
+scripts/launch_sglang_fleet.sh behind the real sglang-router, the trainer attached by
+``rollout.router_addr`` alone; node 1 is SIGKILLed after the step-4 checkpoint and the run
+resumes from it. The other recipes' rehearsals run by hand (same command, their script)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from megatron_m2po.rehearsal import family_of, plan
+from megatron_m2po.config import load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_qwen25_32b_recipe_rehearsal(tmp_path):
+    work = tmp_path / "rehearsal"
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    for k in ("MODEL_PATH", "DATA_TRAIN", "ROUTER_ADDR", "RUN_DIR"):
+        env.pop(k, None)
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "run_qwen2.5_32b.sh"), "--rehearse", "--workdir", str(work)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1400)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-6000:]
+    last = proc.stdout.strip().splitlines()[-1]
+    assert last.startswith("rehearsal ok qwen2.5-32b steps=8 updates=32 nodes=2x2 TP=2 PP=2"), last
+    assert "sequence_parallel=True recompute=full distributed_optimizer=True dtype=bfloat16" in last and "launcher=external" in last
+    assert "resumed_from=step_000004" in last and "staleness=0..11" in last, last
+    # Nothing shared between the nodes but the shared directory; both nodes ran in their own.
+    assert sorted(p.name for p in work.iterdir()) == ["fleet", "node0", "node1", "shared"]
+    assert not (work / "node0" / "runs").exists() and not (work / "node1" / "runs").exists()
+
+
+def test_rehearsal_plan_keeps_the_recipe_and_names_each_substitution(tmp_path):
+    for name, family, pp in (("qwen2.5-32b", "qwen2", 2), ("qwen3-32b", "qwen3", 2), ("qwen3-8b", "qwen3", 1),
+                             ("qwen2.5-math-7b", "qwen2", 1)):
+        path = ROOT / "examples" / f"{name}.yaml"
+        recipe = load_config(path)
+        assert family_of(recipe) == family
+        p = plan(path, shared=tmp_path / "shared", model_dir="/tiny", family=family, steps=8, kill_after=4,
+                 extra=[], router_addr="http://127.0.0.1:1")
+        c = p.cfg
+        assert (c.parallel.tensor_parallel, c.parallel.pipeline_parallel) == (2, pp)
+        for key in ("sequence_parallel", "recompute", "use_distributed_optimizer", "micro_batch_size"):
+            assert getattr(c.parallel, key) == getattr(recipe.parallel, key), (name, key)
+        assert (c.model.dtype, c.algo, c.optim, c.reward) == (recipe.model.dtype, recipe.algo, recipe.optim,
+                                                               recipe.reward)
+        assert c.data.template == recipe.data.template and c.rollout.launcher == "external"
+        U = recipe.trainer.num_updates_per_step
+        assert c.trainer.num_updates_per_step == U and c.trainer.stale_k == 2 * U
+        assert c.store.max_staleness == 3 * U - 1
+        assert Path(c.trainer.run_dir).is_absolute() and Path(c.trainer.run_dir).parent == tmp_path / "shared"
+        assert all(why for _, why in p.overrides.values())
