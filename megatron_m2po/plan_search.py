@@ -494,12 +494,15 @@ def print_search(res: SearchResult, top: int = 5) -> None:
         rank = res.rank_of(c)
         name = r["layout"] + (" (config)" if res.current is not None and same_layout(c, res.current) else "") \
             + (" (chosen)" if same_layout(c, best) else "")
-        t.add_row(str(rank), name, f"{r['memory_gib']:.1f}", str(r["micro_batches"]), f"{r['step_s']:.1f}",
+        t.add_row(str(rank) if rank is not None else "-", name, f"{r['memory_gib']:.1f}", str(r["micro_batches"]), f"{r['step_s']:.1f}",
                   f"{r['compute']:.1f}", f"{r['recompute']:.1f}", f"{r['prepass']:.1f}", f"{r['tp_comm']:.1f}", f"{r['pp_comm']:.1f}",
                   f"{r['bubble']:.1f}", f"{r['dp_comm']:.1f}", f"{r['optimizer']:.2f}", f"{r['mfu']:.2f}")
     con.print(t)
     cur = res.current
-    if cur is not None and cur.fits:
+    if cur is not None and cur.fits and res.rank_of(cur) is None:
+        con.print(f"config's layout fits the GPU but not the {res.headroom:.0%} headroom: {cur.memory_gib:.1f} GiB, "
+                  f"{cur.step_s:.1f} s/step ({cur.step_s / best.step_s - 1:+.0%} vs chosen)", highlight=False)
+    elif cur is not None and cur.fits:
         rank = res.rank_of(cur)
         con.print(f"config's layout: rank {rank}, {cur.step_s:.1f} s/step "
                   f"({cur.step_s / best.step_s - 1:+.0%} vs chosen), {cur.memory_gib:.1f} GiB", highlight=False)
@@ -549,9 +552,30 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_config(path, overrides)
     try:
         m = planner._resolve_model(args, cfg)
-        res = search_config(cfg, m, nnodes=args.nnodes, gpus_per_node=args.gpus_per_node, node_gpus=args.node_gpus,
-                            gpu_mem_gib=args.gpu_mem_gib, headroom=args.headroom, tie=args.tie)
-        res.best  # noqa: B018 -- raises PlanError naming why nothing fits
+        def search(nnodes: int) -> SearchResult:
+            r = search_config(cfg, m, nnodes=nnodes, gpus_per_node=args.gpus_per_node, node_gpus=args.node_gpus,
+                              gpu_mem_gib=args.gpu_mem_gib, headroom=args.headroom, tie=args.tie)
+            r.best  # noqa: B018 -- raises PlanError naming why nothing fits
+            return r
+
+        try:
+            res = search(args.nnodes or 1)
+        except PlanError:
+            if args.nnodes is not None:
+                raise
+            # No cluster size given and one node is too small: the smallest power-of-two node count
+            # that fits, said so up front (the recipes name theirs in their headers).
+            for n in (2, 4, 8, 16, 32, 64):
+                try:
+                    res = search(n)
+                except PlanError:
+                    continue
+                print(f"# nothing fits 1 node x {args.gpus_per_node} GPUs; the smallest power-of-two cluster that "
+                      f"fits is {n} nodes: layouts for --nnodes {n} (pass --nnodes for another size)",
+                      file=sys.stderr)
+                break
+            else:
+                raise
     except PlanError as e:
         print(f"m2po plan --search: {e}", file=sys.stderr)
         return 1

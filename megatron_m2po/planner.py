@@ -547,7 +547,9 @@ def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     src.add_argument("--model", help=f"Built-in model shape: {', '.join(MODELS)}.")
     p.add_argument("--list-models", action="store_true", help="Print the built-in shapes and exit.")
     p.add_argument("--gpu-mem-gib", type=float, default=80.0, help="Memory of one GPU (GiB).")
-    p.add_argument("--nnodes", type=int, default=1, help="Training nodes.")
+    p.add_argument("--nnodes", type=int, default=None,
+                   help="Training nodes (default 1; with --search and nothing fitting one node, the smallest "
+                        "power-of-two count that fits).")
     p.add_argument("--gpus-per-node", type=int, default=8, help="Trainer processes (GPUs) per node.")
     p.add_argument("--node-gpus", type=int, default=None, help="Physical GPUs per node (default max(8, gpus-per-node)).")
     for k in ("tp", "pp", "dp", "cp", "vpp"):
@@ -593,7 +595,7 @@ def run(args: argparse.Namespace) -> int:
                  "fused_logprobs": "fused_logprobs", "flash_attention": "flash_attention",
                  "overhead_gib": "overhead_gib"}
         kw = {dst: getattr(args, src) for src, dst in names.items()}
-        p = plan_from_config(cfg, m, nnodes=args.nnodes, gpus_per_node=args.gpus_per_node,
+        p = plan_from_config(cfg, m, nnodes=args.nnodes or 1, gpus_per_node=args.gpus_per_node,
                              node_gpus=args.node_gpus, gpu_mem_gib=args.gpu_mem_gib, **kw)
     except PlanError as e:
         print(f"m2po plan: {e}", file=sys.stderr)

@@ -508,3 +508,16 @@ def test_cli_search_prints_ranked_layouts_and_assumptions(capsys):
     assert 0 < d["chosen"]["mfu"] < d["cost_model"]["gemm_eff"]
     assert main(["plan", "--search", "--tp", "8", str(EX / "qwen3-8b.yaml")]) == 2
     assert "fix what the search enumerates" in capsys.readouterr().err
+
+
+def test_search_without_a_cluster_size_finds_the_smallest_that_fits(capsys):
+    """`m2po plan --search RECIPE` with no --nnodes: the 32B recipe does not fit one 8-GPU node, so
+    the search says so and ranks the layouts of the smallest power-of-two node count that fits;
+    with --nnodes given, nothing is guessed."""
+    assert main(["plan", "--search", "--json", str(EX / "qwen2.5-32b.yaml")]) == 0
+    out = capsys.readouterr()
+    d = json.loads(out.out)
+    assert "nothing fits 1 node x 8 GPUs" in out.err and "is 2 nodes" in out.err
+    assert d["top"] and d["chosen"]["parallel"]["tensor_parallel"] * d["chosen"]["parallel"]["pipeline_parallel"] <= 16
+    assert main(["plan", "--search", "--nnodes", "1", str(EX / "qwen2.5-32b.yaml")]) == 1
+    assert "no layout of qwen2.5-32b fits 8 GPUs" in capsys.readouterr().err
