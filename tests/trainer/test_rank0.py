@@ -55,7 +55,7 @@ def _scatter(rank, world_size):
     from megatron_m2po.trainer import rank0
 
     def work():
-        time.sleep(3 * PG_TIMEOUT_S)  # outlasting the collective timeout, as in the broadcast test
+        time.sleep(3 * PG_TIMEOUT_S)  # outlasting the collective timeout: elapsed time is the behaviour under test
         return [{"rank": r, "shard": list(range(r * 3, r * 3 + 3))} for r in range(world_size)]
 
     got = rank0.scatter_from_rank0(work, what="the shards", poll_s=0.5, log_every_s=1.0)
