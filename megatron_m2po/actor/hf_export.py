@@ -97,13 +97,12 @@ def export_hf_stages(chunks, bridge, out_dir: str, *, tokenizer_src: Optional[st
     ``model-0000k-of-0000n.safetensors``, writes ``model.safetensors.index.json``, the config and
     tokenizer files, and renames the directory to ``out_dir``: it is complete once it exists.
     """
-    import os
     import shutil
     from pathlib import Path
 
     import torch.distributed as dist
 
-    from megatron_m2po.actor.model import TOKENIZER_FILES
+    from megatron_m2po.actor.model import publish_hf_dir
     from megatron_m2po.utils.hf_dir import assemble_shards, write_stage_shards
 
     layout = stage_layout()
@@ -133,16 +132,5 @@ def export_hf_stages(chunks, bridge, out_dir: str, *, tokenizer_src: Optional[st
     if rank == 0:
         stage_files = [f for _, _, fs, _ in sorted((g for g in gathered if g[1]), key=lambda g: g[0]) for f in fs]
         assemble_shards(tmp, stage_files, always_index=True)
-        src = tokenizer_src or getattr(bridge, "hf_path", None)
-        if src:
-            for fname in TOKENIZER_FILES:
-                if os.path.isfile(os.path.join(src, fname)):
-                    shutil.copy2(os.path.join(src, fname), tmp / fname)
-        if src and os.path.isfile(os.path.join(src, "config.json")):
-            shutil.copy2(os.path.join(src, "config.json"), tmp / "config.json")  # faithful to the source
-        else:
-            bridge.hf_config.save_pretrained(str(tmp))
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
+        publish_hf_dir(tmp, out, bridge, tokenizer_src)
     dist.barrier()

@@ -296,6 +296,12 @@ def export_hf(chunks, bridge, out_dir: str, *, tokenizer_src: Optional[str] = No
     with open(tmp / "model.safetensors.index.json", "w") as f:
         json.dump({"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
                    "weight_map": {k: "model.safetensors" for k in sorted(tensors)}}, f, indent=1)
+    publish_hf_dir(tmp, out, bridge, tokenizer_src)
+
+
+def publish_hf_dir(tmp: Path, out: Path, bridge, tokenizer_src: Optional[str]) -> None:
+    """Finish an HF directory whose weights are in ``tmp``: config (copied from the source model when
+    it has one, else the bridge's) and tokenizer files, then rename ``tmp`` to ``out``."""
     src = tokenizer_src or getattr(bridge, "hf_path", None)
     if src:
         for fname in TOKENIZER_FILES:
