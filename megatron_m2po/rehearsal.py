@@ -431,6 +431,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         pc = p.cfg.parallel
         kept = (f"TP={pc.tensor_parallel} PP={pc.pipeline_parallel} sequence_parallel={pc.sequence_parallel} "
                 f"recompute={pc.recompute} distributed_optimizer={pc.use_distributed_optimizer} "
+                f"packing={pc.packing} max_tokens_per_microbatch={pc.max_tokens_per_microbatch} "
                 f"dtype={p.cfg.model.dtype} loss={p.cfg.algo.loss} launcher={p.cfg.rollout.launcher} "
                 f"weight_sync={p.cfg.rollout.weight_sync}")
         print(f"  kept: {kept}")

@@ -32,7 +32,10 @@ def test_qwen25_32b_recipe_rehearsal(tmp_path):
     assert proc.returncode == 0, out[-6000:]
     last = proc.stdout.strip().splitlines()[-1]
     assert last.startswith("rehearsal ok qwen2.5-32b steps=8 updates=32 nodes=2x2 TP=2 PP=2"), last
-    assert "sequence_parallel=True recompute=full distributed_optimizer=True dtype=bfloat16" in last and "launcher=external" in last
+    par = load_config(ROOT / "examples" / "qwen2.5-32b.yaml").parallel  # the recipe's features, kept
+    assert (f"sequence_parallel=True recompute={par.recompute} distributed_optimizer=True packing={par.packing} "
+            f"max_tokens_per_microbatch={par.max_tokens_per_microbatch} dtype=bfloat16") in last, last
+    assert "launcher=external" in last
     assert "resumed_from=step_000004" in last and "staleness=0..11" in last, last
     # Nothing shared between the nodes but the shared directory; both nodes ran in their own.
     assert sorted(p.name for p in work.iterdir()) == ["fleet", "node0", "node1", "shared"]
@@ -49,7 +52,8 @@ def test_rehearsal_plan_keeps_the_recipe_and_names_each_substitution(tmp_path):
                  extra=[], router_addr="http://127.0.0.1:1")
         c = p.cfg
         assert (c.parallel.tensor_parallel, c.parallel.pipeline_parallel) == (2, pp)
-        for key in ("sequence_parallel", "recompute", "use_distributed_optimizer", "micro_batch_size"):
+        for key in ("sequence_parallel", "recompute", "use_distributed_optimizer", "micro_batch_size", "packing",
+                    "max_tokens_per_microbatch", "balance_data_parallel"):
             assert getattr(c.parallel, key) == getattr(recipe.parallel, key), (name, key)
         assert (c.model.dtype, c.algo, c.optim, c.reward) == (recipe.model.dtype, recipe.algo, recipe.optim,
                                                                recipe.reward)
