@@ -166,8 +166,10 @@ def _layer_spec(config, vp_stage=None):
         return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
-    from megatron_m2po.actor.attention import PackedDotProductAttention
+    from megatron_m2po.actor.attention import PackedDotProductAttention, install_thd_rope
     from megatron_m2po.actor.norm import HeadTorchNorm, SequenceParallelTorchNorm
+
+    install_thd_rope()  # packed RoPE in one gather, as TE's fused THD kernel (actor/attention.py)
 
     layer = specs.get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization=config.normalization)
     layer.submodules.input_layernorm = SequenceParallelTorchNorm

@@ -121,3 +121,144 @@ def test_empty_sequences_are_refused():
     samples[1].prompt_ids = np.zeros(0, np.int64)
     with pytest.raises(ValueError, match="s1"):
         make_microbatches(samples, [[0, 1]], packing=True)
+
+
+def _attention_vs_naive(rank, world_size):
+    """PackedDotProductAttention, with the fused kernel and with the parent's arithmetic, on THD
+    packs and on padded ``[s, b]`` input, against causal softmax attention written out here
+    sequence by sequence (GQA: 4 query heads on 2 key/value groups): outputs and gradients."""
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_m2po.actor.attention import PackedDotProductAttention
+
+    lib.init_megatron()
+    heads, groups, d = 4, 2, 8
+    cfg = TransformerConfig(num_layers=1, hidden_size=heads * d, num_attention_heads=heads, num_query_groups=groups,
+                            kv_channels=d, attention_dropout=0.0, hidden_dropout=0.0)
+    attn = PackedDotProductAttention(cfg, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")
+    assert attn.fused_causal_ok(torch.zeros(1))
+    assert not attn.fused_causal_ok(torch.zeros(1, dtype=torch.bfloat16))
+    out = []
+    for kernel in ("fused", "parent"):
+        if kernel == "parent":
+            attn.fused_causal_ok = lambda query: False
+        for lengths in ([5, 1, 9, 3, 40, 17, 17, 2, 30, 64, 8],  # several length groups; one of length 1
+                        [6, 7, 5]):  # one group, its sequences reordered by length within it
+            out.append((kernel, "packed", lengths, *_check_attention(attn, lengths, heads, groups, d, packed=True)))
+        out.append((kernel, "padded", [9, 9, 9], *_check_attention(attn, [9, 9, 9], heads, groups, d, packed=False)))
+    return out
+
+
+def _check_attention(attn, lengths, heads, groups, d, packed):
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.transformer.enums import AttnMaskType
+
+    cu = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32)
+    t = int(cu[-1])
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(t, heads, d, generator=g, requires_grad=True)
+    k = torch.randn(t, groups, d, generator=g, requires_grad=True)
+    v = torch.randn(t, groups, d, generator=g, requires_grad=True)
+    if packed:
+        params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(lengths),
+                                 max_seqlen_kv=max(lengths))
+        out = attn(q, k, v, None, attn_mask_type=AttnMaskType.causal, packed_seq_params=params)
+    else:  # equal lengths as [s, b, heads, d]: sequence j is column j
+        s, b = lengths[0], len(lengths)
+
+        def sbhd(x):
+            return x.view(b, s, *x.shape[1:]).transpose(0, 1)
+        out = attn(sbhd(q), sbhd(k), sbhd(v), None, attn_mask_type=AttnMaskType.causal)
+        out = out.transpose(0, 1).reshape(t, -1)
+    w = torch.randn(out.shape, generator=g)
+    (out * w).sum().backward()
+    got = [x.detach().numpy().copy() for x in (out, q.grad, k.grad, v.grad)]
+
+    q2, k2, v2 = (x.detach().clone().requires_grad_(True) for x in (q, k, v))
+    rows = []
+    for s in range(len(lengths)):
+        a, b = int(cu[s]), int(cu[s + 1])
+        qs = q2[a:b].transpose(0, 1)  # [heads, L, d]
+        ks = k2[a:b].repeat_interleave(heads // groups, dim=1).transpose(0, 1)
+        vs = v2[a:b].repeat_interleave(heads // groups, dim=1).transpose(0, 1)
+        scores = qs @ ks.transpose(1, 2) / d ** 0.5
+        scores = scores.masked_fill(torch.ones(b - a, b - a, dtype=torch.bool).triu(1), float("-inf"))
+        rows.append((scores.softmax(-1) @ vs).transpose(0, 1).reshape(b - a, heads * d))
+    ref = torch.cat(rows)
+    (ref * w).sum().backward()
+    return got, [x.detach().numpy().copy() for x in (ref, q2.grad, k2.grad, v2.grad)]
+
+
+def test_attention_matches_per_sequence_attention():
+    """The CPU core attention equals attention computed sequence by sequence, forward and
+    backward, with both kernels (the fused ``scaled_dot_product_attention`` one, and the parent's
+    arithmetic that bf16, dropout or attention sinks fall back to), on packed input (sequences
+    grouped by length, scattered into padded rows, real tokens gathered back: the pack's tokens
+    never see another sequence) and on padded input."""
+    from megatron_m2po.utils.dist_testing import run_distributed
+
+    (cases,) = run_distributed(_attention_vs_naive, 1, timeout_s=120)
+    assert {(c[0], c[1]) for c in cases} == {(k, f) for k in ("fused", "parent") for f in ("packed", "padded")}
+    for kernel, layout, lengths, got, ref in cases:
+        for name, a, b in zip(("output", "dq", "dk", "dv"), got, ref):
+            np.testing.assert_allclose(a, b, rtol=0, atol=1e-5, err_msg=f"{name}, {kernel} {layout} {lengths}")
+
+
+def test_length_groups_are_the_cheapest_split():
+    """The dynamic programme's split costs no more than any split into runs of the sorted
+    lengths (all of them enumerated here), and covers every sequence once."""
+    import itertools
+
+    from megatron_m2po.actor.attention import length_groups
+
+    rng = np.random.default_rng(0)
+    for _ in range(30):
+        lengths = [int(x) for x in rng.integers(1, 200, rng.integers(1, 9))]
+        overhead = int(rng.choice([0, 5_000, 200_000]))
+        groups = length_groups(lengths, heads=2, overhead=overhead)
+        assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+
+        def cost(gs):
+            return sum(len(g) * max(lengths[i] for i in g) ** 2 * 2 + overhead for g in gs)
+        order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+        n = len(order)
+        best = min(cost([order[a:b] for a, b in zip((0,) + cuts, cuts + (n,))])
+                   for r in range(n) for cuts in itertools.combinations(range(1, n), r))
+        assert cost(groups) == best, (lengths, overhead, groups)
+    assert length_groups([50, 50, 50], heads=4) == [[0, 1, 2]]
+
+
+def _rope_thd(rank, world_size):
+    """Megatron's own ``_apply_rotary_pos_emb_thd`` against the installed gather, both freqs cases."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.common.embeddings import rope_utils
+
+    from megatron_m2po.actor.attention import install_thd_rope
+
+    lib.init_megatron()
+    original = rope_utils._apply_rotary_pos_emb_thd
+    install_thd_rope()
+    install_thd_rope()  # idempotent
+    fast = rope_utils._apply_rotary_pos_emb_thd
+    assert fast is not original and fast.original is original
+    cp = ps.get_context_parallel_group()
+    g = torch.Generator().manual_seed(1)
+    cu = torch.tensor([0, 5, 6, 15, 18], dtype=torch.int32)
+    t = torch.randn(18, 3, 16, generator=g)
+    out = []
+    for freqs in (torch.randn(9, 1, 1, 16, generator=g), torch.randn(18, 1, 1, 16, generator=g)):
+        a = original(t, cu, freqs, cp_group=cp)
+        b = fast(t, cu, freqs, cp_group=cp)
+        out.append(bool(torch.equal(a, b)))
+    rope_utils._apply_rotary_pos_emb_thd = original
+    return out
+
+
+def test_packed_rope_gather_equals_megatrons_loop():
+    """RoPE on a THD pack through one gather gives bit for bit what Megatron's per-sequence
+    loop gives, for ``freqs`` of the longest sequence and for ``freqs`` of every packed position."""
+    from megatron_m2po.utils.dist_testing import run_distributed
+
+    (same,) = run_distributed(_rope_thd, 1, timeout_s=120)
+    assert same == [True, True]

@@ -10,12 +10,17 @@ padded micro-batch sizes 1/2/4/8 and packed token budgets it prints: the fractio
 on padding rows, micro-batches per rank and update, and data-parallel imbalance (max / mean work
 per rank) with contiguous and with balanced shards.
 
-Part 2 (``--actor``): the tiny actor on CPU (one process): tokens/s of ``compute_logprobs``,
-packed vs padded at micro-batch size 4, on samples drawn from the same distribution scaled down
-to the tiny model's context (``--tiny-median``), with the log-probs of both paths compared.
-The CPU packed attention is dense over the pack (a block-diagonal mask, ``actor/attention.py``),
-so on CPU packing saves the padding of the dense projections but not attention FLOPs; the THD
-kernels on GPU skip the masked blocks.
+Part 2 (``--actor``): the tiny actor on CPU (one process, one thread by default): tokens per CPU
+second of ``compute_logprobs`` (forward) and ``train_update`` (forward + backward + optimizer),
+padded at micro-batch size 4 against packed token budgets (``--tiny-budgets``), on 128 samples of
+the same distribution with every length scaled down to the tiny model's context
+(``--tiny-median``; the padding fraction of mbs=4 is printed), with the log-probs of every layout
+compared. The layouts take turns within each round (``--repeat`` rounds), so load from other
+processes hits them alike; CPU time of the process is what is measured, which that load moves
+least. A padded micro-batch of 4 needs activations for up to 4 x the longest sequence (~930 tokens
+here): budget 1024 is the same memory, 2048 twice it. On CPU both layouts run the same fused
+causal attention kernel (``actor/attention.py``); packing saves the padding rows of every layer
+and most of the per-micro-batch overhead.
 
     python tools/benchmarks/packing.py
     python tools/benchmarks/packing.py --actor
@@ -43,6 +48,17 @@ def lengths_of_update(rng, prompts: int, per_prompt: int, median: float, max_len
         for _ in range(per_prompt):
             r = int(min(max_len, max(16, typical * rng.lognormal(0.0, 0.3))))
             out.append((p, r))
+    return out
+
+
+def tiny_lengths(rng, args) -> list[tuple[int, int]]:
+    """Part 2's samples: 16 prompts x 8 samples from the same distribution with every length
+    (prompt range, median response, cap) scaled by ``tiny_median / median``, so that the shape,
+    and with it the padding fraction, is the stated one at the tiny model's context."""
+    scale = args.tiny_median / args.median
+    out = []
+    for p, r in lengths_of_update(rng, 16, 8, args.tiny_median, max(16, round(args.max_len * scale))):
+        out.append((max(1, round(p * scale)), r))
     return out
 
 
@@ -95,40 +111,63 @@ def _actor_bench(rank, world_size, root, args):
     from megatron_m2po.actor.actor import ActorConfig, MegatronActor
     from megatron_m2po.actor.batch import RolloutBatch, Sample
 
+    torch.set_num_threads(args.threads)
     d = lib.make_tiny_hf("qwen3", os.path.join(root, "m"), seed=0)
     rng = np.random.default_rng(args.seed)
-    pr = lengths_of_update(rng, 16, 8, args.tiny_median, 200)
-    samples = [Sample(uid=f"s{i}", prompt_ids=rng.integers(0, 128, max(1, p // 20)), response_ids=rng.integers(0, 128, r),
-                      behav_logprobs=np.zeros(r, np.float32), advantages=np.float32(0.0), loss_mask=np.ones(r, np.uint8),
-                      versions=np.zeros(r, np.int64)) for i, (p, r) in enumerate(pr)]
+    pr = tiny_lengths(rng, args)
+    samples = [Sample(uid=f"s{i}", prompt_ids=rng.integers(0, 128, p), response_ids=rng.integers(0, 128, r),
+                      behav_logprobs=np.zeros(r, np.float32), advantages=np.float32(rng.normal()),
+                      loss_mask=np.ones(r, np.uint8), versions=np.zeros(r, np.int64)) for i, (p, r) in enumerate(pr)]
     tokens = sum(s.length for s in samples)
-    out = {}
-    for name, packing, budget in (("padded mbs=4", False, None), ("packed", True, args.tiny_budget)):
-        cfg = lib.actor_config(d, mbs=4)
+    lengths = [s.length for s in samples]
+    padded_rows = sum(4 * max(lengths[k:k + 4]) for k in range(0, len(lengths), 4))
+    layouts = [("padded mbs=4", False, None)] + [(f"packed {b} tokens", True, b) for b in args.tiny_budgets]
+    actors = {}
+    for name, packing, budget in layouts:
+        cfg = lib.actor_config(d, mbs=4, loss="grpo", lr=0.0)
         cfg.parallel.packing, cfg.parallel.max_tokens_per_microbatch = packing, budget
-        actor = MegatronActor.from_config(ActorConfig.from_config(cfg, total_updates=1))
-        actor.compute_logprobs(RolloutBatch(samples[:8]))  # warm-up
-        times = []
-        for _ in range(args.repeat):
-            t0 = time.perf_counter()
+        actors[name] = MegatronActor.from_config(ActorConfig.from_config(cfg, total_updates=1))
+        actors[name].compute_logprobs(RolloutBatch(samples[:8]))  # warm-up
+    cpu = {(n, w): [] for n, *_ in layouts for w in ("logprobs", "train")}
+    lps = {}
+    # rounds interleave the layouts, so a change of machine load hits all of them alike;
+    # time is this process's CPU time (one thread), which other processes' load moves least
+    for _ in range(args.repeat):
+        for name, *_ in layouts:
+            t0 = time.process_time()
             with torch.no_grad():
-                lp = actor.compute_logprobs(RolloutBatch(samples))
-            times.append(time.perf_counter() - t0)
-        actor.close()
-        out[name] = (tokens / float(np.median(times)), lp)
-    return tokens, out
+                lps[name] = actors[name].compute_logprobs(RolloutBatch(samples))
+            t1 = time.process_time()
+            actors[name].train_update(RolloutBatch(samples))
+            t2 = time.process_time()
+            cpu[(name, "logprobs")].append(t1 - t0)
+            cpu[(name, "train")].append(t2 - t1)
+    for a in actors.values():
+        a.close()
+    return tokens, 1 - tokens / padded_rows, [n for n, *_ in layouts], cpu, lps
 
 
 def actor_table(args) -> None:
     from megatron_m2po.utils.dist_testing import run_distributed
 
     with tempfile.TemporaryDirectory() as root:
-        (tokens, out), = run_distributed(_actor_bench, 1, args=(root, args), timeout_s=1200)
-    (pad_tps, pad_lp), (pk_tps, pk_lp) = out["padded mbs=4"], out["packed"]
-    err = max(float(np.abs(a - b).max()) for a, b in zip(pad_lp, pk_lp))
-    print(f"# tiny actor on CPU, {tokens} tokens per pass, median of {args.repeat}")
-    print(f"padded mbs=4: {pad_tps:,.0f} tokens/s; packed (budget {args.tiny_budget}): {pk_tps:,.0f} tokens/s "
-          f"({pk_tps / pad_tps:.2f}x); max |log-prob difference| {err:.1e}")
+        (tokens, waste, names, cpu, lps), = run_distributed(_actor_bench, 1, args=(root, args), timeout_s=1800)
+    base = names[0]
+    print(f"\n# tiny actor on CPU (Qwen3-shaped, 2 layers, hidden 64), {tokens} tokens per pass: 128 sequences "
+          f"of the distribution above scaled by {args.tiny_median / args.median:.4f} (padded mbs=4 rows: "
+          f"{waste:.1%} padding); {args.threads} thread(s)")
+    print(f"# tokens per CPU second, median of {args.repeat} interleaved rounds; speed-up = median of the "
+          f"per-round ratios to {base}")
+    print(f"{'layout':<22}{'log-probs tok/s':>17}{'speed-up':>10}{'train tok/s':>14}{'speed-up':>10}"
+          f"{'max |dlogp|':>13}")
+    for n in names:
+        row = f"{n:<22}"
+        for w in ("logprobs", "train"):
+            tps = tokens / float(np.median(cpu[(n, w)]))
+            ratio = float(np.median([b / a for a, b in zip(cpu[(n, w)], cpu[(base, w)])]))
+            row += f"{tps:>17,.0f}{ratio:>9.2f}x" if w == "logprobs" else f"{tps:>14,.0f}{ratio:>9.2f}x"
+        err = max(float(np.abs(a - b).max()) for a, b in zip(lps[n], lps[base]))
+        print(row + f"{err:>13.1e}")
 
 
 def main() -> None:
@@ -141,9 +180,12 @@ def main() -> None:
     ap.add_argument("--dp", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--actor", action="store_true", help="also time the tiny actor on CPU (part 2)")
-    ap.add_argument("--tiny-median", type=float, default=60.0)
-    ap.add_argument("--tiny-budget", type=int, default=256)
-    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--tiny-median", type=float, default=50.0,
+                    help="median typical response of part 2 (tokens; the tiny model holds 256 positions)")
+    ap.add_argument("--tiny-budgets", type=lambda v: [int(x) for x in v.split(",")], default=[1024, 2048],
+                    help="packed token budgets to time against padded mbs=4 (comma-separated)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads of the timed process")
+    ap.add_argument("--repeat", type=int, default=5)
     args = ap.parse_args()
     plan_table(args)
     if args.actor:
