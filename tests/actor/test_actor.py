@@ -406,3 +406,60 @@ def test_a_rank_needs_only_its_shard(tmp_path):
         assert m_whole[0]["staleness/mean"] == 2.0 and m_whole[1]["staleness/max"] == 3.0
         for k in w_whole:
             assert np.array_equal(w_whole[k], w_shard[k]), k
+
+
+def _dump_layouts(rank, world_size, root, layouts):
+    """The trainer's token dump (``trainer/token_dump.py``) of one step of two updates, recorded
+    through the actor's ``token_hook`` at each layout ``(tp, pp, packing)``; rank 0 returns the
+    arrays of the written file."""
+    from megatron_m2po.actor.actor import ActorConfig, MegatronActor
+    from megatron_m2po.trainer.token_dump import TokenDump, read_token_dump
+
+    d = _hf_dir(root, "qwen3", seed=4)
+    out = []
+    for tp, pp, packing in layouts:
+        cfg = lib.actor_config(d, tp=tp, pp=pp, mbs=2)
+        cfg.parallel.sequence_parallel = tp > 1
+        cfg.parallel.packing, cfg.parallel.max_tokens_per_microbatch = packing, (40 if packing else None)
+        cfg.algo.m2po.threshold = 0.02
+        cfg.logging.dump_tokens_every = 1
+        actor = MegatronActor.from_config(ActorConfig.from_config(cfg, total_updates=100))
+        batch = _stale_batch(actor, lib.make_samples(8, seed=5), noise=0.5)
+        actor.version = 2
+        run_dir = os.path.join(root, f"dump_{tp}_{pp}_{packing}_{world_size}")
+        dump = TokenDump(cfg, actor, run_dir)
+        dump.begin(0)
+        first = 0
+        for mini in batch.split(2):
+            update = actor.version
+            actor.train_update(mini)
+            dump.end_update(mini, update, first)
+            first += len(mini.samples)
+        path = dump.write()
+        actor.close()
+        if rank == 0:
+            data, meta = read_token_dump(path)
+            out.append(((tp, pp, packing), data))
+    return out
+
+
+@pytest.mark.multiproc
+def test_token_dump_is_the_same_at_every_layout(tmp_path):
+    """The per-token dump of a step (log-prob and entropy at the training weights, the keep mask
+    the loss used, the clip / mask flags) does not depend on the layout: TP=2 with SP, PP=2
+    (recorded by the last stage, gathered to rank 0) and DP=2 with packing write what one
+    process writes (log-probs, entropy and the behaviour log-probs each layout computed to 1e-5,
+    the rest exactly)."""
+    (ref,) = run_distributed(_dump_layouts, 1, args=(str(tmp_path), [(1, 1, False)]), timeout_s=240)[0]
+    others = run_distributed(_dump_layouts, 2, args=(str(tmp_path), [(2, 1, False), (1, 2, False), (1, 1, True)]),
+                             timeout_s=360)[0]
+    _, base = ref
+    assert len(base["token"]) > 20 and base["m2po_masked"].any() and (base["keep"] == 0).any()
+    assert sorted(set(base["update"].tolist())) == [2, 3]
+    for layout, data in others:
+        assert set(data) == set(base), layout
+        for k in base:
+            if k in ("logp", "behav_logp", "entropy", "logratio"):  # behaviour = each layout's log-probs + noise
+                np.testing.assert_allclose(data[k], base[k], rtol=0, atol=1e-5, err_msg=f"{k} {layout}")
+            else:
+                np.testing.assert_array_equal(data[k], base[k], err_msg=f"{k} {layout}")
