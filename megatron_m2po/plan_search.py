@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from megatron_m2po import planner
-from megatron_m2po.config import Config, load_config
+from megatron_m2po.config import Config
 from megatron_m2po.planner import (GiB, Layout, ModelShape, Plan, PlanError, _stage_params, padded_vocab,
                                    plan_from_config)
 
@@ -546,10 +546,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"m2po plan --search: --{', --'.join(k.replace('_', '-') for k in fixed)} fix what the search "
               f"enumerates; drop them (or drop --search to check one layout)", file=sys.stderr)
         return 2
-    path, overrides = args.config, list(args.overrides)
-    if path is not None and "=" in path:
-        path, overrides = None, [path] + overrides
-    cfg = load_config(path, overrides)
+    cfg = planner.config_of(args)
     try:
         m = planner._resolve_model(args, cfg)
         def search(nnodes: int) -> SearchResult:

@@ -577,16 +577,22 @@ def _resolve_model(args: argparse.Namespace, cfg: Config) -> ModelShape:
     return model_shape(cfg.model.hf_path)
 
 
+def config_of(args: argparse.Namespace):
+    """The config of ``m2po plan CONFIG [overrides]``; a first argument with ``=`` is an override
+    (no config file: the defaults)."""
+    path, overrides = args.config, list(args.overrides)
+    if path is not None and "=" in path:
+        path, overrides = None, [path] + overrides
+    return load_config(path, overrides)
+
+
 def run(args: argparse.Namespace) -> int:
     if args.list_models:
         for m in MODELS.values():
             print(f"{m.name:16s} {m.num_params() / 1e9:6.2f}B  hidden={m.hidden} layers={m.layers} heads={m.heads} "
                   f"kv_heads={m.kv_heads} ffn={m.ffn} vocab={m.vocab} tied={m.tied}")
         return 0
-    path, overrides = args.config, list(args.overrides)
-    if path is not None and "=" in path:
-        path, overrides = None, [path] + overrides
-    cfg = load_config(path, overrides)
+    cfg = config_of(args)
     try:
         m = _resolve_model(args, cfg)
         names = {"tp": "tp", "pp": "pp", "dp": "dp", "cp": "cp", "vpp": "vpp", "micro_batch_tokens": "micro_batch_tokens",

@@ -88,6 +88,9 @@ def thd_to_padded_index(cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.T
     return pos, seq, int(lengths.max()) if lengths.numel() else 0
 
 
+_PLANS: dict = {}  # the current micro-batch's _PackPlan, keyed by (cu_seqlens, heads per partition)
+
+
 class _PackPlan:
     """Index tensors of one pack's padded groups, computed once per micro-batch (every layer
     of the micro-batch reuses them)."""
@@ -176,9 +179,6 @@ class PackedDotProductAttention(DotProductAttention):
             outs.append(out[pos, seq])  # [max_len, n, h] -> [t_g, h]
         out = outs[0] if len(outs) == 1 else torch.cat(outs)
         return out if plan.inverse is None else out[plan.inverse]
-
-
-_PLANS: dict = {}
 
 
 def _thd_rope(original):

@@ -395,6 +395,16 @@ def _count(where: str, t: dict, key: str) -> int:
     return n
 
 
+def _array_counts(where: str, t: dict) -> tuple[int, int, int]:
+    """A binary trajectory header's ``(n_prompt, n_response, n_runs)``, each bounded."""
+    npr, nr, nrun = (_count(where, t, k) for k in ("n_prompt", "n_response", "n_runs"))
+    _check_len(f"{where}.n_prompt", npr)
+    _check_len(f"{where}.n_response", nr)
+    if nrun > max(nr, 1):
+        raise PayloadError(f"{where}.n_runs={nrun} exceeds n_response={nr}")
+    return npr, nr, nrun
+
+
 def _check_binary_length(doc: Any, payload: int) -> None:
     """The header's declared array sizes must add up to the payload, checked before any copy."""
     want = 0
@@ -403,12 +413,7 @@ def _check_binary_length(doc: Any, payload: int) -> None:
         for j, t in enumerate(tl):
             if not isinstance(t, dict):
                 raise PayloadError(f"group {gid!r} trajectories[{j}] must be an object")
-            where = f"group {gid!r} trajectories[{j}]"
-            npr, nr, nrun = (_count(where, t, k) for k in ("n_prompt", "n_response", "n_runs"))
-            _check_len(f"{where}.n_prompt", npr)
-            _check_len(f"{where}.n_response", nr)
-            if nrun > max(nr, 1):
-                raise PayloadError(f"{where}.n_runs={nrun} exceeds n_response={nr}")
+            npr, nr, nrun = _array_counts(f"group {gid!r} trajectories[{j}]", t)
             want += 4 * npr + 8 * nr + 16 * nrun + nr * bool(t.get("has_loss_mask", False)) \
                 + 4 * nr * bool(t.get("has_recomputed", False))
     if want != payload:
@@ -446,11 +451,7 @@ def decode_binary(body: bytes) -> list[Group]:
                 raise PayloadError(f"{where} has unknown field(s) {sorted(set(t) - known)}")
             uid = _str_field(f"{where}.uid", t.get("uid"))
             where = f"trajectory {uid!r}"
-            npr, nr, nrun = (_count(where, t, k) for k in ("n_prompt", "n_response", "n_runs"))
-            _check_len(f"{where}.n_prompt", npr)
-            _check_len(f"{where}.n_response", nr)
-            if nrun > max(nr, 1):
-                raise PayloadError(f"{where}.n_runs={nrun} exceeds n_response={nr}")
+            npr, nr, nrun = _array_counts(where, t)
             sizes = [("prompt_ids", "<i4", npr), ("response_ids", "<i4", nr), ("behav_logprobs", "<f4", nr),
                      ("versions", "<i8", 2 * nrun)]
             if t.get("has_loss_mask", False):
