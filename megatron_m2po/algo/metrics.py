@@ -26,6 +26,8 @@ from typing import Iterable, Mapping, Union
 import torch
 import torch.distributed as dist
 
+from megatron_m2po.parallel.devices import collective_device
+
 REDUCTIONS = ("mean", "sum", "max", "min")
 
 
@@ -104,9 +106,7 @@ def reduce_metrics(metrics: Union[MetricDict, Iterable[MetricDict]], group=None)
     ext_t = torch.tensor([_f(metrics[n].value) for n in max_names] + [-_f(metrics[n].value) for n in min_names],
                          dtype=torch.float64)
     if group is not None:
-        device = torch.device("cpu")
-        if dist.get_backend(group) == "nccl":
-            device = torch.device("cuda", torch.cuda.current_device())
+        device = collective_device(group)
         check = torch.tensor([checksum, -checksum], dtype=torch.float64, device=device)
         dist.all_reduce(check, op=dist.ReduceOp.MAX, group=group)
         if float(check[0]) != checksum or float(check[1]) != -checksum:

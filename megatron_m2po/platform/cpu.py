@@ -20,7 +20,8 @@ What :func:`enable` changes, and why:
    model-parallel RNG tracker forks "the CUDA generator", which on CPU is the one generator
    that dropout and init actually draw from. Megatron's warning "CPU RNG state changed within
    GPU RNG context" is then expected (both are the same generator) and is filtered out.
-3. ``Tensor.cuda`` / ``Module.cuda`` -> no-ops returning self (data stays on the CPU);
+3. ``Tensor.cuda`` / ``Module.cuda`` -> no-ops returning self (data stays on the CPU; a host-born
+   tensor, change 8, gives an alias that is not);
    ``Tensor.pin_memory`` -> identity (pinning needs a CUDA host allocator).
 4. A ``torch.overrides.TorchFunctionMode`` (pushed once, never popped) rewrites every
    ``device=`` argument that names CUDA (``"cuda"``, ``"cuda:N"``, ``torch.device("cuda")``,
@@ -42,6 +43,12 @@ What :func:`enable` changes, and why:
    ``BackwardCFunction.apply`` (``torch/autograd/function.py``, the entry point of every custom
    Function's backward) is wrapped to re-enter the mode when it is not already active.
 
+8. Collectives refuse what NCCL refuses: the mode of change 4 also marks tensors born in host
+   memory (created without a device, or by ``.cpu()``), and ``torch.distributed``'s tensor
+   collectives raise NCCL's "No backend type associated with device type cpu" for such a tensor
+   on a group that is NCCL on GPUs (every group but explicit gloo ones). Gloo would take it, and
+   the first step on a cluster would not (``platform/collective_audit.py``).
+
 Nothing else in the package special-cases the CPU beyond choosing gloo, the local layer spec
 and turning fused kernels off (see ``actor/model.py``).
 """
@@ -54,6 +61,8 @@ from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
+
+from megatron_m2po.platform import collective_audit
 
 __all__ = ["enable", "is_enabled"]
 
@@ -91,13 +100,20 @@ class _CpuDeviceMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if "device" in kwargs and _is_cuda_device(kwargs["device"]):
+        named = kwargs.get("device") is not None
+        if named and _is_cuda_device(kwargs["device"]):
             kwargs = dict(kwargs, device="cpu")
         if kwargs.get("pin_memory"):
             kwargs = dict(kwargs, pin_memory=False)
-        if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
-            args = (args[0], "cpu", *args[2:])
-        return func(*args, **kwargs)
+        if func is torch.Tensor.to and len(args) > 1 and isinstance(args[1], (str, int, torch.device)) \
+                and not isinstance(args[1], bool):
+            named = True
+            if _is_cuda_device(args[1]):
+                args = (args[0], "cpu", *args[2:])
+        out = func(*args, **kwargs)
+        if named:  # a named device may be the accelerator's in production (device=x.device): not host-born
+            return collective_audit.to_accelerator(out) if isinstance(out, torch.Tensor) else out
+        return collective_audit.track(func, args, kwargs, out)
 
 
 class _NullStream:
@@ -178,8 +194,8 @@ def enable() -> None:
     cuda.initial_seed = torch.initial_seed
 
     # 3. .cuda() / pin_memory
-    torch.Tensor.cuda = lambda self, *a, **k: self
-    torch.nn.Module.cuda = lambda self, *a, **k: self
+    torch.Tensor.cuda = lambda self, *a, **k: collective_audit.to_accelerator(self)
+    torch.nn.Module.cuda = lambda self, *a, **k: collective_audit.to_accelerator_module(self)
     torch.Tensor.pin_memory = lambda self, *a, **k: self
 
     # 5. CUDA type names
@@ -198,6 +214,9 @@ def enable() -> None:
     # 4. device-argument rewriting, for the rest of the process
     _MODE = _CpuDeviceMode()
     _MODE.__enter__()
+
+    # 8. collectives refuse host tensors on groups that are NCCL in production
+    collective_audit.install()
 
     # 7. the same rewriting inside custom autograd Functions' backward
     from torch.autograd import function as autograd_function

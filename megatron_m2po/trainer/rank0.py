@@ -108,12 +108,15 @@ def scatter_from_rank0(fn: Callable[[], list[T]], *, what: str = "rank 0's resul
 
 
 def any_rank(flag: bool, group: Optional[Any] = None) -> bool:
-    """True on every rank when ``flag`` is true on at least one (a quick all-reduce)."""
+    """True on every rank when ``flag`` is true on at least one (a quick all-reduce on ``group``'s
+    device: under NCCL a CPU tensor is refused)."""
     import torch
+
+    from megatron_m2po.parallel.devices import collective_device
 
     if _world()[1] == 1:
         return flag
-    t = torch.tensor([1 if flag else 0], dtype=torch.int64)
+    t = torch.tensor([1 if flag else 0], dtype=torch.int64, device=collective_device(group))
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return bool(t.item())
 

@@ -100,3 +100,69 @@ def test_megatron_gpt_forward_backward_tp2_on_gloo():
     out = run_distributed(_megatron_tp2, 2, timeout_s=120)
     for shape, finite, grads in out:
         assert shape == (2, 8, 32) and finite and grads
+
+
+def _collective_audit(rank, world_size):
+    """What NCCL refuses on GPUs, the CPU platform refuses too (platform/collective_audit.py)."""
+    import torch.distributed as dist
+
+    from megatron_m2po.algo.metrics import Metric, reduce_metrics
+    from megatron_m2po.platform import cpu
+
+    cpu.enable()
+
+    def refused(fn):
+        try:
+            fn()
+        except RuntimeError as e:
+            return "No backend type associated with device type cpu" in str(e)
+        return False
+
+    out = {}
+    host = torch.tensor([1.0])
+    out["host_default"] = refused(lambda: dist.all_reduce(host))
+    out["derived"] = refused(lambda: dist.all_reduce(host.double() * 2))
+    out["stacked"] = refused(lambda: dist.broadcast(torch.stack([host, host]), src=0))
+    out["cpu_call"] = refused(lambda: dist.all_reduce(torch.ones(1, device="cuda").cpu()))
+    out["gather_list"] = refused(lambda: dist.all_gather([torch.ones(1, device="cuda")] * world_size, host))
+    peer = 1 - rank
+    ops = [dist.P2POp(dist.isend if rank == 0 else dist.irecv, torch.zeros(1), peer)]
+    out["p2p"] = refused(lambda: dist.batch_isend_irecv(ops))
+    # what production does: accelerator tensors on the NCCL groups, host tensors on gloo groups
+    acc = [torch.ones(1, device="cuda"), torch.zeros(2, device=torch.cuda.current_device()),
+           torch.tensor([3], device="cuda"), host.cuda(), host.to("cuda"), host.to(device="cuda:0"),
+           torch.ones(2, device=torch.cuda.current_device()) * host]
+    for t in acc:
+        dist.all_reduce(t)
+    gloo = dist.new_group([0, 1], backend="gloo")
+    dist.all_reduce(torch.tensor([1.0]), group=gloo)
+    sub = dist.new_group([0, 1])  # inherits the default backend: NCCL on GPUs
+    out["inherit"] = refused(lambda: dist.all_reduce(torch.tensor([1.0]), group=sub))
+    module = torch.nn.Linear(2, 2, device="cpu")  # created on the host, then moved as Megatron does
+    for p in module.cuda().parameters():
+        dist.broadcast(p.data, src=0)
+    m = reduce_metrics({"x": Metric(float(rank), "mean", 1.0)}, group=dist.group.WORLD)
+    out["metrics"] = m["x"]
+    return out
+
+
+def test_collectives_refuse_host_tensors_on_accelerator_groups():
+    """A host tensor in a collective on a group that is NCCL on GPUs fails here as it fails there;
+    tensors placed as production places them pass (metrics, .cuda(), device=..., gloo groups)."""
+    for out in run_distributed(_collective_audit, 2, timeout_s=120):
+        assert out.pop("metrics") == 0.5
+        assert all(out.values()), out
+
+
+def _any_rank_on_platform(rank, world_size):
+    from megatron_m2po.platform import cpu
+    from megatron_m2po.trainer.rank0 import any_rank
+
+    cpu.enable()
+    return any_rank(rank == 1), any_rank(False)
+
+
+def test_any_rank_runs_on_an_accelerator_group():
+    """trainer/rank0.any_rank is called by the training loop every step on the default group, which
+    is NCCL on GPUs: its tensor must be on the group's device."""
+    assert run_distributed(_any_rank_on_platform, 2, timeout_s=120) == [(True, False), (True, False)]
