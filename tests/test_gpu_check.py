@@ -54,13 +54,20 @@ def test_cpu_smoke_prints_the_table_and_passes(tmp_path):
     assert mem["verdict"] == "SKIP" and "CUDA" in mem["result"]
     step = by_check["train step (M2PO update)"]
     assert step["verdict"] == "INFO" and "tokens/s" in step["result"] and "MFU skipped" in step["result"]
+    # row 4: two gloo ranks, TP=2 + SP, packed micro-batches (one of odd length: the SP padding)
+    packed = [row for row in rows if row["check"].startswith("actor cpu gloo bf16 TP=2+SP packed (THD) vs CPU fp32")]
+    assert [row["check"].split(": ")[1] for row in packed] == ["log-probs", "entropies", "M2PO grad norm"]
+    assert all(row["verdict"] == "PASS" for row in packed), packed
+    assert "4 seqs in 2 packs of 3/1 seqs (2 padded to a multiple of TP)" in packed[0]["shape"]
     assert r.stdout.splitlines()[0].startswith("gpu_check --cpu-smoke: device=cpu")
     # the JSON holds the same rows, with the measured values behind them
     d = json.loads(out_json.read_text())
     assert [x["verdict"] for x in d["rows"]] == [row["verdict"] for row in rows]
     lp = d["rows"][0]["values"]
     assert 0 < lp["rel_rms"] <= 4 and lp["rms"] > 0 and lp["unit_rms"] > 0  # bf16 differs from fp32, within 4 units
-    assert d["rows"][-1]["values"]["tokens_per_s"] > 0
+    assert next(x for x in d["rows"] if x["check"] == "train step (M2PO update)")["values"]["tokens_per_s"] > 0
+    lp4 = next(x for x in d["rows"] if x["check"] == packed[0]["check"])["values"]
+    assert 0 < lp4["rel_rms"] <= 4 and lp4["unit_rms"] == lp["unit_rms"]  # row 1's reference, reused
 
 
 def _ref(n=400, seed=0, unit=0.01):
@@ -146,3 +153,81 @@ def test_without_cuda_or_megatron_it_says_what_to_do():
     assert "megatron-core, mbridge missing" in rows[0]["result"]
     assert "pip install 'megatron-core==0.16.1' 'mbridge==0.15.1'" in r.stderr
     assert "--find-links wheels/" in r.stderr
+
+
+# Stand-ins for the NGC image's GPU-only packages, as the CPU reference would meet them there: each
+# import is recorded, and using them on CPU fails the way the real kernels do (apex's FusedAdam
+# allocates its overflow buffer on CUDA in __init__; amp_C's kernels take CUDA tensors only).
+_FAKE_GPU_PACKAGES = {
+    "_fake_log.py": """
+import os, traceback
+def record(name):
+    with open(os.environ["FAKE_GPU_IMPORT_LOG"], "a") as f:
+        f.write(f"{name} imported by pid {os.getpid()}:\\n{''.join(traceback.format_stack(limit=12))}\\n")
+""",
+    "apex/__init__.py": "import _fake_log; _fake_log.record('apex')\n",
+    "apex/optimizers/__init__.py": """
+import torch
+class FusedAdam(torch.optim.Optimizer):
+    def __init__(self, params, **kw):
+        self._dummy_overflow_buf = torch.zeros(1, dtype=torch.int, device="cuda")  # as apex does
+        super().__init__(params, kw)
+FusedSGD = FusedAdam
+""",
+    "apex/multi_tensor_apply/__init__.py": """
+class _Applier:
+    available = True
+    def __call__(self, op, noop_flag, tensor_lists, *args):
+        return op(2048 * 32, noop_flag, tensor_lists, *args)
+multi_tensor_applier = _Applier()
+""",
+    "apex/normalization/__init__.py": "",
+    "apex/normalization/fused_layer_norm.py": "FusedLayerNormAffineFunction = FusedRMSNormAffineFunction = None\n",
+    "amp_C.py": """
+import _fake_log; _fake_log.record('amp_C')
+def _cuda_only(*a, **k):
+    raise RuntimeError("amp_C kernels take CUDA tensors")
+multi_tensor_scale = multi_tensor_l2norm = multi_tensor_adam = _cuda_only
+""",
+    "fused_weight_gradient_mlp_cuda.py": "import _fake_log; _fake_log.record('fused_weight_gradient_mlp_cuda')\n",
+    "transformer_engine/__init__.py": "import _fake_log; _fake_log.record('transformer_engine')\n",
+}
+
+
+def test_cpu_reference_never_loads_the_images_gpu_packages(tmp_path, monkeypatch):
+    """The NGC image has apex (and TE): the fp32 reference must still take Megatron's CPU fallbacks
+    (torch AdamW, local multi-tensor ops, local layer spec), or it crashes on CPU tensors there."""
+    gc = _module()
+    fake = tmp_path / "fake_site"
+    for rel, text in _FAKE_GPU_PACKAGES.items():
+        (fake / rel).parent.mkdir(parents=True, exist_ok=True)
+        (fake / rel).write_text(text)
+    log = tmp_path / "imports.log"
+    monkeypatch.setenv("FAKE_GPU_IMPORT_LOG", str(log))
+    monkeypatch.setenv("PYTHONPATH", str(fake))
+    shape = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                 intermediate_size=64, vocab_size=128, max_position_embeddings=64)
+    hf = gc.make_random_qwen2(tmp_path / "model", seed=0, init_std=32 ** -0.5, tie_word_embeddings=False, **shape)
+    spec = dict(n=2, vocab=128, prompt=(3, 5), response=(4, 6), seed=3)
+    proc, out = gc.start_reference(hf, spec, tmp_path)
+    output, _ = proc.communicate(timeout=240)
+    imported = log.read_text() if log.exists() else ""
+    assert proc.returncode == 0, output
+    assert not imported, f"the CPU reference imported GPU-only packages:\n{imported}"
+    ref = np.load(out)
+    assert np.isfinite(ref["logp"]).all() and np.isfinite(ref["grad_norm"]).all()
+
+
+def test_packed_row_is_refused_by_name_without_two_gpus(monkeypatch, capsys):
+    """On a one-GPU machine row 4 is a SKIP row that says why, and the exit status is 2."""
+    gc = _module()
+    assert gc.gpus_refusal(4, "x", 2, 2) is None
+    monkeypatch.setattr(gc.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(gc.torch.cuda, "get_device_name", lambda *a: "NVIDIA H100 80GB HBM3")
+    for found in (1, 0):
+        monkeypatch.setattr(gc.torch.cuda, "device_count", lambda: found)
+        rc = gc.main(["--only", "packed"])
+        rows = gc.parse_table(capsys.readouterr().out)
+        assert rc == 2
+        assert [(r["check"], r["verdict"]) for r in rows] == [("actor packed TP=2+SP vs CPU fp32", "SKIP")]
+        assert rows[0]["result"].startswith(f"refused: row 4 needs 2 GPUs, found {found}"), rows[0]
