@@ -68,6 +68,12 @@ def test_dockerfile_never_pip_installs_apex_or_te_and_runs_install_script():
     assert copy_idx < run_idx and pkg_idx < run_idx
     env = " ".join(ln for ln in ins if ln.startswith("ENV "))
     assert "SGLANG_PYTHON=/opt/sglang/bin/python" in env
+    # the non-editable install has no scripts/ beside it: the rehearsal finds them by this variable,
+    # in the directory the scripts are copied to
+    scripts_dir = re.search(r"M2PO_SCRIPTS_DIR=(\S+)", env).group(1)
+    copy = ins.index("COPY scripts ./scripts")
+    workdir = [ln.split()[1] for ln in ins[:copy] if ln.startswith("WORKDIR ")][-1]
+    assert scripts_dir == f"{workdir}/scripts"
     assert "CUDA_DEVICE_MAX_CONNECTIONS" not in env  # trainer-only: scripts/train.sh sets it
 
 
