@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -29,18 +30,24 @@ def _module():
     return mod
 
 
-def _run(*args: str, pre: str = "", timeout: float = 300) -> subprocess.CompletedProcess:
+def _run(*args: str, pre: str = "", timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
     code = f"import sys, runpy; {pre + '; ' if pre else ''}sys.argv = {[str(SCRIPT), *args]!r}; runpy.run_path({str(SCRIPT)!r}, run_name='__main__')"
     env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "CUDA_VISIBLE_DEVICES": "", "PYTHONWARNINGS": "ignore",
-           "HOME": str(Path.home())}
+           "HOME": str(Path.home()), **(env or {})}
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=timeout,
                           cwd=ROOT)
 
 
 def test_cpu_smoke_prints_the_table_and_passes(tmp_path):
+    """Every row at tiny shapes on CPU, with the NGC image's GPU-only packages (stand-ins,
+    below) importable: no process of the smoke run (the table's, the reference's, the two packed
+    ranks') loads one, so the smoke runs in the image as it does in CI."""
     out_json = tmp_path / "rows.json"
-    r = _run("--cpu-smoke", "--json", str(out_json))
+    fake, log = _fake_gpu_site(tmp_path)
+    r = _run("--cpu-smoke", "--json", str(out_json),
+             env={"PYTHONPATH": f"{ROOT}{os.pathsep}{fake}", "FAKE_GPU_IMPORT_LOG": str(log)})
     assert r.returncode == 0, r.stdout + r.stderr
+    assert not log.exists(), log.read_text()
     rows = _module().parse_table(r.stdout)
     by_check = {row["check"]: row for row in rows}
     numerics = [row for row in rows if row["check"].startswith("actor cpu bf16 (local spec) vs CPU fp32")]
@@ -194,15 +201,20 @@ multi_tensor_scale = multi_tensor_l2norm = multi_tensor_adam = _cuda_only
 }
 
 
-def test_cpu_reference_never_loads_the_images_gpu_packages(tmp_path, monkeypatch):
-    """The NGC image has apex (and TE): the fp32 reference must still take Megatron's CPU fallbacks
-    (torch AdamW, local multi-tensor ops, local layer spec), or it crashes on CPU tensors there."""
-    gc = _module()
+def _fake_gpu_site(tmp_path: Path) -> tuple[Path, Path]:
+    """A directory with the stand-ins above, and the file their imports are recorded in."""
     fake = tmp_path / "fake_site"
     for rel, text in _FAKE_GPU_PACKAGES.items():
         (fake / rel).parent.mkdir(parents=True, exist_ok=True)
         (fake / rel).write_text(text)
-    log = tmp_path / "imports.log"
+    return fake, tmp_path / "gpu_imports.log"
+
+
+def test_cpu_reference_never_loads_the_images_gpu_packages(tmp_path, monkeypatch):
+    """The NGC image has apex (and TE): the fp32 reference must still take Megatron's CPU fallbacks
+    (torch AdamW, local multi-tensor ops, local layer spec), or it crashes on CPU tensors there."""
+    gc = _module()
+    fake, log = _fake_gpu_site(tmp_path)
     monkeypatch.setenv("FAKE_GPU_IMPORT_LOG", str(log))
     monkeypatch.setenv("PYTHONPATH", str(fake))
     shape = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
