@@ -243,3 +243,13 @@ def test_packed_row_is_refused_by_name_without_two_gpus(monkeypatch, capsys):
         assert rc == 2
         assert [(r["check"], r["verdict"]) for r in rows] == [("actor packed TP=2+SP vs CPU fp32", "SKIP")]
         assert rows[0]["result"].startswith(f"refused: row 4 needs 2 GPUs, found {found}"), rows[0]
+
+
+def test_a_failed_packed_rank_is_reported_with_its_log(tmp_path):
+    gc = _module()
+    spec = dict(n=2, vocab=128, prompt=(3, 5), response=(4, 6), seed=3)
+    with pytest.raises(RuntimeError) as e:
+        gc.run_packed_ranks(tmp_path / "no-such-model", spec, tmp_path, smoke=True, timeout_s=240)
+    msg = str(e.value)
+    assert msg.startswith("packed TP=2 rank ") and "failed (exit 1)" in msg, msg
+    assert "no-such-model" in msg, msg  # the rank's own error, from its log

@@ -532,16 +532,23 @@ def run_packed_ranks(hf: Path, spec: dict, work: Path, smoke: bool, timeout_s: f
                                           stderr=subprocess.STDOUT))
     deadline = time.monotonic() + timeout_s
     failed = None
-    try:
-        for r, p in enumerate(procs):
+    try:  # the first rank to fail is the one to report: its peer then waits in a collective
+        while True:
+            codes = [p.poll() for p in procs]
+            bad = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
+            if bad:
+                failed = (bad[0][0], f"exit {bad[0][1]}")
+                break
+            if None not in codes:
+                break
+            running = codes.index(None)
+            if time.monotonic() > deadline:
+                failed = (running, f"still running after {timeout_s:g} s")
+                break
             try:
-                rc = p.wait(timeout=max(1.0, deadline - time.monotonic()))
+                procs[running].wait(timeout=0.5)
             except subprocess.TimeoutExpired:
-                failed = (r, f"still running after {timeout_s:g} s")
-                break
-            if rc != 0:
-                failed = (r, f"exit {rc}")
-                break
+                pass
     finally:
         for p in procs:
             if p.poll() is None:
