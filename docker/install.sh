@@ -3,12 +3,12 @@
 #
 #   docker/install.sh [SRC_DIR]            install (inside the NGC container)
 #   docker/install.sh --dry-run [SRC_DIR]  print the commands, run nothing
-#   docker/install.sh --check              validate the pinned requirement lines (any CPU machine)
-#   docker/install.sh --print-requirements
+#   docker/install.sh --check              validate the requirements against constraints-cpu.txt (any CPU machine)
+#   docker/install.sh --print-requirements the requirement lines, pinned, per environment
 #
 # Two Python environments, because SGLang pins its own torch (sglang 0.5.23: torch==2.14.1,
 # transformers==5.19.0) while Megatron-Core must keep the NGC build of torch, transformer-engine
-# and apex:
+# and (where the image has it; optional) apex:
 #   * the NGC python (trainer): megatron-core, mbridge, math-verify, ray, sglang-router,
 #     nvidia-modelopt and this package, installed under the image's PIP_CONSTRAINT so pip can never
 #     replace the NGC torch; transformer-engine and apex are never pip-installed (they come with the
@@ -63,8 +63,9 @@ here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)  # the checkout this scrip
 src=${src:-$here}
 [ -f "$here/constraints-cpu.txt" ] || { echo "install.sh: $here/constraints-cpu.txt is missing (the pins)" >&2; exit 2; }
 
-# pins REQ...: resolves the trainer requirements against this checkout's constraints-cpu.txt and checks them
-# (pinned exactly there, nothing the base image owns; SGLang lines pinned exactly here). Prints
+# pins --requirements "ENV REQ"... | --constraints: resolves the trainer requirements against this
+# checkout's constraints-cpu.txt and checks them (pinned exactly there, nothing the base image
+# owns; SGLang lines pinned exactly here). Prints
 # "train name[extras]==version" / "sglang line" rows, or the derived constraints file with
 # --constraints. Reads the image's PIP_CONSTRAINT files (space-separated paths) when they exist.
 pins() {
