@@ -145,7 +145,8 @@ def test_help_says_what_it_proves():
     r = _run("--help")
     assert r.returncode == 0
     for phrase in ("actor numerics", "Transformer Engine", "CPU fp32", "Tolerance, and why", "fused log-prob",
-                   "naive", "tokens/s and MFU", "Qwen2.5-1.5B", "--cpu-smoke", "megatron-core"):
+                   "naive", "tokens/s and MFU", "Qwen2.5-1.5B", "--cpu-smoke", "megatron-core",
+                   "packed sequences at TP=2 + sequence parallel", "needs 2 GPUs, found K", "apex"):
         assert phrase in r.stdout, phrase
 
 
