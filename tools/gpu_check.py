@@ -58,8 +58,8 @@ It prints one table, a row per claim:
    ``padding_causal`` attention with ``cu_seqlens``, its fused THD RoPE, the SP padding
    pseudo-sequence when a pack's length is odd), bf16, on row 1's model and batch, against row
    1's CPU fp32 reference (one process, unpacked) with row 1's tolerance: log-probs, entropies
-   and the M2PO gradient norm. Needs 2 GPUs: with fewer the row is refused by name ("row 4 needs
-   2 GPUs, found K") and the exit status is 2.
+   and the M2PO gradient norm. Needs 2 GPUs: with fewer the row is refused by name
+   ("row 4 needs 2 GPUs, found K") and the exit status is 2.
 
 ``--cpu-smoke`` runs the same code at tiny shapes on CPU (CUDA hidden and the GPU-only packages
 blocked in every process, so it runs the same in the NGC image): row 1 compares CPU bf16 with the
