@@ -3,27 +3,37 @@
 #
 #   docker/install.sh [SRC_DIR]            install (inside the NGC container)
 #   docker/install.sh --dry-run [SRC_DIR]  print the commands, run nothing
-#   docker/install.sh --check              validate the pinned requirement lines (any CPU machine)
-#   docker/install.sh --print-requirements
+#   docker/install.sh --check              validate the requirements against constraints-cpu.txt (any CPU machine)
+#   docker/install.sh --print-requirements the requirement lines, pinned, per environment
 #
 # Two Python environments, because SGLang pins its own torch (sglang 0.5.23: torch==2.14.1,
 # transformers==5.19.0) while Megatron-Core must keep the NGC build of torch, transformer-engine
-# and apex:
+# and (where the image has it; optional) apex:
 #   * the NGC python (trainer): megatron-core, mbridge, math-verify, ray, sglang-router,
 #     nvidia-modelopt and this package, installed under the image's PIP_CONSTRAINT so pip can never
 #     replace the NGC torch; transformer-engine and apex are never pip-installed (they come with the
 #     image; PyPI `apex` is an unrelated project);
 #   * /opt/sglang (a venv): the SGLang engines, which only talk HTTP (and NCCL for weight sync) to
 #     the trainer. Engine launchers use $SGLANG_PYTHON.
+#
+# Versions: constraints-cpu.txt (the versions CI tests) is the one list of pins. TRAIN_REQS names
+# packages only; each is installed at its constraints-cpu.txt version, and every trainer install
+# runs with a constraints file derived from it (transformers, tokenizers, numpy ... at CI's
+# versions), less the packages the base image owns (torch, triton, TE, apex, flash-attn) and any
+# package the image's own PIP_CONSTRAINT pins (the image's pin wins; install.sh lists them).
+#
+#   docker/install.sh --print-constraints  the derived constraints file, as the install uses it
+#   docker/install.sh --venv DIR           only create the engine venv at DIR (pip included)
+#   docker/install.sh --check-base         only check this python's base packages (torch, TE; apex optional)
 set -euo pipefail
 
 TRAIN_REQS=(
-  "megatron-core==0.16.1"
-  "mbridge==0.15.1"
-  "math-verify==0.9.0"
-  "ray[default]==2.60.0"
-  "sglang-router==0.3.2"
-  "nvidia-modelopt[torch]==0.47.0"
+  "megatron-core"
+  "mbridge"
+  "math-verify"
+  "ray[default]"
+  "sglang-router"
+  "nvidia-modelopt[torch]"
 )
 SGLANG_REQS=("sglang==0.5.23")
 SGLANG_VENV=${SGLANG_VENV:-/opt/sglang}
@@ -33,72 +43,159 @@ PY=${PYTHON:-python3}
 
 mode=install
 src=
+venv_dir=
+want_venv=0
 for a in "$@"; do
+  if [ "$want_venv" = 1 ]; then venv_dir=$a; want_venv=0; continue; fi
   case "$a" in
     --dry-run) mode=dry ;;
     --check) mode=check ;;
     --print-requirements) mode=print ;;
+    --print-constraints) mode=constraints ;;
+    --check-base) mode=base ;;
+    --venv) mode=venv; want_venv=1 ;;
     -*) echo "install.sh: unknown option $a" >&2; exit 2 ;;
     *) src=$a ;;
   esac
 done
-src=${src:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}
+if [ "$mode" = venv ] && [ -z "$venv_dir" ]; then echo "install.sh: --venv needs a directory" >&2; exit 2; fi
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)  # the checkout this script is in: its pins
+src=${src:-$here}
+[ -f "$here/constraints-cpu.txt" ] || { echo "install.sh: $here/constraints-cpu.txt is missing (the pins)" >&2; exit 2; }
 
-if [ "$mode" = print ]; then
-  printf 'train %s\n' "${TRAIN_REQS[@]}"
-  printf 'sglang %s\n' "${SGLANG_REQS[@]}"
-  exit 0
-fi
-
-if [ "$mode" = check ]; then
-  # Every line parses, is pinned exactly, names nothing the base image owns, and agrees with the
-  # CPU pins in constraints-cpu.txt (the versions CI tests).
-  "$PY" - "$src/constraints-cpu.txt" "${TRAIN_REQS[@]}" "${SGLANG_REQS[@]}" <<'PYEOF'
-import re, sys
+# pins --requirements "ENV REQ"... | --constraints: resolves the trainer requirements against this
+# checkout's constraints-cpu.txt and checks them (pinned exactly there, nothing the base image
+# owns; SGLang lines pinned exactly here). Prints
+# "train name[extras]==version" / "sglang line" rows, or the derived constraints file with
+# --constraints. Reads the image's PIP_CONSTRAINT files (space-separated paths) when they exist.
+pins() {
+  "$PY" - "$here/constraints-cpu.txt" "$@" <<'PYEOF'
+import os, sys
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
-owned = {"torch", "apex", "transformer-engine", "transformer-engine-torch", "transformer-engine-cu12",
-         "transformer-engine-cu13", "flash-attn", "triton"}
-pins = {}
-for line in open(sys.argv[1]):
-    line = line.split("#")[0].strip()
-    if "==" in line:
-        n, v = line.split("==", 1)
-        pins[canonicalize_name(n)] = v.strip()
+
+OWNED = {"torch", "apex", "triton", "flash-attn", "flash-attn-3", "pytorch-triton"}  # the NGC image's
+
+
+def owned(name):
+    return name in OWNED or name.startswith("transformer-engine")
+
+
+def read_pins(path):
+    pins = {}
+    for line in open(path):
+        line = line.split("#")[0].strip()
+        if line and not line.startswith("-"):
+            r = Requirement(line)
+            spec = list(r.specifier)
+            if len(spec) == 1 and spec[0].operator == "==":
+                pins[canonicalize_name(r.name)] = (r.name, spec[0].version)
+    return pins
+
+
+path, what, *reqs = sys.argv[1:]
+cpu = read_pins(path)
 bad = []
-reqs = sys.argv[2:]
+if what == "--constraints":
+    image = {}
+    for f in os.environ.get("PIP_CONSTRAINT", "").split():
+        if os.path.isfile(f):
+            image.update(read_pins(f))
+    out, dropped = [], []
+    for key, (name, ver) in sorted(cpu.items()):
+        if owned(key):
+            continue
+        if key in image:
+            if image[key][1] != ver:
+                dropped.append(f"{name}=={ver} (the image pins {image[key][1]})")
+            continue
+        out.append(f"{name}=={ver}")
+    if dropped:
+        print("install.sh: warning: the base image's PIP_CONSTRAINT wins over constraints-cpu.txt for: "
+              + ", ".join(dropped), file=sys.stderr)
+    print(f"# derived by docker/install.sh from constraints-cpu.txt: {len(out)} pins")
+    print("\n".join(out))
+    sys.exit(0)
 if not reqs:
-    sys.exit("install.sh --check: no requirement lines")
+    sys.exit("install.sh: no requirement lines")
+rows = []
 for line in reqs:
-    r = Requirement(line)
-    name = canonicalize_name(r.name)
-    spec = list(r.specifier)
-    if name in owned or name.startswith("transformer-engine"):
-        bad.append(f"{line}: {name} comes with the NGC base image and must not be pip-installed")
-    if len(spec) != 1 or spec[0].operator != "==":
-        bad.append(f"{line}: pin an exact version (==)")
-    elif name in pins and pins[name] != spec[0].version:
-        bad.append(f"{line}: constraints-cpu.txt pins {name}=={pins[name]}; keep CPU and GPU in step")
+    env, _, req = line.partition(" ")
+    r = Requirement(req)
+    key = canonicalize_name(r.name)
+    if owned(key):
+        bad.append(f"{req}: {key} comes with the NGC base image and must not be pip-installed")
+        continue
+    if env == "sglang":
+        spec = list(r.specifier)
+        if len(spec) != 1 or spec[0].operator != "==":
+            bad.append(f"{req}: pin an exact version (==)")
+        rows.append(f"sglang {req}")
+        continue
+    if r.specifier:
+        bad.append(f"{req}: TRAIN_REQS names packages only; the version comes from constraints-cpu.txt")
+    elif key not in cpu:
+        bad.append(f"{req}: constraints-cpu.txt has no exact pin for {key}; add it there (the versions CI tests)")
+    else:
+        extras = f"[{','.join(sorted(r.extras))}]" if r.extras else ""
+        rows.append(f"train {r.name}{extras}=={cpu[key][1]}")
 if bad:
-    print("install.sh --check failed:\n  " + "\n  ".join(bad), file=sys.stderr)
+    print("install.sh: requirement check failed:\n  " + "\n  ".join(bad), file=sys.stderr)
     sys.exit(1)
-print(f"install.sh --check: {len(reqs)} requirement lines ok")
+print("\n".join(rows))
 PYEOF
-  exit $?
+}
+
+req_rows=$(pins --requirements "${TRAIN_REQS[@]/#/train }" "${SGLANG_REQS[@]/#/sglang }")
+if [ "$mode" = print ]; then
+  echo "$req_rows"
+  exit 0
 fi
+if [ "$mode" = check ]; then
+  pins --constraints >/dev/null
+  echo "install.sh --check: $(echo "$req_rows" | wc -l) requirement lines ok"
+  exit 0
+fi
+if [ "$mode" = constraints ]; then
+  pins --constraints
+  exit 0
+fi
+mapfile -t train_pinned < <(echo "$req_rows" | sed -n 's/^train //p')
+mapfile -t sglang_pinned < <(echo "$req_rows" | sed -n 's/^sglang //p')
 
 run() {
   echo "+ $*"
-  if [ "$mode" = install ]; then "$@"; fi
+  if [ "$mode" = install ] || [ "$mode" = venv ]; then "$@"; fi
 }
 
-if [ "$mode" = install ]; then
+# make_venv DIR: a venv with pip that does not need ensurepip. `python3 -m venv DIR` runs
+# ensurepip, which Debian / Ubuntu pythons (an NGC image's) ship only in the python3-venv package;
+# the image need not have it. The stdlib venv module creates the venv --without-pip, and the
+# image's own pip installs pip into it (`pip --python`, pip >= 22.3: pip runs under the venv's
+# interpreter and installs there). No get-pip.py from the network, and nothing added to the
+# trainer's python (SGLang's torch must never reach it, so it cannot go there either).
+make_venv() {
+  if [ "$mode" != dry ] && ! "$PY" -c 'import sys, pip; sys.exit(tuple(map(int, pip.__version__.split(".")[:2])) < (22, 3))'; then
+    echo "install.sh: $PY's pip is older than 22.3 (no --python option); upgrade it first: $PY -m pip install -U pip" >&2
+    exit 1
+  fi
+  run "$PY" -m venv --without-pip "$1"
+  run env PIP_CONSTRAINT= "$PY" -m pip --python "$1/bin/python" install --no-cache-dir --upgrade pip
+}
+
+if [ "$mode" = venv ]; then
+  make_venv "$venv_dir"
+  "$venv_dir/bin/python" -m pip --version
+  exit 0
+fi
+
+if [ "$mode" = install ] || [ "$mode" = base ]; then
   "$PY" - "$TE_MIN" "$TE_MAX" <<'PYEOF'
 import sys
 from importlib.metadata import version, PackageNotFoundError
 from packaging.version import Version
 missing = []
-for mod in ("torch", "transformer_engine", "apex"):
+for mod in ("torch", "transformer_engine"):
     try:
         __import__(mod)
     except Exception as e:  # noqa: BLE001
@@ -106,6 +203,11 @@ for mod in ("torch", "transformer_engine", "apex"):
 if missing:
     sys.exit("install.sh: the base image lacks " + ", ".join(missing) +
              "; build FROM an NGC PyTorch image (nvcr.io/nvidia/pytorch:YY.MM-py3)")
+try:  # optional: Megatron-Core uses TE's kernels first and falls back to apex, then to torch
+    __import__("apex")
+except Exception as e:  # noqa: BLE001
+    print(f"install.sh: note: NVIDIA apex is not importable ({e.__class__.__name__}: {e}); megatron_m2po does "
+          "not need it (Transformer Engine provides the fused optimizer and kernels)")
 te = None
 for dist in ("transformer_engine", "transformer-engine", "transformer_engine_torch"):
     try:
@@ -119,18 +221,22 @@ if te is not None and not (lo <= Version(te.base_version) < hi):
     if os.environ.get("M2PO_ALLOW_TE_MISMATCH") != "1":
         sys.exit(f"install.sh: {msg}; pick an NGC tag whose TE is in range or set M2PO_ALLOW_TE_MISMATCH=1")
     print("warning:", msg)
+print(f"install.sh: base image ok: torch, transformer-engine {te or '(version unknown)'}")
 PYEOF
+  if [ "$mode" = base ]; then exit 0; fi
   torch_before=$("$PY" -c 'import torch; print(torch.__version__)')
 fi
 
-# Trainer side, into the NGC python, under the image's PIP_CONSTRAINT (keeps its torch).
-run "$PY" -m pip install --no-cache-dir "${TRAIN_REQS[@]}"
-run "$PY" -m pip install --no-cache-dir "$src"
+# Trainer side, into the NGC python, under the image's PIP_CONSTRAINT (keeps its torch) and the
+# constraints derived from constraints-cpu.txt (CI's versions of everything else).
+constraints=${TMPDIR:-/tmp}/m2po-train-constraints.txt
+if [ "$mode" = install ]; then pins --constraints >"$constraints"; fi
+run "$PY" -m pip install --no-cache-dir -c "$constraints" "${train_pinned[@]}"
+run "$PY" -m pip install --no-cache-dir -c "$constraints" "$src"
 
 # Engines: a separate venv with SGLang's own torch (NGC's constraint file must not apply there).
-run "$PY" -m venv "$SGLANG_VENV"
-run env PIP_CONSTRAINT= "$SGLANG_VENV/bin/python" -m pip install --no-cache-dir --upgrade pip
-run env PIP_CONSTRAINT= "$SGLANG_VENV/bin/python" -m pip install --no-cache-dir "${SGLANG_REQS[@]}"
+make_venv "$SGLANG_VENV"
+run env PIP_CONSTRAINT= "$SGLANG_VENV/bin/python" -m pip install --no-cache-dir "${sglang_pinned[@]}"
 
 if [ "$mode" = install ]; then
   torch_after=$("$PY" -c 'import torch; print(torch.__version__)')
@@ -138,6 +244,7 @@ if [ "$mode" = install ]; then
     echo "install.sh: pip replaced the NGC torch ($torch_before -> $torch_after); a requirement pulled another torch" >&2
     exit 1
   fi
-  "$PY" -c 'import megatron.core, mbridge, math_verify, ray, sglang_router, modelopt.torch, transformer_engine, apex, megatron_m2po; print("trainer env ok")'
+  "$PY" -c 'import megatron.core, mbridge, math_verify, ray, sglang_router, modelopt.torch, transformer_engine, megatron_m2po; print("trainer env ok")'
+  "$PY" -m pip check || echo "install.sh: warning: pip check reports conflicts (above)" >&2
   "$SGLANG_VENV/bin/python" -c 'import sglang; print("sglang", sglang.__version__, "ok")'
 fi

@@ -51,8 +51,33 @@ from typing import Callable, Optional
 from megatron_m2po.config import Config, apply_overrides, config_from_dict, config_to_dict, load_config
 from megatron_m2po.utils.net import free_port
 
-REPO = Path(__file__).resolve().parents[1]
-SCRIPTS = REPO / "scripts"
+LAUNCH_SCRIPTS = ("train.sh", "launch_sglang_fleet.sh")  # what a rehearsal runs, from one scripts/ directory
+
+
+def find_scripts(config: Path, env: Optional[dict] = None, cwd: Optional[Path] = None) -> Path:
+    """The ``scripts/`` directory whose launchers a rehearsal runs (it must hold ``LAUNCH_SCRIPTS``).
+
+    Looked for, first found wins: ``$M2PO_SCRIPTS_DIR``; the checkout this package is imported
+    from (an editable install); the checkout the recipe ``config`` sits in
+    (``<repo>/examples/x.yaml`` -> ``<repo>/scripts``); ``scripts/`` under the working directory.
+    An installed (non-editable) package lives in site-packages with no ``scripts/`` beside it,
+    which is why the package's own location is not enough (the image sets the variable).
+    Raises :class:`RehearsalError` naming every place looked at.
+    """
+    env = os.environ if env is None else env
+    cwd = Path.cwd() if cwd is None else cwd
+    candidates = []
+    if env.get("M2PO_SCRIPTS_DIR"):
+        candidates.append(("$M2PO_SCRIPTS_DIR", Path(env["M2PO_SCRIPTS_DIR"]).expanduser()))
+    candidates += [("this package's checkout", Path(__file__).resolve().parents[1] / "scripts"),
+                   ("the recipe's checkout", Path(config).resolve().parent.parent / "scripts"),
+                   ("the working directory", cwd / "scripts")]
+    for _, d in candidates:
+        if all((d / name).is_file() for name in LAUNCH_SCRIPTS):
+            return d.resolve()
+    looked = "; ".join(f"{what}: {d}" for what, d in candidates)
+    raise RehearsalError(f"no scripts/ directory with {' and '.join(LAUNCH_SCRIPTS)} found (looked at {looked}); "
+                         "set M2PO_SCRIPTS_DIR to the repository's scripts/ directory")
 
 NODES, PROCS_PER_NODE = 2, 2
 TP, PP = 2, 2
@@ -269,6 +294,7 @@ class Rehearsal:
     workdir: Path
     model_dir: str
     router_port: int
+    scripts: Path  # find_scripts()
     python: str = sys.executable
     say: Callable[[str], None] = print
     timeout_s: float = 900.0
@@ -295,7 +321,7 @@ class Rehearsal:
         env = self._env(MODEL_PATH=self.model_dir, ENGINE="cpu_worker", NUM_ENGINES=str(ENGINES),
                         BASE_PORT=str(base), ROUTER_PORT=str(rport), HOST="127.0.0.1", ADVERTISE_HOST="127.0.0.1",
                         PROMETHEUS_PORT=str(free_port()), LOG_DIR=str(d / "logs"))
-        fleet = _Proc("fleet", ["bash", str(SCRIPTS / "launch_sglang_fleet.sh")], env, d, d / "fleet.log")
+        fleet = _Proc("fleet", ["bash", str(self.scripts / "launch_sglang_fleet.sh")], env, d, d / "fleet.log")
         self.procs.append(fleet)
         router = f"http://127.0.0.1:{rport}"
         _wait(lambda: _router_healthy(router) >= ENGINES, f"{ENGINES} CPU workers healthy behind the router {router}",
@@ -311,7 +337,7 @@ class Rehearsal:
             d = self.workdir / f"node{r}"
             env = self._env(NNODES=str(NODES), NODE_RANK=str(r), GPUS_PER_NODE=str(PROCS_PER_NODE),
                             MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), ROUTER_ADDR=router)
-            cmd = ["bash", str(SCRIPTS / "train.sh"), str(self.plan.config_path), *self.plan.args()]
+            cmd = ["bash", str(self.scripts / "train.sh"), str(self.plan.config_path), *self.plan.args()]
             nodes.append(_Proc(f"node {r}", cmd, env, d, d / f"train_{attempt}.log"))
         self.procs += nodes
         return nodes
@@ -410,6 +436,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     recipe = config.stem
     t0 = time.monotonic()
     try:
+        scripts = find_scripts(config)
         workdir = Path(a.workdir).resolve() if a.workdir else Path(tempfile.mkdtemp(prefix=f"rehearse-{recipe}-"))
         if workdir.exists() and any(workdir.iterdir()):
             raise RehearsalError(f"--workdir {workdir} is not empty: a rehearsal starts from nothing")
@@ -435,7 +462,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                 f"dtype={p.cfg.model.dtype} loss={p.cfg.algo.loss} launcher={p.cfg.rollout.launcher} "
                 f"weight_sync={p.cfg.rollout.weight_sync}")
         print(f"  kept: {kept}")
-        out = Rehearsal(p, workdir, model_dir, router_port, timeout_s=a.timeout).run()
+        out = Rehearsal(p, workdir, model_dir, router_port, scripts, timeout_s=a.timeout).run()
     except (RehearsalError, ValueError) as e:
         print(f"rehearsal FAILED {recipe}: {e}", file=sys.stderr)
         return 1

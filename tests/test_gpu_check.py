@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -29,18 +30,24 @@ def _module():
     return mod
 
 
-def _run(*args: str, pre: str = "", timeout: float = 300) -> subprocess.CompletedProcess:
+def _run(*args: str, pre: str = "", timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
     code = f"import sys, runpy; {pre + '; ' if pre else ''}sys.argv = {[str(SCRIPT), *args]!r}; runpy.run_path({str(SCRIPT)!r}, run_name='__main__')"
     env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "CUDA_VISIBLE_DEVICES": "", "PYTHONWARNINGS": "ignore",
-           "HOME": str(Path.home())}
+           "HOME": str(Path.home()), **(env or {})}
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=timeout,
                           cwd=ROOT)
 
 
 def test_cpu_smoke_prints_the_table_and_passes(tmp_path):
+    """Every row at tiny shapes on CPU, with the NGC image's GPU-only packages (stand-ins,
+    below) importable: no process of the smoke run (the table's, the reference's, the two packed
+    ranks') loads one, so the smoke runs in the image as it does in CI."""
     out_json = tmp_path / "rows.json"
-    r = _run("--cpu-smoke", "--json", str(out_json))
+    fake, log = _fake_gpu_site(tmp_path)
+    r = _run("--cpu-smoke", "--json", str(out_json),
+             env={"PYTHONPATH": f"{ROOT}{os.pathsep}{fake}", "FAKE_GPU_IMPORT_LOG": str(log)})
     assert r.returncode == 0, r.stdout + r.stderr
+    assert not log.exists(), log.read_text()
     rows = _module().parse_table(r.stdout)
     by_check = {row["check"]: row for row in rows}
     numerics = [row for row in rows if row["check"].startswith("actor cpu bf16 (local spec) vs CPU fp32")]
@@ -54,13 +61,20 @@ def test_cpu_smoke_prints_the_table_and_passes(tmp_path):
     assert mem["verdict"] == "SKIP" and "CUDA" in mem["result"]
     step = by_check["train step (M2PO update)"]
     assert step["verdict"] == "INFO" and "tokens/s" in step["result"] and "MFU skipped" in step["result"]
+    # row 4: two gloo ranks, TP=2 + SP, packed micro-batches (one of odd length: the SP padding)
+    packed = [row for row in rows if row["check"].startswith("actor cpu gloo bf16 TP=2+SP packed (THD) vs CPU fp32")]
+    assert [row["check"].split(": ")[1] for row in packed] == ["log-probs", "entropies", "M2PO grad norm"]
+    assert all(row["verdict"] == "PASS" for row in packed), packed
+    assert "4 seqs in 2 packs of 3/1 seqs (2 padded to a multiple of TP)" in packed[0]["shape"]
     assert r.stdout.splitlines()[0].startswith("gpu_check --cpu-smoke: device=cpu")
     # the JSON holds the same rows, with the measured values behind them
     d = json.loads(out_json.read_text())
     assert [x["verdict"] for x in d["rows"]] == [row["verdict"] for row in rows]
     lp = d["rows"][0]["values"]
     assert 0 < lp["rel_rms"] <= 4 and lp["rms"] > 0 and lp["unit_rms"] > 0  # bf16 differs from fp32, within 4 units
-    assert d["rows"][-1]["values"]["tokens_per_s"] > 0
+    assert next(x for x in d["rows"] if x["check"] == "train step (M2PO update)")["values"]["tokens_per_s"] > 0
+    lp4 = next(x for x in d["rows"] if x["check"] == packed[0]["check"])["values"]
+    assert 0 < lp4["rel_rms"] <= 4 and lp4["unit_rms"] == lp["unit_rms"]  # row 1's reference, reused
 
 
 def _ref(n=400, seed=0, unit=0.01):
@@ -131,7 +145,8 @@ def test_help_says_what_it_proves():
     r = _run("--help")
     assert r.returncode == 0
     for phrase in ("actor numerics", "Transformer Engine", "CPU fp32", "Tolerance, and why", "fused log-prob",
-                   "naive", "tokens/s and MFU", "Qwen2.5-1.5B", "--cpu-smoke", "megatron-core"):
+                   "naive", "tokens/s and MFU", "Qwen2.5-1.5B", "--cpu-smoke", "megatron-core",
+                   "packed sequences at TP=2 + sequence parallel", "needs 2 GPUs, found K", "apex"):
         assert phrase in r.stdout, phrase
 
 
@@ -146,3 +161,96 @@ def test_without_cuda_or_megatron_it_says_what_to_do():
     assert "megatron-core, mbridge missing" in rows[0]["result"]
     assert "pip install 'megatron-core==0.16.1' 'mbridge==0.15.1'" in r.stderr
     assert "--find-links wheels/" in r.stderr
+
+
+# Stand-ins for the NGC image's GPU-only packages, as the CPU reference would meet them there: each
+# import is recorded, and using them on CPU fails the way the real kernels do (apex's FusedAdam
+# allocates its overflow buffer on CUDA in __init__; amp_C's kernels take CUDA tensors only).
+_FAKE_GPU_PACKAGES = {
+    "_fake_log.py": """
+import os, traceback
+def record(name):
+    with open(os.environ["FAKE_GPU_IMPORT_LOG"], "a") as f:
+        f.write(f"{name} imported by pid {os.getpid()}:\\n{''.join(traceback.format_stack(limit=12))}\\n")
+""",
+    "apex/__init__.py": "import _fake_log; _fake_log.record('apex')\n",
+    "apex/optimizers/__init__.py": """
+import torch
+class FusedAdam(torch.optim.Optimizer):
+    def __init__(self, params, **kw):
+        self._dummy_overflow_buf = torch.zeros(1, dtype=torch.int, device="cuda")  # as apex does
+        super().__init__(params, kw)
+FusedSGD = FusedAdam
+""",
+    "apex/multi_tensor_apply/__init__.py": """
+class _Applier:
+    available = True
+    def __call__(self, op, noop_flag, tensor_lists, *args):
+        return op(2048 * 32, noop_flag, tensor_lists, *args)
+multi_tensor_applier = _Applier()
+""",
+    "apex/normalization/__init__.py": "",
+    "apex/normalization/fused_layer_norm.py": "FusedLayerNormAffineFunction = FusedRMSNormAffineFunction = None\n",
+    "amp_C.py": """
+import _fake_log; _fake_log.record('amp_C')
+def _cuda_only(*a, **k):
+    raise RuntimeError("amp_C kernels take CUDA tensors")
+multi_tensor_scale = multi_tensor_l2norm = multi_tensor_adam = _cuda_only
+""",
+    "fused_weight_gradient_mlp_cuda.py": "import _fake_log; _fake_log.record('fused_weight_gradient_mlp_cuda')\n",
+    "transformer_engine/__init__.py": "import _fake_log; _fake_log.record('transformer_engine')\n",
+}
+
+
+def _fake_gpu_site(tmp_path: Path) -> tuple[Path, Path]:
+    """A directory with the stand-ins above, and the file their imports are recorded in."""
+    fake = tmp_path / "fake_site"
+    for rel, text in _FAKE_GPU_PACKAGES.items():
+        (fake / rel).parent.mkdir(parents=True, exist_ok=True)
+        (fake / rel).write_text(text)
+    return fake, tmp_path / "gpu_imports.log"
+
+
+def test_cpu_reference_never_loads_the_images_gpu_packages(tmp_path, monkeypatch):
+    """The NGC image has apex (and TE): the fp32 reference must still take Megatron's CPU fallbacks
+    (torch AdamW, local multi-tensor ops, local layer spec), or it crashes on CPU tensors there."""
+    gc = _module()
+    fake, log = _fake_gpu_site(tmp_path)
+    monkeypatch.setenv("FAKE_GPU_IMPORT_LOG", str(log))
+    monkeypatch.setenv("PYTHONPATH", str(fake))
+    shape = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                 intermediate_size=64, vocab_size=128, max_position_embeddings=64)
+    hf = gc.make_random_qwen2(tmp_path / "model", seed=0, init_std=32 ** -0.5, tie_word_embeddings=False, **shape)
+    spec = dict(n=2, vocab=128, prompt=(3, 5), response=(4, 6), seed=3)
+    proc, out = gc.start_reference(hf, spec, tmp_path)
+    output, _ = proc.communicate(timeout=240)
+    imported = log.read_text() if log.exists() else ""
+    assert proc.returncode == 0, output
+    assert not imported, f"the CPU reference imported GPU-only packages:\n{imported}"
+    ref = np.load(out)
+    assert np.isfinite(ref["logp"]).all() and np.isfinite(ref["grad_norm"]).all()
+
+
+def test_packed_row_is_refused_by_name_without_two_gpus(monkeypatch, capsys):
+    """On a one-GPU machine row 4 is a SKIP row that says why, and the exit status is 2."""
+    gc = _module()
+    assert gc.gpus_refusal(4, "x", 2, 2) is None
+    monkeypatch.setattr(gc.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(gc.torch.cuda, "get_device_name", lambda *a: "NVIDIA H100 80GB HBM3")
+    for found in (1, 0):
+        monkeypatch.setattr(gc.torch.cuda, "device_count", lambda: found)
+        rc = gc.main(["--only", "packed"])
+        rows = gc.parse_table(capsys.readouterr().out)
+        assert rc == 2
+        assert [(r["check"], r["verdict"]) for r in rows] == [("actor packed TP=2+SP vs CPU fp32", "SKIP")]
+        assert rows[0]["result"].startswith(f"refused: row 4 needs 2 GPUs, found {found}"), rows[0]
+
+
+def test_a_failed_packed_rank_is_reported_with_its_log(tmp_path):
+    gc = _module()
+    spec = dict(n=2, vocab=128, prompt=(3, 5), response=(4, 6), seed=3)
+    with pytest.raises(RuntimeError) as e:
+        gc.run_packed_ranks(tmp_path / "no-such-model", spec, tmp_path, smoke=True, timeout_s=240)
+    msg = str(e.value)
+    assert msg.startswith("packed TP=2 rank ") and "failed (exit 1)" in msg, msg
+    assert "no-such-model" in msg, msg  # the rank's own error, from its log

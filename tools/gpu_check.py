@@ -1,6 +1,6 @@
-"""GPU check: what the CPU test suite cannot prove, on one CUDA GPU in a few minutes.
+"""GPU check: what the CPU test suite cannot prove, on one or two CUDA GPUs in a few minutes.
 
-    python tools/gpu_check.py                   # one CUDA GPU: every row
+    python tools/gpu_check.py                   # CUDA GPUs: every row (row 4 needs two)
     python tools/gpu_check.py --cpu-smoke       # CPU, tiny shapes: the machinery only (CI runs this)
     python tools/gpu_check.py --json out.json   # the rows as JSON too
 
@@ -11,8 +11,11 @@ It prints one table, a row per claim:
    same token log-probs, entropies and gradient norm as the CPU fp32 path (local spec, the path
    every CPU test checks against HF transformers to 1e-5) on the same weights and batch: a random
    Qwen2-shaped model (GQA, qkv bias) whose weights are stored in bf16, so both paths start from
-   identical values. The CPU fp32 reference runs in a subprocess with CUDA hidden and
-   Transformer Engine blocked, exactly the code path of the CPU tests. Behaviour log-probs are
+   identical values. The CPU fp32 reference runs in a subprocess with CUDA hidden and every
+   GPU-only package blocked (``GPU_ONLY_MODULES``: Transformer Engine, and NVIDIA apex, amp_C and
+   the other fused-kernel extensions an NGC image also has, which Megatron-Core would otherwise
+   pick for the optimizer and gradient clipping and run on CPU tensors), exactly the code path of
+   the CPU tests; it checks that Megatron chose torch AdamW and its local multi-tensor ops. Behaviour log-probs are
    each path's own log-probs plus the same fixed noise (std 0.05: M2 = 0.0025 < 0.04), so the
    M2PO mask keeps every token on both paths and no discrete decision can differ.
 
@@ -49,14 +52,26 @@ It prints one table, a row per claim:
    are real work it does not credit. Peak FLOP/s: 989 TFLOP/s dense bf16 for H100 / H200 SXM
    (--peak-tflops for another GPU); compare with the planner's ``gemm_eff`` (docs/planner.md).
 
-``--cpu-smoke`` runs the same code at tiny shapes on CPU: row 1 compares CPU bf16 with the CPU
-fp32 reference (same tolerance), row 2 checks agreement and time (the memory column needs the
-CUDA allocator: skipped, with the reason), row 3 measures tokens/s (no MFU: no CPU peak). It
-proves that the table and the comparison run, not any GPU claim.
+4. **packed sequences at TP=2 + sequence parallel** -- the layout every recipe trains with:
+   two ranks (processes started with torchrun's environment, NCCL), tensor parallel 2 with
+   sequence parallelism, micro-batches packed under a token budget (THD: Transformer Engine's
+   ``padding_causal`` attention with ``cu_seqlens``, its fused THD RoPE, the SP padding
+   pseudo-sequence when a pack's length is odd), bf16, on row 1's model and batch, against row
+   1's CPU fp32 reference (one process, unpacked) with row 1's tolerance: log-probs, entropies
+   and the M2PO gradient norm. Needs 2 GPUs: with fewer the row is refused by name
+   ("row 4 needs 2 GPUs, found K") and the exit status is 2.
+
+``--cpu-smoke`` runs the same code at tiny shapes on CPU (CUDA hidden and the GPU-only packages
+blocked in every process, so it runs the same in the NGC image): row 1 compares CPU bf16 with the
+CPU fp32 reference (same tolerance), row 2 checks agreement and time (the memory column needs the
+CUDA allocator: skipped, with the reason), row 3 measures tokens/s (no MFU: no CPU peak), row 4
+runs its two ranks on gloo with Megatron's local layer spec and the actor's packed attention
+(``actor/attention.py``). It proves that the table, the comparisons and the two-rank launch run,
+not any GPU claim.
 
 Needs megatron-core and mbridge (the versions in constraints-cpu.txt); without them the actor
 rows are skipped and the message says how to install them. Exit status: 0 all rows passed or
-informational, 1 a check failed, 2 rows were skipped for a missing package.
+informational, 1 a check failed, 2 rows were skipped (a missing package, or too few GPUs).
 """
 
 from __future__ import annotations
@@ -149,6 +164,52 @@ def spec_name() -> str:
     return "transformer-engine" if _find("transformer_engine") is not None else "local"
 
 
+# Packages whose kernels take CUDA tensors only. An NGC image has several of them; Megatron-Core
+# picks each when it imports (0.16.1 and 0.19.2 alike): optimizer/__init__.py and
+# distrib_optimizer.py take TE's, else apex's FusedAdam (torch AdamW only if both imports fail);
+# optimizer/optimizer.py and clip_grads.py take TE's, else apex's multi_tensor_applier with amp_C's
+# kernels (megatron.core.utils' local_multi_tensor_* only if both fail); gpt_layer_specs.py and
+# transformer_block.py take apex's FusedLayerNorm; tensor_parallel/layers.py imports
+# fused_weight_gradient_mlp_cuda, fusions/fused_softmax.py the scaled_*softmax_cuda kernels,
+# transformer/attention.py flash-attention 3, megatron_fsdp/mixed_precision.py amp_C. Each import
+# sits in try/except ImportError, so a None entry in sys.modules (ModuleNotFoundError on import,
+# find_spec -> None) selects the CPU fallback.
+GPU_ONLY_MODULES = (
+    "transformer_engine", "transformer_engine_torch", "apex", "amp_C", "fused_layer_norm_cuda",
+    "fast_layer_norm", "fused_weight_gradient_mlp_cuda", "scaled_masked_softmax_cuda",
+    "scaled_upper_triang_masked_softmax_cuda", "scaled_softmax_cuda", "flash_attn", "flash_attn_interface",
+    "flash_attn_3", "flashattn_hopper",
+)
+
+
+def block_gpu_only_modules() -> None:
+    """Make every module of :data:`GPU_ONLY_MODULES` unimportable in this process, so Megatron-Core
+    takes its CPU code paths (the ones every CPU test checks). Must run before ``megatron.core`` is
+    imported: Megatron chooses its kernels at import time."""
+    chosen = sorted(m for m in sys.modules if m.startswith("megatron.core.optimizer") or m == "megatron.core")
+    loaded = sorted(m for m in GPU_ONLY_MODULES if sys.modules.get(m) is not None)
+    if chosen or loaded:
+        raise RuntimeError(f"block_gpu_only_modules() called too late: already imported {chosen + loaded}")
+    for m in GPU_ONLY_MODULES:
+        sys.modules[m] = None  # type: ignore[assignment]
+
+
+def check_cpu_fallbacks() -> None:
+    """Raise unless Megatron-Core chose its CPU fallbacks (after :func:`block_gpu_only_modules`)."""
+    from megatron.core import optimizer, utils
+    from megatron.core.optimizer import clip_grads
+    from megatron.core.optimizer import optimizer as mc_optimizer
+
+    wrong = []
+    if not optimizer.USING_PYTORCH_OPTIMIZER:
+        wrong.append(f"optimizer {optimizer.Adam.__module__}.{optimizer.Adam.__name__}")
+    for mod in (clip_grads, mc_optimizer):
+        if mod.multi_tensor_applier is not utils.local_multi_tensor_applier:
+            wrong.append(f"{mod.__name__}.multi_tensor_applier from {mod.multi_tensor_applier.__module__}")
+    if wrong:
+        raise RuntimeError("the CPU reference must use Megatron's torch fallbacks, but got: " + ", ".join(wrong))
+
+
 def peak_tflops(override: Optional[float]) -> Optional[float]:
     if override:
         return override
@@ -213,31 +274,36 @@ def make_batch(n: int, *, vocab: int, prompt: tuple[int, int], response: tuple[i
     return out
 
 
-def _actor_config(hf_dir: Path, dtype: str, *, lr: float = 1e-5, mbs: int = 1):
+def _actor_config(hf_dir: Path, dtype: str, *, lr: float = 1e-5, mbs: int = 1, parallel: Optional[dict] = None):
     from megatron_m2po.config import Config
 
     cfg = Config()
     cfg.model.hf_path = str(hf_dir)
     cfg.model.dtype = dtype
     cfg.parallel.micro_batch_size = mbs
+    for k, v in (parallel or {}).items():
+        setattr(cfg.parallel, k, v)
     cfg.algo.loss = "m2po"
     cfg.optim.lr = lr
     cfg.rollout.temperature = 1.0
     return cfg
 
 
-def actor_outputs(hf_dir: Path, dtype: str, samples: list, *, noise_seed: int = 7,
-                  calibrate: bool = False) -> dict[str, np.ndarray]:
+def actor_outputs(hf_dir: Path, dtype: str, samples: list, *, noise_seed: int = 7, calibrate: bool = False,
+                  parallel: Optional[dict] = None) -> dict[str, np.ndarray]:
     """Log-probs and entropies of ``samples``, then one M2PO update's gradient norm, on this process's device.
 
     With ``calibrate`` (the fp32 reference) also the log-probs and entropies after one
     bf16-sized relative error (2^-8, random sign) on every weight: the error scale of the
-    tolerance (module docstring). The weights are restored before the update.
+    tolerance (module docstring). The weights are restored before the update. ``parallel``:
+    ``ParallelConfig`` fields to set (the packed row's TP=2 + SP layout); with several ranks every
+    rank returns the same values (the actor gathers log-probs to all ranks).
     """
     from megatron_m2po.actor.actor import ActorConfig, MegatronActor
     from megatron_m2po.actor.batch import RolloutBatch
 
-    actor = MegatronActor.from_config(ActorConfig.from_config(_actor_config(hf_dir, dtype), total_updates=10))
+    cfg = _actor_config(hf_dir, dtype, parallel=parallel)
+    actor = MegatronActor.from_config(ActorConfig.from_config(cfg, total_updates=10))
     extra: dict[str, np.ndarray] = {}
     try:
         lps, ents = actor.compute_logprobs(RolloutBatch(samples), with_entropy=True)
@@ -277,11 +343,13 @@ def actor_outputs(hf_dir: Path, dtype: str, samples: list, *, noise_seed: int = 
 
 
 def _reference_worker(hf_dir: str, batch_json: str, out: str) -> int:
-    """Subprocess: the CPU fp32 path, with CUDA hidden and Transformer Engine blocked."""
-    sys.modules["transformer_engine"] = None  # type: ignore[assignment]  # find_spec -> None: local spec
+    """Subprocess: the CPU fp32 path, with CUDA hidden and the GPU-only packages blocked (local
+    layer spec, torch AdamW, local multi-tensor ops: the code path of the CPU tests)."""
+    block_gpu_only_modules()
     spec = json.loads(Path(batch_json).read_text())
     samples = make_batch(**spec)
     res = actor_outputs(Path(hf_dir), "float32", samples, calibrate=True)
+    check_cpu_fallbacks()
     np.savez(out, **res)
     return 0
 
@@ -327,7 +395,8 @@ def compare(ref: dict[str, np.ndarray], dev: dict[str, np.ndarray]) -> dict[str,
     return out
 
 
-def row_actor_numerics(smoke: bool, work: Path) -> list[Row]:
+def _numerics_inputs(smoke: bool, work: Path) -> tuple[dict, Path, dict]:
+    """The random model and batch of rows 1 and 4 (they share the CPU fp32 reference)."""
     shape = (dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                   intermediate_size=128, vocab_size=256, max_position_embeddings=512) if smoke else
              dict(hidden_size=512, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
@@ -337,18 +406,48 @@ def row_actor_numerics(smoke: bool, work: Path) -> list[Row]:
                            tie_word_embeddings=False, **shape)
     spec = dict(n=4 if smoke else 8, vocab=shape["vocab_size"], prompt=(4, 12) if smoke else (16, 64),
                 response=(6, 16) if smoke else (32, 160), seed=3)
-    proc, out = start_reference(hf, spec, work)
+    return shape, hf, spec
+
+
+_REFERENCES: dict[tuple[str, str], dict[str, np.ndarray]] = {}  # (model dir, batch spec) -> reference outputs
+
+
+def reference_outputs(hf: Path, spec: dict, work: Path, proc_out=None) -> dict[str, np.ndarray]:
+    """The CPU fp32 reference of ``hf`` on ``spec``'s batch: computed once per run (``proc_out``: a
+    :func:`start_reference` already under way)."""
+    key = (str(hf), json.dumps(spec, sort_keys=True))
+    if key not in _REFERENCES:
+        proc, out = proc_out or start_reference(hf, spec, work)
+        log, _ = proc.communicate()
+        if proc.returncode != 0:
+            tail = "\n".join(log.strip().splitlines()[-15:])
+            raise RuntimeError(f"the CPU fp32 reference failed (exit {proc.returncode}):\n{tail}")
+        _REFERENCES[key] = dict(np.load(out))
+    return _REFERENCES[key]
+
+
+def row_actor_numerics(smoke: bool, work: Path) -> list[Row]:
+    shape, hf, spec = _numerics_inputs(smoke, work)
+    key = (str(hf), json.dumps(spec, sort_keys=True))
+    started = None if key in _REFERENCES else start_reference(hf, spec, work)  # runs while this process does
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    dev = actor_outputs(hf, "bfloat16", make_batch(**spec))
-    log, _ = proc.communicate()
-    if proc.returncode != 0:
-        tail = "\n".join(log.strip().splitlines()[-15:])
-        raise RuntimeError(f"the CPU fp32 reference failed (exit {proc.returncode}):\n{tail}")
-    ref = dict(np.load(out))
-    c = compare(ref, dev)
+    try:
+        dev = actor_outputs(hf, "bfloat16", make_batch(**spec))
+    except BaseException:
+        if started:
+            started[0].kill()
+            started[0].communicate()
+        raise
+    ref = reference_outputs(hf, spec, work, started)
     what = (f"L={shape['num_hidden_layers']} H={shape['hidden_size']} V={shape['vocab_size']}, "
             f"{spec['n']} seqs, {len(ref['logp'])} resp tokens")
     path = f"actor {device} bf16 ({spec_name() if device == 'cuda' else 'local'} spec) vs CPU fp32"
+    return comparison_rows(path, what, ref, dev, control=True)
+
+
+def comparison_rows(path: str, what: str, ref: dict, dev: dict, *, control: bool) -> list[Row]:
+    """The rows of :func:`compare`: log-probs, entropies, (the negative control), grad norm."""
+    c = compare(ref, dev)
     lp, en, gn = c["logp"], c["entropy"], c["grad_norm"]
     crit = f"rms, max <= {RMS_TOL:g}x unit"
 
@@ -356,19 +455,144 @@ def row_actor_numerics(smoke: bool, work: Path) -> list[Row]:
         return (f"rms {v['rms']:.1e} = {v['rel_rms']:.2f}x unit {v['unit_rms']:.1e}, "
                 f"max {v['max']:.1e} = {v['rel_max']:.2f}x unit {v['unit_max']:.1e}")
 
-    return [
+    rows = [
         Row(f"{path}: log-probs", what, res(lp), crit,
             "PASS" if lp["rel_rms"] <= RMS_TOL and lp["rel_max"] <= MAX_TOL else "FAIL", lp),
         Row(f"{path}: entropies", what, res(en), crit,
             "PASS" if en["rel_rms"] <= RMS_TOL and en["rel_max"] <= MAX_TOL else "FAIL", en),
-        Row("negative control: fp32 with q/k/v biases dropped", what,
-            f"{c['defect']['rel_rms']:.1f}x unit rms, {c['defect']['rel_max']:.1f}x unit max "
-            f"({int(ref['n_biases'][0])} bias tensors)", f"> {RMS_TOL:g}x unit (the check can fail)",
-            "PASS" if c["defect"]["rel_rms"] > RMS_TOL else "FAIL", c["defect"]),
-        Row(f"{path}: M2PO grad norm", what,
-            f"{gn['device']:.4g} vs {gn['reference']:.4g} ({gn['rel']:.2%})", f"within {GRAD_NORM_TOL:.0%}",
-            "PASS" if gn["rel"] <= GRAD_NORM_TOL else "FAIL", gn),
     ]
+    if control:
+        rows.append(Row("negative control: fp32 with q/k/v biases dropped", what,
+                        f"{c['defect']['rel_rms']:.1f}x unit rms, {c['defect']['rel_max']:.1f}x unit max "
+                        f"({int(ref['n_biases'][0])} bias tensors)", f"> {RMS_TOL:g}x unit (the check can fail)",
+                        "PASS" if c["defect"]["rel_rms"] > RMS_TOL else "FAIL", c["defect"]))
+    rows.append(Row(f"{path}: M2PO grad norm", what,
+                    f"{gn['device']:.4g} vs {gn['reference']:.4g} ({gn['rel']:.2%})", f"within {GRAD_NORM_TOL:.0%}",
+                    "PASS" if gn["rel"] <= GRAD_NORM_TOL else "FAIL", gn))
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------
+# Row 4: packed sequences at TP=2 + sequence parallel (the recipes' layout), 2 ranks
+# ------------------------------------------------------------------------------------------------
+
+PACKED_TP = 2
+PACKED_CHECK = "actor packed TP=2+SP vs CPU fp32"
+
+
+def packed_layout(smoke: bool) -> dict:
+    """Row 4's ``parallel`` settings: what every recipe sets (TP with sequence parallelism, packed
+    THD micro-batches under a token budget), at a budget that packs 3-5 of the row's sequences
+    and leaves packs of odd length (the SP padding pseudo-sequence)."""
+    return dict(tensor_parallel=PACKED_TP, sequence_parallel=True, packing=True,
+                max_tokens_per_microbatch=64 if smoke else 512)
+
+
+def gpus_refusal(row: int, check: str, need: int, found: int) -> Optional[Row]:
+    """A SKIP row naming why ``row`` cannot run (``found`` < ``need`` GPUs), else None."""
+    if found >= need:
+        return None
+    return Row(check, "-", f"refused: row {row} needs {need} GPUs, found {found} (run it on a machine with "
+               f">= {need}, or leave it out: --only numerics logprobs throughput)", "-", "SKIP")
+
+
+def _packed_rank_worker(hf_dir: str, batch_json: str, out: str, smoke: str) -> int:
+    """One rank of row 4 (RANK / WORLD_SIZE / MASTER_* in the environment, as torchrun sets them):
+    the actor's own process-group setup (NCCL on CUDA, gloo on CPU), TP=2 + SP, packed; rank 0
+    writes the outputs."""
+    if smoke == "1":
+        block_gpu_only_modules()  # the CPU path of the image too (module docstring)
+    spec = json.loads(Path(batch_json).read_text())
+    res = actor_outputs(Path(hf_dir), "bfloat16", make_batch(**spec), parallel=packed_layout(smoke == "1"))
+    if os.environ["RANK"] == "0":
+        np.savez(out, **res)
+    return 0
+
+
+def run_packed_ranks(hf: Path, spec: dict, work: Path, smoke: bool, timeout_s: float) -> dict[str, np.ndarray]:
+    """Start row 4's ranks as separate processes (CPU: CUDA hidden, gloo), wait for all with a
+    deadline, and return rank 0's outputs; a failed rank's log tail becomes the error."""
+    from megatron_m2po.utils.net import free_port
+
+    batch_json, out = work / "packed-batch.json", work / "packed.npz"
+    batch_json.write_text(json.dumps(spec))
+    out.unlink(missing_ok=True)
+    base = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+            "PYTHONWARNINGS": "ignore", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+            "WORLD_SIZE": str(PACKED_TP), "CUDA_DEVICE_MAX_CONNECTIONS": "1"}  # as scripts/train.sh
+    if smoke:
+        base["CUDA_VISIBLE_DEVICES"] = ""
+    logs = [work / f"packed-rank{r}.log" for r in range(PACKED_TP)]
+    procs = []
+    for r in range(PACKED_TP):
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--_packed_rank", str(hf), str(batch_json), str(out),
+               "1" if smoke else "0"]
+        with open(logs[r], "w") as log:
+            procs.append(subprocess.Popen(cmd, env={**base, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=log,
+                                          stderr=subprocess.STDOUT))
+    deadline = time.monotonic() + timeout_s
+    failed = None
+    try:  # the first rank to fail is the one to report: its peer then waits in a collective
+        while True:
+            codes = [p.poll() for p in procs]
+            bad = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
+            if bad:
+                failed = (bad[0][0], f"exit {bad[0][1]}")
+                break
+            if None not in codes:
+                break
+            running = codes.index(None)
+            if time.monotonic() > deadline:
+                failed = (running, f"still running after {timeout_s:g} s")
+                break
+            try:
+                procs[running].wait(timeout=0.5)
+            except subprocess.TimeoutExpired:
+                pass
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    if failed:
+        r, why = failed
+        tail = "\n".join(logs[r].read_text().strip().splitlines()[-15:])
+        raise RuntimeError(f"packed TP={PACKED_TP} rank {r} failed ({why}):\n{tail}")
+    return dict(np.load(out))
+
+
+def row_packed_tp_sp(smoke: bool, work: Path) -> list[Row]:
+    from megatron_m2po.actor.batch import group_microbatches
+
+    found = PACKED_TP if smoke else torch.cuda.device_count()
+    refused = gpus_refusal(4, PACKED_CHECK, PACKED_TP, found)
+    if refused:
+        return [refused]
+    shape, hf, spec = _numerics_inputs(smoke, work)
+    layout = packed_layout(smoke)
+    samples = make_batch(**spec)
+    lengths = [s.length for s in samples]
+    packs = group_microbatches(lengths, list(range(len(samples))), micro_batch_size=1,
+                               max_tokens=layout["max_tokens_per_microbatch"], packing=True, pad_multiple=PACKED_TP)
+    if max(len(p) for p in packs) < 2:
+        raise ValueError(f"row 4 packs no two sequences together (packs {packs}, lengths {lengths}): it would not "
+                         "test packed attention; lower the row's sequence lengths or raise its token budget")
+    key = (str(hf), json.dumps(spec, sort_keys=True))
+    started = None if key in _REFERENCES else start_reference(hf, spec, work)
+    try:
+        dev = run_packed_ranks(hf, spec, work, smoke, timeout_s=300 if smoke else 600)
+    except BaseException:
+        if started:
+            started[0].kill()
+            started[0].communicate()
+        raise
+    ref = reference_outputs(hf, spec, work, started)
+    odd = sum(sum(lengths[i] for i in p) % PACKED_TP for p in packs)
+    what = (f"L={shape['num_hidden_layers']} H={shape['hidden_size']}, {spec['n']} seqs in {len(packs)} packs of "
+            f"{'/'.join(str(len(p)) for p in packs)} seqs ({odd} padded to a multiple of TP), "
+            f"{len(ref['logp'])} resp tokens")
+    device = "cpu gloo" if smoke else f"cuda nccl, {spec_name()} spec"
+    return comparison_rows(f"actor {device} bf16 TP=2+SP packed (THD) vs CPU fp32", what, ref, dev, control=False)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -534,6 +758,7 @@ def row_throughput(smoke: bool, work: Path, peak: Optional[float]) -> list[Row]:
 # ------------------------------------------------------------------------------------------------
 
 COLUMNS = ("check", "shape", "result", "criterion", "verdict")
+ROWS = {"numerics": 1, "logprobs": 2, "throughput": 3, "packed": 4}  # --only names -> row numbers (docstring)
 
 
 def guarded(check: str, fn, *args: Any) -> list[Row]:
@@ -583,12 +808,21 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--json", help="also write the rows as JSON to this file")
     ap.add_argument("--peak-tflops", type=float, default=None, help="dense bf16 peak of this GPU for the MFU")
     ap.add_argument("--work-dir", help="where the random models go (default: a temporary directory)")
-    ap.add_argument("--only", nargs="+", choices=["numerics", "logprobs", "throughput"],
-                    default=["numerics", "logprobs", "throughput"], help="run only these rows")
+    ap.add_argument("--only", nargs="+", choices=list(ROWS), default=list(ROWS),
+                    help="run only these rows (" + ", ".join(f"{k}: row {v}" for k, v in ROWS.items()) + ")")
     ap.add_argument("--_reference", nargs=3, metavar=("HF_DIR", "BATCH_JSON", "OUT_NPZ"), help=argparse.SUPPRESS)
+    ap.add_argument("--_packed_rank", nargs=4, metavar=("HF_DIR", "BATCH_JSON", "OUT_NPZ", "SMOKE"),
+                    help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a._reference:
         return _reference_worker(*a._reference)
+    if a._packed_rank:
+        return _packed_rank_worker(*a._packed_rank)
+    if a.cpu_smoke:
+        # CPU only, also on a GPU machine or in the NGC image: CUDA hidden before torch initialises
+        # it, the GPU-only packages blocked before Megatron-Core picks its kernels.
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+        block_gpu_only_modules()
     cuda = torch.cuda.is_available()
     if not cuda and not a.cpu_smoke:
         print("tools/gpu_check.py: no CUDA device (torch.cuda.is_available() is False). Run it on a GPU "
@@ -602,7 +836,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     missing = missing_packages()
     mc = _version("megatron-core")
     header = (f"gpu_check{' --cpu-smoke' if a.cpu_smoke else ''}: device={dev} torch={torch.__version__} "
-              f"megatron-core={mc or 'missing'} layer-spec={spec_name() if cuda else 'local'}")
+              f"megatron-core={mc or 'missing'} layer-spec={spec_name()}")
     rows: list[Row] = []
     rc = 0
     with tempfile.TemporaryDirectory(prefix="gpu_check-") as tmp:
@@ -621,9 +855,16 @@ def main(argv: Optional[list[str]] = None) -> int:
             else:
                 rows += guarded("train step (M2PO update)", row_throughput, a.cpu_smoke, work,
                                 peak_tflops(a.peak_tflops) if not a.cpu_smoke else None)
+        if "packed" in a.only:
+            if missing:
+                rows.append(Row(PACKED_CHECK, "-", f"skipped: {', '.join(missing)} missing", "-", "SKIP"))
+            else:
+                rows += guarded(PACKED_CHECK, row_packed_tp_sp, a.cpu_smoke, work)
     print(format_table(rows, header), flush=True)
     if missing:
         print("\n" + install_message(missing), file=sys.stderr)
+        rc = 2
+    if any(r.verdict == "SKIP" and r.result.startswith("refused:") for r in rows):
         rc = 2
     if any(r.verdict == "FAIL" for r in rows):
         rc = 1
