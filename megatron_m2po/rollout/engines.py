@@ -20,26 +20,26 @@ marks a paused engine unhealthy after ``--health-failure-threshold`` failed chec
 only after ``--health-success-threshold`` good ones). ``rollout.engine == "sglang"`` launches
 ``$SGLANG_PYTHON -m sglang.launch_server`` (SGLang's own venv; this interpreter when unset); ``"cpu_worker"`` launches ``megatron_m2po.rollout.cpu_worker``.
 Each engine logs to ``<run_dir>/engines/engine_<i>.log``; a failed start raises with the
-log's last lines.
+log's last lines. The router (sglang-router 0.3.2) is started with no workers and workers are
+added with ``POST /workers``; a restarted engine is removed from the router first and added back
+only after ``refit_fn`` pushed the current weights, so it never serves stale weights.
 
 ``EngineFleet.concurrency`` is the trainer client's bound on in-flight requests: ``rollout.concurrency``
 when set, else the sum over engines of what each reports it can run (``client.max_running_requests``
 of its ``/server_info``), re-derived whenever the engines change; ``on_concurrency`` hears each new
-value. The router (sglang-router 0.3.2) is started with no workers and workers are
-added with ``POST /workers``; a restarted engine is removed from the router first and added back
-only after ``refit_fn`` pushed the current weights, so it never serves stale weights.
+value.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import sys
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-import math
 from typing import Callable, Iterable, Optional
 
 import aiohttp
@@ -378,19 +378,20 @@ class EngineFleet:
     def _derive_concurrency(self) -> None:
         """:attr:`concurrency` from ``rollout.concurrency`` or the engines' limits; logged and passed to
         ``on_concurrency`` when it changes."""
+        silent = []
         if self.cfg.concurrency is not None:
             n, how = self.cfg.concurrency, "rollout.concurrency"
         else:
             silent = [e.url for e in self.engines if e.max_running is None]
+            n = sum(e.max_running or FALLBACK_MAX_RUNNING for e in self.engines)
+            how = "derived: " + " + ".join(f"{e.max_running or FALLBACK_MAX_RUNNING} ({e.url}"
+                                           + (", assumed)" if e.max_running is None else ")") for e in self.engines)
+        if n != self.concurrency:
             if silent:
                 log.warning("engines that report no max_running_requests in /server_info (neither "
                             "internal_states[*].effective_max_running_requests_per_dp nor max_running_requests): "
                             "%s; counting %d running requests for each. Set rollout.concurrency to choose the "
                             "fleet's in-flight requests yourself", ", ".join(silent), FALLBACK_MAX_RUNNING)
-            n = sum(e.max_running or FALLBACK_MAX_RUNNING for e in self.engines)
-            how = "derived: " + " + ".join(f"{e.max_running or FALLBACK_MAX_RUNNING} ({e.url}"
-                                           + (", assumed)" if e.max_running is None else ")") for e in self.engines)
-        if n != self.concurrency:
             log.info("rollout concurrency %d in-flight requests over %d engine(s) (%s)", n, len(self.engines), how)
             self.concurrency = n
             if self.on_concurrency is not None:

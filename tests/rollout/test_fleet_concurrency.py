@@ -139,3 +139,15 @@ def test_client_limit_follows_set_concurrency():
 
     outs, n = asyncio.run(scenario())
     assert n == 5 and all(o.output_ids == [1] for o in outs)
+
+
+def test_fleet_max_running_at_an_engine_url(engines):
+    """What `m2po eval --engine-url` derives from when pointed at an engine (no GET /workers there)."""
+    _, worker, fake, silent = engines
+
+    async def limits(url):
+        async with SGLangClient(url, max_retries=0) as c:
+            return await c.fleet_max_running()
+    assert asyncio.run(limits(worker)) == {worker: 3}
+    assert asyncio.run(limits(fake)) == {fake: 14}
+    assert asyncio.run(limits(silent)) == {silent: None}

@@ -129,6 +129,7 @@ def test_refresh_keeps_engines_held_paused_and_drops_engines_that_are_gone(env, 
 
     register(router, fake)  # joins: the limit follows
     assert fleet.refresh() == [fake] and fleet.concurrency == 3 + 5 and heard == [3, 8]
+    assert call(router, "fleet_max_running") == {worker: 3, fake: 5}  # what `m2po eval` at the router reads
 
     # A weight push holds the worker paused: the router marks it unhealthy, the fleet keeps it.
     fleet.hold([worker])
