@@ -188,7 +188,14 @@ class RolloutConfig:
     max_new_tokens: int = _f(1024, ge=1, help="Maximum response length.")
     temperature: float = _f(1.0, gt=0.0, help="Sampling temperature (the trainer divides logits by it too).")
     top_p: float = _f(1.0, gt=0.0, le=1.0, help="Nucleus sampling.")
-    concurrency: int = _f(64, ge=1, help="Maximum in-flight generate requests per client.")
+    concurrency: Optional[int] = _f(
+        None, ge=1, help="In-flight generate requests of the trainer's client over the whole fleet. null (default): "
+        "derived from the fleet, the sum over engines of what each reports it can run (/server_info, SGLang 0.5.23: "
+        "internal_states[*].effective_max_running_requests_per_dp), re-derived when engines join or leave; an engine "
+        "that reports nothing counts as 64 (with a warning). An integer is used as given.")
+    engine_max_running_requests: Optional[int] = _f(
+        None, ge=1, help="--max-running-requests of each engine the trainer launches (null: SGLang sizes it from "
+        "KV-cache memory, the CPU worker runs 64). rollout.concurrency=null then derives from what they report.")
     request_timeout_s: float = _f(600.0, gt=0, help="Timeout of one generate request.")
     max_retries: int = _f(3, ge=0, help="Retries with backoff for failed requests.")
     weight_sync: Literal["disk", "distributed"] = _f("disk", help="How weights reach the engines.")

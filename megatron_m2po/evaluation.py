@@ -288,7 +288,15 @@ async def _evaluate_at(url, cfg, sets, k, sampling, tokenizer, reward, console,
                        keep_responses: bool = False) -> dict[str, BenchmarkResult]:
     from megatron_m2po.rollout.client import SGLangClient
 
-    async with SGLangClient(url, concurrency=cfg.rollout.concurrency, timeout_s=cfg.rollout.request_timeout_s,
+    concurrency = cfg.rollout.concurrency
+    if concurrency is None:  # derived from what the engine (or the router's engines) report
+        from megatron_m2po.rollout.engines import FALLBACK_MAX_RUNNING
+        async with SGLangClient(url, max_retries=cfg.rollout.max_retries) as probe:
+            limits = await probe.fleet_max_running()
+        concurrency = sum(v or FALLBACK_MAX_RUNNING for v in limits.values())
+        console.print(f"concurrency {concurrency} in-flight requests (derived from {len(limits)} engine(s); "
+                      "set rollout.concurrency to choose)")
+    async with SGLangClient(url, concurrency=concurrency, timeout_s=cfg.rollout.request_timeout_s,
                             max_retries=cfg.rollout.max_retries) as client:
         return await evaluate_sets(client, sets, k=k, sampling_params=sampling, tokenizer=tokenizer,
                                    reward=reward, log=console.print, keep_responses=keep_responses)

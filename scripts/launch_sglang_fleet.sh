@@ -16,6 +16,13 @@
 # an SGLang server, this package) instead, on no GPU (GPUS is ignored; NUM_ENGINES defaults to 1,
 # ENGINE_TP must be 1): the CPU rehearsal of a recipe (run_*.sh --rehearse) uses it.
 # PROMETHEUS_PORT (the router's default): the router's metrics port.
+# Router health checks: ROUTER_MAX_PAUSE_S (600): the longest an engine stays paused by a weight update
+# (at least the trainer's rollout.weight_sync_timeout_s, 300 by default; a 32B disk load takes minutes), ROUTER_HEALTH_INTERVAL_S
+# (30), ROUTER_HEALTH_TIMEOUT_S (25, above SGLang's 20 s SGLANG_HEALTH_CHECK_TIMEOUT). A paused engine
+# fails /health (503 after 20 s), and sglang-router 0.3.2 stops routing to a worker after
+# --health-failure-threshold failed checks in a row (default 3 x 60 s); the threshold here is
+# (ROUTER_MAX_PAUSE_S + timeout) / interval + 2, so a pause never costs an engine (the same rule as
+# megatron_m2po.rollout.engines.router_health_flags for the router the trainer starts).
 # Engines start at --weight-version 0 (the base model; SGLang's own default tag, "default", is no
 # version the trainer can count from).
 # Arguments after the options are appended to every engine command line. --dry-run prints the
@@ -87,8 +94,18 @@ done
 IFS=', ' read -r -a more <<<"${EXTRA_WORKER_URLS:-}"
 prom=()
 [ -n "${PROMETHEUS_PORT:-}" ] && prom=(--prometheus-port "$PROMETHEUS_PORT")
+ROUTER_MAX_PAUSE_S=${ROUTER_MAX_PAUSE_S:-600}
+ROUTER_HEALTH_INTERVAL_S=${ROUTER_HEALTH_INTERVAL_S:-30}
+ROUTER_HEALTH_TIMEOUT_S=${ROUTER_HEALTH_TIMEOUT_S:-25}
+for v in ROUTER_MAX_PAUSE_S ROUTER_HEALTH_INTERVAL_S ROUTER_HEALTH_TIMEOUT_S; do
+  [[ "${!v}" =~ ^[0-9]+$ ]] || die "$v=${!v} must be a non-negative integer (seconds)"
+done
+[ "$ROUTER_HEALTH_INTERVAL_S" -ge 1 ] && [ "$ROUTER_HEALTH_TIMEOUT_S" -ge 1 ] \
+  || die "ROUTER_HEALTH_INTERVAL_S and ROUTER_HEALTH_TIMEOUT_S must be >= 1"
+health=(--health-check-interval-secs "$ROUTER_HEALTH_INTERVAL_S" --health-check-timeout-secs "$ROUTER_HEALTH_TIMEOUT_S"
+        --health-failure-threshold $(( (ROUTER_MAX_PAUSE_S + ROUTER_HEALTH_TIMEOUT_S) / ROUTER_HEALTH_INTERVAL_S + 2 )))
 router_cmd=$(printf '%q ' "$PYTHON" -m sglang_router.launch_router --host "$HOST" --port "$ROUTER_PORT" \
-  ${prom[@]+"${prom[@]}"} --worker-urls "${urls[@]}" ${more[@]+"${more[@]}"})
+  ${prom[@]+"${prom[@]}"} "${health[@]}" --worker-urls "${urls[@]}" ${more[@]+"${more[@]}"})
 
 if [ "$dry_run" -eq 1 ]; then
   if [ "$ENGINE" = cpu_worker ]; then echo "# engines ($NUM_ENGINES CPU workers)"

@@ -19,7 +19,10 @@
 # existing value wins): CUDA_DEVICE_MAX_CONNECTIONS=1 (Megatron's TP / sequence-parallel
 # communication overlap needs kernels queued in issue order), PYTORCH_CUDA_ALLOC_CONF=
 # expandable_segments:True (less fragmentation with variable-length RL batches),
-# TORCH_NCCL_ASYNC_ERROR_HANDLING=1. Network: IFNAME=<interface> sets NCCL_SOCKET_IFNAME and
+# TORCH_NCCL_ASYNC_ERROR_HANDLING=1 (torchrun's own default too: a failed or timed-out collective of the
+# training groups ends the process instead of hanging it; the weight-update groups to the engines are
+# built with 2, so a push to a dead engine raises and the trainer relaunches it: parallel/side_group.py,
+# docs/sglang.md). Network: IFNAME=<interface> sets NCCL_SOCKET_IFNAME and
 # GLOO_SOCKET_IFNAME (the interface the nodes reach each other on); every other NCCL_* / GLOO_* /
 # UCX_* variable you export (NCCL_IB_HCA, NCCL_IB_GID_INDEX, NCCL_DEBUG, ...) passes through to
 # every trainer process unchanged, as torchrun inherits the environment.

@@ -138,8 +138,27 @@ def test_fleet_router_flags_exist_in_installed_router():
     """The router flags we emit are ones sglang-router's own parser accepts."""
     r = subprocess.run([sys.executable, "-m", "sglang_router.launch_router", "--help"], capture_output=True,
                        text=True, timeout=60)
-    for flag in ("--host", "--port", "--worker-urls"):
+    for flag in ("--host", "--port", "--worker-urls", "--health-check-interval-secs", "--health-check-timeout-secs",
+                 "--health-failure-threshold"):
         assert flag in r.stdout
+
+
+@pytest.mark.parametrize("pause, interval, timeout", [(None, None, None), (300, 10, 5)])
+def test_fleet_router_tolerates_weight_update_pauses(pause, interval, timeout):
+    """The router of launch_sglang_fleet.sh gets the health-check flags of the router the trainer starts
+    (engines.router_health_flags): an engine paused for ROUTER_MAX_PAUSE_S is never marked unhealthy."""
+    from megatron_m2po.rollout.engines import router_health_flags
+
+    env = {k: str(v) for k, v in (("ROUTER_MAX_PAUSE_S", pause), ("ROUTER_HEALTH_INTERVAL_S", interval),
+                                  ("ROUTER_HEALTH_TIMEOUT_S", timeout)) if v is not None}
+    r = sh("launch_sglang_fleet.sh", "--dry-run", MODEL_PATH="x", GPUS="0,1", **env)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    router = shlex.split(lines[lines.index("# router") + 1])
+    flags = router[router.index("--health-check-interval-secs"):router.index("--worker-urls")]
+    assert flags == router_health_flags(pause or 600, interval_s=interval or 30, timeout_s=timeout or 25)
+    r = sh("launch_sglang_fleet.sh", "--dry-run", MODEL_PATH="x", GPUS="0,1", ROUTER_HEALTH_INTERVAL_S="0")
+    assert r.returncode == 2 and "ROUTER_HEALTH_INTERVAL_S" in r.stderr
 
 
 def test_fleet_validation():

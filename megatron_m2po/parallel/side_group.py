@@ -12,16 +12,54 @@ pipeline stage is rank 0 of its group; the CPU worker joins as SGLang does.
 
 Collectives on these groups are called on the ``ProcessGroup`` object directly (:func:`broadcast`)
 with an explicit timeout, so a dead peer fails the call instead of hanging it.
+
+NCCL groups are built under ``TORCH_NCCL_ASYNC_ERROR_HANDLING=2`` (CleanUpOnly), whatever the process
+has (``scripts/train.sh`` and torchrun set 1, torch's default is 3). torch 2.13 reads the variable in
+the ``ProcessGroupNCCL`` constructor, once per group (``ProcessGroupNCCL.hpp``: a per-group
+``asyncErrorHandling_``; ``ProcessGroupNCCL.Options`` has no such field). On a failed or timed-out
+collective the group's watchdog thread aborts the communicators and then, in modes 1 (TearDown) and
+3 (SkipCleanUp), rethrows on its own thread, which terminates the process; in mode 2 it only aborts.
+The waiting thread raises either way (``WorkNCCL::wait`` with a timeout aborts and rethrows a
+``DistBackendError`` in the caller), so with mode 2 a dead engine during a push is an exception the
+trainer handles (relaunch, push again) instead of the end of the trainer. The training groups keep
+the process's mode: a hung all-reduce there has no recovery. docs/sglang.md says what to measure on
+the first GPU.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
-from typing import Optional
+import os
+import threading
+from typing import Iterator, Optional
 
 import torch
 
-__all__ = ["init_custom_process_group", "new_side_group", "destroy_side_group", "broadcast"]
+__all__ = ["init_custom_process_group", "new_side_group", "destroy_side_group", "broadcast",
+           "WEIGHT_SYNC_NCCL_ERROR_HANDLING"]
+
+# torch's ErrorHandlingMode (ProcessGroupNCCL.hpp): 0 NoHandling, 1 TearDown, 2 CleanUpOnly, 3 SkipCleanUp.
+WEIGHT_SYNC_NCCL_ERROR_HANDLING = "2"
+_ENV = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+_ENV_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _nccl_error_handling(mode: str) -> Iterator[None]:
+    """``TORCH_NCCL_ASYNC_ERROR_HANDLING=mode`` while a group is constructed, then the old value
+    (or none) again. One construction at a time in this process (the lock), so two groups built by
+    two threads never see each other's value."""
+    with _ENV_LOCK:
+        old = os.environ.get(_ENV)
+        os.environ[_ENV] = mode
+        try:
+            yield
+        finally:
+            if old is None:
+                os.environ.pop(_ENV, None)
+            else:
+                os.environ[_ENV] = old
 
 
 def init_custom_process_group(backend: str, host: str, port: int, world_size: int, rank: int, group_name: str,
@@ -46,8 +84,12 @@ def init_custom_process_group(backend: str, host: str, port: int, world_size: in
     store = dist.TCPStore(host, port, world_size, is_master=(rank == 0), timeout=timeout, multi_tenant=True)
     store.set_timeout(timeout)
     store = PrefixStore(group_name, store)
-    pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), store, group_name=group_name,
-                                      backend_options=None, timeout=timeout, device_id=None)
+    # NCCL: a failed weight-update collective must raise, not end the process (module docstring).
+    guard = _nccl_error_handling(WEIGHT_SYNC_NCCL_ERROR_HANDLING) if Backend(backend) == Backend.NCCL \
+        else contextlib.nullcontext()
+    with guard:
+        pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), store, group_name=group_name,
+                                          backend_options=None, timeout=timeout, device_id=None)
     _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
     return pg
 

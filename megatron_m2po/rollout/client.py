@@ -150,6 +150,54 @@ def expand_weight_version_spans(spans: Any, n: int) -> Optional[list[str]]:
 _RETRY_STATUS = {500, 502, 503, 504}
 
 
+def max_running_requests(server_info: Any) -> Optional[int]:
+    """How many requests an engine runs at once, from its ``/server_info``; None when it does not say.
+
+    SGLang 0.5.23 (``entrypoints/http_server.py`` ``server_info``): the top-level fields are the
+    resolved start-up arguments, so ``max_running_requests`` is null unless the engine was started
+    with ``--max-running-requests``; the value the schedulers actually use (capped by KV-cache memory)
+    is ``internal_states[i]["effective_max_running_requests_per_dp"]``, one entry per data-parallel
+    rank (``managers/scheduler_components/internal_state.py`` ``_add_topology``). Their sum is the
+    engine's limit; the start-up argument is the fallback.
+    """
+    if not isinstance(server_info, dict):
+        return None
+    states = server_info.get("internal_states")
+    if isinstance(states, list) and states:
+        per_dp = [st.get("effective_max_running_requests_per_dp") if isinstance(st, dict) else None
+                  for st in states]
+        if all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in per_dp):
+            return sum(per_dp)
+    top = server_info.get("max_running_requests")
+    if isinstance(top, int) and not isinstance(top, bool) and top > 0:
+        return top
+    return None
+
+
+class _Limiter:
+    """An async limit on concurrent holders that can be raised or lowered while in use (a lowered
+    limit lets no new holder in until enough have left). Bound to the event loop it is first used on."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.active = limit, 0
+        self._cond = asyncio.Condition()
+
+    async def __aenter__(self) -> None:
+        async with self._cond:
+            await self._cond.wait_for(lambda: self.active < self.limit)
+            self.active += 1
+
+    async def __aexit__(self, *exc) -> None:
+        async with self._cond:
+            self.active -= 1
+            self._cond.notify()
+
+    async def set_limit(self, limit: int) -> None:
+        async with self._cond:
+            self.limit = limit
+            self._cond.notify_all()
+
+
 class SGLangClient:
     """Client of one base URL (an engine or a router).
 
@@ -161,8 +209,9 @@ class SGLangClient:
             await c.continue_generation()
 
     ``engine_urls`` (optional, with a router as ``base_url``) are the engines aborts go to.
-    ``concurrency`` bounds in-flight ``generate`` calls; ``timeout_s`` is the total time of one
-    generate request; control calls use ``control_timeout_s``. Use one client per event loop.
+    ``concurrency`` bounds in-flight ``generate`` calls (:meth:`set_concurrency` changes it while in
+    use, e.g. when engines join the fleet); ``timeout_s`` is the total time of one generate request;
+    control calls use ``control_timeout_s``. Use one client per event loop.
     """
 
     def __init__(self, base_url: str, *, concurrency: int = 64, timeout_s: float = 600.0,
@@ -177,7 +226,7 @@ class SGLangClient:
         self.concurrency = concurrency
         # Where aborts go when base_url is a router (None: ask the router for its workers).
         self.engine_urls = [u.rstrip("/") for u in engine_urls] if engine_urls else None
-        self._sem: Optional[asyncio.Semaphore] = None
+        self._sem: Optional[_Limiter] = None
         self._session: Optional[aiohttp.ClientSession] = None
 
     async def __aenter__(self) -> "SGLangClient":
@@ -193,10 +242,19 @@ class SGLangClient:
 
     def _sess(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=self.concurrency + 16))
-            self._sem = asyncio.Semaphore(self.concurrency)
+            # No connection limit: the limiter bounds generate calls, and a raised limit must not
+            # queue behind a connector sized for the old one.
+            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+            self._sem = _Limiter(self.concurrency)
         return self._session
+
+    async def set_concurrency(self, concurrency: int) -> None:
+        """Change the bound on in-flight ``generate`` calls (call on the client's event loop)."""
+        if concurrency < 1:
+            raise ValueError(f"SGLangClient.set_concurrency({concurrency}): must be >= 1")
+        self.concurrency = concurrency
+        if self._sem is not None:
+            await self._sem.set_limit(concurrency)
 
     async def request(self, method: str, route: str, payload: Any = None, *,
                       timeout_s: Optional[float] = None, retry: bool = True,
@@ -355,6 +413,22 @@ class SGLangClient:
 
     async def get_model_info(self) -> dict:
         return await self.request("GET", "/get_model_info")
+
+    async def fleet_max_running(self) -> dict[str, Optional[int]]:
+        """``{engine url: max_running_requests(its /server_info)}`` behind this URL: the workers of
+        an sglang-router (``GET /workers``), or this engine alone."""
+        try:
+            out = await self.request("GET", "/workers", retry=False)
+            urls = [str(w.get("url", "")).rstrip("/") for w in (out or {}).get("workers", []) if w.get("url")]
+        except EngineError:
+            urls = []
+        if not urls:
+            return {self.base_url: max_running_requests(await self.get_server_info())}
+        infos = []
+        for u in urls:
+            async with SGLangClient(u, max_retries=self.max_retries, control_timeout_s=self.control_timeout_s) as c:
+                infos.append(max_running_requests(await c.get_server_info()))
+        return dict(zip(urls, infos))
 
     async def get_server_info(self) -> dict:
         """GET /get_server_info (newer SGLang also serves /server_info)."""

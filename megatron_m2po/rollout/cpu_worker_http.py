@@ -249,7 +249,11 @@ def make_app(engine):
                    "tp_size": 1, "dp_size": 1, "pp_size": 1, "context_length": engine.context_len,
                    "max_running_requests": engine.max_running, "weight_version": engine.weight_version,
                    "quantization": "fp8" if engine.fp8 is not None else None,
-                   "version": _VERSION, "engine": "m2po-cpu-worker", "internal_states": [{}]})
+                   "version": _VERSION, "engine": "m2po-cpu-worker",
+                   # One entry per DP rank, as http_server.py server_info builds it from the
+                   # schedulers' get_internal_state (scheduler_components/internal_state.py
+                   # _add_topology): what the scheduler runs at once, after memory sizing.
+                   "internal_states": [{"effective_max_running_requests_per_dp": engine.max_running}]})
 
     async def flush_cache(request):
         engine.note_receive()

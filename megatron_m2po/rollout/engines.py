@@ -14,35 +14,73 @@ problem is reported with the address), or -- ``rollout.router_addr`` alone -- fr
 running sglang-router lists (``GET /workers``; sglang-router 0.3.2 has no ``/list_workers``).
 A router-discovered fleet is re-read by :meth:`EngineFleet.refresh` before every weight push:
 engines that joined the router since are validated the same way and get the push, engines it no
-longer lists (or lists as unhealthy) are dropped. ``rollout.engine == "sglang"`` launches
+longer lists are dropped, and so are engines it lists as unhealthy unless this process holds them
+paused (:meth:`EngineFleet.hold`) or they answer ``/health`` themselves (the router's view lags: it
+marks a paused engine unhealthy after ``--health-failure-threshold`` failed checks and healthy again
+only after ``--health-success-threshold`` good ones). ``rollout.engine == "sglang"`` launches
 ``$SGLANG_PYTHON -m sglang.launch_server`` (SGLang's own venv; this interpreter when unset); ``"cpu_worker"`` launches ``megatron_m2po.rollout.cpu_worker``.
 Each engine logs to ``<run_dir>/engines/engine_<i>.log``; a failed start raises with the
 log's last lines. The router (sglang-router 0.3.2) is started with no workers and workers are
 added with ``POST /workers``; a restarted engine is removed from the router first and added back
 only after ``refit_fn`` pushed the current weights, so it never serves stale weights.
+
+``EngineFleet.concurrency`` is the trainer client's bound on in-flight requests: ``rollout.concurrency``
+when set, else the sum over engines of what each reports it can run (``client.max_running_requests``
+of its ``/server_info``), re-derived whenever the engines change; ``on_concurrency`` hears each new
+value.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import sys
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Iterable, Optional
 
 import aiohttp
 
 from megatron_m2po.config import RolloutConfig
-from megatron_m2po.rollout.client import EngineError, SGLangClient
+from megatron_m2po.rollout.client import EngineError, SGLangClient, max_running_requests
 from megatron_m2po.rollout.sglang_version import check_sglang_version
 from megatron_m2po.rollout.launcher import (EngineHandle, EngineSpec, FleetError, Launcher, LocalHandle,
                                             LocalLauncher, sglang_python)
 from megatron_m2po.utils.net import free_port
 
 log = logging.getLogger("m2po.engines")
+
+# An engine whose /server_info reports no limit counts as this many running requests.
+FALLBACK_MAX_RUNNING = 64
+
+# sglang-router 0.3.2 health checks (sglang_router/router_args.py; defaults 60 s interval, 5 s
+# timeout, 3 failures). A paused SGLang 0.5.23 engine answers /health 503 after
+# SGLANG_HEALTH_CHECK_TIMEOUT (20 s), so the router marks it unhealthy after 3 checks and routes
+# nothing to it until it passes --health-success-threshold (2) checks after the pause. The timeout
+# here outlasts SGLang's 20 s, so a slow but healthy answer never counts as a failure.
+ROUTER_HEALTH_INTERVAL_S = 30
+ROUTER_HEALTH_TIMEOUT_S = 25
+
+
+def router_health_flags(max_pause_s: float, *, interval_s: int = ROUTER_HEALTH_INTERVAL_S,
+                        timeout_s: int = ROUTER_HEALTH_TIMEOUT_S) -> list[str]:
+    """sglang-router 0.3.2 flags under which an engine paused for up to ``max_pause_s`` (a weight
+    update: a 32B disk load takes minutes) is never marked unhealthy.
+
+    Checks start every ``interval_s``; every check that starts during the pause, or up to
+    ``timeout_s`` before it, can fail: at most ``floor((max_pause_s + timeout_s) / interval_s) + 1``
+    in a row. The failure threshold is one more. A dead engine is then marked unhealthy after about
+    ``threshold * interval_s`` (the router's circuit breaker stops routing to it sooner, after
+    ``--cb-failure-threshold`` failed requests)."""
+    if max_pause_s < 0 or interval_s < 1 or timeout_s < 1:
+        raise ValueError(f"router_health_flags: max_pause_s={max_pause_s} (>= 0), interval_s={interval_s} "
+                         f"(>= 1), timeout_s={timeout_s} (>= 1)")
+    failures = math.floor((max_pause_s + timeout_s) / interval_s) + 2
+    return ["--health-check-interval-secs", str(interval_s), "--health-check-timeout-secs", str(timeout_s),
+            "--health-failure-threshold", str(failures)]
 
 
 def tail(path: Optional[Path], n: int = 30) -> str:
@@ -78,6 +116,7 @@ class _Engine:
     restarts: int = 0
     router_id: Optional[str] = None
     pending: bool = False  # relaunched, not yet refit nor registered
+    max_running: Optional[int] = None  # from its /server_info (None: it does not say)
 
 
 @dataclass
@@ -87,7 +126,8 @@ class EngineFleet:
     ``refit_fn(url)`` is called for a restarted engine before it is registered with the router
     again (push the current weights; e.g. ``DiskWeightSync.push(dir, version, engine_urls=[url])``).
     ``trainer_gpus``: GPUs used by the trainer on this node; engine GPUs follow them when
-    ``rollout.engine_gpu_ids`` is empty.
+    ``rollout.engine_gpu_ids`` is empty. ``on_concurrency(n)`` is called with every new value of
+    :attr:`concurrency` (from :meth:`start` on).
     """
 
     cfg: RolloutConfig
@@ -99,7 +139,10 @@ class EngineFleet:
     trainer_gpus: int = 0
     weight_version: str = "0"
     extra_engine_args: list[str] = field(default_factory=list)
+    on_concurrency: Optional[Callable[[int], None]] = None
     engines: list[_Engine] = field(default_factory=list, init=False)
+    concurrency: int = field(default=0, init=False)
+    _held: set = field(default_factory=set, init=False)
     router_url: Optional[str] = field(default=None, init=False)
     _router: Optional[LocalHandle] = field(default=None, init=False)
 
@@ -131,6 +174,7 @@ class EngineFleet:
                                  "or rollout.router_addr (an sglang-router the engines are registered with)")
             self._start_router()
             self._discover_initial()
+            self._derive_concurrency()
             return self
         if cfg.launcher == "external":
             self.engines = [_Engine(i, a.rstrip("/"), None) for i, a in enumerate(cfg.external_addrs)]
@@ -158,28 +202,54 @@ class EngineFleet:
             except BaseException:
                 self.stop()
                 raise
+        self._derive_concurrency()
         return self
 
     def refresh(self) -> list[str]:
-        """A router-discovered fleet: re-read the router's workers (new ones validated, gone ones
-        dropped); returns the URLs that joined. Other fleets: nothing to do."""
+        """A router-discovered fleet: re-read the router's workers (new healthy ones validated, gone
+        ones dropped); returns the URLs that joined. Other fleets: nothing to do.
+
+        An engine of the fleet that the router still lists but as unhealthy stays when this process
+        holds it paused (:meth:`hold`: a paused SGLang engine fails the router's ``/health`` checks)
+        or when it answers ``/health`` itself (the router re-marks it healthy only after
+        ``--health-success-threshold`` checks); otherwise it is dropped with a warning."""
         if not self.discovered or self.router_url is None:
             return []
-        listed = self._healthy_router_urls()
+        workers = self._router_worker_health()
         known = {e.url for e in self.engines}
-        joined = [_Engine(self._next_index(), u, None) for u in listed if u not in known]
+        joined = [_Engine(self._next_index(), u, None) for u, ok in workers.items() if ok and u not in known]
         self._validate_external(joined, where=f" (registered with the router {self.router_url})")
-        left = [e.url for e in self.engines if e.url not in listed]
+        kept, left = [], []
+        for e in self.engines:
+            if e.url not in workers:
+                left.append(f"{e.url} (no longer registered)")
+            elif workers[e.url] or e.url in self._held:
+                kept.append(e)
+            elif _run(_probe(e.url, 5.0)):
+                log.info("the router lists %s as unhealthy but it answers /health (the router's checks lag "
+                         "behind a pause); kept", e.url)
+                kept.append(e)
+            else:
+                left.append(f"{e.url} (unhealthy in the router and not answering /health)")
         if left:
-            log.warning("engines no longer listed healthy by the router, dropped from the fleet: %s",
-                        ", ".join(left))
+            log.warning("engines dropped from the fleet: %s", ", ".join(left))
         if joined:
             log.info("engines that joined the router: %s", ", ".join(e.url for e in joined))
-        self.engines = [e for e in self.engines if e.url in listed] + joined
+        self.engines = kept + joined
         if not self.engines:
             raise FleetError(f"the router {self.router_url} lists no healthy engine (GET /workers): "
                              "start engines and register them with it (scripts/launch_sglang_fleet.sh)")
+        self._derive_concurrency()
         return [e.url for e in joined]
+
+    def hold(self, urls: Iterable[str]) -> None:
+        """Note that this process pauses these engines (a weight push): :meth:`refresh` keeps them
+        whatever the router says of their health until :meth:`release`."""
+        self._held.update(u.rstrip("/") for u in urls)
+
+    def release(self) -> None:
+        """The pause of :meth:`hold` is over."""
+        self._held.clear()
 
     def check_and_restart(self, *, refit: bool = True) -> list[str]:
         """Probe every engine; relaunch, refit and re-register dead ones. Returns their URLs.
@@ -269,7 +339,6 @@ class EngineFleet:
         if cfg.engine == "cpu_worker":
             cmd = [sys.executable, "-m", "megatron_m2po.rollout.cpu_worker", "--model-path", self.model_path,
                    "--host", cfg.host, "--port", str(port), "--weight-version", self.weight_version,
-                   "--max-running-requests", str(cfg.concurrency),
                    "--dist-timeout-s", str(cfg.weight_sync_timeout_s)]
             env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
         else:
@@ -282,6 +351,8 @@ class EngineFleet:
                 raise FleetError(f"engine {i}: rollout.engine_gpu_ids={cfg.engine_gpu_ids} has no "
                                  f"{cfg.engine_tp} GPUs for it (num_engines={cfg.num_engines})")
             env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus))}
+        if cfg.engine_max_running_requests is not None:
+            cmd += ["--max-running-requests", str(cfg.engine_max_running_requests)]
         return EngineSpec(i, cfg.host, port, cmd + list(self.extra_engine_args), env, logp)
 
     def _wait_healthy(self, e: _Engine, what: str = "engine") -> None:
@@ -297,10 +368,34 @@ class EngineFleet:
                          f"Last log lines:\n{tail(e.handle.log_path if e.handle else None)}")
 
     def _check_version(self, e: _Engine) -> None:
+        info = _run(_get_json(e.url + "/server_info"))
         try:
-            check_sglang_version(e.url, _run(_get_json(e.url + "/server_info")))
+            check_sglang_version(e.url, info)
         except ValueError as ex:
             raise FleetError(f"engine {e.index}: {ex}") from None
+        e.max_running = max_running_requests(info)
+
+    def _derive_concurrency(self) -> None:
+        """:attr:`concurrency` from ``rollout.concurrency`` or the engines' limits; logged and passed to
+        ``on_concurrency`` when it changes."""
+        silent = []
+        if self.cfg.concurrency is not None:
+            n, how = self.cfg.concurrency, "rollout.concurrency"
+        else:
+            silent = [e.url for e in self.engines if e.max_running is None]
+            n = sum(e.max_running or FALLBACK_MAX_RUNNING for e in self.engines)
+            how = "derived: " + " + ".join(f"{e.max_running or FALLBACK_MAX_RUNNING} ({e.url}"
+                                           + (", assumed)" if e.max_running is None else ")") for e in self.engines)
+        if n != self.concurrency:
+            if silent:
+                log.warning("engines that report no max_running_requests in /server_info (neither "
+                            "internal_states[*].effective_max_running_requests_per_dp nor max_running_requests): "
+                            "%s; counting %d running requests for each. Set rollout.concurrency to choose the "
+                            "fleet's in-flight requests yourself", ", ".join(silent), FALLBACK_MAX_RUNNING)
+            log.info("rollout concurrency %d in-flight requests over %d engine(s) (%s)", n, len(self.engines), how)
+            self.concurrency = n
+            if self.on_concurrency is not None:
+                self.on_concurrency(n)
 
     def _discover_initial(self) -> None:
         """Wait (up to ``startup_timeout_s``) until the router lists a healthy engine, then validate all."""
@@ -321,11 +416,16 @@ class EngineFleet:
     def _healthy_router_urls(self) -> list[str]:
         """URLs of the workers the router lists as healthy, in its order (sglang-router 0.3.2
         lists a worker under ``GET /workers`` once its background add job has health-checked it)."""
+        return [u for u, ok in self._router_worker_health().items() if ok]
+
+    def _router_worker_health(self) -> dict[str, bool]:
+        """``{url: is_healthy}`` of every worker the router lists, in its order. sglang-router 0.3.2
+        keeps a worker that fails its health checks listed, with ``is_healthy`` false."""
         try:
             workers = self._router_workers()
         except (aiohttp.ClientError, EngineError, asyncio.TimeoutError) as ex:
             raise FleetError(f"sglang-router at {self.router_url}: GET /workers failed: {ex}") from None
-        return [w["url"].rstrip("/") for w in workers if w.get("url") and w.get("is_healthy", False)]
+        return {w["url"].rstrip("/"): bool(w.get("is_healthy", False)) for w in workers if w.get("url")}
 
     def _next_index(self) -> int:
         return max((e.index for e in self.engines), default=-1) + 1
@@ -349,7 +449,9 @@ class EngineFleet:
                     # (srt/arg_groups/fields/serving.py); token versions must be integers for the store.
                     problems.append(f"{e.url}: reports weight version {wv!r}, not an integer: start it with "
                                     "--weight-version 0 (scripts/launch_sglang_fleet.sh does)")
-                check_sglang_version(e.url, _run(_get_json(e.url + "/server_info")))
+                server_info = _run(_get_json(e.url + "/server_info"))
+                check_sglang_version(e.url, server_info)
+                e.max_running = max_running_requests(server_info)
             except (aiohttp.ClientError, EngineError, asyncio.TimeoutError, ValueError) as ex:
                 problems.append(f"{e.url}: {type(ex).__name__}: {ex}")
         if problems:
@@ -372,7 +474,9 @@ class EngineFleet:
                "--policy", "cache_aware", "--prometheus-host", cfg.host,
                "--prometheus-port", str(free_port(cfg.host)), "--log-level", "warn",
                "--shutdown-grace-period-secs", "1",
-               "--request-timeout-secs", str(int(cfg.request_timeout_s))]
+               "--request-timeout-secs", str(int(cfg.request_timeout_s)),
+               # engines paused by a weight update (up to its timeout) stay routable
+               *router_health_flags(cfg.weight_sync_timeout_s)]
         spec = EngineSpec(-1, cfg.host, port, cmd, {}, logp)
         self._router = LocalLauncher().launch(spec)
         self.router_url = spec.url

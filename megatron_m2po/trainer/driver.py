@@ -69,7 +69,7 @@ class RolloutDriver:
                 # FP8 engines quantise at load and take the FP8 checkpoints the weight sync exports.
                 extra = ["--quantization", "fp8"] if cfg.rollout.fp8_weights else []
                 self.fleet = EngineFleet(cfg.rollout, model_path, run_dir=str(run_dir), refit_fn=self._refit,
-                                         extra_engine_args=extra)
+                                         extra_engine_args=extra, on_concurrency=self._resize_client)
                 self.fleet.start()
             self.weight_sync = self._make_weight_sync()
             if self.fleet is not None:
@@ -85,8 +85,13 @@ class RolloutDriver:
     # ------------------------------------------------------------------ setup / teardown
     async def _open_client(self) -> None:
         r = self.cfg.rollout
-        self.client = SGLangClient(self.fleet.url, concurrency=r.concurrency, timeout_s=r.request_timeout_s,
+        self.client = SGLangClient(self.fleet.url, concurrency=self.fleet.concurrency, timeout_s=r.request_timeout_s,
                                    max_retries=r.max_retries)
+
+    def _resize_client(self, concurrency: int) -> None:
+        """The fleet's derived concurrency changed (engines joined or left): the client follows."""
+        if self.client is not None:
+            self._bg.submit(self.client.set_concurrency(concurrency)).result(timeout=30)
 
     async def _serve_ingestion(self) -> None:
         """External producers push to ``http://store.serve_host:serve_port/v1/groups``."""
@@ -188,11 +193,21 @@ class RolloutDriver:
         # router-discovered fleet is re-read from the router (engines that joined get this push).
         if self.fleet is not None:
             self.fleet.refresh()
-        return self.weight_sync.begin(version, n_stages, self.engine_urls)
+            self.fleet.hold(self.engine_urls)  # paused by the push: the router's health view is not the truth
+        try:
+            return self.weight_sync.begin(version, n_stages, self.engine_urls)
+        except BaseException:
+            if self.fleet is not None:
+                self.fleet.release()
+            raise
 
     def finish(self, plan: PushPlan, results: list):
         """Rank 0's end of a push: engines at the new version; relaunched engines rejoin the router."""
-        stats = self.weight_sync.finish(plan, results)
+        try:
+            stats = self.weight_sync.finish(plan, results)
+        finally:
+            if self.fleet is not None:
+                self.fleet.release()
         self.engine_version = plan.version
         if self.fleet is not None:
             self.fleet.admit()

@@ -1,8 +1,14 @@
-"""Helpers of the rollout tests (tiny model, HF reference log-probs)."""
+"""Helpers of the rollout tests (tiny model, HF reference log-probs, a fake engine)."""
 
 from __future__ import annotations
 
+import asyncio
+import threading
+
 import torch
+from aiohttp import web
+
+from megatron_m2po.utils.net import free_port
 
 
 def build_tiny_qwen2(path, seed: int = 0) -> str:
@@ -50,3 +56,33 @@ exec {sys.executable} -m megatron_m2po.rollout.cpu_worker "${{args[@]}}"
     path.chmod(path.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
     assert os.access(path, os.X_OK)
     return str(path)
+
+
+class FakeEngine:
+    """An engine's HTTP surface that EngineFleet and sglang-router check (health, model info, server
+    info), served from a thread: an engine whose ``/server_info`` the test chooses."""
+
+    def __init__(self, server_info: dict) -> None:
+        def answer(body: dict | None):
+            async def handler(_request):
+                return web.Response(status=200) if body is None else web.json_response(body)
+            return handler
+
+        app = web.Application()
+        model_info = {"is_generation": True, "weight_version": "0"}
+        for route, body in (("/health", None), ("/health_generate", None), ("/model_info", model_info),
+                            ("/get_model_info", model_info), ("/server_info", server_info)):
+            app.router.add_get(route, answer(body))
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.loop = asyncio.new_event_loop()
+        self.runner = web.AppRunner(app)
+        self.loop.run_until_complete(self.runner.setup())
+        self.loop.run_until_complete(web.TCPSite(self.runner, "127.0.0.1", self.port).start())
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)

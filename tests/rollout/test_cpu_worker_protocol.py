@@ -44,7 +44,7 @@ def fleet(tmp_path_factory):
     model_dir = build_tiny_qwen2(tmp_path_factory.mktemp("tiny_chars"), seed=3)
     build_char_tokenizer(model_dir)
     cfg = RolloutConfig(engine="cpu_worker", launcher="local", num_engines=2, base_port=0, use_router=True,
-                        concurrency=16)
+                        concurrency=16, engine_max_running_requests=16)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("SGLANG_HEALTH_CHECK_TIMEOUT", str(HEALTH_TIMEOUT_S))
         f = EngineFleet(cfg, model_dir, run_dir=str(tmp_path_factory.mktemp("proto_run")), startup_timeout_s=120)

@@ -47,7 +47,7 @@ def env(tiny_model_dir, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("fleet_run")
     state = State(tiny_model_dir)
     cfg = RolloutConfig(engine="cpu_worker", launcher="local", num_engines=2, base_port=0,
-                        use_router=True, concurrency=16, weight_sync_timeout_s=30.0)
+                        use_router=True, concurrency=16, engine_max_running_requests=16, weight_sync_timeout_s=30.0)
     holder = {}
 
     def refit(url: str) -> None:  # push the current weights to a restarted engine
