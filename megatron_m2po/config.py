@@ -177,7 +177,10 @@ class RolloutConfig:
     num_engines: int = _f(1, ge=0, help="Number of engines to launch (ignored for external).")
     engine_tp: int = _f(1, ge=1, help="Tensor parallel size of each SGLang engine.")
     engine_mem_fraction: float = _f(0.7, gt=0.0, le=1.0, help="SGLang --mem-fraction-static.")
-    engine_gpu_ids: list[int] = _f(factory=list, help="GPUs for the engines (disaggregated); empty = after the trainer's.")
+    engine_gpu_ids: list[int] = _f(factory=list, help="launcher=local: the node's GPUs for the engines, engine_tp per "
+                                   "engine in order; empty = the GPUs after the trainer's (LOCAL_WORLD_SIZE ..).")
+    colocate: bool = _f(False, help="launcher=local: engine_gpu_ids may include the trainer's GPUs (engines share them, "
+                        "holding engine_mem_fraction); without it such a list is refused.")
     ray_cpus_per_engine: float = _f(1.0, ge=0.0, help="launcher=ray: CPUs each engine actor reserves (GPUs = engine_tp for sglang).")
     external_addrs: list[str] = _f(factory=list, help="http://host:port of engines started elsewhere (launcher=external).")
     use_router: bool = _f(True, help="Put sglang-router in front of the engines.")

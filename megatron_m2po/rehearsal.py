@@ -21,9 +21,18 @@ CPU cannot hold substituted (each substitution is printed with its reason):
   engines) must share.
 
 Topology: 2 simulated nodes x 2 processes, each node launched by ``scripts/train.sh`` with
-``NNODES=2 NODE_RANK=r`` (torchrun on loopback) in its own working directory ``node<r>/``; the
-engines are CPU workers started by ``scripts/launch_sglang_fleet.sh`` (``ENGINE=cpu_worker``)
-behind the real sglang-router, and the trainer attaches by ``rollout.router_addr`` alone.
+``NNODES=2 NODE_RANK=r`` (torchrun on loopback) in its own working directory ``node<r>/``. The
+engines are CPU workers started the way the recipe starts its SGLang engines:
+
+* ``rollout.launcher=external`` (the 32B recipes): by ``scripts/launch_sglang_fleet.sh``
+  (``ENGINE=cpu_worker``) behind the real sglang-router, the trainer attached by
+  ``rollout.router_addr`` alone;
+* ``rollout.launcher=local`` (the 7B / 8B recipes): by trainer rank 0 itself (``LocalLauncher``,
+  inside a torchrun worker, so with the environment handling of ``rollout/launcher.py``
+  ``engine_env``: a CPU worker initialises torch.distributed at start-up as SGLang does and hangs
+  on an inherited ``TORCHELASTIC_USE_AGENT_STORE``), behind a router rank 0 starts too; the
+  recipe's GPU list is dropped (CPU workers take no GPU) and the ports are free ones. They die
+  with node 0 and come back with it.
 
 Script: run until the checkpoint after ``--kill-after`` steps exists, SIGKILL node 1's
 processes, wait for node 0 to fail on its own (a hang is an error), relaunch both nodes (they
@@ -146,8 +155,16 @@ def plan(config_path: Path, *, shared: Path, model_dir: str, family: str, steps:
         put("parallel.tensor_parallel", TP, f"{n} processes ({p.tensor_parallel} in the recipe)")
     if p.pipeline_parallel != pp:
         put("parallel.pipeline_parallel", pp, f"{n} processes ({p.pipeline_parallel} in the recipe)")
-    if cfg.rollout.launcher != "external":
-        put("rollout.launcher", "external", f"{cfg.rollout.launcher} in the recipe (engines on the node's GPUs): "
+    local = cfg.rollout.launcher == "local"
+    if local:
+        put("rollout.engine", "cpu_worker", f"{cfg.rollout.engine} in the recipe: CPU workers, still started by trainer "
+            "rank 0 under torchrun (rollout.launcher=local)")
+        put("rollout.num_engines", ENGINES, f"{cfg.rollout.num_engines} in the recipe")
+        if cfg.rollout.engine_gpu_ids:
+            put("rollout.engine_gpu_ids", "[]", f"{cfg.rollout.engine_gpu_ids} in the recipe: CPU workers take no GPU")
+        put("rollout.base_port", 0, f"{cfg.rollout.base_port} in the recipe: free ports on this shared machine")
+    elif cfg.rollout.launcher != "external":
+        put("rollout.launcher", "external", f"{cfg.rollout.launcher} in the recipe (engines on Ray): "
             "here the CPU fleet of scripts/launch_sglang_fleet.sh, attached by rollout.router_addr")
     put("trainer.run_dir", shared / "run", f"shared by every node ({t.run_dir} in the recipe)")
     if cfg.rollout.weight_sync_dir:
@@ -168,7 +185,7 @@ def plan(config_path: Path, *, shared: Path, model_dir: str, family: str, steps:
     elif t.mode == "async":
         put("store.max_staleness", min(cfg.store.max_staleness, 2 * U), f"{cfg.store.max_staleness}")
     data = apply_overrides(config_to_dict(cfg), [f"{k}={v}" for k, (v, _) in o.items()] + extra
-                           + [f"rollout.router_addr={router_addr}"])
+                           + ([] if local else [f"rollout.router_addr={router_addr}"]))
     final = config_from_dict(data)
     name = config_path.stem
     return Plan(name, config_path, final, o, family, note, steps, kill_after, extra)
@@ -330,13 +347,18 @@ class Rehearsal:
                  f"ENGINE=cpu_worker; logs in {d / 'logs'})")
         return router
 
-    def start_nodes(self, router: str, attempt: int) -> list[_Proc]:
+    @property
+    def trainer_launches_engines(self) -> bool:
+        """The recipe's engines are started by trainer rank 0 (``rollout.launcher=local``)."""
+        return self.plan.cfg.rollout.launcher == "local"
+
+    def start_nodes(self, router: Optional[str], attempt: int) -> list[_Proc]:
         port = free_port()
         nodes = []
         for r in range(NODES):
             d = self.workdir / f"node{r}"
             env = self._env(NNODES=str(NODES), NODE_RANK=str(r), GPUS_PER_NODE=str(PROCS_PER_NODE),
-                            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), ROUTER_ADDR=router)
+                            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **({"ROUTER_ADDR": router} if router else {}))
             cmd = ["bash", str(self.scripts / "train.sh"), str(self.plan.config_path), *self.plan.args()]
             nodes.append(_Proc(f"node {r}", cmd, env, d, d / f"train_{attempt}.log"))
         self.procs += nodes
@@ -351,10 +373,13 @@ class Rehearsal:
         plan = self.plan
         ck = f"step_{plan.kill_after:06d}"
         try:
-            router = self.start_fleet()
+            router = None if self.trainer_launches_engines else self.start_fleet()
             nodes = self.start_nodes(router, 1)
+            engines = (f"{ENGINES} CPU workers and the router started by trainer rank 0 (rollout.launcher=local; "
+                       f"logs in {self.shared / 'run' / 'engines'})" if router is None
+                       else f"attached by rollout.router_addr={router}")
             self.say(f"nodes: {NODES} x {PROCS_PER_NODE} processes (scripts/train.sh NNODES={NODES} NODE_RANK=0/1, "
-                     f"working directories {self.workdir}/node0, node1), attached by rollout.router_addr={router}")
+                     f"working directories {self.workdir}/node0, node1), {engines}")
 
             def exited() -> Optional[str]:
                 for n in nodes:
@@ -388,10 +413,25 @@ class Rehearsal:
                                  if "resumed from" in ln), None)
             if resumed_line is None or ck not in resumed_line:
                 raise RehearsalError(f"node 0 did not report resuming from {ck}; log {nodes[0].log}")
+            if self.trainer_launches_engines:
+                self.check_trainer_launched_engines()
             return self.summary(resumed_from, time.monotonic() - t0)
         finally:
             for p in reversed(self.procs):
                 p.stop()
+
+    def check_trainer_launched_engines(self) -> None:
+        """Rank 0 launched every engine twice (first run and resume), and each came up through its own
+        torch.distributed init inside a torchrun worker's process tree."""
+        logs = sorted((self.shared / "run" / "engines").glob("engine_*.log"))
+        if len(logs) != ENGINES:
+            raise RehearsalError(f"expected {ENGINES} engine logs from trainer rank 0, found {[p.name for p in logs]}")
+        for p in logs:
+            text = p.read_text(errors="replace")
+            launches = text.count("=== launch")
+            if launches < 2 or text.count("init torch.distributed: backend=gloo") != launches:
+                raise RehearsalError(f"{p}: not launched and initialised in each run (first run and resume):\n"
+                                     f"{_tail(p)}")
 
     def summary(self, resumed_from: Optional[str], seconds: float) -> dict:
         plan = self.plan
@@ -468,10 +508,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 1
     if not a.keep and not a.workdir:
         shutil.rmtree(workdir, ignore_errors=True)
+    engines = ("engines=trainer-launched" if p.cfg.rollout.launcher == "local"
+               else "engines=launch_sglang_fleet.sh")
     print(f"rehearsal ok {recipe} steps={out['steps']} updates={out['updates']} nodes={NODES}x{PROCS_PER_NODE} "
           f"{kept} resumed_from={out['resumed_from']} (node 1 SIGKILLed after it) "
           f"staleness={out['staleness_min']}..{out['staleness_max']} ({p.stale_k_note}) "
-          f"time={time.monotonic() - t0:.0f}s")
+          f"{engines} time={time.monotonic() - t0:.0f}s")
     return 0
 
 

@@ -27,6 +27,12 @@
 # version the trainer can count from).
 # Arguments after the options are appended to every engine command line. --dry-run prints the
 # commands and checks the GPU/port arithmetic without starting anything.
+# Engines and the router get an explicit environment: this shell's, without a trainer's or
+# torchrun's variables (RANK, WORLD_SIZE, LOCAL_*, GROUP_*, ROLE_*, MASTER_ADDR/PORT, TORCHELASTIC_*,
+# TORCH_NCCL_*, NCCL_ASYNC_ERROR_HANDLING, NCCL_BLOCKING_WAIT, CUDA_DEVICE_MAX_CONNECTIONS,
+# PYTORCH_CUDA_ALLOC_CONF, OMP_NUM_THREADS; CUDA_VISIBLE_DEVICES is set per engine). With
+# TORCHELASTIC_USE_AGENT_STORE=True an SGLang engine's own torch.distributed init waits on a store
+# nobody hosts. The same set as rollout/launcher.py engine_env (tests/test_scripts.py compares them).
 set -euo pipefail
 die() { echo "launch_sglang_fleet.sh: $*" >&2; exit 2; }
 
@@ -76,6 +82,18 @@ if [ "$ROUTER" = 1 ] && [ "$ROUTER_PORT" -ge "$BASE_PORT" ] && [ "$ROUTER_PORT" 
   die "ROUTER_PORT=$ROUTER_PORT collides with the engine ports $BASE_PORT..$((BASE_PORT + NUM_ENGINES - 1))"
 fi
 
+# Names to unset for the children (`env -u`): see the header.
+drop=()
+while read -r name; do
+  case "$name" in
+    RANK|LOCAL_RANK|WORLD_SIZE|LOCAL_WORLD_SIZE|GROUP_RANK|GROUP_WORLD_SIZE|ROLE_RANK|ROLE_NAME|ROLE_WORLD_SIZE|\
+    MASTER_ADDR|MASTER_PORT|CUDA_DEVICE_MAX_CONNECTIONS|PYTORCH_CUDA_ALLOC_CONF|NCCL_ASYNC_ERROR_HANDLING|\
+    NCCL_BLOCKING_WAIT|CUDA_VISIBLE_DEVICES|OMP_NUM_THREADS|TORCHELASTIC_*|TORCH_NCCL_*) drop+=("$name") ;;
+  esac
+done < <(compgen -e | sort)
+unset_flags=""
+for name in ${drop[@]+"${drop[@]}"}; do unset_flags+=" -u $name"; done
+
 engine_cmds=()
 urls=()
 for ((i = 0; i < NUM_ENGINES; i++)); do
@@ -110,6 +128,7 @@ router_cmd=$(printf '%q ' "$PYTHON" -m sglang_router.launch_router --host "$HOST
 if [ "$dry_run" -eq 1 ]; then
   if [ "$ENGINE" = cpu_worker ]; then echo "# engines ($NUM_ENGINES CPU workers)"
   else echo "# engines ($NUM_ENGINES x TP=$ENGINE_TP on GPUs $GPUS)"; fi
+  echo "# not passed to engines and router:${drop[*]+ ${drop[*]}}"
   printf '%s\n' "${engine_cmds[@]}"
   if [ "$ROUTER" = 1 ]; then
     echo "# router"; echo "$router_cmd"
@@ -127,12 +146,12 @@ cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait 
 trap cleanup EXIT INT TERM
 for ((i = 0; i < NUM_ENGINES; i++)); do
   echo "starting engine $i: ${engine_cmds[$i]}"
-  bash -c "exec env ${engine_cmds[$i]}" >"$LOG_DIR/engine_$i.log" 2>&1 &
+  bash -c "exec env$unset_flags ${engine_cmds[$i]}" >"$LOG_DIR/engine_$i.log" 2>&1 &
   pids+=($!)
 done
 if [ "$ROUTER" = 1 ]; then
   echo "starting router: $router_cmd"
-  bash -c "exec $router_cmd" >"$LOG_DIR/router.log" 2>&1 &
+  bash -c "exec env$unset_flags $router_cmd" >"$LOG_DIR/router.log" 2>&1 &
   pids+=($!)
 fi
 echo "fleet up (logs in $LOG_DIR); Ctrl-C stops it"

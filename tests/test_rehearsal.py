@@ -57,7 +57,13 @@ def test_rehearsal_plan_keeps_the_recipe_and_names_each_substitution(tmp_path):
             assert getattr(c.parallel, key) == getattr(recipe.parallel, key), (name, key)
         assert (c.model.dtype, c.algo, c.optim, c.reward) == (recipe.model.dtype, recipe.algo, recipe.optim,
                                                                recipe.reward)
-        assert c.data.template == recipe.data.template and c.rollout.launcher == "external"
+        assert c.data.template == recipe.data.template
+        # Engines are started as the recipe starts them: by the trainer (local) or beside it (external).
+        assert c.rollout.launcher == recipe.rollout.launcher
+        if recipe.rollout.launcher == "local":
+            assert (c.rollout.engine, c.rollout.engine_gpu_ids, c.rollout.router_addr) == ("cpu_worker", [], None)
+        else:
+            assert c.rollout.router_addr == "http://127.0.0.1:1"
         U = recipe.trainer.num_updates_per_step
         assert c.trainer.num_updates_per_step == U and c.trainer.stale_k == 2 * U
         assert c.store.max_staleness == 3 * U - 1

@@ -170,3 +170,20 @@ def test_fleet_validation():
     assert r.returncode == 2 and "collides" in r.stderr
     r = sh("launch_sglang_fleet.sh", "--dry-run", GPUS="0,1", MODEL_PATH="x", ROUTER=0)
     assert r.returncode == 0 and "sglang_router" not in r.stdout and "EXTRA_WORKER_URLS" in r.stdout
+
+
+def test_fleet_engines_get_the_launchers_explicit_environment():
+    """launch_sglang_fleet.sh drops the same trainer / torchrun variables as rollout/launcher.py's engine_env."""
+    from megatron_m2po.rollout.launcher import engine_env
+
+    polluted = {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "8", "MASTER_PORT": "29500", "GROUP_RANK": "0",
+                "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RUN_ID": "x", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+                "CUDA_DEVICE_MAX_CONNECTIONS": "1", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
+                "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "0,1", "NCCL_SOCKET_IFNAME": "ib0", "HF_HOME": "/hf"}
+    r = sh("launch_sglang_fleet.sh", "--dry-run", MODEL_PATH="/m/Q", GPUS="0,1", **polluted)
+    assert r.returncode == 0, r.stderr
+    line = next(ln for ln in r.stdout.splitlines() if ln.startswith("# not passed to engines and router:"))
+    dropped = set(line.split(":", 1)[1].split())
+    env = _env(**polluted)
+    assert dropped == set(env) - set(engine_env({}, base=env))
+    assert set(polluted) - {"NCCL_SOCKET_IFNAME", "HF_HOME"} <= dropped

@@ -651,6 +651,57 @@ class _DropH2Probe(logging.Filter):
         return "PRI/Upgrade" not in record.getMessage() and "PRI/Upgrade" not in str(record.exc_info)
 
 
+def init_torch_distributed(host: str, nccl_port: Optional[int], dist_timeout: Optional[int]) -> str:
+    """The engine's own default process group, created at start-up as SGLang 0.5.23 creates it.
+
+    SGLang's scheduler (``managers/scheduler.py`` -> ``distributed/bootstrap.py``
+    ``init_parallel_runtime``) calls ``init_distributed_environment`` (``distributed/parallel_state.py``):
+    ``torch.distributed.init_process_group(backend, init_method="tcp://<--host or 127.0.0.1>:<nccl_port>",
+    world_size=tp*pp, rank, timeout=--dist-timeout)``, with ``nccl_port`` = ``--nccl-port`` or a free port
+    below the ephemeral range (``server_args.py`` ``PortArgs.init_new``, ``utils/network.py``
+    ``get_free_port_below_ephemeral``) and no timeout by default. One CPU worker is one rank on gloo
+    (SGLang's backend for device "cpu" is gloo too). The ``tcp://`` rendezvous reads the process
+    environment (torch ``distributed/rendezvous.py`` ``_create_c10d_store``): with
+    ``TORCHELASTIC_USE_AGENT_STORE=True`` -- inherited from a torchrun worker -- rank 0 does not host the
+    store but waits as a client of one nobody hosts, so the worker never comes up, exactly as SGLang
+    does not. Launchers give engines an explicit environment (``rollout/launcher.py`` ``engine_env``).
+    Weight-update groups (``parallel/side_group.py``) are built beside this group, as in SGLang.
+    Returns the init method used."""
+    import datetime
+
+    import torch.distributed as dist
+
+    port = nccl_port or _free_port_below_ephemeral()
+    bind = host or "127.0.0.1"
+    init_method = f"tcp://[{bind}]:{port}" if ":" in bind else f"tcp://{bind}:{port}"
+    timeout = datetime.timedelta(seconds=dist_timeout) if dist_timeout else None
+    log.info("init torch.distributed: backend=gloo init_method=%s world_size=1 rank=0", init_method)
+    dist.init_process_group(backend="gloo", init_method=init_method, world_size=1, rank=0, timeout=timeout)
+    return init_method
+
+
+def _free_port_below_ephemeral(low: int = 22000, high: int = 29999, attempts: int = 64) -> int:
+    """SGLang 0.5.23 ``utils/network.py`` ``get_free_port_below_ephemeral``: a free port in
+    [low, min(high, ephemeral start - 1)] (bound later, so kept out of the range connect() uses)."""
+    import random
+    import socket
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            high = min(high, int(f.read().split()[0]) - 1)
+    except (OSError, ValueError, IndexError):
+        high = min(high, 32767)
+    if high - low + 1 >= attempts:
+        for port in random.sample(range(low, high + 1), attempts):
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                try:
+                    s.bind(("0.0.0.0", port))
+                except OSError:
+                    continue
+                return port
+    from megatron_m2po.utils.net import free_port
+    return free_port("")
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model-path", required=True, help="HF model directory (config + safetensors).")
@@ -662,6 +713,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--dist-timeout-s", type=float, default=300.0,
                    help="Timeout of weight-update group collectives.")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads.")
+    p.add_argument("--nccl-port", type=int, default=None,
+                   help="Port of the worker's own torch.distributed init (SGLang's flag; default: a free port).")
+    p.add_argument("--dist-timeout", type=int, default=None,
+                   help="Timeout (s) of that init (SGLang's flag; default: torch's).")
     p.add_argument("--quantization", choices=["fp8"], default=None,
                    help="Serve FP8 (modelopt fake quantisation); an FP8 checkpoint is detected from config.json.")
     args = p.parse_args(argv)
@@ -672,6 +727,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     logging.getLogger("aiohttp.server").addFilter(_DropH2Probe())
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
     from aiohttp import web
+    # Before the model loads, as SGLang's scheduler initialises its process groups before load_model.
+    init_torch_distributed(args.host, args.nccl_port, args.dist_timeout)
     engine = Engine(args.model_path, max_running=args.max_running_requests, seed=args.seed,
                     weight_version=args.weight_version, dist_timeout_s=args.dist_timeout_s,
                     quantization=args.quantization)

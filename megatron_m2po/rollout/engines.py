@@ -49,6 +49,7 @@ from megatron_m2po.rollout.client import EngineError, SGLangClient, max_running_
 from megatron_m2po.rollout.sglang_version import check_sglang_version
 from megatron_m2po.rollout.launcher import (EngineHandle, EngineSpec, FleetError, Launcher, LocalHandle,
                                             LocalLauncher, sglang_python)
+from megatron_m2po.rollout.placement import NodeGPUs, cuda_count, engine_gpus, node_gpus, ray_local_gpus
 from megatron_m2po.utils.net import free_port
 
 log = logging.getLogger("m2po.engines")
@@ -125,8 +126,11 @@ class EngineFleet:
 
     ``refit_fn(url)`` is called for a restarted engine before it is registered with the router
     again (push the current weights; e.g. ``DiskWeightSync.push(dir, version, engine_urls=[url])``).
-    ``trainer_gpus``: GPUs used by the trainer on this node; engine GPUs follow them when
-    ``rollout.engine_gpu_ids`` is empty. ``on_concurrency(n)`` is called with every new value of
+    ``node``: the trainer's node (:func:`~megatron_m2po.rollout.placement.node_gpus`): locally launched
+    SGLang engines go on the GPUs :func:`~megatron_m2po.rollout.placement.engine_gpus` gives (after the
+    trainer's when ``rollout.engine_gpu_ids`` is empty), and a Ray cluster started here gets only the
+    GPUs after the trainer's. Default: this process's environment with no trainer on its GPUs
+    unless it runs under torchrun (``LOCAL_WORLD_SIZE``). ``on_concurrency(n)`` is called with every new value of
     :attr:`concurrency` (from :meth:`start` on).
     """
 
@@ -136,7 +140,7 @@ class EngineFleet:
     launcher: Optional[Launcher] = None
     refit_fn: Optional[Callable[[str], None]] = None
     startup_timeout_s: float = 900.0
-    trainer_gpus: int = 0
+    node: Optional[NodeGPUs] = None
     weight_version: str = "0"
     extra_engine_args: list[str] = field(default_factory=list)
     on_concurrency: Optional[Callable[[int], None]] = None
@@ -145,6 +149,7 @@ class EngineFleet:
     _held: set = field(default_factory=set, init=False)
     router_url: Optional[str] = field(default=None, init=False)
     _router: Optional[LocalHandle] = field(default=None, init=False)
+    _gpus: list[list[int]] = field(default_factory=list, init=False)
 
     # ------------------------------------------------------------------ public
     @property
@@ -182,6 +187,7 @@ class EngineFleet:
         else:
             if cfg.num_engines < 1:
                 raise FleetError(f"rollout.num_engines={cfg.num_engines}: launch at least one engine")
+            self._place()
             self.launcher = self.launcher or self._default_launcher()
             try:
                 for i in range(cfg.num_engines):
@@ -324,10 +330,27 @@ class EngineFleet:
         self.stop()
 
     # ------------------------------------------------------------------ launch
+    def _place(self) -> list[list[int]]:
+        """Each engine's visible-GPU indices on this node (``rollout/placement.py``), computed once."""
+        if self.node is None:
+            self.node = node_gpus(count=cuda_count(), trainer_on_gpu=False)
+        if self.cfg.launcher != "local":  # Ray assigns each actor its GPUs
+            return [[] for _ in range(self.cfg.num_engines)]
+        if not self._gpus:
+            try:
+                self._gpus = engine_gpus(self.cfg, self.node)
+            except ValueError as ex:
+                raise FleetError(str(ex)) from None
+        return self._gpus
+
     def _default_launcher(self) -> Launcher:
         if self.cfg.launcher == "ray":
             from megatron_m2po.rollout.ray_launcher import RayLauncher
-            return RayLauncher.from_config(self.cfg)
+            try:
+                local = ray_local_gpus(self.cfg, self.node)
+            except ValueError as ex:
+                raise FleetError(str(ex)) from None
+            return RayLauncher.from_config(self.cfg, local_gpus=local)
         return LocalLauncher()
 
     def _engine_port(self, i: int) -> int:
@@ -345,12 +368,9 @@ class EngineFleet:
             cmd = [sglang_python(), "-m", "sglang.launch_server", "--model-path", self.model_path,
                    "--tp-size", str(cfg.engine_tp), "--mem-fraction-static", str(cfg.engine_mem_fraction),
                    "--host", cfg.host, "--port", str(port), "--weight-version", self.weight_version]
-            gpus = (cfg.engine_gpu_ids[i * cfg.engine_tp:(i + 1) * cfg.engine_tp] if cfg.engine_gpu_ids
-                    else list(range(self.trainer_gpus + i * cfg.engine_tp, self.trainer_gpus + (i + 1) * cfg.engine_tp)))
-            if len(gpus) != cfg.engine_tp:
-                raise FleetError(f"engine {i}: rollout.engine_gpu_ids={cfg.engine_gpu_ids} has no "
-                                 f"{cfg.engine_tp} GPUs for it (num_engines={cfg.num_engines})")
-            env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus))}
+            # Visible-GPU indices -> this node's CUDA_VISIBLE_DEVICES entries (rollout/placement.py).
+            gpus = self._place()[i]
+            env = {"CUDA_VISIBLE_DEVICES": ",".join(self.node.physical(g) for g in gpus)} if gpus else {}
         if cfg.engine_max_running_requests is not None:
             cmd += ["--max-running-requests", str(cfg.engine_max_running_requests)]
         return EngineSpec(i, cfg.host, port, cmd + list(self.extra_engine_args), env, logp)

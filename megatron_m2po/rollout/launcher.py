@@ -9,18 +9,64 @@
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import signal
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Protocol
+from typing import Iterable, Mapping, Optional, Protocol
 
 __all__ = ["FleetError", "EngineSpec", "EngineHandle", "Launcher", "LocalHandle", "LocalLauncher", "child_setup",
-           "sglang_python"]
+           "sglang_python", "engine_env", "DROPPED_ENV_VARS", "DROPPED_ENV_PREFIXES"]
+
+log = logging.getLogger("m2po.launcher")
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+# What a trainer process has in its environment that an engine must not inherit:
+# - torchrun's per-worker variables (torch/distributed/elastic/agent/server/local_elastic_agent.py
+#   ``_start_workers``). With TORCHELASTIC_USE_AGENT_STORE=True, torch's tcp:// rendezvous
+#   (distributed/rendezvous.py ``_create_c10d_store``) makes even rank 0 a client of the agent's
+#   store, so the engine's own ``init_process_group`` (SGLang: distributed/parallel_state.py
+#   ``init_distributed_environment``) waits on a store nobody hosts; RANK / WORLD_SIZE / MASTER_*
+#   would feed any ``env://`` init the trainer's world.
+# - scripts/train.sh's trainer-only settings: CUDA_DEVICE_MAX_CONNECTIONS=1 (serialises the engine's
+#   kernel queues), PYTORCH_CUDA_ALLOC_CONF (SGLang sizes its memory pools itself),
+#   TORCH_NCCL_ASYNC_ERROR_HANDLING / NCCL_ASYNC_ERROR_HANDLING / ..._BLOCKING_WAIT (a failed weight
+#   broadcast would kill the engine instead of failing the update).
+# - placement and threads, which the launcher sets per engine: CUDA_VISIBLE_DEVICES (the engine's
+#   GPUs; a trainer rank's list is the trainer's), OMP_NUM_THREADS (torchrun sets 1 for its N
+#   processes on the node).
+# Everything else (PATH, HF caches, NCCL_SOCKET_IFNAME / NCCL_IB_* / GLOO_SOCKET_IFNAME, SGLANG_*,
+# M2PO_WEIGHT_SYNC_ADDR) passes through: it describes the node, not the trainer.
+# scripts/launch_sglang_fleet.sh drops the same set (tests/rollout/test_engine_env.py checks both agree).
+DROPPED_ENV_VARS = frozenset({
+    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
+    "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+    "CUDA_DEVICE_MAX_CONNECTIONS", "PYTORCH_CUDA_ALLOC_CONF", "NCCL_ASYNC_ERROR_HANDLING", "NCCL_BLOCKING_WAIT",
+    "CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS",
+})
+DROPPED_ENV_PREFIXES = ("TORCHELASTIC_", "TORCH_NCCL_")
+
+
+def engine_env(spec_env: Mapping[str, str], *, base: Optional[Mapping[str, str]] = None,
+               keep: Iterable[str] = ()) -> dict[str, str]:
+    """The environment of an engine child: ``base`` (default ``os.environ``) without the trainer's
+    variables (:data:`DROPPED_ENV_VARS`, names starting with :data:`DROPPED_ENV_PREFIXES`), then
+    ``spec_env`` (the launcher's own settings for this engine: its GPUs, its threads) on top.
+
+    ``keep``: dropped names to pass through anyway (a Ray actor keeps the ``CUDA_VISIBLE_DEVICES``
+    Ray assigned it). What was dropped is logged at debug level."""
+    base = os.environ if base is None else base
+    keep = frozenset(keep)
+    dropped = sorted(k for k in base if k not in keep and (k in DROPPED_ENV_VARS or k.startswith(DROPPED_ENV_PREFIXES)))
+    env = {k: v for k, v in base.items() if k not in dropped}
+    env.update(spec_env)
+    if dropped:
+        log.debug("engine environment: not inherited from the launcher: %s", ", ".join(dropped))
+    return env
 
 
 def child_setup() -> None:
@@ -105,13 +151,14 @@ class LocalHandle:
 
 
 class LocalLauncher:
-    """Engines as child processes in their own session that die with this process (``child_setup``)."""
+    """Engines as child processes in their own session that die with this process (``child_setup``),
+    in the environment :func:`engine_env` builds (the trainer's own variables left out)."""
 
     def launch(self, spec: EngineSpec) -> LocalHandle:
         spec.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(spec.log_path, "ab") as logf:
             logf.write(f"\n=== launch {' '.join(spec.cmd)}\n".encode())
             logf.flush()
-            proc = subprocess.Popen(spec.cmd, env={**os.environ, **spec.env}, stdout=logf,
+            proc = subprocess.Popen(spec.cmd, env=engine_env(spec.env), stdout=logf,
                                     stderr=subprocess.STDOUT, preexec_fn=child_setup)
         return LocalHandle(url=spec.url, log_path=spec.log_path, proc=proc)

@@ -12,7 +12,15 @@ launcher would use is dropped), ``num_cpus = rollout.ray_cpus_per_engine`` for b
 
 Cluster. :func:`ensure_ray` joins an existing cluster (``ray.init(address="auto")``) when
 ``RAY_ADDRESS`` is set, else starts a local one; a driver that already called ``ray.init``
-is used as it is.
+is used as it is. A local cluster started by the trainer gets only the node's GPUs after the
+trainer's (``local_gpus``, from ``rollout/placement.py`` ``ray_local_gpus``): Ray counts the GPUs in
+``CUDA_VISIBLE_DEVICES`` of the process that starts it and gives each actor entries of that list,
+so without it engine actors would land on the GPUs the torchrun ranks use.
+
+Environment. The engine child gets the actor's environment without the trainer's variables
+(``launcher.engine_env``: Ray's workers inherit the environment of the process that started the
+cluster -- under torchrun, ``TORCHELASTIC_USE_AGENT_STORE`` and the rest), keeping the
+``CUDA_VISIBLE_DEVICES`` Ray set for an actor with GPUs.
 
 Addresses. With ``rollout.host`` a loopback address the engine binds it (one-node clusters,
 tests). With ``rollout.host = "0.0.0.0"`` the engine binds every interface and is advertised
@@ -40,7 +48,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
-from megatron_m2po.rollout.launcher import EngineSpec, FleetError, child_setup
+from megatron_m2po.rollout.launcher import EngineSpec, FleetError, child_setup, engine_env
 from megatron_m2po.utils.net import free_port
 
 if TYPE_CHECKING:
@@ -51,11 +59,12 @@ log = logging.getLogger("m2po.ray_launcher")
 _WILDCARD = ("0.0.0.0", "::", "")
 
 
-def ensure_ray(address: Optional[str] = None, **init_kwargs: Any) -> None:
+def ensure_ray(address: Optional[str] = None, local_gpus: Optional[list[str]] = None, **init_kwargs: Any) -> None:
     """Connect to Ray once: ``address`` or ``RAY_ADDRESS`` -> that cluster, else a local one.
 
     ``init_kwargs`` go to ``ray.init`` (e.g. ``num_cpus``, ``object_store_memory`` for a local
-    instance). No-op when this process is already connected.
+    instance). ``local_gpus``: a local instance gets exactly these GPUs (``CUDA_VISIBLE_DEVICES``
+    entries; ``[]``: none); None leaves Ray's own detection. No-op when this process is already connected.
     """
     import ray
     if ray.is_initialized():
@@ -63,9 +72,24 @@ def ensure_ray(address: Optional[str] = None, **init_kwargs: Any) -> None:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     if address or os.environ.get("RAY_ADDRESS"):
         ray.init(address=address or "auto", **init_kwargs)
-    else:
-        init_kwargs.setdefault("include_dashboard", False)
+        return
+    init_kwargs.setdefault("include_dashboard", False)
+    if local_gpus is None:
         ray.init(**init_kwargs)
+        return
+    # Ray reads the GPU list from this process's CUDA_VISIBLE_DEVICES when it starts the node, and
+    # its raylet (and through it every worker) inherits the variable: actors get entries of it.
+    # Set only for the start; this process's CUDA context, if any, was created before.
+    init_kwargs.setdefault("num_gpus", len(local_gpus))
+    before = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(local_gpus)
+    try:
+        ray.init(**init_kwargs)
+    finally:
+        if before is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = before
 
 
 def _port_free(host: str, port: int) -> bool:
@@ -92,7 +116,8 @@ class EngineProcess:
     forked the child -- ``PR_SET_PDEATHSIG`` fires when that thread's process dies.
     """
 
-    def __init__(self, cmd: list[str], env: dict[str, str], log_path: str, host: str, port: int) -> None:
+    def __init__(self, cmd: list[str], env: dict[str, str], log_path: str, host: str, port: int,
+                 keep_env: tuple[str, ...] = ()) -> None:
         import ray
         self.node_ip = ray.util.get_node_ip_address()
         self.node_id = ray.get_runtime_context().get_node_id()
@@ -106,8 +131,8 @@ class EngineProcess:
         with open(self.log_path, "ab") as logf:
             logf.write(f"\n=== launch (ray actor on {self.node_ip}) {' '.join(cmd)}\n".encode())
             logf.flush()
-            self.proc = subprocess.Popen(cmd, env={**os.environ, **env}, stdout=logf, stderr=subprocess.STDOUT,
-                                         preexec_fn=child_setup)
+            self.proc = subprocess.Popen(cmd, env=engine_env(env, keep=keep_env), stdout=logf,
+                                         stderr=subprocess.STDOUT, preexec_fn=child_setup)
 
     def info(self) -> dict:
         return {"url": self.url, "node_ip": self.node_ip, "node_id": self.node_id, "pid": self.proc.pid,
@@ -191,16 +216,19 @@ class RayLauncher:
         place_timeout_s: how long an actor may wait for resources before ``launch`` fails.
         poll_timeout_s: an actor that does not answer a liveness poll within this counts as dead.
         init_kwargs: extra ``ray.init`` arguments when this launcher connects.
+        local_gpus: the GPUs (``CUDA_VISIBLE_DEVICES`` entries) of a local cluster this launcher
+            starts (:func:`ensure_ray`); None: Ray's own detection.
     """
 
     def __init__(self, *, num_cpus: float = 1.0, num_gpus: float = 0.0, resources: Optional[dict] = None,
                  address: Optional[str] = None, place_timeout_s: float = 600.0, poll_timeout_s: float = 10.0,
-                 init_kwargs: Optional[dict] = None) -> None:
+                 init_kwargs: Optional[dict] = None, local_gpus: Optional[list[str]] = None) -> None:
         if num_cpus < 0 or num_gpus < 0:
             raise ValueError(f"RayLauncher: num_cpus={num_cpus}, num_gpus={num_gpus} must be >= 0")
         self.num_cpus, self.num_gpus = float(num_cpus), float(num_gpus)
         self.resources = dict(resources or {})
         self.address, self.init_kwargs = address, dict(init_kwargs or {})
+        self.local_gpus = None if local_gpus is None else list(local_gpus)
         self.place_timeout_s, self.poll_timeout_s = place_timeout_s, poll_timeout_s
         self._remote = None
 
@@ -212,7 +240,7 @@ class RayLauncher:
     def _actor_class(self):
         if self._remote is None:
             import ray
-            ensure_ray(self.address, **self.init_kwargs)
+            ensure_ray(self.address, self.local_gpus, **self.init_kwargs)
             # max_restarts=0: the fleet, not Ray, decides about restarts (it must refit first).
             self._remote = ray.remote(max_restarts=0)(EngineProcess)
         return self._remote
@@ -225,7 +253,8 @@ class RayLauncher:
         if self.num_gpus:
             env.pop("CUDA_VISIBLE_DEVICES", None)  # Ray assigns the actor's GPUs
         actor = cls.options(num_cpus=self.num_cpus, num_gpus=self.num_gpus, resources=self.resources or None,
-                            name=None).remote(spec.cmd, env, str(spec.log_path), spec.host, spec.port)
+                            name=None).remote(spec.cmd, env, str(spec.log_path), spec.host, spec.port,
+                                              ("CUDA_VISIBLE_DEVICES",) if self.num_gpus else ())
         try:
             info = ray.get(actor.info.remote(), timeout=self.place_timeout_s)
         except GetTimeoutError:

@@ -28,6 +28,7 @@ from megatron_m2po.data.dataset import build_eval_sets, build_prompt_dataset
 from megatron_m2po.rewards import get_reward_fn
 from megatron_m2po.rollout.client import SGLangClient
 from megatron_m2po.rollout.engines import EngineFleet
+from megatron_m2po.rollout.placement import cuda_count, node_gpus, placement
 from megatron_m2po.rollout.producer import ProducerContext, load_producer
 from megatron_m2po.rollout.weight_stage import PushPlan, run_stage
 from megatron_m2po.rollout.weight_sync import DiskWeightSync, DistributedWeightSync
@@ -68,8 +69,14 @@ class RolloutDriver:
             if not self.external or cfg.rollout.external_addrs:
                 # FP8 engines quantise at load and take the FP8 checkpoints the weight sync exports.
                 extra = ["--quantization", "fp8"] if cfg.rollout.fp8_weights else []
+                # Engines on this node go after the trainer's GPUs; impossible layouts fail here, before
+                # anything starts (rollout/placement.py).
+                node = node_gpus(count=cuda_count(), trainer_on_gpu=cuda_count() is not None)
+                if cfg.rollout.launcher == "local":
+                    placement(cfg, node)
                 self.fleet = EngineFleet(cfg.rollout, model_path, run_dir=str(run_dir), refit_fn=self._refit,
-                                         extra_engine_args=extra, on_concurrency=self._resize_client)
+                                         extra_engine_args=extra, node=node,
+                                         on_concurrency=self._resize_client)
                 self.fleet.start()
             self.weight_sync = self._make_weight_sync()
             if self.fleet is not None:
