@@ -252,10 +252,13 @@ def make_app(engine):
                    "version": _VERSION, "engine": "m2po-cpu-worker", "internal_states": [{}]})
 
     async def flush_cache(request):
+        # http_server.py flush_cache -> scheduler.py flush_cache (timeout 0: answered at once):
+        # refused while requests run, or wait unless the scheduler is paused; drops the prefix cache.
         engine.note_receive()
-        if not engine.flushable():
-            return web.Response(text="Cache not flushed: there are running or waiting requests.\n", status=400)
-        return web.Response(text="Cache flushed.\n", status=200)
+        if not await engine.run_model(engine.flush):
+            return web.Response(text="Flush cache failed.\n", status=400)
+        return web.Response(text="Cache flushed.\nPlease check backend logs for more details. (When there are "
+                                 "running or waiting requests, the operation will not be performed.)\n", status=200)
 
     async def abort_request(request):
         req = await body(request)
@@ -314,10 +317,11 @@ def make_app(engine):
         session["open"] = False
         return ok({"success": True, "message": "Success"})
 
-    def flush_after_update(req: dict, success_msg: str):
+    async def flush_after_update(req: dict):
         # weight_updater.py flush_cache_after_weight_update: flush_cache defaults to true and a
-        # flush refused because requests run or wait fails the (already applied) update.
-        if req.get("flush_cache", True) and not engine.flushable():
+        # flush refused because requests run or wait fails the (already applied) update. Without
+        # a flush the prefix cache keeps the KV the old weights computed, and later requests reuse it.
+        if req.get("flush_cache", True) and not await engine.run_model(engine.flush):
             return ok({"success": False, "message": "Weights were updated, but the cache was not flushed because "
                        "requests are still running or queued. Retract or finish them, then call /flush_cache."},
                       400)
@@ -342,7 +346,7 @@ def make_app(engine):
         msg = "Succeeded to update model weights."
         if req.get("weight_version") is not None:
             msg += f" Weight version updated to {req['weight_version']}."
-        refused = flush_after_update(req, msg)
+        refused = await flush_after_update(req)
         if refused is not None:
             return refused
         return ok({"success": True, "message": msg, "num_paused_requests": 0})
@@ -388,7 +392,7 @@ def make_app(engine):
         msg = "Succeeded to update parameter online."
         if req.get("weight_version") is not None:
             msg += f" Weight version updated to {req['weight_version']}."
-        refused = flush_after_update(req, msg)
+        refused = await flush_after_update(req)
         if refused is not None:
             return refused
         return ok({"success": True, "message": msg})
