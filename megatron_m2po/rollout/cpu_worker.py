@@ -171,26 +171,26 @@ class Engine:
 
         self.model_path = model_path
         self.config = AutoConfig.from_pretrained(model_path)
-        self.fp8 = None  # FP8 emulation (megatron_m2po.rollout.fp8.FakeQuantFP8) when serving FP8
-        from megatron_m2po.rollout.fp8 import is_fp8_config
+        self.fp8 = None  # FP8 linears (megatron_m2po.rollout.fp8.FP8Linears) when serving FP8
+        from megatron_m2po.rollout.fp8 import FP8Linears, fp8_block_of, is_fp8_config
         fp8_ckpt = is_fp8_config(self.config)
         if quantization not in (None, "fp8"):
             raise ValueError(f"quantization={quantization!r}: the CPU worker supports only 'fp8'")
         if fp8_ckpt:
-            # An FP8 checkpoint: build the float model, wrap it in modelopt fake quantisation,
-            # then load weight + weight_scale pairs through the FP8 loader (load_weights).
+            # An FP8 checkpoint: build the float model, then load weight + scale pairs through the
+            # FP8 loader (load_weights), as SGLang's Fp8LinearMethod loads them.
+            block = fp8_block_of(self.config)
             del self.config.quantization_config
             self.model = AutoModelForCausalLM.from_config(self.config, dtype=torch.float32,
                                                           attn_implementation="eager").eval()
+            self.fp8 = FP8Linears(self.model, block)
+            self.load_from_disk(model_path)
         else:
             self.model = AutoModelForCausalLM.from_pretrained(
                 model_path, dtype=torch.float32, attn_implementation="eager").eval()
-        if fp8_ckpt or quantization == "fp8":
-            from megatron_m2po.rollout.fp8 import FakeQuantFP8
-            self.fp8 = FakeQuantFP8(self.model)  # a float checkpoint is quantised on load
-            self.model = self.fp8.model.eval()
-        if fp8_ckpt:
-            self.load_from_disk(model_path)
+            if quantization == "fp8":  # SGLang's online FP8 of a float checkpoint: per tensor here
+                self.fp8 = FP8Linears(self.model, None)
+                self.fp8.quantize_model(self.model)
         self.tokenizer = None
         if glob.glob(os.path.join(model_path, "tokenizer*")):
             from transformers import AutoTokenizer
@@ -617,9 +617,9 @@ class Engine:
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Copy tensors into the model in place (HF names); unknown names or shapes fail.
 
-        FP8 engines take FP8 pairs (``.weight`` float8 + ``.weight_scale``) or float weights
-        (quantised on load); see ``megatron_m2po/rollout/fp8.py``.
-        """
+        FP8 engines take FP8 pairs (``.weight`` float8 + ``.weight_scale_inv`` per block, or
+        ``.weight_scale`` per tensor) by SGLang 0.5.23's rules for the format (per-tensor FP8 loads
+        once); see ``megatron_m2po/rollout/fp8.py``."""
         if self.fp8 is not None:
             named = self.fp8.convert(named)
         params = dict(self.model.named_parameters())
@@ -645,7 +645,7 @@ class Engine:
     def load_from_disk(self, path: str) -> int:
         n = self.load_weights(iter_safetensors(path))
         if self.fp8 is not None:
-            self.fp8.check_complete()
+            self.fp8.after_loading()
         return n
 
     def init_group(self, req: dict) -> None:

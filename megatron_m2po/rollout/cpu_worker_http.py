@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import glob
 import json
+import logging
 import os
 import uuid
 from typing import Optional
@@ -18,6 +20,7 @@ from megatron_m2po.rollout.sglang_version import SUPPORTED_SGLANG
 
 _VERSION = SUPPORTED_SGLANG  # the SGLang version it emulates: server_info's "version" (SGLang's __version__)
 _DEFAULT_GROUP = "weight_update_group"
+log = logging.getLogger("m2po.cpu_worker")
 HEALTH_CHECK_RID_PREFIX = "HEALTH_CHECK"  # sglang/srt/constants.py
 
 
@@ -315,6 +318,13 @@ def make_app(engine):
             return ok({"success": False, "message": "no weight-update session is open; "
                                                     "call begin_weight_update() first"}, 400)
         session["open"] = False
+        if engine.fp8 is not None:
+            # end_weight_update -> DefaultModelLoader.postprocess_weights (process_weights_after_loading).
+            # Stricter than SGLang: an FP8 weight whose scale never came (or the reverse) is an error here.
+            try:
+                await engine.run_model(engine.fp8.after_loading)
+            except ValueError as e:
+                return ok({"success": False, "message": str(e)}, 400)
         return ok({"success": True, "message": "Success"})
 
     async def flush_after_update(req: dict):
@@ -336,11 +346,25 @@ def make_app(engine):
         if req.get("abort_all_requests"):
             engine.abort(None, True)
         path = req.get("model_path", "")
+        if not glob.glob(os.path.join(path, "*.safetensors")):  # loader.py _prepare_weights: nothing loaded
+            return ok({"success": False, "message": f"Failed to get weights iterator: Cannot find any model weights "
+                       f"with `{path}`.", "num_paused_requests": 0}, 400)
         try:
             await engine.run_model(engine.load_from_disk, path)
         except Exception as e:  # noqa: BLE001 - reported to the caller
-            return ok({"success": False, "message": f"Failed to update weights: {e}.",
-                       "num_paused_requests": 0}, 400)
+            # model_runner_components/weight_updater.py update_weights_from_disk: "Rolling back to
+            # original weights" reloads from model_config.model_path, which already names the new
+            # directory. When that raises too, the exception leaves the scheduler (scheduler.py
+            # run_scheduler_process: "Scheduler hit an exception", SIGQUIT to the server): the
+            # engine is gone and the caller gets no answer. (Per-tensor FP8 always ends here.)
+            try:
+                await engine.run_model(engine.load_from_disk, path)
+            except Exception as again:  # noqa: BLE001
+                log.error("Scheduler hit an exception: rolling back to %s failed: %s", path, again)
+                logging.shutdown()
+                os._exit(1)
+            return ok({"success": False, "message": f"Failed to update weights: {e}.\nRolling back to original "
+                       "weights.", "num_paused_requests": 0}, 400)
         engine.model_path = path
         set_version(req.get("weight_version"))
         msg = "Succeeded to update model weights."
@@ -387,7 +411,9 @@ def make_app(engine):
                 named = await asyncio.to_thread(engine.receive, req)
                 await engine.run_model(engine.load_weights, named)
         except Exception as e:  # noqa: BLE001
-            return ok({"success": False, "message": f"Failed to update parameter online: {e}."}, 400)
+            # weight_updater.py load_weights_from_distributed: the tensors before the failing one stay loaded.
+            return ok({"success": False, "message": f"Failed to update parameter online: {e}. The full weights of the "
+                       "ModelRunner are partially updated. Please discard the whole weights."}, 400)
         set_version(req.get("weight_version"))
         msg = "Succeeded to update parameter online."
         if req.get("weight_version") is not None:

@@ -44,10 +44,12 @@ naming it instead of hanging the trainer. The groups are rebuilt for the next pu
 when the engines change, or when :meth:`DistributedWeightSync.invalidate` says an engine was
 restarted (a restarted engine has lost its groups).
 
-``fp8=True`` (``rollout.fp8_weights``) quantises the linears of the decoder blocks to per-tensor
-FP8 on the way out (``megatron_m2po/rollout/fp8.py``: ``.weight`` in float8_e4m3fn plus a float32
-``.weight_scale``, and ``quantization_config`` in each exported config.json), for engines that
-serve FP8.
+``fp8=True`` (``rollout.fp8_weights``) quantises the linears of the decoder blocks to block FP8 on
+the way out (``megatron_m2po/rollout/fp8.py``: ``.weight`` in float8_e4m3fn plus a float32
+``.weight_scale_inv`` per ``fp8_block`` block, and ``quantization_config`` with
+``weight_block_size`` in each exported config.json), for engines that serve FP8: SGLang 0.5.23
+reloads block-FP8 parameters in place, while per-tensor FP8 replaces them after the first load and
+fails every later update.
 
 :func:`export_fp8_dir` writes an FP8 copy of an HF model directory with the same exporter.
 """
@@ -65,7 +67,7 @@ from typing import Iterable, Optional, Union
 
 import torch
 
-from megatron_m2po.rollout.fp8 import is_fp8_config, write_fp8_config
+from megatron_m2po.rollout.fp8 import DEFAULT_BLOCK, check_block, is_fp8_config, write_fp8_config
 from megatron_m2po.rollout.weight_stage import (PushPlan, StageResult, WeightSyncError, each_engine,
                                                 forget_groups, run_stage)
 from megatron_m2po.utils.background_loop import BackgroundLoop
@@ -94,13 +96,15 @@ class SyncStats:
 
 class _Base:
     def __init__(self, engine_urls: list[str], *, timeout_s: float, pause_mode: Optional[str],
-                 flush_cache: Optional[bool] = None) -> None:
+                 flush_cache: Optional[bool] = None, fp8: bool = False,
+                 fp8_block: tuple[int, int] = DEFAULT_BLOCK) -> None:
         if pause_mode not in (None, "in_place", "retract", "abort"):
             raise ValueError(f"pause_mode={pause_mode!r}: use 'retract' (default), 'in_place', 'abort' or None")
         if flush_cache not in (None, True, False):
             raise ValueError(f"flush_cache={flush_cache!r}: use None (flush unless pausing in place), True or False")
         self.engine_urls = [u.rstrip("/") for u in engine_urls]
         self.timeout_s, self.pause_mode, self.flush_cache = timeout_s, pause_mode, flush_cache
+        self.fp8, self.fp8_block = fp8, check_block(fp8_block)
         # HTTP calls run on this loop while the calling thread blocks in a broadcast.
         self._io = BackgroundLoop("weight-sync-http")
         self._t0 = 0.0
@@ -189,14 +193,15 @@ class DiskWeightSync(_Base):
 
     def __init__(self, engine_urls: list[str], sync_dir: str, *, base_model_dir: Optional[str] = None,
                  timeout_s: float = 300.0, pause_mode: Optional[str] = "retract", keep_last: int = 2,
-                 shard_mb: float = 4096.0, fp8: bool = False, flush_cache: Optional[bool] = None) -> None:
+                 shard_mb: float = 4096.0, fp8: bool = False, fp8_block: tuple[int, int] = DEFAULT_BLOCK,
+                 flush_cache: Optional[bool] = None) -> None:
         if fp8 and not base_model_dir:
             raise ValueError("DiskWeightSync(fp8=True) needs base_model_dir: the FP8 marker goes into the "
                              "config.json copied from it")
         if shard_mb <= 0:
             raise ValueError(f"shard_mb={shard_mb}: must be > 0")
-        super().__init__(engine_urls, timeout_s=timeout_s, pause_mode=pause_mode, flush_cache=flush_cache)
-        self.fp8 = fp8
+        super().__init__(engine_urls, timeout_s=timeout_s, pause_mode=pause_mode, flush_cache=flush_cache,
+                         fp8=fp8, fp8_block=fp8_block)
         self.sync_dir, self.base_model_dir = Path(sync_dir), base_model_dir
         self.keep_last, self.shard_bytes = max(keep_last, 1), int(shard_mb * 2**20)
         self.sync_dir.mkdir(parents=True, exist_ok=True)
@@ -221,7 +226,7 @@ class DiskWeightSync(_Base):
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         return PushPlan("disk", int(version), self._urls(engine_urls), n_stages, self.timeout_s, fp8=self.fp8,
-                        tmp_dir=str(tmp), shard_bytes=self.shard_bytes, reuse_dir=reuse)
+                        fp8_block=self.fp8_block, tmp_dir=str(tmp), shard_bytes=self.shard_bytes, reuse_dir=reuse)
 
     def _from_dir(self, path: str, plan: PushPlan):
         if not plan.reuse_dir:
@@ -269,7 +274,7 @@ class DiskWeightSync(_Base):
                 if src.exists():
                     shutil.copy2(src, tmp / f)
         if plan.fp8:
-            write_fp8_config(tmp, [s for r in results for s in r.skipped])
+            write_fp8_config(tmp, plan.fp8_block, [s for r in results for s in r.skipped])
         with open(tmp / "m2po_version.json", "w") as fh:
             json.dump({"version": int(plan.version)}, fh)
             fh.flush()
@@ -309,10 +314,10 @@ class DistributedWeightSync(_Base):
     def __init__(self, engine_urls: list[str], *, master_address: str = "127.0.0.1", master_port: int = 0,
                  backend: str = "gloo", bucket_mb: float = 512.0, timeout_s: float = 300.0,
                  pause_mode: Optional[str] = "retract", group_name: str = "m2po_weight_sync",
-                 device: Optional[str] = None, fp8: bool = False, prefetch_mb: Optional[float] = None,
-                 flush_cache: Optional[bool] = None) -> None:
-        super().__init__(engine_urls, timeout_s=timeout_s, pause_mode=pause_mode, flush_cache=flush_cache)
-        self.fp8 = fp8
+                 device: Optional[str] = None, fp8: bool = False, fp8_block: tuple[int, int] = DEFAULT_BLOCK,
+                 prefetch_mb: Optional[float] = None, flush_cache: Optional[bool] = None) -> None:
+        super().__init__(engine_urls, timeout_s=timeout_s, pause_mode=pause_mode, flush_cache=flush_cache,
+                         fp8=fp8, fp8_block=fp8_block)
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"backend={backend!r}: use 'nccl' (GPU engines) or 'gloo' (CPU workers)")
         if bucket_mb <= 0:
@@ -366,7 +371,7 @@ class DistributedWeightSync(_Base):
             self._members = urls
             self._world, self._offsets = self._layout(urls)
         plan = PushPlan("distributed", int(version), urls, n_stages, self.timeout_s, fp8=self.fp8,
-                        groups=self._groups, world=self._world, offsets=self._offsets, backend=self.backend,
+                        fp8_block=self.fp8_block, groups=self._groups, world=self._world, offsets=self._offsets, backend=self.backend,
                         device=self.device, bucket_bytes=self.bucket_bytes, prefetch_bytes=self.prefetch_bytes,
                         flush_last=self._may_flush, master_address=self.master_address)
         try:
@@ -428,8 +433,8 @@ def _is_fp8_dir(path: str) -> bool:
     return is_fp8_config(cfg)
 
 
-def export_fp8_dir(src_dir: str | Path, dst_dir: str | Path) -> str:
-    """Write an FP8 copy of an HF model directory (e.g. the base model FP8 engines start from)."""
+def export_fp8_dir(src_dir: str | Path, dst_dir: str | Path, block: tuple[int, int] = DEFAULT_BLOCK) -> str:
+    """Write a block-FP8 copy of an HF model directory (the base model FP8 engines start from)."""
     import tempfile
 
     dst = Path(dst_dir)
@@ -437,7 +442,7 @@ def export_fp8_dir(src_dir: str | Path, dst_dir: str | Path) -> str:
         raise ValueError(f"export_fp8_dir: {dst} already exists")
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".fp8-export-", dir=dst.parent)
-    sync = DiskWeightSync([], tmp, base_model_dir=str(src_dir), fp8=True)
+    sync = DiskWeightSync([], tmp, base_model_dir=str(src_dir), fp8=True, fp8_block=block)
     try:
         out, _, _ = sync.export(iter_safetensors(str(src_dir)), 0)
         Path(out).rename(dst)
