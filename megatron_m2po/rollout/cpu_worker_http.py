@@ -9,6 +9,7 @@ import glob
 import json
 import logging
 import os
+import time
 import uuid
 from typing import Optional
 
@@ -254,10 +255,32 @@ def make_app(engine):
                    "quantization": "fp8" if engine.fp8 is not None else None,
                    "version": _VERSION, "engine": "m2po-cpu-worker", "internal_states": [{}]})
 
+    flushing = {"pending": False}
+
     async def flush_cache(request):
-        # http_server.py flush_cache -> scheduler.py flush_cache (timeout 0: answered at once):
-        # refused while requests run, or wait unless the scheduler is paused; drops the prefix cache.
+        # http_server.py flush_cache(timeout) -> scheduler_components/flush_wrapper.py: timeout 0
+        # flushes at once when scheduler.py flush_cache allows it (no running request; no waiting
+        # one unless the scheduler is paused); timeout > 0 defers until fully idle -- nothing
+        # running and nothing waiting, paused or not -- or answers "Timed out" (one deferred flush
+        # at a time). A flush drops the prefix cache.
         engine.note_receive()
+        try:
+            timeout = float(request.query.get("timeout", 0) or 0)
+        except ValueError:
+            return web.Response(text=f"timeout={request.query.get('timeout')!r}: a number >= 0\n", status=422)
+        if timeout > 0:
+            if flushing["pending"]:
+                return web.Response(text="Another flush_cache is already in progress.", status=400)
+            flushing["pending"] = True
+            try:
+                deadline = time.monotonic() + timeout
+                while engine.busy():  # waits on scheduler messages (each step sends one)
+                    left = deadline - time.monotonic()
+                    if left <= 0 or not await engine.received_since(engine.received, left):
+                        if engine.busy():
+                            return web.Response(text="Timed out waiting for idle state.", status=400)
+            finally:
+                flushing["pending"] = False
         if not await engine.run_model(engine.flush):
             return web.Response(text="Flush cache failed.\n", status=400)
         return web.Response(text="Cache flushed.\nPlease check backend logs for more details. (When there are "

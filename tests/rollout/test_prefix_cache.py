@@ -260,3 +260,32 @@ def test_a_request_in_flight_across_an_async_push_continues_on_new_kv_only(engin
 def test_a_bad_flush_cache_setting_is_refused():
     with pytest.raises(ValueError, match="flush_cache='yes'"):
         DistributedWeightSync([], flush_cache="yes")
+
+
+def test_a_deferred_flush_waits_for_idle_or_times_out(engine):
+    """flush_wrapper.py: ``/flush_cache?timeout=s`` waits until nothing runs or waits, then flushes;
+    past the timeout it is refused ("Timed out waiting for idle state.")."""
+    url, _ = engine
+    _flush(url)
+
+    async def scenario():
+        async with SGLangClient(url, timeout_s=120) as c:
+            await c.slow_down(0.05)
+            task = asyncio.ensure_future(c.generate(PROMPT, {"temperature": 0.0, "max_new_tokens": 60,
+                                                             "ignore_eos": True}))
+
+            async def decoding():
+                return (await c.loads())["num_running_reqs"] == 1
+            await async_wait_until(decoding, what=f"a request decoding on {url}")
+            # elapsed time is the behaviour under test: 0.1 s is far below the request's 3 s
+            timed_out = await _post(url, "/flush_cache?timeout=0.1")
+            # sent while the request runs (a flush without timeout would be refused now)
+            waited = await _post(url, "/flush_cache?timeout=60")
+            load = await c.loads()
+            await c.slow_down(None)
+            return timed_out, waited, load, await task
+    timed_out, waited, load, out = asyncio.run(scenario())
+    assert timed_out == (400, "Timed out waiting for idle state.")
+    assert waited[0] == 200 and load["num_running_reqs"] == 0 and len(out.output_ids) == 60
+    assert out.finish_type == "length"
+    assert _gen(url)["meta_info"]["cached_tokens"] == 0  # the deferred flush dropped the prompt's KV
