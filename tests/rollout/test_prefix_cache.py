@@ -170,26 +170,27 @@ def test_an_update_without_flush_keeps_the_old_kv_and_one_with_flush_drops_it(en
     new = _perturbed(base, seed=1)
     new_model = _model(new)
     new_model.save_pretrained(str(root / "v1"))
+    base.save_pretrained(str(root / "v0"))
     _gen(url)  # the prompt's KV at the old weights
 
-    async def update(flush):
+    async def update(flush, path="v1", version="1"):
         async with SGLangClient(url, timeout_s=60) as c:
-            return await c.update_weights_from_disk(str(root / "v1"), weight_version="1", flush_cache=flush)
-    asyncio.run(update(False))
-    stale = _gen(url)
-    assert stale["meta_info"]["cached_tokens"] == len(PROMPT) - 1
-    fresh_ref = hf_logprobs(new_model, PROMPT, stale["output_ids"], 0.0)
-    mixed_ref = _old_kv_logprobs(base, new_model, PROMPT, len(PROMPT) - 1, stale["output_ids"])
-    torch.testing.assert_close(_logprobs(stale), mixed_ref, atol=1e-5, rtol=0)
-    assert (_logprobs(stale) - fresh_ref).abs().max() > 1e-3
-    asyncio.run(update(True))
-    flushed = _gen(url)
-    assert flushed["meta_info"]["cached_tokens"] == 0
-    torch.testing.assert_close(_logprobs(flushed), hf_logprobs(new_model, PROMPT, flushed["output_ids"], 0.0),
-                               atol=1e-5, rtol=0)
-    asyncio.run(update(True))  # back to a known state for the next test: base weights
-    base.save_pretrained(str(root / "v0"))
-    asyncio.run(_post(url, "/update_weights_from_disk", {"model_path": str(root / "v0"), "weight_version": "0"}))
+            return await c.update_weights_from_disk(str(root / path), weight_version=version, flush_cache=flush)
+    try:
+        asyncio.run(update(False))
+        stale = _gen(url)
+        assert stale["meta_info"]["cached_tokens"] == len(PROMPT) - 1
+        fresh_ref = hf_logprobs(new_model, PROMPT, stale["output_ids"], 0.0)
+        mixed_ref = _old_kv_logprobs(base, new_model, PROMPT, len(PROMPT) - 1, stale["output_ids"])
+        torch.testing.assert_close(_logprobs(stale), mixed_ref, atol=1e-5, rtol=0)
+        assert (_logprobs(stale) - fresh_ref).abs().max() > 1e-3
+        asyncio.run(update(True))
+        flushed = _gen(url)
+        assert flushed["meta_info"]["cached_tokens"] == 0
+        torch.testing.assert_close(_logprobs(flushed), hf_logprobs(new_model, PROMPT, flushed["output_ids"], 0.0),
+                                   atol=1e-5, rtol=0)
+    finally:
+        asyncio.run(update(True, "v0", "0"))  # back to the base weights for the other tests
 
 
 @pytest.mark.parametrize("kind,options", [("disk", {}), ("distributed", {}),
