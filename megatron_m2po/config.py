@@ -207,8 +207,12 @@ class RolloutConfig:
     weight_sync_timeout_s: float = _f(300.0, gt=0, help="Timeout of a weight update (a dead engine cannot hang training).")
     producer: str = _f("megatron_m2po.rollout.producer:default_producer",
                        help="Rollout producer, 'module:function' (slime-style custom rollout functions allowed).")
-    fp8_weights: bool = _f(False, help="Quantise exported weights to per-tensor FP8 for engines that serve FP8 "
-                           "(nvidia-modelopt; rollout/fp8.py). Pair with algo.recompute_behav_logprobs=true and algo.tis=true.")
+    fp8_weights: bool = _f(False, help="Serve FP8: engines start from a block-FP8 export of the base model and every push "
+                           "exports block FP8 (SGLang 0.5.23 hot-reloads only block FP8; rollout/fp8.py). Pair with "
+                           "algo.recompute_behav_logprobs=true and algo.tis=true.")
+    fp8_block_size: list[int] = _f(factory=lambda: [128, 128],
+                                   help="FP8 weight_block_size [block_n, block_k]; both sizes of every decoder linear must "
+                                        "be multiples (SGLang refuses fused / tensor-parallel partitions that are not).")
 
 
 @dataclass
@@ -352,6 +356,10 @@ class Config:
                               "parallel.sequence_parallel with tensor_parallel > 1, fewer sequences per micro-batch)")
         if p.virtual_pipeline_parallel is not None and p.pipeline_parallel == 1:
             raise ConfigError("parallel.virtual_pipeline_parallel needs parallel.pipeline_parallel > 1")
+        block = self.rollout.fp8_block_size
+        if len(block) != 2 or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block):
+            raise ConfigError(f"rollout.fp8_block_size={block!r}: give two positive ints [block_n, block_k] "
+                              "(SGLang's weight_block_size; [128, 128] is the usual layout)")
         if self.rollout.launcher == "external" and not self.rollout.external_addrs and not self.rollout.router_addr:
             raise ConfigError("rollout.launcher=external needs rollout.external_addrs (or rollout.router_addr)")
         if self.rollout.source == "external" and t.mode != "async":

@@ -20,8 +20,9 @@ Routes and field names follow SGLang 0.5.x; checked against the source of
   (and ``_from_tensor``) fail with success=false (HTTP 400) outside a ``/begin_weight_update``
   {selector} ... ``/end_weight_update`` {} session; end fails only when no session is open. An
   update with ``flush_cache`` true (the default, also for ``/update_weights_from_disk``) fails
-  after loading when requests are still running or queued, so updates done while paused in place
-  send ``flush_cache: false``.
+  after loading when requests are still running or queued; the weight pushes pause with retract
+  (which empties the running batch) so their updates can flush the prefix cache
+  (``rollout/weight_sync.py``).
 - 0.5.23 ``utils/weight_versions.py``: ``meta_info["weight_versions"]`` = spans
   ``[{"version", "start", "end"}, ...]`` over the output tokens of a request that lived through
   weight updates (``GenerateOutput.token_weight_versions`` expands them per token).

@@ -68,6 +68,7 @@ import torch
 
 from megatron_m2po.parallel.side_group import broadcast, new_side_group
 from megatron_m2po.rollout import sglang_sampling as sampling
+from megatron_m2po.rollout.cpu_prefix_cache import PrefixCache
 from megatron_m2po.rollout.cpu_worker_http import _DEFAULT_GROUP, RequestError, make_app
 from megatron_m2po.rollout.sglang_sampling import Sampling
 from megatron_m2po.utils.hf_dir import iter_safetensors
@@ -101,6 +102,7 @@ class _Seq:
     aborted: bool = False
     abort_sent: bool = False  # tokenizer_manager.py ReqState.abort_sent: later aborts of this rid are ignored
     retractions: int = 0
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (meta_info.cached_tokens)
 
 
 class _Batch:
@@ -164,31 +166,31 @@ class Engine:
 
     def __init__(self, model_path: str, *, max_running: int = 64, seed: int = 0,
                  weight_version: str = "default", dist_timeout_s: float = 300.0,
-                 quantization: Optional[str] = None) -> None:
+                 quantization: Optional[str] = None, prefix_cache_mb: float = 256.0) -> None:
         from transformers import AutoConfig, AutoModelForCausalLM
 
         self.model_path = model_path
         self.config = AutoConfig.from_pretrained(model_path)
-        self.fp8 = None  # FP8 emulation (megatron_m2po.rollout.fp8.FakeQuantFP8) when serving FP8
-        from megatron_m2po.rollout.fp8 import is_fp8_config
+        self.fp8 = None  # FP8 linears (megatron_m2po.rollout.fp8.FP8Linears) when serving FP8
+        from megatron_m2po.rollout.fp8 import FP8Linears, fp8_block_of, is_fp8_config
         fp8_ckpt = is_fp8_config(self.config)
         if quantization not in (None, "fp8"):
             raise ValueError(f"quantization={quantization!r}: the CPU worker supports only 'fp8'")
         if fp8_ckpt:
-            # An FP8 checkpoint: build the float model, wrap it in modelopt fake quantisation,
-            # then load weight + weight_scale pairs through the FP8 loader (load_weights).
+            # An FP8 checkpoint: build the float model, then load weight + scale pairs through the
+            # FP8 loader (load_weights), as SGLang's Fp8LinearMethod loads them.
+            block = fp8_block_of(self.config)
             del self.config.quantization_config
             self.model = AutoModelForCausalLM.from_config(self.config, dtype=torch.float32,
                                                           attn_implementation="eager").eval()
+            self.fp8 = FP8Linears(self.model, block)
+            self.load_from_disk(model_path)
         else:
             self.model = AutoModelForCausalLM.from_pretrained(
                 model_path, dtype=torch.float32, attn_implementation="eager").eval()
-        if fp8_ckpt or quantization == "fp8":
-            from megatron_m2po.rollout.fp8 import FakeQuantFP8
-            self.fp8 = FakeQuantFP8(self.model)  # a float checkpoint is quantised on load
-            self.model = self.fp8.model.eval()
-        if fp8_ckpt:
-            self.load_from_disk(model_path)
+            if quantization == "fp8":  # SGLang's online FP8 of a float checkpoint: per tensor here
+                self.fp8 = FP8Linears(self.model, None)
+                self.fp8.quantize_model(self.model)
         self.tokenizer = None
         if glob.glob(os.path.join(model_path, "tokenizer*")):
             from transformers import AutoTokenizer
@@ -220,6 +222,9 @@ class Engine:
         # (registered in rid_to_state, not yet sent to the scheduler).
         self.held: dict[str, bool] = {}
         self.batch = _Batch()
+        # SGLang's radix cache (prompt KV reused across requests until a flush); model thread only.
+        self.prefix_cache = PrefixCache(int(prefix_cache_mb * 2**20))
+        self.prefill_tokens = 0  # tokens computed by prefills (/v1/loads total_prefill_uncached_tokens)
         self.qlock = threading.Lock()
         self.executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="model")
         self.groups: dict[str, Any] = {}
@@ -346,24 +351,76 @@ class Engine:
         return DynamicCache(ddp_cache_data=list(kv), config=self.config)
 
     def _prefill(self, seqs: list[_Seq]) -> _Batch:
-        """Prompt (+ the output of a retracted request) of each row, left-padded; samples the next token."""
+        """Prompt (+ the output of a retracted request) of each row, on top of its longest cached
+        prefix (``cpu_prefix_cache``); samples the next token.
+
+        Rows with the same context and prompt log-prob start are computed once and copied (a
+        group's samples arrive together; the result is the same as computing each). Layout of
+        the batch: cached prefixes right-aligned in the first ``P`` columns, the computed tokens
+        left-padded in the last ``E``; the mask marks both, positions are absolute."""
         ctxs = [s.prompt + s.output for s in seqs]
-        length = max(len(c) for c in ctxs)
-        ids = torch.zeros(len(seqs), length, dtype=torch.long)
-        mask = torch.zeros(len(seqs), length, dtype=torch.long)
-        for i, c in enumerate(ctxs):
-            ids[i, length - len(c):] = torch.tensor(c)
-            mask[i, length - len(c):] = 1
-        pos = (mask.cumsum(1) - 1).clamp(min=0)
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
+        key_of = [(tuple(c), s.logprob_start_len if s.return_logprob else -1) for s, c in zip(seqs, ctxs)]
+        uniq: dict[tuple, int] = {}
+        rows = [uniq.setdefault(k, len(uniq)) for k in key_of]
+        first = {}
+        for i, r in enumerate(rows):
+            first.setdefault(r, i)
+        reps = [seqs[first[r]] for r in range(len(uniq))]
+        rctx = [ctxs[first[r]] for r in range(len(uniq))]
+        matched = []
+        for s, c in zip(reps, rctx):
+            # schedule_batch.py Req._compute_max_prefix_len: the last token is always computed, and
+            # prompt log-probs from logprob_start_len need the logits from there on.
+            limit = len(c) - 1
+            if s.return_logprob and s.logprob_start_len >= 0:
+                limit = min(limit, s.logprob_start_len)
+            matched.append(self.prefix_cache.match(c, limit))
+        plen = [n for n, _ in matched]
+        P, E = max(plen), max(len(c) - n for c, n in zip(rctx, plen))
+        U = len(rctx)
+        ids = torch.zeros(U, E, dtype=torch.long)
+        mask = torch.zeros(U, P + E, dtype=torch.long)
+        pos = torch.zeros(U, E, dtype=torch.long)
+        for u, (c, n) in enumerate(zip(rctx, plen)):
+            e = len(c) - n
+            ids[u, E - e:] = torch.tensor(c[n:])
+            pos[u, E - e:] = torch.arange(n, len(c))
+            mask[u, P - n:P] = 1
+            mask[u, P + E - e:] = 1
+        past = None
+        if P:
+            layers = next(kv for _, kv in matched if kv is not None)
+            past = []
+            for j, (k0, v0) in enumerate(layers):
+                k = k0.new_zeros(U, k0.shape[0], P, k0.shape[2])
+                v = v0.new_zeros(U, v0.shape[0], P, v0.shape[2])
+                for u, (n, kv) in enumerate(matched):
+                    if n:
+                        k[u, :, P - n:], v[u, :, P - n:] = kv[j]
+                past.append((k, v))
+        self.prefill_tokens += sum(len(c) - n for c, n in zip(rctx, plen))
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
+                         past_key_values=self._make_cache(past) if past else None)
+        kv = _cache_tensors(out.past_key_values)
         logits = out.logits.float()
-        for i, s in enumerate(seqs):
+        for u, (s, c, n) in enumerate(zip(reps, rctx, plen)):
+            e = len(c) - n
+            self.prefix_cache.insert(c, [(k[u, :, P + E - e:], v[u, :, P + E - e:]) for k, v in kv], n)
             if s.return_logprob and s.input_logprobs is None and 0 <= s.logprob_start_len < len(s.prompt):
-                s.input_logprobs = _input_logprobs(s, logits[i, length - len(ctxs[i]):])
+                s.input_logprobs = _input_logprobs(s, logits[u, E - e:], n)
+        self.prefix_cache.evict()
+        for s, r in zip(seqs, rows):
+            # schedule_batch.py: cached tokens are counted once, never after a retraction.
+            if s.retractions == 0:
+                s.cached_tokens += plen[r]
+            if s.input_logprobs is None and reps[r].input_logprobs is not None and s is not reps[r]:
+                s.input_logprobs = list(reps[r].input_logprobs)
+        idx = torch.tensor(rows, dtype=torch.long)
         b = _Batch()
-        b.seqs, b.kv, b.mask = list(seqs), _cache_tensors(out.past_key_values), mask
+        b.seqs, b.mask = list(seqs), mask.index_select(0, idx)
+        b.kv = [(k.index_select(0, idx), v.index_select(0, idx)) for k, v in kv]
         b.pos = torch.tensor([len(c) for c in ctxs], dtype=torch.long)
-        b.last = self._sample(seqs, logits[:, -1])
+        b.last = self._sample(seqs, logits[:, -1].index_select(0, idx))
         return b
 
     def _sample(self, seqs: list[_Seq], logits: torch.Tensor) -> torch.Tensor:
@@ -465,7 +522,7 @@ class Engine:
             meta = {"id": seq.rid, "finish_reason": dict(seq.finish) if finished else None,
                     "prompt_tokens": len(seq.prompt), "weight_version": self.weight_version,
                     "num_retractions": seq.retractions, "reasoning_tokens": 0, "completion_tokens": n,
-                    "cached_tokens": 0, "e2e_latency": time.time() - seq.start}
+                    "cached_tokens": seq.cached_tokens, "e2e_latency": time.time() - seq.start}
         meta["weight_versions"] = _version_spans(seq.versions[:n], self.weight_version)
         if seq.return_logprob:
             def fmt(pairs):  # detokenize_logprob_tokens: (logprob, token_id, text | None)
@@ -530,6 +587,9 @@ class Engine:
                 "num_waiting_uncached_tokens": sum(len(s.prompt) for s in waiting),
                 "num_used_tokens": used, "num_total_tokens": used, "num_active_tokens": used,
                 "max_running_requests": self.max_running,
+                # Cumulative tokens prefilled (SGLang: extend tokens of prefill batches; here the tokens
+                # computed, a batch's identical contexts once): prefix-cache hits are not computed.
+                "total_prefill_uncached_tokens": self.prefill_tokens,
                 # Not in SGLang (tests wait on them): tokens sampled so far by the running requests,
                 # and requests held by a pause before reaching the scheduler.
                 "num_generated_tokens": sum(len(s.output) for s in running), "num_held_reqs": len(self.held)}
@@ -544,13 +604,22 @@ class Engine:
         with self.qlock:
             return not len(self.batch) and not self.prefilling and (not self.waiting or self.sched_paused)
 
+    def flush(self) -> bool:
+        """scheduler.py ``flush_cache``: drop the prefix cache when ``flushable``; False (nothing
+        dropped) otherwise. Runs on the model thread (``run_model``), between two steps, as
+        SGLang's runs in the scheduler's loop."""
+        if not self.flushable():
+            return False
+        self.prefix_cache.reset()
+        return True
+
     # ---------------------------------------------------------------- weights
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Copy tensors into the model in place (HF names); unknown names or shapes fail.
 
-        FP8 engines take FP8 pairs (``.weight`` float8 + ``.weight_scale``) or float weights
-        (quantised on load); see ``megatron_m2po/rollout/fp8.py``.
-        """
+        FP8 engines take FP8 pairs (``.weight`` float8 + ``.weight_scale_inv`` per block, or
+        ``.weight_scale`` per tensor) by SGLang 0.5.23's rules for the format (per-tensor FP8 loads
+        once); see ``megatron_m2po/rollout/fp8.py``."""
         if self.fp8 is not None:
             named = self.fp8.convert(named)
         params = dict(self.model.named_parameters())
@@ -576,7 +645,7 @@ class Engine:
     def load_from_disk(self, path: str) -> int:
         n = self.load_weights(iter_safetensors(path))
         if self.fp8 is not None:
-            self.fp8.check_complete()
+            self.fp8.after_loading()
         return n
 
     def init_group(self, req: dict) -> None:
@@ -614,9 +683,9 @@ class Engine:
         return list(zip(names, tensors))
 
 
-def _input_logprobs(s: _Seq, rows: torch.Tensor) -> list:
+def _input_logprobs(s: _Seq, rows: torch.Tensor, first: int = 0) -> list:
     """``meta_info.input_token_logprobs`` from ``logprob_start_len`` L (rows: the prefill logits of
-    the prompt). logprob_result_processor.py ``_process_input_token_logprobs``: values are
+    the prompt from position ``first <= L`` on; the positions before came from the prefix cache). logprob_result_processor.py ``_process_input_token_logprobs``: values are
     ``[None] + logprobs[:-1]`` -- the token at L gets None even when L > 0 -- from
     ``log_softmax`` of the raw logits (logprob_processor.py ``InputLogprobProcessor``: no
     temperature, no penalties); ids are ``prompt[L:]`` with the last vocabulary id reported as 0
@@ -624,7 +693,7 @@ def _input_logprobs(s: _Seq, rows: torch.Tensor) -> list:
     n, start = len(s.prompt), s.logprob_start_len
     vals: list = [None]
     if n - start > 1:
-        lp = torch.log_softmax(rows[start:n - 1], -1)
+        lp = torch.log_softmax(rows[start - first:n - 1 - first], -1)
         vals += lp.gather(1, torch.tensor(s.prompt[start + 1:n])[:, None])[:, 0].tolist()
     vocab = rows.shape[-1]
     return [(v, t if t < vocab - 1 else 0) for v, t in zip(vals, s.prompt[start:])]

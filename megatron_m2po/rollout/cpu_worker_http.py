@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import glob
 import json
+import logging
 import os
+import time
 import uuid
 from typing import Optional
 
@@ -18,6 +21,7 @@ from megatron_m2po.rollout.sglang_version import SUPPORTED_SGLANG
 
 _VERSION = SUPPORTED_SGLANG  # the SGLang version it emulates: server_info's "version" (SGLang's __version__)
 _DEFAULT_GROUP = "weight_update_group"
+log = logging.getLogger("m2po.cpu_worker")
 HEALTH_CHECK_RID_PREFIX = "HEALTH_CHECK"  # sglang/srt/constants.py
 
 
@@ -255,11 +259,36 @@ def make_app(engine):
                    # _add_topology): what the scheduler runs at once, after memory sizing.
                    "internal_states": [{"effective_max_running_requests_per_dp": engine.max_running}]})
 
+    flushing = {"pending": False}
+
     async def flush_cache(request):
+        # http_server.py flush_cache(timeout) -> scheduler_components/flush_wrapper.py: timeout 0
+        # flushes at once when scheduler.py flush_cache allows it (no running request; no waiting
+        # one unless the scheduler is paused); timeout > 0 defers until fully idle -- nothing
+        # running and nothing waiting, paused or not -- or answers "Timed out" (one deferred flush
+        # at a time). A flush drops the prefix cache.
         engine.note_receive()
-        if not engine.flushable():
-            return web.Response(text="Cache not flushed: there are running or waiting requests.\n", status=400)
-        return web.Response(text="Cache flushed.\n", status=200)
+        try:
+            timeout = float(request.query.get("timeout", 0) or 0)
+        except ValueError:
+            return web.Response(text=f"timeout={request.query.get('timeout')!r}: a number >= 0\n", status=422)
+        if timeout > 0:
+            if flushing["pending"]:
+                return web.Response(text="Another flush_cache is already in progress.", status=400)
+            flushing["pending"] = True
+            try:
+                deadline = time.monotonic() + timeout
+                while engine.busy():  # waits on scheduler messages (each step sends one)
+                    left = deadline - time.monotonic()
+                    if left <= 0 or not await engine.received_since(engine.received, left):
+                        if engine.busy():
+                            return web.Response(text="Timed out waiting for idle state.", status=400)
+            finally:
+                flushing["pending"] = False
+        if not await engine.run_model(engine.flush):
+            return web.Response(text="Flush cache failed.\n", status=400)
+        return web.Response(text="Cache flushed.\nPlease check backend logs for more details. (When there are "
+                                 "running or waiting requests, the operation will not be performed.)\n", status=200)
 
     async def abort_request(request):
         req = await body(request)
@@ -316,12 +345,20 @@ def make_app(engine):
             return ok({"success": False, "message": "no weight-update session is open; "
                                                     "call begin_weight_update() first"}, 400)
         session["open"] = False
+        if engine.fp8 is not None:
+            # end_weight_update -> DefaultModelLoader.postprocess_weights (process_weights_after_loading).
+            # Stricter than SGLang: an FP8 weight whose scale never came (or the reverse) is an error here.
+            try:
+                await engine.run_model(engine.fp8.after_loading)
+            except ValueError as e:
+                return ok({"success": False, "message": str(e)}, 400)
         return ok({"success": True, "message": "Success"})
 
-    def flush_after_update(req: dict, success_msg: str):
+    async def flush_after_update(req: dict):
         # weight_updater.py flush_cache_after_weight_update: flush_cache defaults to true and a
-        # flush refused because requests run or wait fails the (already applied) update.
-        if req.get("flush_cache", True) and not engine.flushable():
+        # flush refused because requests run or wait fails the (already applied) update. Without
+        # a flush the prefix cache keeps the KV the old weights computed, and later requests reuse it.
+        if req.get("flush_cache", True) and not await engine.run_model(engine.flush):
             return ok({"success": False, "message": "Weights were updated, but the cache was not flushed because "
                        "requests are still running or queued. Retract or finish them, then call /flush_cache."},
                       400)
@@ -336,17 +373,31 @@ def make_app(engine):
         if req.get("abort_all_requests"):
             engine.abort(None, True)
         path = req.get("model_path", "")
+        if not glob.glob(os.path.join(path, "*.safetensors")):  # loader.py _prepare_weights: nothing loaded
+            return ok({"success": False, "message": f"Failed to get weights iterator: Cannot find any model weights "
+                       f"with `{path}`.", "num_paused_requests": 0}, 400)
         try:
             await engine.run_model(engine.load_from_disk, path)
         except Exception as e:  # noqa: BLE001 - reported to the caller
-            return ok({"success": False, "message": f"Failed to update weights: {e}.",
-                       "num_paused_requests": 0}, 400)
+            # model_runner_components/weight_updater.py update_weights_from_disk: "Rolling back to
+            # original weights" reloads from model_config.model_path, which already names the new
+            # directory. When that raises too, the exception leaves the scheduler (scheduler.py
+            # run_scheduler_process: "Scheduler hit an exception", SIGQUIT to the server): the
+            # engine is gone and the caller gets no answer. (Per-tensor FP8 always ends here.)
+            try:
+                await engine.run_model(engine.load_from_disk, path)
+            except Exception as again:  # noqa: BLE001
+                log.error("Scheduler hit an exception: rolling back to %s failed: %s", path, again)
+                logging.shutdown()
+                os._exit(1)
+            return ok({"success": False, "message": f"Failed to update weights: {e}.\nRolling back to original "
+                       "weights.", "num_paused_requests": 0}, 400)
         engine.model_path = path
         set_version(req.get("weight_version"))
         msg = "Succeeded to update model weights."
         if req.get("weight_version") is not None:
             msg += f" Weight version updated to {req['weight_version']}."
-        refused = flush_after_update(req, msg)
+        refused = await flush_after_update(req)
         if refused is not None:
             return refused
         return ok({"success": True, "message": msg, "num_paused_requests": 0})
@@ -387,12 +438,14 @@ def make_app(engine):
                 named = await asyncio.to_thread(engine.receive, req)
                 await engine.run_model(engine.load_weights, named)
         except Exception as e:  # noqa: BLE001
-            return ok({"success": False, "message": f"Failed to update parameter online: {e}."}, 400)
+            # weight_updater.py load_weights_from_distributed: the tensors before the failing one stay loaded.
+            return ok({"success": False, "message": f"Failed to update parameter online: {e}. The full weights of the "
+                       "ModelRunner are partially updated. Please discard the whole weights."}, 400)
         set_version(req.get("weight_version"))
         msg = "Succeeded to update parameter online."
         if req.get("weight_version") is not None:
             msg += f" Weight version updated to {req['weight_version']}."
-        refused = flush_after_update(req, msg)
+        refused = await flush_after_update(req)
         if refused is not None:
             return refused
         return ok({"success": True, "message": msg})

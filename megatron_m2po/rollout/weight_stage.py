@@ -67,6 +67,7 @@ class PushPlan:
     timeout_s: float
     push_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     fp8: bool = False
+    fp8_block: tuple[int, int] = (128, 128)  # weight_block_size of the block-FP8 export (rollout/fp8.py)
     # disk
     tmp_dir: str = ""
     shard_bytes: int = 0
@@ -173,7 +174,7 @@ def run_stage(plan: PushPlan, stage: int, weights: Iterable[tuple[str, torch.Ten
     res = StageResult(stage)
     it = iter(weights)
     if plan.fp8:
-        it = quantize_named(it, skipped=res.skipped)
+        it = quantize_named(it, block=plan.fp8_block, skipped=res.skipped)
     try:
         if plan.kind == "disk":
             _write_stage(plan, stage, it, res)

@@ -10,14 +10,26 @@ Two controllers with the same interface, run on trainer rank 0:
   (one stage), where ``weights`` is an iterator of ``(hf_name, full_tensor)`` or an HF checkpoint
   directory (a refit, a benchmark, the tests).
 
+Pause and cache flush (docs/sglang.md, "Weight updates and the prefix cache"). SGLang keeps prompt KV
+in its radix cache across requests until the cache is flushed; an update that does not flush leaves
+the KV the old weights computed in use, and tokens tagged with the new version are then partly
+computed by older weights. So every push flushes: the engines pause with ``retract`` (the default
+``pause_mode``), which moves running requests back to the waiting queue and frees their KV
+(``scheduler.py`` ``pause_generation``), so the flush that the update asks for is legal
+(``flush_cache`` is refused only while requests run, or wait on an unpaused scheduler); on
+``/continue_generation`` the retracted requests are prefilled again, output included, by the new
+weights. In sync and stale_k mode the engines are idle at a push (the driver waits for the
+generation first) and nothing is retracted; in async mode the in-flight requests pay one prefill
+each. ``pause_mode="in_place"`` keeps running requests and their KV, so 0.5.23 refuses the flush
+while any runs: it sends ``flush_cache=false`` unless ``flush_cache=True`` is given (the caller
+knows the engines are idle), and then the tokens after the push are conditioned on older KV.
+
 ``DiskWeightSync``: stages write HF safetensors shards into ``<sync_dir>/v<version>.tmp``; the
 controller names them ``model-0000k-of-0000n.safetensors``, writes ``model.safetensors.index.json``
 and the config/tokenizer files copied from the base model, renames the directory to ``v<version>``
 (atomic on one filesystem: engines never see half a checkpoint), then on every engine:
-``/pause_generation`` (in place), ``/update_weights_from_disk {model_path, weight_version,
-flush_cache}``, ``/continue_generation``. ``flush_cache`` is true only with ``pause_mode="abort"``:
-SGLang 0.5.23 fails an update whose flush finds requests running or queued, as they are when paused
-in place or retracted. A retried push of a version whose directory is complete reuses it.
+``/pause_generation``, ``/update_weights_from_disk {model_path, weight_version, flush_cache}``,
+``/continue_generation``. A retried push of a version whose directory is complete reuses it.
 
 ``DistributedWeightSync``: each stage's sender and every engine rank form one weight-update group
 per stage (SGLang's ``/init_weights_update_group``, group ``<group_name>_<id>_<generation>_s<stage>``,
@@ -26,16 +38,18 @@ inside one ``/begin_weight_update`` ... ``/end_weight_update`` session (SGLang 0
 distributed updates outside one), each stage sends buckets of at most ``bucket_mb``: every engine
 gets ``/update_weights_from_distributed {names, dtypes, shapes, load_format="flattened_bucket"}``
 and the sender broadcasts one uint8 tensor (SGLang's ``FlattenedTensorBucket`` layout). Only the
-last bucket of the last stage carries ``weight_version``. NCCL on GPU tensors, gloo on CPU. The
+last bucket of the last stage carries ``weight_version`` and ``flush_cache``. NCCL on GPU tensors, gloo on CPU. The
 groups have a timeout and every HTTP call has one, so a dead engine raises ``WeightSyncError``
 naming it instead of hanging the trainer. The groups are rebuilt for the next push after a failure,
 when the engines change, or when :meth:`DistributedWeightSync.invalidate` says an engine was
 restarted (a restarted engine has lost its groups).
 
-``fp8=True`` (``rollout.fp8_weights``) quantises the linears of the decoder blocks to per-tensor
-FP8 on the way out (``megatron_m2po/rollout/fp8.py``: ``.weight`` in float8_e4m3fn plus a float32
-``.weight_scale``, and ``quantization_config`` in each exported config.json), for engines that
-serve FP8.
+``fp8=True`` (``rollout.fp8_weights``) quantises the linears of the decoder blocks to block FP8 on
+the way out (``megatron_m2po/rollout/fp8.py``: ``.weight`` in float8_e4m3fn plus a float32
+``.weight_scale_inv`` per ``fp8_block`` block, and ``quantization_config`` with
+``weight_block_size`` in each exported config.json), for engines that serve FP8: SGLang 0.5.23
+reloads block-FP8 parameters in place, while per-tensor FP8 replaces them after the first load and
+fails every later update.
 
 :func:`export_fp8_dir` writes an FP8 copy of an HF model directory with the same exporter.
 """
@@ -53,7 +67,7 @@ from typing import Iterable, Optional, Union
 
 import torch
 
-from megatron_m2po.rollout.fp8 import is_fp8_config, write_fp8_config
+from megatron_m2po.rollout.fp8 import DEFAULT_BLOCK, check_block, is_fp8_config, write_fp8_config
 from megatron_m2po.rollout.weight_stage import (PushPlan, StageResult, WeightSyncError, each_engine,
                                                 forget_groups, run_stage)
 from megatron_m2po.utils.background_loop import BackgroundLoop
@@ -81,11 +95,16 @@ class SyncStats:
 
 
 class _Base:
-    def __init__(self, engine_urls: list[str], *, timeout_s: float, pause_mode: Optional[str]) -> None:
+    def __init__(self, engine_urls: list[str], *, timeout_s: float, pause_mode: Optional[str],
+                 flush_cache: Optional[bool] = None, fp8: bool = False,
+                 fp8_block: tuple[int, int] = DEFAULT_BLOCK) -> None:
         if pause_mode not in (None, "in_place", "retract", "abort"):
-            raise ValueError(f"pause_mode={pause_mode!r}: use 'in_place' (default), 'retract', 'abort' or None")
+            raise ValueError(f"pause_mode={pause_mode!r}: use 'retract' (default), 'in_place', 'abort' or None")
+        if flush_cache not in (None, True, False):
+            raise ValueError(f"flush_cache={flush_cache!r}: use None (flush unless pausing in place), True or False")
         self.engine_urls = [u.rstrip("/") for u in engine_urls]
-        self.timeout_s, self.pause_mode = timeout_s, pause_mode
+        self.timeout_s, self.pause_mode, self.flush_cache = timeout_s, pause_mode, flush_cache
+        self.fp8, self.fp8_block = fp8, check_block(fp8_block)
         # HTTP calls run on this loop while the calling thread blocks in a broadcast.
         self._io = BackgroundLoop("weight-sync-http")
         self._t0 = 0.0
@@ -98,10 +117,15 @@ class _Base:
 
     @property
     def _may_flush(self) -> bool:
-        """Whether an update may ask SGLang to flush the cache. 0.5.23 fails the update call
-        when the flush finds requests running or queued (weight_updater.py
-        ``flush_cache_after_weight_update``): only a pause that aborts empties the engine."""
-        return self.pause_mode == "abort"
+        """Whether the update asks SGLang to flush its prefix cache (module docstring). 0.5.23
+        fails the update when the flush finds requests running, or waiting on an unpaused
+        scheduler (scheduler_components/weight_updater.py ``flush_cache_after_weight_update``,
+        scheduler.py ``flush_cache``): after a retract or abort pause none run; paused in place
+        they may, so only an explicit ``flush_cache=True`` flushes then; with no pause SGLang's
+        model-update lock waits for the running requests."""
+        if self.flush_cache is not None:
+            return self.flush_cache
+        return self.pause_mode != "in_place"
 
     def _pause(self, urls) -> None:
         if self.pause_mode:
@@ -168,15 +192,16 @@ class DiskWeightSync(_Base):
     """
 
     def __init__(self, engine_urls: list[str], sync_dir: str, *, base_model_dir: Optional[str] = None,
-                 timeout_s: float = 300.0, pause_mode: Optional[str] = "in_place", keep_last: int = 2,
-                 shard_mb: float = 4096.0, fp8: bool = False) -> None:
+                 timeout_s: float = 300.0, pause_mode: Optional[str] = "retract", keep_last: int = 2,
+                 shard_mb: float = 4096.0, fp8: bool = False, fp8_block: tuple[int, int] = DEFAULT_BLOCK,
+                 flush_cache: Optional[bool] = None) -> None:
         if fp8 and not base_model_dir:
             raise ValueError("DiskWeightSync(fp8=True) needs base_model_dir: the FP8 marker goes into the "
                              "config.json copied from it")
         if shard_mb <= 0:
             raise ValueError(f"shard_mb={shard_mb}: must be > 0")
-        super().__init__(engine_urls, timeout_s=timeout_s, pause_mode=pause_mode)
-        self.fp8 = fp8
+        super().__init__(engine_urls, timeout_s=timeout_s, pause_mode=pause_mode, flush_cache=flush_cache,
+                         fp8=fp8, fp8_block=fp8_block)
         self.sync_dir, self.base_model_dir = Path(sync_dir), base_model_dir
         self.keep_last, self.shard_bytes = max(keep_last, 1), int(shard_mb * 2**20)
         self.sync_dir.mkdir(parents=True, exist_ok=True)
@@ -201,7 +226,7 @@ class DiskWeightSync(_Base):
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         return PushPlan("disk", int(version), self._urls(engine_urls), n_stages, self.timeout_s, fp8=self.fp8,
-                        tmp_dir=str(tmp), shard_bytes=self.shard_bytes, reuse_dir=reuse)
+                        fp8_block=self.fp8_block, tmp_dir=str(tmp), shard_bytes=self.shard_bytes, reuse_dir=reuse)
 
     def _from_dir(self, path: str, plan: PushPlan):
         if not plan.reuse_dir:
@@ -249,7 +274,7 @@ class DiskWeightSync(_Base):
                 if src.exists():
                     shutil.copy2(src, tmp / f)
         if plan.fp8:
-            write_fp8_config(tmp, [s for r in results for s in r.skipped])
+            write_fp8_config(tmp, plan.fp8_block, [s for r in results for s in r.skipped])
         with open(tmp / "m2po_version.json", "w") as fh:
             json.dump({"version": int(plan.version)}, fh)
             fh.flush()
@@ -288,10 +313,11 @@ class DistributedWeightSync(_Base):
 
     def __init__(self, engine_urls: list[str], *, master_address: str = "127.0.0.1", master_port: int = 0,
                  backend: str = "gloo", bucket_mb: float = 512.0, timeout_s: float = 300.0,
-                 pause_mode: Optional[str] = "in_place", group_name: str = "m2po_weight_sync",
-                 device: Optional[str] = None, fp8: bool = False, prefetch_mb: Optional[float] = None) -> None:
-        super().__init__(engine_urls, timeout_s=timeout_s, pause_mode=pause_mode)
-        self.fp8 = fp8
+                 pause_mode: Optional[str] = "retract", group_name: str = "m2po_weight_sync",
+                 device: Optional[str] = None, fp8: bool = False, fp8_block: tuple[int, int] = DEFAULT_BLOCK,
+                 prefetch_mb: Optional[float] = None, flush_cache: Optional[bool] = None) -> None:
+        super().__init__(engine_urls, timeout_s=timeout_s, pause_mode=pause_mode, flush_cache=flush_cache,
+                         fp8=fp8, fp8_block=fp8_block)
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"backend={backend!r}: use 'nccl' (GPU engines) or 'gloo' (CPU workers)")
         if bucket_mb <= 0:
@@ -345,7 +371,7 @@ class DistributedWeightSync(_Base):
             self._members = urls
             self._world, self._offsets = self._layout(urls)
         plan = PushPlan("distributed", int(version), urls, n_stages, self.timeout_s, fp8=self.fp8,
-                        groups=self._groups, world=self._world, offsets=self._offsets, backend=self.backend,
+                        fp8_block=self.fp8_block, groups=self._groups, world=self._world, offsets=self._offsets, backend=self.backend,
                         device=self.device, bucket_bytes=self.bucket_bytes, prefetch_bytes=self.prefetch_bytes,
                         flush_last=self._may_flush, master_address=self.master_address)
         try:
@@ -407,8 +433,8 @@ def _is_fp8_dir(path: str) -> bool:
     return is_fp8_config(cfg)
 
 
-def export_fp8_dir(src_dir: str | Path, dst_dir: str | Path) -> str:
-    """Write an FP8 copy of an HF model directory (e.g. the base model FP8 engines start from)."""
+def export_fp8_dir(src_dir: str | Path, dst_dir: str | Path, block: tuple[int, int] = DEFAULT_BLOCK) -> str:
+    """Write a block-FP8 copy of an HF model directory (the base model FP8 engines start from)."""
     import tempfile
 
     dst = Path(dst_dir)
@@ -416,7 +442,7 @@ def export_fp8_dir(src_dir: str | Path, dst_dir: str | Path) -> str:
         raise ValueError(f"export_fp8_dir: {dst} already exists")
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".fp8-export-", dir=dst.parent)
-    sync = DiskWeightSync([], tmp, base_model_dir=str(src_dir), fp8=True)
+    sync = DiskWeightSync([], tmp, base_model_dir=str(src_dir), fp8=True, fp8_block=block)
     try:
         out, _, _ = sync.export(iter_safetensors(str(src_dir)), 0)
         Path(out).rename(dst)

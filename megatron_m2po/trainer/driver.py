@@ -31,7 +31,7 @@ from megatron_m2po.rollout.engines import EngineFleet
 from megatron_m2po.rollout.placement import cuda_count, node_gpus, placement
 from megatron_m2po.rollout.producer import ProducerContext, load_producer
 from megatron_m2po.rollout.weight_stage import PushPlan, run_stage
-from megatron_m2po.rollout.weight_sync import DiskWeightSync, DistributedWeightSync
+from megatron_m2po.rollout.weight_sync import DiskWeightSync, DistributedWeightSync, export_fp8_dir
 from megatron_m2po.store.store import NotReadyError, RolloutStore, bounded
 from megatron_m2po.store.types import Group
 from megatron_m2po.utils.background_loop import BackgroundLoop
@@ -67,16 +67,17 @@ class RolloutDriver:
         self.weight_sync = None
         try:
             if not self.external or cfg.rollout.external_addrs:
-                # FP8 engines quantise at load and take the FP8 checkpoints the weight sync exports.
-                extra = ["--quantization", "fp8"] if cfg.rollout.fp8_weights else []
+                # FP8 engines start from a block-FP8 export of the base model: SGLang 0.5.23 reloads
+                # only block-FP8 parameters (rollout/fp8.py); `--quantization fp8` on the float
+                # model would quantise per channel, and the first weight push would fail.
+                engine_model = self._fp8_base(run_dir) if cfg.rollout.fp8_weights else model_path
                 # Engines on this node go after the trainer's GPUs; impossible layouts fail here, before
                 # anything starts (rollout/placement.py).
                 node = node_gpus(count=cuda_count(), trainer_on_gpu=cuda_count() is not None)
                 if cfg.rollout.launcher == "local":
                     placement(cfg, node)
-                self.fleet = EngineFleet(cfg.rollout, model_path, run_dir=str(run_dir), refit_fn=self._refit,
-                                         extra_engine_args=extra, node=node,
-                                         on_concurrency=self._resize_client)
+                self.fleet = EngineFleet(cfg.rollout, engine_model, run_dir=str(run_dir), refit_fn=self._refit,
+                                         node=node, on_concurrency=self._resize_client)
                 self.fleet.start()
             self.weight_sync = self._make_weight_sync()
             if self.fleet is not None:
@@ -124,6 +125,22 @@ class RolloutDriver:
         log.info("external rollout: ingestion at %s/v1/groups, current version at %s/v1/version, weights in %s",
                  self.ingest_url, self.ingest_url, self.sync_dir)
 
+    def _fp8_base(self, run_dir: Path) -> str:
+        """``<run_dir>/engine_base_fp8``: the base model in block FP8 (kept for a resume)."""
+        import json
+        import shutil
+
+        out = run_dir / "engine_base_fp8"
+        block = list(self.cfg.rollout.fp8_block_size)
+        try:
+            have = json.loads((out / "config.json").read_text())["quantization_config"]["weight_block_size"]
+        except (OSError, ValueError, KeyError, TypeError):
+            have = None
+        if have != block:
+            shutil.rmtree(out, ignore_errors=True)
+            export_fp8_dir(self.model_path, out, block=tuple(block))
+        return str(out)
+
     @property
     def engine_urls(self) -> list[str]:
         return self.fleet.engine_urls if self.fleet is not None else []
@@ -133,14 +150,16 @@ class RolloutDriver:
         if r.weight_sync == "disk" or self.external:
             # External harnesses load the published v<version> directories themselves.
             return DiskWeightSync(self.engine_urls, str(self.sync_dir), base_model_dir=self.model_path,
-                                     timeout_s=r.weight_sync_timeout_s, fp8=r.fp8_weights)
+                                     timeout_s=r.weight_sync_timeout_s, fp8=r.fp8_weights,
+                                     fp8_block=tuple(r.fp8_block_size))
         import torch
 
         # Engines must reach every stage's sender: each sender uses M2PO_WEIGHT_SYNC_ADDR of its own
         # node, else the address of its route to the engines (master_address="").
         sync = DistributedWeightSync(self.engine_urls, master_address="", timeout_s=r.weight_sync_timeout_s,
                                      backend="nccl" if torch.cuda.is_available() else "gloo",
-                                     bucket_mb=r.weight_sync_bucket_mb, fp8=r.fp8_weights)
+                                     bucket_mb=r.weight_sync_bucket_mb, fp8=r.fp8_weights,
+                                     fp8_block=tuple(r.fp8_block_size))
         sync.connect()
         return sync
 

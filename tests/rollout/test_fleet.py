@@ -373,10 +373,10 @@ def test_dead_engine_fails_weight_sync_fast_and_by_name(env):
     assert call(victim.url, "weight_version") == "4"
 
 
-def test_distributed_update_while_paused_in_place_keeps_requests_and_tags_spans(env):
-    """SGLang 0.5.23: the push runs in a begin/end session and asks for no cache flush while
-    paused in place (a flush would fail with requests running); the in-flight request survives
-    and its ``weight_versions`` spans name both versions."""
+def test_distributed_update_with_a_request_in_flight_keeps_it_and_tags_spans(env):
+    """SGLang 0.5.23: the push runs in a begin/end session, paused with retract so that its cache
+    flush is legal; the in-flight request survives (re-prefilled by the new weights) and its
+    ``weight_versions`` spans name both versions."""
     fleet, state, holder = env
     url = fleet.engine_urls[0]
     new = state.perturbed(seed=6)
@@ -391,7 +391,7 @@ def test_distributed_update_while_paused_in_place_keeps_requests_and_tags_spans(
     loop = asyncio.new_event_loop()
     try:
         c, task = loop.run_until_complete(start())
-        holder["dist"].push(iter(new), version=5)  # pauses in place, begin, buckets, end, continues
+        holder["dist"].push(iter(new), version=5)  # retracts, begin, buckets (the last flushes), end, continues
         assert loop.run_until_complete(c.weight_version()) == "5"
         loop.run_until_complete(c.slow_down(None))
         out = loop.run_until_complete(task)
@@ -406,7 +406,8 @@ def test_distributed_update_while_paused_in_place_keeps_requests_and_tags_spans(
 
 def test_flush_while_paused_in_place_with_running_requests_fails_the_update(env):
     """0.5.23 weight_updater.py: an update with flush_cache=true (the default) that finds requests
-    running fails after loading; the client's in-place syncs therefore send flush_cache=false."""
+    running fails after loading; a push paused in place therefore sends flush_cache=false (the pushes
+    pause with retract instead, which makes the flush legal)."""
     fleet, state, holder = env
     url = fleet.engine_urls[0]
 

@@ -299,3 +299,24 @@ def test_external_producer_feeds_the_trainer(tmp_path):
     con = sqlite3.connect(run / "rollouts.sqlite")
     consumed = con.execute("SELECT COUNT(*) FROM groups WHERE state='consumed'").fetchone()[0]
     assert consumed == 16  # 2 steps x 8 prompts, all from the external producer
+
+
+def test_fp8_rollouts_update_block_fp8_engines_every_step(tmp_path):
+    """rollout.fp8_weights: the engine starts from a block-FP8 export of the base model and takes a
+    block-FP8 push every step (SGLang 0.5.23 reloads only block FP8); the trainer recomputes behaviour
+    log-probs and measures the FP8 mismatch."""
+    run = tmp_path / "fp8"
+    steps = 3
+    _train(run, f"trainer.num_steps={steps}", "trainer.stale_k=0", "trainer.mode=sync",
+           "rollout.fp8_weights=true", "rollout.fp8_block_size=[64,64]", "algo.recompute_behav_logprobs=true",
+           "algo.tis=true", "checkpoint.save_every_steps=0")
+    cfg = json.loads((run / "engine_base_fp8" / "config.json").read_text())
+    assert cfg["quantization_config"]["weight_block_size"] == [64, 64]
+    ups = _updates(run)
+    assert sorted(ups) == list(range(1, steps * 2 + 1))
+    kls = [ups[u]["mismatch/train_vs_engine_kl"] for u in sorted(ups)]
+    # FP8 engine vs full-precision trainer (a k1 estimate, either sign): small, never zero.
+    assert all(0 < abs(kl) < 0.05 for kl in kls), kls
+    versions = sorted({int(p.name[1:]) for p in (run / "weights").glob("v*") if p.name[1:].isdigit()})
+    assert versions and versions[-1] == (steps - 1) * 2  # pushed block FP8 every step (keep_last=2 kept)
+    assert "weight_block_size" in (run / "weights" / f"v{versions[-1]}" / "config.json").read_text()
