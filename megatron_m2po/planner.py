@@ -494,14 +494,15 @@ def plan_from_config(cfg: Config, m: ModelShape, **kw: Any) -> Plan:
     eng = engine_gpus(cfg, lay)
     r = cfg.rollout
     if eng:
-        if r.engine_gpu_ids and len(eng) != r.num_engines * r.engine_tp:
-            extra.append(f"rollout.engine_gpu_ids has {len(eng)} GPUs but num_engines*engine_tp = "
-                         f"{r.num_engines}*{r.engine_tp} = {r.num_engines * r.engine_tp}")
-        bad = [g for g in eng if g < 0 or g >= lay.node_gpus]
-        if bad:
-            extra.append(f"engine GPUs {bad} do not exist on a {lay.node_gpus}-GPU node: lower rollout.num_engines "
-                         f"or the trainer's GPUs per node, or run the engines on their own nodes "
-                         f"(scripts/launch_sglang_fleet.sh + rollout.launcher=external)")
+        # The trainer's own placement rules (rollout/placement.py): what it would refuse at start-up
+        # is an error of the plan.
+        from megatron_m2po.rollout import placement
+
+        node = placement.NodeGPUs(trainer=lay.gpus_per_node, world=lay.world_size, count=lay.node_gpus)
+        try:
+            placement.check_weight_sync_placement(cfg, node, placement.engine_gpus(r, node))
+        except ValueError as e:
+            extra.append(str(e))
         shared = sorted(set(eng) & set(range(lay.gpus_per_node)))
         if shared:  # colocated: engines hold their memory fraction while training runs
             lay.reserved_gib = r.engine_mem_fraction * lay.gpu_mem_gib

@@ -280,14 +280,26 @@ def test_recipes_are_feasible_with_paper_hyperparameters(name):
 
 
 def test_colocated_engines_reserve_their_memory_fraction():
-    cfg = load_config(EX / "qwen2.5-math-7b.yaml", ["rollout.engine_gpu_ids=[0,1,2,3]",
+    cfg = load_config(EX / "qwen2.5-math-7b.yaml", ["rollout.engine_gpu_ids=[0,1,2,3]", "rollout.colocate=true",
                                                         "rollout.engine_mem_fraction=0.5"])
     p = P.plan_from_config(cfg, P.MODELS["qwen2.5-math-7b"], nnodes=1, gpus_per_node=4)
     assert p.layout.reserved_gib == 40.0
     assert not p.ok and "colocated engines" in p.errors[0]
     cfg = load_config(EX / "qwen2.5-math-7b.yaml", ["rollout.engine_gpu_ids=[6,7,8,9]"])
     p = P.plan_from_config(cfg, P.MODELS["qwen2.5-math-7b"], nnodes=1, gpus_per_node=4)
-    assert any("do not exist on a 8-GPU node" in e for e in p.errors)
+    assert any("but this node has 8 GPU(s)" in e for e in p.errors)
+
+
+def test_plan_refuses_what_the_trainer_refuses_at_start_up():
+    """The plan applies the trainer's placement rules (rollout/placement.py): engines on the trainer's
+    GPUs need rollout.colocate=true; with distributed sync, not on a stage sender's GPU."""
+    cfg = load_config(EX / "qwen2.5-math-7b.yaml", ["rollout.engine_gpu_ids=[0,1,2,3]"])
+    p = P.plan_from_config(cfg, P.MODELS["qwen2.5-math-7b"], nnodes=1, gpus_per_node=4)
+    assert any("rollout.colocate=true" in e for e in p.errors), p.errors
+    cfg = load_config(EX / "qwen2.5-math-7b.yaml", ["rollout.engine_gpu_ids=[0,1,2,3]", "rollout.colocate=true",
+                                                        "rollout.weight_sync=distributed"])
+    p = P.plan_from_config(cfg, P.MODELS["qwen2.5-math-7b"], nnodes=1, gpus_per_node=4)
+    assert any("weight sender" in e for e in p.errors), p.errors
 
 
 def test_math7b_context_warning():
