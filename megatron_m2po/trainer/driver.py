@@ -39,6 +39,24 @@ from megatron_m2po.utils.faults import fault_point
 log = logging.getLogger(__name__)
 
 _POLL_S = 0.5  # how often a wait looks at the stop request and its deadline
+_FIRST_NOTE_S, _NOTE_EVERY_S = 5.0, 60.0  # a wait says what it waits for after 5 s, then every minute
+
+
+class _WaitNotes:
+    """The log lines of one wait: what it waits for, how long so far, what to do."""
+
+    def __init__(self, what: str, hint: str, timeout_s: float):
+        self.what, self.hint, self.timeout_s = what, hint, timeout_s
+        self.t0 = time.monotonic()
+        self.next = self.t0 + _FIRST_NOTE_S
+
+    def tick(self, detail: str = "") -> None:
+        now = time.monotonic()
+        if now >= self.next:
+            self.next = now + _NOTE_EVERY_S
+            log.warning("waiting for %s%s (%.0fs of trainer.wait_timeout_s=%.0f): %s; SIGINT / SIGTERM stops the run "
+                        "(checkpointing the finished steps)", self.what, f" ({detail})" if detail else "",
+                        now - self.t0, self.timeout_s, self.hint)
 
 
 class StopRequested(Exception):
@@ -378,11 +396,12 @@ class RolloutDriver:
         ``_POLL_S`` when ``interruptible``."""
         timeout_s = self.cfg.trainer.wait_timeout_s
         deadline = time.monotonic() + timeout_s
+        notes = _WaitNotes(what, f"the engines generate it (logs in {self.cfg.trainer.run_dir}/engines)", timeout_s)
         while True:
             try:
                 return fut.result(timeout=_POLL_S)
             except concurrent.futures.TimeoutError:
-                pass
+                notes.tick()
             if interruptible and self.stop_event.is_set():
                 raise StopRequested(f"stopped while waiting for {what}")
             if time.monotonic() > deadline:
@@ -401,6 +420,9 @@ class RolloutDriver:
         n = self.cfg.trainer.prompts_per_step
         timeout_s = self.cfg.trainer.wait_timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout_s
+        notes = _WaitNotes(f"the {n} groups of step {step} generated at version {generated_at}",
+                           f"they are generated in the background (engine logs in {self.cfg.trainer.run_dir}/engines)",
+                           timeout_s)
         while True:
             self._raise_failed()
             try:
@@ -421,6 +443,7 @@ class RolloutDriver:
                         "cannot serve the step without them. Restore the store from a backup (`m2po store backup` "
                         "makes one while the run is live) and run the same command again to resume, or resume "
                         "with a new trainer.run_dir") from None
+                notes.tick(f"{self.store.count_available(generated_at=generated_at)} available")
                 if self.generation_idle() and self._async_future is None:
                     self._raise_failed()
                     if self.generation_idle() and not self._can_serve(step, generated_at):
@@ -511,6 +534,10 @@ class RolloutDriver:
         policy = bounded(s.max_staleness, s.order, s.retire_overage)
         timeout_s = self.cfg.trainer.wait_timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout_s
+        who = (f"external producers push to {getattr(self, 'ingest_url', '?')}/v1/groups" if self.external
+               else f"the engines generate them (logs in {self.cfg.trainer.run_dir}/engines)")
+        notes = _WaitNotes(f"{self.cfg.trainer.prompts_per_step} groups for step {step} within "
+                           f"store.max_staleness={s.max_staleness} of version {version}", who, timeout_s)
         while True:
             self._raise_failed()
             try:
@@ -520,12 +547,11 @@ class RolloutDriver:
             except NotReadyError as e:
                 if self.stop_event.is_set():
                     raise StopRequested(f"stopped while waiting for the rollouts of step {step}") from None
+                notes.tick(str(e))
                 if time.monotonic() > deadline:
-                    who = (f"external producers (ingestion at {getattr(self, 'ingest_url', '?')}/v1/groups)"
-                           if self.external else f"the engines (logs in {self.cfg.trainer.run_dir}/engines)")
                     raise RuntimeError(f"step {step}: no {self.cfg.trainer.prompts_per_step} servable groups within "
-                                       f"{timeout_s:.0f}s (trainer.wait_timeout_s): {e}; check {who}; run the same "
-                                       "command again to resume") from None
+                                       f"{timeout_s:.0f}s (trainer.wait_timeout_s): {e}; check that {who}; run the "
+                                       "same command again to resume") from None
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, step: int) -> dict[str, float]:

@@ -161,3 +161,72 @@ def _check_store(run: Path, mode: str) -> None:
             assert all(gid.startswith(f"s{step:06d}-") for step, gid in served)
     finally:
         con.close()
+
+
+# ----------------------------------------------------------------------------- waits and signals
+
+def _external_groups(prefix: str, n: int) -> list:
+    """Scored groups as an external harness would push them (version 0, small token ids)."""
+    import numpy as np
+
+    from megatron_m2po.store.types import Group, Trajectory
+
+    rng = np.random.default_rng(0)
+    out = []
+    for g in range(n):
+        gid = f"{prefix}-g{g}"
+        trajs = [Trajectory(uid=f"{gid}-{i}", group_id=gid, prompt_ids=rng.integers(10, 60, 6),
+                            response_ids=rng.integers(10, 60, 5), behav_logprobs=-rng.random(5).astype(np.float32) - 1,
+                            versions=np.zeros(5, np.int64), reward=float(i % 2), loss_mask=np.ones(5, np.uint8),
+                            finish_reason="stop") for i in range(4)]
+        out.append(Group(gid, trajs))
+    return out
+
+
+def test_sigterm_while_waiting_for_data_checkpoints_the_finished_steps_and_exits(tmp_path):
+    """An external-producer run gets one step's groups and then none: it says what it waits for and
+    what to do; SIGTERM during that wait writes the checkpoint of the finished step and exits 0
+    (before: the handler only set a flag the wait never looked at). A second run with
+    ``trainer.wait_timeout_s`` small fails at its deadline with a message naming the wait."""
+    from megatron_m2po.store.client import StoreClient
+    from megatron_m2po.utils.dist_testing import free_port
+    from waiting import wait_until
+
+    run, port = tmp_path / "ext", free_port()
+    cmd = [sys.executable, "-m", "megatron_m2po.cli", "train", str(EXAMPLE), f"trainer.run_dir={run}", *COMMON,
+           "trainer.mode=async", "rollout.source=external", f"store.serve_port={port}", "trainer.eval_every_steps=0",
+           "checkpoint.save_every_steps=0"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "M2PO_STORE_TOKEN": "tok"}
+    env.pop("M2PO_FAULT", None)
+    log_path = tmp_path / "ext.log"
+    with open(log_path, "wb") as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        text = lambda: log_path.read_text(errors="replace")  # noqa: E731
+        gone = lambda: proc.poll() is not None and f"the trainer exited ({proc.returncode}):\n{text()[-3000:]}"  # noqa: E731
+        wait_until(lambda: "waiting for 4 groups for step 0" in text(), what="the trainer waiting for step 0",
+                   timeout=240, hopeless=gone)
+        StoreClient(f"http://127.0.0.1:{port}", "tok").put_groups(_external_groups("x0", PROMPTS))
+        wait_until(lambda: "waiting for 4 groups for step 1" in text(), what="the trainer waiting for step 1",
+                   timeout=120, hopeless=gone)
+        assert "external producers push to http://" in text()
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=120)  # a deadline on the exit, not a pause
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    log = text()
+    assert rc == 0, log[-4000:]
+    assert "stopped while waiting for the rollouts of step 1" in log
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step_000001"
+    assert _steps_logged(run, 0) == [0]
+
+    # The same command with a short deadline: resumes at step 1 and fails at the deadline, naming the wait.
+    r = subprocess.run([*cmd, "trainer.wait_timeout_s=3"], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode != 0
+    err = r.stdout + r.stderr
+    assert "resumed from" in err and "at step 1" in err, err[-3000:]
+    assert "step 1: no 4 servable groups within 3s (trainer.wait_timeout_s)" in err, err[-3000:]
+    assert "external producers push to http://" in err and "run the same command again to resume" in err
