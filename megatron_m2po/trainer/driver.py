@@ -213,6 +213,13 @@ class RolloutDriver:
         if fresh:
             cursor = {"store_id": self.store.store_id, "acked_through": 0, "unacked": [], "version": 0}
         replays = self.store.restore_cursor(cursor, strict=not fresh)
+        # Published weights of lost versions: a push of that version must write the re-run's
+        # weights, not reuse these (DiskWeightSync reuses a complete v<N>); producers must not load them.
+        import shutil
+        for d in self.sync_dir.glob("v*"):
+            n = d.name[1:].removesuffix(".tmp")
+            if n.isdigit() and int(n) > version:
+                shutil.rmtree(d, ignore_errors=True)
         retired = self.store.retire_ahead(version) if self.cfg.trainer.mode == "async" else []
         if replays or retired:
             log.info("restart from %s (version %d): %d recorded lease(s) will be replayed; %d unconsumed group(s) "
@@ -277,13 +284,38 @@ class RolloutDriver:
             return []
         if isinstance(self.weight_sync, DistributedWeightSync) and self.engine_version > 0:
             self.restart_dead_engines()
-            return self.fleet.pending_urls
-        restarted = self.fleet.check_and_restart()
-        if restarted:
-            log.warning("restarted %d engine(s): %s", len(restarted), ", ".join(restarted))
-            if isinstance(self.weight_sync, DistributedWeightSync):
-                self.weight_sync.invalidate()  # version 0: launched from the base model, groups lost
-        return []
+            pending = self.fleet.pending_urls
+        else:
+            pending = []
+            restarted = self.fleet.check_and_restart()
+            if restarted:
+                log.warning("restarted %d engine(s): %s", len(restarted), ", ".join(restarted))
+                if isinstance(self.weight_sync, DistributedWeightSync):
+                    self.weight_sync.invalidate()  # version 0: launched from the base model, groups lost
+        return pending + self._engines_off_version(set(pending))
+
+    def _engines_off_version(self, skip: set[str]) -> list[str]:
+        """Engines whose served weight version is not the one pushed last: restarted by someone
+        else (an external or router-discovered engine comes back with the base model), or kept
+        from a run that died (they hold weights the re-run does not have). Their tokens would be
+        tagged with versions the schedule does not expect; the trainer pushes to every engine."""
+        async def versions() -> list[str]:
+            out = []
+            for url in self.engine_urls:
+                if url in skip:
+                    out.append(str(self.engine_version))
+                    continue
+                async with SGLangClient(url, timeout_s=30.0, max_retries=2) as c:
+                    out.append(await c.weight_version())
+            return out
+        urls = self.engine_urls
+        got = self._bg.submit(versions()).result(timeout=120)
+        off = [(u, v) for u, v in zip(urls, got) if v != str(self.engine_version)]
+        if off:
+            log.warning("engine(s) %s serve weight version(s) %s, not version %d pushed last (restarted outside the "
+                        "trainer, or kept from a run that died): pushing the current weights to every engine",
+                        ", ".join(u for u, _ in off), ", ".join(v for _, v in off), self.engine_version)
+        return [u for u, _ in off]
 
     # ------------------------------------------------------------------ generation
     def _context(self, prefix: str, n_samples: Optional[int] = None, **meta) -> ProducerContext:

@@ -235,6 +235,8 @@ class Trainer:
 
         v, layout = self.actor.version, self.actor.stage_layout()
         t0 = time.perf_counter()
+        if self.lead and self.driver.fleet is not None and self.driver.fleet.engines:
+            fault_point("engine_dies", lambda: self.driver.fleet.engines[0].handle.proc.kill())
         for attempt in (1, 2):
             try:
                 push_from_stages(self.driver if self.lead else None, self.actor.iter_stage_hf_weights(), v,
@@ -430,7 +432,9 @@ class Trainer:
         if cfg.trainer.mode != "async":
             self._catch_up()
         if cfg.trainer.mode == "async":
-            if self.actor.version > 0:
+            # Engines kept from a run that died hold its weights: the async producer must not start on them.
+            off = self._from_rank0(lambda: self.driver.check_engines(), what="the engine check")
+            if self.actor.version > 0 or off:
                 self._push_weights()
             if self.lead:
                 self.driver.start_async()
@@ -453,6 +457,7 @@ class Trainer:
                 if self.lead:
                     self.lead.log_step(step, self.actor.version, metrics, per_update)
                 fault_point("step_end")  # logged, not yet checkpointed
+                fault_point("worker_dies")
                 done = step + 1
                 stop = any_rank(self._stop_requested)
                 every = cfg.checkpoint.save_every_steps

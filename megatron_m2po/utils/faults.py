@@ -15,14 +15,20 @@ Points (each a place where a real crash leaves partial state behind):
 * ``store_commit``      inside a store put: rows inserted, the transaction not committed
 * ``train_update``      after an optimizer update inside a step: the step's lease is open
 * ``evaluation``        during held-out evaluation
+* ``engine_dies``       just before a weight push, one engine's process is SIGKILLed (the
+                        trainer lives on: its push fails and is retried after a relaunch)
+* ``worker_dies``       a step trained and logged: this process alone is SIGKILLed (under
+                        torchrun, one worker of the group dies; ``--max-restarts`` restarts it)
 
 The kill is SIGKILL to the whole process group (the trainer, its engines, its router, its
-reward workers): what ``kill -9 -PGID`` or an OOM kill of the launcher does.
+reward workers): what ``kill -9 -PGID`` or an OOM kill of the launcher does; the last two points
+say what they kill instead.
 """
 
 from __future__ import annotations
 
 import logging
+from typing import Callable, Optional
 import os
 import signal
 import threading
@@ -30,7 +36,8 @@ import threading
 log = logging.getLogger(__name__)
 
 ENV = "M2PO_FAULT"
-POINTS = ("step_end", "checkpoint_write", "weight_push", "store_commit", "train_update", "evaluation")
+POINTS = ("step_end", "checkpoint_write", "weight_push", "store_commit", "train_update", "evaluation", "engine_dies",
+          "worker_dies")
 
 _hits: dict[str, int] = {}
 _lock = threading.Lock()
@@ -46,8 +53,9 @@ def _target() -> tuple[str, int] | None:
     return name, int(n or 1)
 
 
-def fault_point(name: str) -> None:
-    """SIGKILL this process group if ``$M2PO_FAULT`` names ``name`` and this is its n-th hit."""
+def fault_point(name: str, action: Optional[Callable[[], None]] = None) -> None:
+    """SIGKILL this process group if ``$M2PO_FAULT`` names ``name`` and this is its n-th hit
+    (``action()`` instead, when given: a fault the process survives)."""
     assert name in POINTS, name
     target = _target()
     if target is None or target[0] != name:
@@ -56,6 +64,13 @@ def fault_point(name: str) -> None:
         _hits[name] = _hits.get(name, 0) + 1
         if _hits[name] != target[1]:
             return
-    # stderr first: the test reads the log to know the kill happened where it asked.
+    # stderr first: the test reads the log to know the fault happened where it asked.
+    if action is not None:
+        os.write(2, f"m2po fault point {name}@{target[1]}\n".encode())
+        action()
+        return
+    if name == "worker_dies":
+        os.write(2, f"m2po fault point {name}@{target[1]}: SIGKILL to process {os.getpid()}\n".encode())
+        os.kill(os.getpid(), signal.SIGKILL)
     os.write(2, f"m2po fault point {name}@{target[1]}: SIGKILL to process group {os.getpgrp()}\n".encode())
     os.killpg(os.getpgrp(), signal.SIGKILL)

@@ -230,3 +230,88 @@ def test_sigterm_while_waiting_for_data_checkpoints_the_finished_steps_and_exits
     assert "resumed from" in err and "at step 1" in err, err[-3000:]
     assert "step 1: no 4 servable groups within 3s (trainer.wait_timeout_s)" in err, err[-3000:]
     assert "external producers push to http://" in err and "run the same command again to resume" in err
+
+
+# ----------------------------------------------------------------------------- engines
+
+def _check_stale_k_updates(run: Path, k: int) -> None:
+    ups = _updates(run)
+    assert sorted(ups) == list(range(1, STEPS * U + 1)), sorted(ups)
+    for u, m in ups.items():
+        s, j = divmod(u - 1, U)
+        assert m["staleness/min"] == m["staleness/max"] == expected_staleness(s, j, U, k), (u, m)
+
+
+def test_a_failed_weight_push_is_retried_after_the_dead_engine_is_relaunched(tmp_path):
+    """The trainer's own retry (``Trainer._push_weights``): the only engine is SIGKILLed just
+    before the second push; the push fails, the engine is relaunched, the push is repeated to it,
+    and the run goes on with the schedule's exact staleness."""
+    run = tmp_path / "push"
+    rc, log = _run(run, "stale_k", "engine_dies@2")
+    assert rc == 0, log[-5000:]
+    assert "m2po fault point engine_dies@2" in log
+    assert "restarted 1 engine(s)" in log and "pushing again to every engine" in log, log[-5000:]
+    _check_stale_k_updates(run, 2)
+    _check_store(run, "stale_k")
+
+
+def test_engines_restarted_outside_the_trainer_are_brought_to_its_version(tmp_path):
+    """External engines outlive the trainer. The run dies before its first checkpoint (its engines
+    keep the weights it pushed, which the re-run does not have), and one engine is restarted by
+    its operator (base weights). The same command then finds both off the version it pushed and
+    pushes its own weights to every engine before generating; without that, the re-run's
+    on-policy data came from the lost weights (tagged ahead of its version, refused by the store)."""
+    from megatron_m2po.rollout.launcher import EngineSpec, LocalLauncher
+    from megatron_m2po.utils.net import free_port
+    from megatron_m2po.utils.tiny_base import ensure_tiny_base
+    from waiting import wait_until
+
+    tiny_model_dir = str(ensure_tiny_base(os.path.expanduser("~/.cache/megatron_m2po/tiny_base"), progress=False))
+    launcher, handles, urls = LocalLauncher(), {}, []
+
+    def start(i: int, port: int) -> None:
+        spec = EngineSpec(i, "127.0.0.1", port, [sys.executable, "-m", "megatron_m2po.rollout.cpu_worker",
+                                                  "--model-path", tiny_model_dir, "--port", str(port),
+                                                  "--weight-version", "0"],
+                          {"OMP_NUM_THREADS": "1"}, tmp_path / f"engine_{i}_{len(handles)}.log")
+        handles[i] = launcher.launch(spec)
+        wait_until(lambda: _healthy(spec.url), what=f"engine {spec.url} healthy", timeout=120,
+                   hopeless=lambda: not handles[i].alive() and f"engine {i} exited; see {spec.log_path}")
+
+    try:
+        ports = [free_port(), free_port()]
+        for i, p in enumerate(ports):
+            start(i, p)
+            urls.append(f"http://127.0.0.1:{p}")
+        extra = ["rollout.launcher=external", f"rollout.external_addrs=[{','.join(urls)}]"]
+        run = tmp_path / "ext_engines"
+        MODES["sync_external"] = ["trainer.mode=sync", *extra]
+        try:
+            rc, log = _run(run, "sync_external", "step_end@2")
+            assert rc == -signal.SIGKILL, log[-3000:]
+            assert {_version(u) for u in urls} != {"0"}  # they kept the lost run's weights
+            handles[1].stop()  # the operator restarts engine 1: base weights, version 0
+            start(1, ports[1])
+            rc, log = _run(run, "sync_external", None)
+        finally:
+            MODES.pop("sync_external")
+        assert rc == 0, log[-5000:]
+        assert "not version 0 pushed last (restarted outside the trainer, or kept from a run that died)" in log
+        _check_stale_k_updates(run, 0)
+        _check_store(run, "sync")
+    finally:
+        for h in handles.values():
+            h.stop()
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return _version(url) is not None
+    except Exception:  # noqa: BLE001 - not listening yet
+        return False
+
+
+def _version(url: str) -> str:
+    import urllib.request
+    with urllib.request.urlopen(url + "/model_info", timeout=5) as r:
+        return str(json.loads(r.read())["weight_version"])
