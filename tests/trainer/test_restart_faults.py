@@ -256,11 +256,12 @@ def test_a_failed_weight_push_is_retried_after_the_dead_engine_is_relaunched(tmp
 
 
 def test_engines_restarted_outside_the_trainer_are_brought_to_its_version(tmp_path):
-    """External engines outlive the trainer. The run dies before its first checkpoint (its engines
-    keep the weights it pushed, which the re-run does not have), and one engine is restarted by
-    its operator (base weights). The same command then finds both off the version it pushed and
-    pushes its own weights to every engine before generating; without that, the re-run's
-    on-policy data came from the lost weights (tagged ahead of its version, refused by the store)."""
+    """External engines outlive the trainer. An async run dies before its first checkpoint (its
+    engines keep the weights it pushed, which the re-run does not have), and one engine is
+    restarted by its operator (base weights, version 0). The same command then finds engine 0 off
+    the version it pushed last and pushes its own weights to every engine before generating;
+    without that the re-run's producer samples with the lost weights, whose tokens carry a version
+    ahead of the re-run's and are refused by the store (the run fails)."""
     from megatron_m2po.rollout.launcher import EngineSpec, LocalLauncher
     from megatron_m2po.utils.net import free_port
     from megatron_m2po.utils.tiny_base import ensure_tiny_base
@@ -285,20 +286,21 @@ def test_engines_restarted_outside_the_trainer_are_brought_to_its_version(tmp_pa
             urls.append(f"http://127.0.0.1:{p}")
         extra = ["rollout.launcher=external", f"rollout.external_addrs=[{','.join(urls)}]"]
         run = tmp_path / "ext_engines"
-        MODES["sync_external"] = ["trainer.mode=sync", *extra]
+        MODES["async_external"] = ["trainer.mode=async", *extra]
         try:
-            rc, log = _run(run, "sync_external", "step_end@2")
+            rc, log = _run(run, "async_external", "step_end@2")
             assert rc == -signal.SIGKILL, log[-3000:]
             assert {_version(u) for u in urls} != {"0"}  # they kept the lost run's weights
             handles[1].stop()  # the operator restarts engine 1: base weights, version 0
             start(1, ports[1])
-            rc, log = _run(run, "sync_external", None)
+            rc, log = _run(run, "async_external", None)
         finally:
-            MODES.pop("sync_external")
+            MODES.pop("async_external")
         assert rc == 0, log[-5000:]
         assert "not version 0 pushed last (restarted outside the trainer, or kept from a run that died)" in log
-        _check_stale_k_updates(run, 0)
-        _check_store(run, "sync")
+        ups = _updates(run)
+        assert sorted(ups) == list(range(1, STEPS * U + 1)) and all(m["staleness/max"] <= 6 for m in ups.values())
+        _check_store(run, "async")
     finally:
         for h in handles.values():
             h.stop()
