@@ -18,7 +18,10 @@ Points (each a place where a real crash leaves partial state behind):
 * ``engine_dies``       just before a weight push, one engine's process is SIGKILLed (the
                         trainer lives on: its push fails and is retried after a relaunch)
 * ``worker_dies``       a step trained and logged: this process alone is SIGKILLed (under
-                        torchrun, one worker of the group dies; ``--max-restarts`` restarts it)
+                        torchrun, one worker of the group dies; ``--max-restarts`` restarts the
+                        group). Only global rank ``$M2PO_FAULT_RANK`` (default 0) and only in
+                        torchrun's first attempt (``TORCHELASTIC_RESTART_COUNT`` 0): the
+                        restarted group inherits the environment and must not die again.
 
 The kill is SIGKILL to the whole process group (the trainer, its engines, its router, its
 reward workers): what ``kill -9 -PGID`` or an OOM kill of the launcher does; the last two points
@@ -59,6 +62,9 @@ def fault_point(name: str, action: Optional[Callable[[], None]] = None) -> None:
     assert name in POINTS, name
     target = _target()
     if target is None or target[0] != name:
+        return
+    if name == "worker_dies" and (os.environ.get("RANK", "0") != os.environ.get("M2PO_FAULT_RANK", "0")
+                                  or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"):
         return
     with _lock:
         _hits[name] = _hits.get(name, 0) + 1
