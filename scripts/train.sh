@@ -44,6 +44,9 @@ NNODES=${NNODES:-1}
 NODE_RANK=${NODE_RANK:-0}
 MASTER_PORT=${MASTER_PORT:-29500}
 MAX_RESTARTS=${MAX_RESTARTS:-0}
+# torchrun restarts (below): workers get a fresh store per round, not the agent's shared one, on which a
+# restarted group reads the dead group's keys (gloo / NCCL peer addresses) and cannot connect (pytorch#135712).
+if [ "$MAX_RESTARTS" != 0 ]; then export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}; fi
 
 die() { echo "train.sh: $*" >&2; exit 2; }
 
