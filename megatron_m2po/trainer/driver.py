@@ -197,7 +197,7 @@ class RolloutDriver:
 
     # ------------------------------------------------------------------ restarts
     def rewind(self, cursor: Optional[dict], version: int) -> dict[str, int]:
-        """The store side of the restart rule (docs/design.md §5, "Restarts"); call once at start.
+        """The store side of the restart rule (docs/design.md §5b); call once at start.
 
         ``cursor`` is the resume checkpoint's store cursor, or None when the run starts from the
         base model (no checkpoint): then every lease ever recorded lies after the resume point.

@@ -25,7 +25,7 @@ dataset position) is written, and the process exits with code 0. A signal that a
 trainer waits for a step's rollouts ends the wait: the checkpoint is then of the steps finished
 before it. A second signal raises KeyboardInterrupt at once.
 
-Restarts (docs/design.md §5, "Restarts"): every start, with or without a checkpoint, rewinds
+Restarts (docs/design.md §5b): every start, with or without a checkpoint, rewinds
 the store to the resume point (:meth:`RolloutDriver.rewind`), so the same command always
 finishes, whatever point the previous run died at.
 """
@@ -168,7 +168,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
     def _resume(self) -> None:
-        """The restart rule (docs/design.md §5): resume from the newest complete checkpoint, or
+        """The restart rule (docs/design.md §5b): resume from the newest complete checkpoint, or
         from the base model when there is none, and rewind the store to that point either way."""
         # Rank 0 decides: every rank resumes from the same checkpoint.
         ckpt = self._from_rank0(lambda: latest_checkpoint(self.ckpt_dir), what="the checkpoint to resume from") \

@@ -1,6 +1,6 @@
 """Named fault points: the process SIGKILLs its own process group where a test says.
 
-The restart rule (docs/design.md §5, "Restarts") is tested by killing a run at each point of
+The restart rule (docs/design.md §5b) is tested by killing a run at each point of
 death it names and running the same command again. A kill timed from outside lands wherever
 the scheduler happens to be; a named point lands exactly where the rule says something can be
 half done. ``M2PO_FAULT=<point>@<n>`` (n >= 1, default 1) kills at the n-th time this process

@@ -1,4 +1,4 @@
-"""Kill the trainer at a named point, run the same command again: it finishes (docs/design.md §5, "Restarts").
+"""Kill the trainer at a named point, run the same command again: it finishes (docs/design.md §5b).
 
 For each mode the run is killed twice and then run to the end, always with the same command:
 
