@@ -222,8 +222,10 @@ class Trainer:
 
     def _prune_checkpoints(self) -> None:
         import shutil
-        kept = sorted(p for p in self.ckpt_dir.glob("step_*") if p.is_dir())
-        for p in kept[:-self.cfg.checkpoint.keep_last]:
+        done = sorted(p for p in self.ckpt_dir.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp"))
+        # A `.tmp` left by a write that was killed is never read; it must not count as a kept checkpoint.
+        stale = [p for p in self.ckpt_dir.glob("step_*.tmp") if p.is_dir()]
+        for p in done[:-self.cfg.checkpoint.keep_last] + stale:
             shutil.rmtree(p, ignore_errors=True)
 
     # ------------------------------------------------------------------ weights

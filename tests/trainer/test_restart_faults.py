@@ -130,6 +130,7 @@ def test_killed_anywhere_the_same_command_finishes(tmp_path, mode):
         steps = _steps_logged(run, offset)
         assert steps == list(range(STEPS - len(steps), STEPS)) and steps, (history, steps)
         _check_store(run, mode)
+        assert not list((run / "checkpoints").glob("*.tmp")), "a killed checkpoint write was left behind"
         ups = _updates(run)
         assert sorted(ups) == list(range(1, STEPS * U + 1)), (history, sorted(ups))
         for u, m in ups.items():
