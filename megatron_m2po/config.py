@@ -282,6 +282,9 @@ class TrainerConfig:
     run_dir: str = _f("runs/default", help="Output directory: metrics, checkpoints, store, weights.")
     eval_every_steps: int = _f(0, ge=0, help="Held-out evaluation every N steps (0 = off).")
     eval_samples: int = _f(1, ge=1, help="Samples per held-out problem (avg@k).")
+    wait_timeout_s: float = _f(3600.0, ge=1, help="Longest the trainer waits for data (a step's rollouts, a "
+                               "generation, an evaluation) before it fails with a message naming what it waited for; "
+                               "SIGINT / SIGTERM end such a wait at once.")
 
     @property
     def num_updates_per_step(self) -> int:

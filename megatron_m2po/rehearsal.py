@@ -316,6 +316,7 @@ class Rehearsal:
     say: Callable[[str], None] = print
     timeout_s: float = 900.0
     procs: list[_Proc] = field(default_factory=list)
+    kill: str = "node"  # "worker": one worker dies, torchrun --max-restarts restarts the group by itself
 
     @property
     def shared(self) -> Path:
@@ -352,13 +353,14 @@ class Rehearsal:
         """The recipe's engines are started by trainer rank 0 (``rollout.launcher=local``)."""
         return self.plan.cfg.rollout.launcher == "local"
 
-    def start_nodes(self, router: Optional[str], attempt: int) -> list[_Proc]:
+    def start_nodes(self, router: Optional[str], attempt: int, **extra_env: str) -> list[_Proc]:
         port = free_port()
         nodes = []
         for r in range(NODES):
             d = self.workdir / f"node{r}"
             env = self._env(NNODES=str(NODES), NODE_RANK=str(r), GPUS_PER_NODE=str(PROCS_PER_NODE),
-                            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **({"ROUTER_ADDR": router} if router else {}))
+                            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **({"ROUTER_ADDR": router} if router else {}),
+                            **extra_env)
             cmd = ["bash", str(self.scripts / "train.sh"), str(self.plan.config_path), *self.plan.args()]
             nodes.append(_Proc(f"node {r}", cmd, env, d, d / f"train_{attempt}.log"))
         self.procs += nodes
@@ -369,6 +371,8 @@ class Rehearsal:
         return p.read_text().strip() if p.is_file() else None
 
     def run(self) -> dict:
+        if self.kill == "worker":
+            return self.run_worker_kill()
         t0 = time.monotonic()
         plan = self.plan
         ck = f"step_{plan.kill_after:06d}"
@@ -433,6 +437,38 @@ class Rehearsal:
                 raise RehearsalError(f"{p}: not launched and initialised in each run (first run and resume):\n"
                                      f"{_tail(p)}")
 
+    def run_worker_kill(self) -> dict:
+        """torchrun's own restarts: the nodes run ``scripts/train.sh`` with ``MAX_RESTARTS=1``; global
+        rank 3 SIGKILLs itself (``M2PO_FAULT=worker_dies``) once the step after the checkpoint is
+        logged; torchrun restarts the group on both nodes, which resumes from that checkpoint and
+        finishes, with no relaunch by anyone."""
+        t0 = time.monotonic()
+        plan = self.plan
+        ck = f"step_{plan.kill_after:06d}"
+        try:
+            router = None if self.trainer_launches_engines else self.start_fleet()
+            nodes = self.start_nodes(router, 1, MAX_RESTARTS="1", M2PO_FAULT=f"worker_dies@{plan.kill_after + 1}",
+                                     M2PO_FAULT_RANK=str(NODES * PROCS_PER_NODE - 1))
+            self.say(f"nodes: {NODES} x {PROCS_PER_NODE} processes (scripts/train.sh MAX_RESTARTS=1: torchrun "
+                     f"--max-restarts 1, c10d rendezvous); rank {NODES * PROCS_PER_NODE - 1} SIGKILLs itself after step "
+                     f"{plan.kill_after + 1}, past the checkpoint {ck}")
+            for n in nodes:
+                _wait(lambda n=n: n.poll() is not None, f"{n.name} finishing", self.timeout_s,
+                      lambda: next((f"{m.name} exited with {m.poll()}; log {m.log}:\n{_tail(m.log)}" for m in nodes
+                                    if m.poll() not in (None, 0)), None))
+            logs = "\n".join(n.log.read_text(errors="replace") for n in nodes)
+            if "m2po fault point worker_dies" not in logs:
+                raise RehearsalError(f"no worker was killed (the run ended first?); logs {[str(n.log) for n in nodes]}")
+            if f"resumed from {self.ckpt_dir / ck}" not in logs:
+                raise RehearsalError(f"the restarted group did not report resuming from {ck}; logs "
+                                     f"{[str(n.log) for n in nodes]}")
+            self.say(f"a worker died after step {plan.kill_after + 1}; torchrun restarted the group, which resumed "
+                     f"from {ck} and finished ({time.monotonic() - t0:.0f} s)")
+            return self.summary(ck, time.monotonic() - t0)
+        finally:
+            for p in reversed(self.procs):
+                p.stop()
+
     def summary(self, resumed_from: Optional[str], seconds: float) -> dict:
         plan = self.plan
         U = plan.cfg.trainer.num_updates_per_step
@@ -469,6 +505,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--steps", type=int, default=8, help="total steps (default 8)")
     ap.add_argument("--kill-after", type=int, default=4, help="checkpoint after this step, then SIGKILL node 1")
     ap.add_argument("--timeout", type=float, default=900.0, help="bound on each phase, seconds")
+    ap.add_argument("--kill", choices=("node", "worker"), default="node",
+                    help="node: SIGKILL node 1 after the checkpoint, then relaunch both nodes; worker: one worker "
+                         "SIGKILLs itself after it, torchrun (MAX_RESTARTS=1) restarts the group by itself")
     a = ap.parse_intermixed_args(argv)
     if not 0 < a.kill_after < a.steps:
         ap.error(f"--kill-after={a.kill_after} must be between 0 and --steps={a.steps}")
@@ -502,7 +541,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                 f"dtype={p.cfg.model.dtype} loss={p.cfg.algo.loss} launcher={p.cfg.rollout.launcher} "
                 f"weight_sync={p.cfg.rollout.weight_sync}")
         print(f"  kept: {kept}")
-        out = Rehearsal(p, workdir, model_dir, router_port, scripts, timeout_s=a.timeout).run()
+        out = Rehearsal(p, workdir, model_dir, router_port, scripts, timeout_s=a.timeout, kill=a.kill).run()
     except (RehearsalError, ValueError) as e:
         print(f"rehearsal FAILED {recipe}: {e}", file=sys.stderr)
         return 1
@@ -511,7 +550,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     engines = ("engines=trainer-launched" if p.cfg.rollout.launcher == "local"
                else "engines=launch_sglang_fleet.sh")
     print(f"rehearsal ok {recipe} steps={out['steps']} updates={out['updates']} nodes={NODES}x{PROCS_PER_NODE} "
-          f"{kept} resumed_from={out['resumed_from']} (node 1 SIGKILLed after it) "
+          f"{kept} resumed_from={out['resumed_from']} "
+          f"({'node 1 SIGKILLed after it' if a.kill == 'node' else 'a worker SIGKILLed, torchrun restarted the group'}) "
           f"staleness={out['staleness_min']}..{out['staleness_max']} ({p.stale_k_note}) "
           f"{engines} time={time.monotonic() - t0:.0f}s")
     return 0

@@ -10,7 +10,10 @@
 # Environment (defaults): NNODES (1), NODE_RANK (0), MASTER_ADDR (127.0.0.1; required when
 # NNODES > 1), MASTER_PORT (29500), GPUS_PER_NODE (trainer processes per node: all visible GPUs,
 # 1 without a GPU), PYTHON (the repo's .venv python if present, else python3), TORCHRUN (torchrun
-# next to PYTHON, else `torchrun`). Convenience overrides, appended after the arguments (so they
+# next to PYTHON, else `torchrun`), MAX_RESTARTS (0: torchrun restarts the group of workers up to
+# this many times after a worker dies, each restart resuming from the last checkpoint by itself;
+# above 0 the nodes meet through torchrun's c10d rendezvous at MASTER_ADDR:MASTER_PORT, which a
+# restart needs: the static one cannot re-form the group). Convenience overrides, appended after the arguments (so they
 # win): MODEL_PATH -> model.hf_path, DATA_TRAIN -> data.train, ROUTER_ADDR -> rollout.router_addr,
 # RUN_DIR -> trainer.run_dir. Arguments starting with "-" go to `m2po train` only; the config file
 # and key=value overrides also go to `m2po config` / `m2po plan` in --dry-run.
@@ -43,6 +46,10 @@ fi
 NNODES=${NNODES:-1}
 NODE_RANK=${NODE_RANK:-0}
 MASTER_PORT=${MASTER_PORT:-29500}
+MAX_RESTARTS=${MAX_RESTARTS:-0}
+# torchrun restarts (below): workers get a fresh store per round, not the agent's shared one, on which a
+# restarted group reads the dead group's keys (gloo / NCCL peer addresses) and cannot connect (pytorch#135712).
+if [ "$MAX_RESTARTS" != 0 ]; then export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}; fi
 
 die() { echo "train.sh: $*" >&2; exit 2; }
 
@@ -53,7 +60,7 @@ if [ -n "${IFNAME:-}" ]; then
   export NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-$IFNAME}
   export GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-$IFNAME}
 fi
-for v in NNODES NODE_RANK MASTER_PORT GPUS_PER_NODE; do
+for v in NNODES NODE_RANK MASTER_PORT GPUS_PER_NODE MAX_RESTARTS; do
   [[ "${!v}" =~ ^[0-9]+$ ]] || die "$v=${!v} must be a non-negative integer"
 done
 [ "$NNODES" -ge 1 ] || die "NNODES=$NNODES must be >= 1"
@@ -92,9 +99,15 @@ if [ -z "${MASTER_ADDR:-}" ]; then
 fi
 
 torchrun_cmd() {  # $1 = node rank
-  local cmd=("$TORCHRUN" --nnodes "$NNODES" --node-rank "$1" --nproc-per-node "$GPUS_PER_NODE"
-             --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT"
-             -m megatron_m2po.cli train)
+  local cmd=("$TORCHRUN" --nnodes "$NNODES" --node-rank "$1" --nproc-per-node "$GPUS_PER_NODE")
+  if [ "$MAX_RESTARTS" -gt 0 ]; then
+    # torchrun's fault-tolerant launch (its docs): a c10d rendezvous re-forms the group after a worker dies.
+    cmd+=(--max-restarts "$MAX_RESTARTS" --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT"
+          --rdzv-id "${RDZV_ID:-m2po-$MASTER_PORT}")
+  else
+    cmd+=(--master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT")
+  fi
+  cmd+=(-m megatron_m2po.cli train)
   printf '%s\n' "${cmd[@]}" ${train_args[@]+"${train_args[@]}"}
 }
 

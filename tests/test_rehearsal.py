@@ -42,6 +42,32 @@ def test_qwen25_32b_recipe_rehearsal(tmp_path):
     assert not (work / "node0" / "runs").exists() and not (work / "node1" / "runs").exists()
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_torchrun_restarts_the_group_after_a_worker_dies(tmp_path):
+    """``--kill worker``: the nodes run scripts/train.sh with MAX_RESTARTS=1 (torchrun --max-restarts,
+    c10d rendezvous); global rank 3 SIGKILLs itself after step 3, past the step-2 checkpoint, and
+    torchrun restarts both nodes' workers, which resume from it and finish with nobody relaunching
+    anything. Without a fresh store per round (TORCH_DISABLE_SHARE_RDZV_TCP_STORE, set by train.sh)
+    the restarted workers read the dead group's peer addresses and fail ("Gloo connectFullMesh
+    failed ... Connection refused")."""
+    work = tmp_path / "rehearsal"
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    for k in ("MODEL_PATH", "DATA_TRAIN", "ROUTER_ADDR", "RUN_DIR", "MAX_RESTARTS", "M2PO_FAULT"):
+        env.pop(k, None)
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "run_qwen2.5_32b.sh"), "--rehearse", "--workdir", str(work),
+                           "--steps", "4", "--kill-after", "2", "--kill", "worker"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=850)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-6000:]
+    last = proc.stdout.strip().splitlines()[-1]
+    assert last.startswith("rehearsal ok qwen2.5-32b steps=4 updates=16 nodes=2x2"), last
+    assert "resumed_from=step_000002 (a worker SIGKILLed, torchrun restarted the group)" in last, last
+    logs = "".join(p.read_text(errors="replace") for p in work.glob("node*/train_1.log"))
+    assert "m2po fault point worker_dies@3: SIGKILL to process" in logs
+    assert logs.count("INFO megatron_m2po.trainer.loop: resumed from") == 1  # rank 0 of the restarted group
+
+
 def test_rehearsal_plan_keeps_the_recipe_and_names_each_substitution(tmp_path):
     for name, family, pp in (("qwen2.5-32b", "qwen2", 2), ("qwen3-32b", "qwen3", 2), ("qwen3-8b", "qwen3", 1),
                              ("qwen2.5-math-7b", "qwen2", 1)):

@@ -31,6 +31,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron_m2po.utils.faults import fault_point
+
 __all__ = ["save_checkpoint", "load_checkpoint", "resolve_checkpoint", "latest_checkpoint", "LATEST"]
 
 LATEST = "latest"
@@ -102,6 +104,7 @@ def save_checkpoint(actor, path: str, extra_state: dict[str, Any]) -> None:
                 "pipeline_parallel": actor.pp_size, "hf_path": actor.cfg.model.hf_path}
         (tmp / "actor.json").write_text(json.dumps(meta, indent=1))
         (tmp / "extra_state.json").write_text(extra_json)
+    fault_point("checkpoint_write")  # <name>.tmp complete, not renamed: a crash here keeps the previous `latest`
     dist.barrier()
     if rank == 0:
         if final.exists():

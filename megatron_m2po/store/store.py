@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Iterable, Literal, Mapping, Optional, Union
 from megatron_m2po.store import sqlite as db
 from megatron_m2po.store.codec import group_digest
 from megatron_m2po.store.types import Group
+from megatron_m2po.utils.faults import fault_point
 
 if TYPE_CHECKING:
     from megatron_m2po.config import StoreConfig
@@ -356,6 +357,7 @@ class RolloutStore:
                 res.stored.append(g.group_id)
                 if pending:
                     res.pending.append(g.group_id)
+            fault_point("store_commit")  # rows inserted, transaction open: a kill here must store nothing
         self._lat.append(time.time() - t0)
         self._lat = self._lat[-10000:]
         self._ingest["puts"] += 1
@@ -670,11 +672,13 @@ class RolloutStore:
             "SELECT lease_id FROM leases WHERE (lease_id>? OR lease_id IN (%s)) AND state IN ('open','acked','replay')"
             % (",".join("?" * len(state["unacked"])) or "NULL"), (last, *[int(x) for x in state["unacked"]]))}
 
-    def restore_cursor(self, state: Mapping) -> int:
+    def restore_cursor(self, state: Mapping, *, strict: bool = True) -> int:
         """Rewind consumption to ``state``; the leases after it are served again, identically.
 
         The recorded weight version goes back to the one saved in the cursor (the resumed trainer
         republishes its versions from there). Returns the number of leases recorded for replay.
+        ``strict=False`` (a run restarted from the base model, whose config may have changed): a
+        request that differs from the next recorded lease releases that lease instead of raising.
         """
         with self._lock:
             self._claim()
@@ -687,11 +691,25 @@ class RolloutStore:
                         raise ValueError(f"cannot restore: group {gid!r} consumed by lease {lid} after the cursor was "
                                          "pruned; prune_consumed() must only get cursors of checkpoints you keep")
                     c.execute("UPDATE groups SET state='leased' WHERE lease_id=? AND state='consumed'", (lid,))
-                    c.execute("UPDATE leases SET state='replay', replay_reason='restore', acked_at=NULL "
-                              "WHERE lease_id=?", (lid,))
+                    c.execute("UPDATE leases SET state='replay', replay_reason=?, acked_at=NULL "
+                              "WHERE lease_id=?", ("restore" if strict else "restart", lid))
                 if state.get("version") is not None:
                     db.set_meta(c, "current_version", str(int(state["version"])))
         return len(ids)
+
+    def has_replay(self) -> bool:
+        """Whether a lease recorded for replay waits to be asked for again."""
+        with self._lock:
+            self._claim()
+            return self._conn.execute("SELECT 1 FROM leases WHERE state='replay' LIMIT 1").fetchone() is not None
+
+    def count_available(self, *, generated_at: Optional[int] = None) -> int:
+        """Available groups (generated at exactly ``generated_at`` when given)."""
+        q, args = "SELECT COUNT(*) FROM groups WHERE state='available'", ()
+        if generated_at is not None:
+            q, args = q + " AND gen_version=?", (generated_at,)
+        with self._lock:
+            return int(self._conn.execute(q, args).fetchone()[0])
 
     def discard_replay(self) -> int:
         """Drop leases recorded for replay; their groups become available. Returns how many."""

@@ -35,8 +35,33 @@ from megatron_m2po.rollout.weight_sync import DiskWeightSync, DistributedWeightS
 from megatron_m2po.store.store import NotReadyError, RolloutStore, bounded
 from megatron_m2po.store.types import Group
 from megatron_m2po.utils.background_loop import BackgroundLoop
+from megatron_m2po.utils.faults import fault_point
 
 log = logging.getLogger(__name__)
+
+_POLL_S = 0.5  # how often a wait looks at the stop request and its deadline
+_FIRST_NOTE_S, _NOTE_EVERY_S = 5.0, 60.0  # a wait says what it waits for after 5 s, then every minute
+
+
+class _WaitNotes:
+    """The log lines of one wait: what it waits for, how long so far, what to do."""
+
+    def __init__(self, what: str, hint: str, timeout_s: float):
+        self.what, self.hint, self.timeout_s = what, hint, timeout_s
+        self.t0 = time.monotonic()
+        self.next = self.t0 + _FIRST_NOTE_S
+
+    def tick(self, detail: str = "") -> None:
+        now = time.monotonic()
+        if now >= self.next:
+            self.next = now + _NOTE_EVERY_S
+            log.warning("waiting for %s%s (%.0fs of trainer.wait_timeout_s=%.0f): %s; SIGINT / SIGTERM stops the run "
+                        "(checkpointing the finished steps)", self.what, f" ({detail})" if detail else "",
+                        now - self.t0, self.timeout_s, self.hint)
+
+
+class StopRequested(Exception):
+    """A wait for data ended because the trainer was asked to stop (SIGINT / SIGTERM)."""
 
 
 class RolloutDriver:
@@ -58,6 +83,8 @@ class RolloutDriver:
         self._gen_lock: Optional[asyncio.Lock] = None  # steps are generated one after another
         self._async_stop = threading.Event()
         self._async_future: Optional[concurrent.futures.Future] = None
+        # Set by the trainer's signal handler: waits for data return at once (StopRequested).
+        self.stop_event = threading.Event()
         self.gen_seconds = 0.0
         self.external = cfg.rollout.source == "external"
         self.fleet: Optional[EngineFleet] = None
@@ -199,6 +226,38 @@ class RolloutDriver:
             except Exception as e:  # noqa: BLE001
                 log.warning("shutdown: %s failed: %s", getattr(closer, "__qualname__", closer), e)
 
+    # ------------------------------------------------------------------ restarts
+    def rewind(self, cursor: Optional[dict], version: int) -> dict[str, int]:
+        """The store side of the restart rule (docs/design.md §5b); call once at start.
+
+        ``cursor`` is the resume checkpoint's store cursor, or None when the run starts from the
+        base model (no checkpoint): then every lease ever recorded lies after the resume point.
+        Consumption recorded after the resume point is rewound and replayed identically to the
+        re-run's requests (a run without a checkpoint may ask differently: an unmatched recorded
+        lease is then released instead of raising). In async mode (engines or external producers)
+        unconsumed groups with tokens newer than ``version`` were made by weights that no longer
+        exist and are retired (counted in the store's metrics); sync / stale_k groups are kept:
+        their ids and versions are the schedule's, which the re-run reaches again by the same
+        updates on the same data, and they are reused with their true versions.
+        """
+        fresh = cursor is None
+        if fresh:
+            cursor = {"store_id": self.store.store_id, "acked_through": 0, "unacked": [], "version": 0}
+        replays = self.store.restore_cursor(cursor, strict=not fresh)
+        # Published weights of lost versions: a push of that version must write the re-run's
+        # weights, not reuse these (DiskWeightSync reuses a complete v<N>); producers must not load them.
+        import shutil
+        for d in self.sync_dir.glob("v*"):
+            n = d.name[1:].removesuffix(".tmp")
+            if n.isdigit() and int(n) > version:
+                shutil.rmtree(d, ignore_errors=True)
+        retired = self.store.retire_ahead(version) if self.cfg.trainer.mode == "async" else []
+        if replays or retired:
+            log.info("restart from %s (version %d): %d recorded lease(s) will be replayed; %d unconsumed group(s) "
+                     "made by weights newer than version %d retired", "the base model" if fresh else "a checkpoint",
+                     version, replays, len(retired), version)
+        return {"replays": replays, "retired": len(retired)}
+
     # ------------------------------------------------------------------ weights
     def push_weights(self, weights: Iterable, version: int) -> float:
         """Push ``weights`` ((hf_name, tensor) iterator of the whole model) from this process to every
@@ -229,6 +288,7 @@ class RolloutDriver:
 
     def finish(self, plan: PushPlan, results: list):
         """Rank 0's end of a push: engines at the new version; relaunched engines rejoin the router."""
+        fault_point("weight_push")  # the store records plan.version; the engines do not hold it yet
         try:
             stats = self.weight_sync.finish(plan, results)
         finally:
@@ -265,13 +325,38 @@ class RolloutDriver:
             return []
         if isinstance(self.weight_sync, DistributedWeightSync) and self.engine_version > 0:
             self.restart_dead_engines()
-            return self.fleet.pending_urls
-        restarted = self.fleet.check_and_restart()
-        if restarted:
-            log.warning("restarted %d engine(s): %s", len(restarted), ", ".join(restarted))
-            if isinstance(self.weight_sync, DistributedWeightSync):
-                self.weight_sync.invalidate()  # version 0: launched from the base model, groups lost
-        return []
+            pending = self.fleet.pending_urls
+        else:
+            pending = []
+            restarted = self.fleet.check_and_restart()
+            if restarted:
+                log.warning("restarted %d engine(s): %s", len(restarted), ", ".join(restarted))
+                if isinstance(self.weight_sync, DistributedWeightSync):
+                    self.weight_sync.invalidate()  # version 0: launched from the base model, groups lost
+        return pending + self._engines_off_version(set(pending))
+
+    def _engines_off_version(self, skip: set[str]) -> list[str]:
+        """Engines whose served weight version is not the one pushed last: restarted by someone
+        else (an external or router-discovered engine comes back with the base model), or kept
+        from a run that died (they hold weights the re-run does not have). Their tokens would be
+        tagged with versions the schedule does not expect; the trainer pushes to every engine."""
+        async def versions() -> list[str]:
+            out = []
+            for url in self.engine_urls:
+                if url in skip:
+                    out.append(str(self.engine_version))
+                    continue
+                async with SGLangClient(url, timeout_s=30.0, max_retries=2) as c:
+                    out.append(await c.weight_version())
+            return out
+        urls = self.engine_urls
+        got = self._bg.submit(versions()).result(timeout=120)
+        off = [(u, v) for u, v in zip(urls, got) if v != str(self.engine_version)]
+        if off:
+            log.warning("engine(s) %s serve weight version(s) %s, not version %d pushed last (restarted outside the "
+                        "trainer, or kept from a run that died): pushing the current weights to every engine",
+                        ", ".join(u for u, _ in off), ", ".join(v for _, v in off), self.engine_version)
+        return [u for u, _ in off]
 
     # ------------------------------------------------------------------ generation
     def _context(self, prefix: str, n_samples: Optional[int] = None, **meta) -> ProducerContext:
@@ -321,7 +406,7 @@ class RolloutDriver:
         fut = self._bg.submit(self._generate_and_store(*plan))
         self._inflight.append(fut)
         if not background:
-            fut.result()
+            self._wait(fut, f"the on-policy rollouts of step {step}", interruptible=True)
         return fut
 
     def generate_step_groups(self, step: int) -> list[Group]:
@@ -333,7 +418,7 @@ class RolloutDriver:
         plan = self._plan_step(step)
         if plan is None:
             return []
-        return self._bg.submit(self._generate(*plan)).result()
+        return self._wait(self._bg.submit(self._generate(*plan)), f"the rollouts of step {step}", interruptible=True)
 
     def put_groups(self, groups: list[Group]) -> None:
         if groups:
@@ -368,16 +453,49 @@ class RolloutDriver:
             fixed.append(Group(gid, g.trajectories))
         return fixed
 
-    def wait_generation(self) -> None:
-        """Block until every submitted generation is stored; re-raises its error."""
+    def wait_generation(self, *, interruptible: bool = False) -> None:
+        """Block until every submitted generation is stored; re-raises its error. Bounded by
+        ``trainer.wait_timeout_s``; ``interruptible``: a stop request ends it (StopRequested)."""
         while self._inflight:
-            f = self._inflight.pop(0)
-            f.result()
+            self._wait(self._inflight[0], "the generation of scheduled rollouts", interruptible=interruptible)
+            self._inflight.pop(0)
 
-    def take_step(self, step: int, version: int, generated_at: int, *, timeout_s: float = 3600.0) -> tuple[list[Group], Any]:
-        """Lease the groups of ``step`` (generated at ``generated_at``); returns (groups, lease)."""
-        n = self.cfg.trainer.prompts_per_step
+    def generation_idle(self) -> bool:
+        """No scheduled generation is in flight (every one submitted is stored or failed)."""
+        return all(f.done() for f in self._inflight)
+
+    def _wait(self, fut: concurrent.futures.Future, what: str, *, interruptible: bool):
+        """``fut.result()`` within ``trainer.wait_timeout_s``, the stop request looked at every
+        ``_POLL_S`` when ``interruptible``."""
+        timeout_s = self.cfg.trainer.wait_timeout_s
         deadline = time.monotonic() + timeout_s
+        notes = _WaitNotes(what, f"the engines generate it (logs in {self.cfg.trainer.run_dir}/engines)", timeout_s)
+        while True:
+            try:
+                return fut.result(timeout=_POLL_S)
+            except concurrent.futures.TimeoutError:
+                notes.tick()
+            if interruptible and self.stop_event.is_set():
+                raise StopRequested(f"stopped while waiting for {what}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"waited {timeout_s:.0f}s (trainer.wait_timeout_s) for {what}, which did not finish: check the "
+                    f"engine logs in {self.cfg.trainer.run_dir}/engines and their load; raise trainer.wait_timeout_s "
+                    "if generation is just slow. Run the same command again to resume")
+
+    def take_step(self, step: int, version: int, generated_at: int, *,
+                  timeout_s: Optional[float] = None) -> tuple[list[Group], Any]:
+        """Lease the groups of ``step`` (generated at ``generated_at``); returns (groups, lease).
+
+        Waits at most ``timeout_s`` (default ``trainer.wait_timeout_s``); a stop request ends the
+        wait (StopRequested). It fails at once when the groups can never come: a quarantined
+        group of the step, or no generation in flight and the step's groups not all stored."""
+        n = self.cfg.trainer.prompts_per_step
+        timeout_s = self.cfg.trainer.wait_timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
+        notes = _WaitNotes(f"the {n} groups of step {step} generated at version {generated_at}",
+                           f"they are generated in the background (engine logs in {self.cfg.trainer.run_dir}/engines)",
+                           timeout_s)
         while True:
             self._raise_failed()
             try:
@@ -385,6 +503,8 @@ class RolloutDriver:
                                                step=step, timeout_s=1.0)
                 break
             except NotReadyError:
+                if self.stop_event.is_set():
+                    raise StopRequested(f"stopped while waiting for the rollouts of step {step}") from None
                 # A group of this step that failed the store's integrity check can never be
                 # served, and regenerating it now would sample at another version than the
                 # exact stale-k schedule says: stop at once instead of waiting for the timeout.
@@ -396,12 +516,36 @@ class RolloutDriver:
                         "cannot serve the step without them. Restore the store from a backup (`m2po store backup` "
                         "makes one while the run is live) and run the same command again to resume, or resume "
                         "with a new trainer.run_dir") from None
+                notes.tick(f"{self.store.count_available(generated_at=generated_at)} available")
+                if self.generation_idle() and self._async_future is None:
+                    self._raise_failed()
+                    if self.generation_idle() and not self._can_serve(step, generated_at):
+                        raise RuntimeError(self._never_message(step, generated_at)) from None
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"step {step}: rollouts generated at version {generated_at} did not arrive "
-                                       f"within {timeout_s:.0f}s; check the engine logs in {self.cfg.trainer.run_dir}"
+                                       f"within {timeout_s:.0f}s (trainer.wait_timeout_s); check the engine logs in "
+                                       f"{self.cfg.trainer.run_dir}/engines; run the same command again to resume"
                                        ) from None
         self._check_step_groups(lease.groups, step)
         return lease.groups, lease
+
+    def _can_serve(self, step: int, generated_at: int) -> bool:
+        """Whether the store can still serve ``step`` without more generation."""
+        n = self.cfg.trainer.prompts_per_step
+        if self.store.has_replay():
+            return True  # a recorded lease is served first; the request is compared with it there
+        return self.store.count_available(generated_at=generated_at) >= n
+
+    def _never_message(self, step: int, generated_at: int) -> str:
+        n = self.cfg.trainer.prompts_per_step
+        gids = [f"s{step:06d}-g{i:05d}" for i in range(n)]
+        have = len(self.store.existing_group_ids(gids))
+        return (f"step {step}: waiting for {n} groups generated at version {generated_at}, but no generation is in "
+                f"flight and the store holds {self.store.count_available(generated_at=generated_at)} available "
+                f"(of this step's groups {have}/{n} are stored, counts {self.store.counts()}): they can never come. "
+                f"The store in {self.store.path} holds consumption this run did not record (a run_dir reused by "
+                "another run, or a store restored from elsewhere?): use a new trainer.run_dir, or restore the store "
+                "from the backup that matches the checkpoint")
 
     def _check_step_groups(self, groups: list[Group], step: int) -> None:
         bad = [g.group_id for g in groups if not g.group_id.startswith(f"s{step:06d}-")]
@@ -456,19 +600,31 @@ class RolloutDriver:
                 log.warning("async producer stopped with: %s", e)
             self._async_future = None
 
-    def take_async(self, step: int, version: int, *, timeout_s: float = 3600.0) -> tuple[list[Group], Any]:
+    def take_async(self, step: int, version: int, *, timeout_s: Optional[float] = None) -> tuple[list[Group], Any]:
+        """Lease a step's groups under ``store.max_staleness``; waits at most ``timeout_s`` (default
+        ``trainer.wait_timeout_s``), a stop request ends the wait (StopRequested)."""
         s = self.cfg.store
         policy = bounded(s.max_staleness, s.order, s.retire_overage)
+        timeout_s = self.cfg.trainer.wait_timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout_s
+        who = (f"external producers push to {getattr(self, 'ingest_url', '?')}/v1/groups" if self.external
+               else f"the engines generate them (logs in {self.cfg.trainer.run_dir}/engines)")
+        notes = _WaitNotes(f"{self.cfg.trainer.prompts_per_step} groups for step {step} within "
+                           f"store.max_staleness={s.max_staleness} of version {version}", who, timeout_s)
         while True:
             self._raise_failed()
             try:
                 lease = self.store.lease(policy, n_groups=self.cfg.trainer.prompts_per_step, current_version=version,
                                          step=step, timeout_s=1.0)
                 return lease.groups, lease
-            except NotReadyError:
+            except NotReadyError as e:
+                if self.stop_event.is_set():
+                    raise StopRequested(f"stopped while waiting for the rollouts of step {step}") from None
+                notes.tick(str(e))
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"step {step}: no rollouts within {timeout_s:.0f}s; check the engines") from None
+                    raise RuntimeError(f"step {step}: no {self.cfg.trainer.prompts_per_step} servable groups within "
+                                       f"{timeout_s:.0f}s (trainer.wait_timeout_s): {e}; check that {who}; run the "
+                                       "same command again to resume") from None
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, step: int) -> dict[str, float]:
@@ -478,7 +634,9 @@ class RolloutDriver:
         k = self.cfg.trainer.eval_samples
         for name, items in self.eval_sets.items():
             ctx = self._context(f"eval-{name}-{step}", n_samples=k)
-            groups = self._bg.submit(self.producer(ctx, items)).result()
+            groups = self._wait(self._bg.submit(self.producer(ctx, items)), f"the evaluation on {name!r}",
+                                interruptible=True)
+            fault_point("evaluation")
             rewards = [float(t.reward) for g in groups for t in g.trajectories]
             correct = sum(r >= self.cfg.reward.correct for r in rewards)
             out[f"eval/{name}/acc"] = correct / max(1, len(rewards))

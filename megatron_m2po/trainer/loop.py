@@ -21,7 +21,13 @@ Updates are run one optimizer mini-batch at a time so that a generation event th
 inside a step (``k`` not a multiple of ``U``) happens at exactly the right version.
 
 SIGINT / SIGTERM: the current step finishes, a checkpoint (actor, optimizer, RNG, store cursor,
-dataset position) is written, and the process exits with code 0.
+dataset position) is written, and the process exits with code 0. A signal that arrives while the
+trainer waits for a step's rollouts ends the wait: the checkpoint is then of the steps finished
+before it. A second signal raises KeyboardInterrupt at once.
+
+Restarts (docs/design.md §5b): every start, with or without a checkpoint, rewinds
+the store to the resume point (:meth:`RolloutDriver.rewind`), so the same command always
+finishes, whatever point the previous run died at.
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ from megatron_m2po.trainer.batching import groups_to_batch, rollout_metrics, tra
 from megatron_m2po.trainer.rank0 import any_rank, check_shared_run_dir, from_rank0, scatter_from_rank0
 from megatron_m2po.trainer.schedule import events_at, generation_version
 from megatron_m2po.trainer.token_dump import TokenDump
+from megatron_m2po.utils.faults import fault_point
 from megatron_m2po.utils.hf_dir import resolve_model_path
 
 log = logging.getLogger(__name__)
@@ -91,6 +98,10 @@ class _Lead:
                 log.warning("shutdown: %s", e)
 
 
+class _Stopped:
+    """What rank 0 shares instead of a step's data when a stop request ended its wait."""
+
+
 class Trainer:
     """One training run over all ranks."""
 
@@ -131,6 +142,11 @@ class Trainer:
         # step count up to which every generation event happened at its scheduled version.
         self._caught_up: dict[int, int] = {}
         self._scheduled_through = cfg.trainer.num_steps
+        # Rank 0: a stop request ended a wait for data in this step; the dataset position at the
+        # step's start, before its generation events drew prompts (a checkpoint of the finished
+        # steps must not record those draws: the resumed step repeats them).
+        self._wait_stopped = False
+        self._boundary_dataset: Optional[dict] = None
 
     def _from_rank0(self, fn: Callable[[], T], what: str = "rank 0's result") -> T:
         """``fn()`` evaluated on global rank 0 only; every rank gets its result, waiting without
@@ -143,35 +159,46 @@ class Trainer:
             if self._stop_requested:
                 raise KeyboardInterrupt
             self._stop_requested = True
-            log.warning("received %s: finishing the current step, then checkpointing and exiting",
-                        signal.Signals(signum).name)
+            if self.driver is not None:
+                self.driver.stop_event.set()  # a wait for data ends at once
+            log.warning("received %s: finishing the current step (or ending the wait for its data), then "
+                        "checkpointing and exiting", signal.Signals(signum).name)
         for s in (signal.SIGINT, signal.SIGTERM):
             signal.signal(s, handler)
 
     # ------------------------------------------------------------------ checkpoints
     def _resume(self) -> None:
+        """The restart rule (docs/design.md §5b): resume from the newest complete checkpoint, or
+        from the base model when there is none, and rewind the store to that point either way."""
         # Rank 0 decides: every rank resumes from the same checkpoint.
         ckpt = self._from_rank0(lambda: latest_checkpoint(self.ckpt_dir), what="the checkpoint to resume from") \
             if self.cfg.checkpoint.resume else None
-        if ckpt is None:
-            return
-        extra = self.actor.load_checkpoint(str(ckpt))
-        self.start_step = int(extra["step"])
-        # Checkpoints without these predate _catch_up: their run scheduled every step it trains.
-        self._scheduled_through = int(extra.get("scheduled_through", self.cfg.trainer.num_steps))
-        self._caught_up = {int(s): int(v) for s, v in extra.get("caught_up", [])}
+        extra = None
+        if ckpt is not None:
+            extra = self.actor.load_checkpoint(str(ckpt))
+            self.start_step = int(extra["step"])
+            # Checkpoints without these predate _catch_up: their run scheduled every step it trains.
+            self._scheduled_through = int(extra.get("scheduled_through", self.cfg.trainer.num_steps))
+            self._caught_up = {int(s): int(v) for s, v in extra.get("caught_up", [])}
         if self.lead:
             d = self.driver
-            d.dataset.load_state_dict(extra["dataset"])
-            replays = d.store.restore_cursor(extra["store_cursor"])
-            log.info("resumed from %s at step %d (version %d); %d lease(s) will be replayed", ckpt,
-                     self.start_step, self.actor.version, replays)
+            if extra is not None:
+                d.dataset.load_state_dict(extra["dataset"])
+            # A run that died before its first checkpoint (or during its write) left leases and, in
+            # async mode, groups of weights that are gone: rewound here as after a checkpoint.
+            r = d.rewind(extra["store_cursor"] if extra is not None else None, self.actor.version)
+            if ckpt is not None:
+                log.info("resumed from %s at step %d (version %d); %d lease(s) will be replayed, %d group(s) "
+                         "retired", ckpt, self.start_step, self.actor.version, r["replays"], r["retired"])
         # Fresh engines start from the base model (version 0).
         self.engines_version = 0
 
-    def _save(self, step: int) -> None:
-        """Checkpoint after ``step`` steps (all ranks); the actor's checkpoint moves ``latest``."""
-        extra = self._from_rank0(lambda: self._rollout_state(step))
+    def _save(self, step: int, *, at_boundary: bool = False) -> None:
+        """Checkpoint after ``step`` steps (all ranks); the actor's checkpoint moves ``latest``.
+
+        ``at_boundary``: step ``step`` began (its generation events ran) but a stop request ended
+        its wait for data; the checkpoint records the dataset position from before those events."""
+        extra = self._from_rank0(lambda: self._rollout_state(step, at_boundary=at_boundary))
         name = f"step_{step:06d}"
         t0 = time.perf_counter()
         self.actor.save_checkpoint(str(self.ckpt_dir / name), extra)
@@ -179,18 +206,26 @@ class Trainer:
             self._prune_checkpoints()
             log.info("checkpoint %s written in %.1fs", name, time.perf_counter() - t0)
 
-    def _rollout_state(self, step: int) -> dict:
+    def _rollout_state(self, step: int, at_boundary: bool = False) -> dict:
         """Rank 0: what a resume needs besides the actor (dataset position, store cursor)."""
-        self.driver.wait_generation()
-        return {"step": step, "dataset": self.driver.dataset.state_dict(),
+        dataset = self.driver.dataset.state_dict()
+        if at_boundary and self.cfg.trainer.mode != "async":
+            # Generation started at the step's version may still be in flight: the resumed step
+            # re-draws the same prompts and generates what is missing at that same version.
+            dataset = self._boundary_dataset
+        else:
+            self.driver.wait_generation()
+        return {"step": step, "dataset": dataset,
                 "store_cursor": self.driver.store.cursor_state(), "mode": self.cfg.trainer.mode, "stale_k": self.k,
                 "scheduled_through": self.cfg.trainer.num_steps,
                 "caught_up": sorted(self._caught_up.items())}
 
     def _prune_checkpoints(self) -> None:
         import shutil
-        kept = sorted(p for p in self.ckpt_dir.glob("step_*") if p.is_dir())
-        for p in kept[:-self.cfg.checkpoint.keep_last]:
+        done = sorted(p for p in self.ckpt_dir.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp"))
+        # A `.tmp` left by a write that was killed is never read; it must not count as a kept checkpoint.
+        stale = [p for p in self.ckpt_dir.glob("step_*.tmp") if p.is_dir()]
+        for p in done[:-self.cfg.checkpoint.keep_last] + stale:
             shutil.rmtree(p, ignore_errors=True)
 
     # ------------------------------------------------------------------ weights
@@ -202,6 +237,8 @@ class Trainer:
 
         v, layout = self.actor.version, self.actor.stage_layout()
         t0 = time.perf_counter()
+        if self.lead and self.driver.fleet is not None and self.driver.fleet.engines:
+            fault_point("engine_dies", lambda: self.driver.fleet.engines[0].handle.proc.kill())
         for attempt in (1, 2):
             try:
                 push_from_stages(self.driver if self.lead else None, self.actor.iter_stage_hf_weights(), v,
@@ -246,8 +283,9 @@ class Trainer:
         self._generate_steps(missing, v)
 
     def _generate_steps(self, steps: list[int], version: int) -> dict[str, float]:
-        """Generate the rollouts of ``steps`` with the weights of ``version`` (all ranks)."""
-        if not steps:
+        """Generate the rollouts of ``steps`` with the weights of ``version`` (all ranks). A stop
+        request that ends a wait for them marks the step stopped (:meth:`_fetch_step`)."""
+        if not steps or self._wait_stopped:
             return {}
         out = {}
         if self.engines_version != version:
@@ -256,8 +294,11 @@ class Trainer:
             # The trainer's own log-probs of the generated tokens at this version: every rank
             # takes part, so generation is synchronous here.
             for s in steps:
-                groups = self._from_rank0(lambda step=s: self.driver.generate_step_groups(step),
+                groups = self._from_rank0(lambda step=s: self._stoppable(lambda: self.driver.generate_step_groups(step)),
                                           what=f"the generation of step {s}")
+                if isinstance(groups, _Stopped):
+                    self._wait_stopped = True
+                    return out
                 self._recompute_behaviour(groups)
                 if self.lead:
                     self.driver.put_groups(groups)
@@ -265,8 +306,20 @@ class Trainer:
         if self.lead:
             # On-policy data is needed right away; stale data overlaps with training.
             for s in steps:
-                self.driver.generate_for_step(s, background=self.k > 0)
+                if isinstance(self._stoppable(lambda step=s: self.driver.generate_for_step(step, background=self.k > 0)),
+                              _Stopped):
+                    self._wait_stopped = True  # rank 0 only: the step's lease shares it with every rank
+                    break
         return out
+
+    def _stoppable(self, fn: Callable[[], T]) -> T | _Stopped:
+        """Rank 0: ``fn()``, or a :class:`_Stopped` marker when a stop request ended its wait."""
+        from megatron_m2po.trainer.driver import StopRequested
+        try:
+            return fn()
+        except StopRequested as e:
+            log.warning("%s", e)
+            return _Stopped()
 
     def _recompute_behaviour(self, groups: list) -> None:
         """All ranks (same ``groups``): the trainer's log-probs of freshly generated groups."""
@@ -284,15 +337,18 @@ class Trainer:
             return self.driver.take_async(step, u)
         return self.driver.take_step(step, u, self._caught_up.get(step, generation_version(step, self.U, self.k)))
 
-    def _fetch_step(self, step: int) -> tuple[list[ShardedBatch], Any, dict]:
+    def _fetch_step(self, step: int) -> Optional[tuple[list[ShardedBatch], Any, dict]]:
         """Rank 0 leases the step's groups and splits them into optimizer mini-batches; every rank
         receives, per mini-batch, the global plan (sizes and versions) and the samples of its own
         data-parallel shard only (``actor.shards``), not the whole step. Returns those, the lease
-        (rank 0) and the rollout metrics."""
+        (rank 0) and the rollout metrics; None on every rank when a stop request ended the wait."""
         leased: dict[str, Any] = {}
 
         def lease() -> list:
-            groups, leased["lease"] = self._lease(step)
+            got = _Stopped() if self._wait_stopped else self._stoppable(lambda: self._lease(step))
+            if isinstance(got, _Stopped):
+                return [(None, got)] * len(self._dp_of)
+            groups, leased["lease"] = got
             meta = rollout_metrics(groups, correct_reward=self.cfg.reward.correct)
             batch = groups_to_batch(groups, advantage=self.cfg.algo.advantage, adv_eps=self.cfg.algo.adv_eps,
                                     use_recomputed=self.cfg.algo.recompute_behav_logprobs)
@@ -306,16 +362,24 @@ class Trainer:
                     for dp in self._dp_of]
 
         meta, minibatches = scatter_from_rank0(lease, what=f"the rollouts of step {step}")
+        if isinstance(minibatches, _Stopped):
+            return None
         self._full_minibatches = leased.get("full")  # rank 0 only: the whole mini-batches (token dumps)
         return minibatches, leased.get("lease"), meta
 
-    def _train_step(self, step: int) -> tuple[dict[str, float], list[dict[str, float]]]:
+    def _train_step(self, step: int) -> Optional[tuple[dict[str, float], list[dict[str, float]]]]:
+        """One step (all ranks); None when a stop request ended the wait for its data."""
         t0 = time.perf_counter()
         extra: dict[str, float] = {}
         mode = self.cfg.trainer.mode
+        if self.lead:
+            self._boundary_dataset = self.driver.dataset.state_dict()
         if mode != "async":
             extra.update(self._generation_events(self.actor.version))
-        minibatches, lease, rollout = self._fetch_step(step)
+        fetched = self._fetch_step(step)
+        if fetched is None:
+            return None
+        minibatches, lease, rollout = fetched
         per_update = []
         ages, age_counts = [], []
         dump = self.token_dump if self.token_dump is not None and self.token_dump.wants(step) else None
@@ -332,6 +396,7 @@ class Trainer:
             update = self.actor.version
             m = self.actor.train_update(mb)
             per_update.append(m)
+            fault_point("train_update")  # the step's lease is open, its updates half done
             if dump:  # rank 0 assembles the dump from the whole mini-batch it leased
                 dump.end_update(self._full_minibatches[j] if self.lead else None, update, first_sample)
             first_sample += len(mb.plan.lengths)
@@ -369,7 +434,9 @@ class Trainer:
         if cfg.trainer.mode != "async":
             self._catch_up()
         if cfg.trainer.mode == "async":
-            if self.actor.version > 0:
+            # Engines kept from a run that died hold its weights: the async producer must not start on them.
+            off = self._from_rank0(lambda: self.driver.check_engines(), what="the engine check")
+            if self.actor.version > 0 or off:
                 self._push_weights()
             if self.lead:
                 self.driver.start_async()
@@ -379,11 +446,20 @@ class Trainer:
                 # Relaunched engines that wait for weights (distributed sync) get them now.
                 if self._from_rank0(lambda: self.driver.check_engines(), what="the engine check"):
                     self._push_weights()
-                metrics, per_update = self._train_step(step)
+                trained = self._train_step(step)
+                if trained is None:  # a stop request ended the wait for this step's data
+                    if step > self.start_step:
+                        self._save(step, at_boundary=True)
+                    log.warning("stopped while waiting for the data of step %d, after %d finished step(s); resume "
+                                "with the same command", step, step)
+                    return 0
+                metrics, per_update = trained
                 if cfg.trainer.eval_every_steps and (step + 1) % cfg.trainer.eval_every_steps == 0:
                     metrics.update(self._evaluate(step + 1))
                 if self.lead:
                     self.lead.log_step(step, self.actor.version, metrics, per_update)
+                fault_point("step_end")  # logged, not yet checkpointed
+                fault_point("worker_dies")
                 done = step + 1
                 stop = any_rank(self._stop_requested)
                 every = cfg.checkpoint.save_every_steps
@@ -404,7 +480,8 @@ class Trainer:
     def _evaluate(self, step: int) -> dict[str, float]:
         if self.engines_version != self.actor.version:
             self._push_weights()
-        return self._from_rank0(lambda: self.driver.evaluate(step))
+        out = self._from_rank0(lambda: self._stoppable(lambda: self.driver.evaluate(step)), what="the evaluation")
+        return {} if isinstance(out, _Stopped) else out  # stopped: the step's checkpoint comes first
 
     def close(self) -> None:
         """Shut the rollout side and the actor down, then destroy the process group (if ours)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import sqlite3
+import threading
 
 import numpy as np
 import pytest
@@ -264,6 +265,7 @@ def test_trainer_step_with_a_quarantined_group_fails_at_once_naming_it(tmp_path)
     # The real take_step over a real store; only the engines and producers it does not use are absent.
     driver = object.__new__(RolloutDriver)
     driver.cfg, driver.store, driver._inflight, driver._async_future = cfg, store, [], None
+    driver.stop_event = threading.Event()
     try:
         with pytest.raises(RuntimeError) as e:
             driver.take_step(3, version=4, generated_at=0, timeout_s=600)
