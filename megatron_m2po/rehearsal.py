@@ -360,7 +360,9 @@ class Rehearsal:
             d = self.workdir / f"node{r}"
             env = self._env(NNODES=str(NODES), NODE_RANK=str(r), GPUS_PER_NODE=str(PROCS_PER_NODE),
                             MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **({"ROUTER_ADDR": router} if router else {}),
-                            **extra_env)
+                            # the node-kill run checks that node 0 stops by itself (no torchrun restarts,
+                            # whatever the recipe's default); the worker-kill run asks for restarts
+                            **{"MAX_RESTARTS": "0", **extra_env})
             cmd = ["bash", str(self.scripts / "train.sh"), str(self.plan.config_path), *self.plan.args()]
             nodes.append(_Proc(f"node {r}", cmd, env, d, d / f"train_{attempt}.log"))
         self.procs += nodes

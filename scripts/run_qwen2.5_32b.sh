@@ -6,9 +6,11 @@
 # then on every training node r = 0..3:
 #   NODE_RANK=r MASTER_ADDR=<node0> ROUTER_ADDR=http://<rollout-node>:29999 MODEL_PATH=/models/X \
 #     DATA_TRAIN=/data/train.parquet scripts/run_qwen2.5_32b.sh [--dry-run | --rehearse] [key=value ...]
-# Environment defaults: NNODES=4 GPUS_PER_NODE=8; everything else as in scripts/train.sh.
+# Environment defaults: MAX_RESTARTS=2 NNODES=4 GPUS_PER_NODE=8; everything else as in scripts/train.sh.
 set -euo pipefail
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 REPO=$(dirname "$HERE")
 export NNODES=${NNODES:-4} GPUS_PER_NODE=${GPUS_PER_NODE:-8}
+# A crashed worker restarts the group, which resumes from its last checkpoint (torchrun --max-restarts).
+export MAX_RESTARTS=${MAX_RESTARTS:-2}
 exec "$HERE/train.sh" "$REPO/examples/qwen2.5-32b.yaml" "$@"

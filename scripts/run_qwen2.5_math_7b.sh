@@ -2,9 +2,11 @@
 # Recipe: Qwen2.5-Math-7B, one 8-GPU node: GPUs 0-3 train, 4-7 run the engines.
 # Config: examples/qwen2.5-math-7b.yaml (the paper's hyper-parameters, staleness 256; see its header).
 #   MODEL_PATH=/models/X DATA_TRAIN=/data/train.parquet scripts/run_qwen2.5_math_7b.sh [--dry-run | --rehearse] [key=value ...]
-# Environment defaults: NNODES=1 GPUS_PER_NODE=4; everything else as in scripts/train.sh.
+# Environment defaults: MAX_RESTARTS=2 NNODES=1 GPUS_PER_NODE=4; everything else as in scripts/train.sh.
 set -euo pipefail
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 REPO=$(dirname "$HERE")
 export NNODES=${NNODES:-1} GPUS_PER_NODE=${GPUS_PER_NODE:-4}
+# A crashed worker restarts the group, which resumes from its last checkpoint (torchrun --max-restarts).
+export MAX_RESTARTS=${MAX_RESTARTS:-2}
 exec "$HERE/train.sh" "$REPO/examples/qwen2.5-math-7b.yaml" "$@"

@@ -55,10 +55,16 @@ def test_recipe_dry_run_prints_config_commands_and_plan(script, nnodes, gpn, mod
         assert argv[0].endswith("torchrun")
         i = argv.index
         assert argv[i("--nnodes") + 1] == str(nnodes) and argv[i("--node-rank") + 1] == str(rank)
-        assert argv[i("--nproc-per-node") + 1] == str(gpn) and argv[i("--master-addr") + 1] == "10.0.0.1"
+        assert argv[i("--nproc-per-node") + 1] == str(gpn)
+        # recipes restart a failed worker group by themselves: torchrun --max-restarts over a c10d rendezvous
+        assert argv[i("--max-restarts") + 1] == "2" and argv[i("--rdzv-backend") + 1] == "c10d"
+        assert argv[i("--rdzv-endpoint") + 1] == "10.0.0.1:29500"
         assert argv[-4:-2] == ["megatron_m2po.cli", "train"]
         assert argv[-2].endswith(f"examples/{model}.yaml") and argv[-1] == "trainer.num_steps=7"
     assert model in out and "OK: worst stage" in out
+    r = sh(script, "--dry-run", MASTER_ADDR="10.0.0.1", MAX_RESTARTS="0")  # restarts off: a static rendezvous
+    argv = shlex.split([ln for ln in r.stdout.splitlines() if ln.startswith("node ")][0].split(": ", 1)[1])
+    assert "--max-restarts" not in argv and argv[argv.index("--master-addr") + 1] == "10.0.0.1"
 
 
 def test_dry_run_rejects_impossible_layout_and_bad_keys():
@@ -81,8 +87,9 @@ def test_exec_line_is_exact(tmp_path):
            ROUTER_ADDR="http://r:29999")
     assert r.returncode == 0, r.stderr
     argv = log.read_text().splitlines()
-    assert argv == ["--nnodes", "2", "--node-rank", "1", "--nproc-per-node", "8", "--master-addr", "node0",
-                    "--master-port", "6000", "-m", "megatron_m2po.cli", "train",
+    assert argv == ["--nnodes", "2", "--node-rank", "1", "--nproc-per-node", "8", "--max-restarts", "2",
+                    "--rdzv-backend", "c10d", "--rdzv-endpoint", "node0:6000", "--rdzv-id", "m2po-6000",
+                    "-m", "megatron_m2po.cli", "train",
                     str(REPO / "examples/qwen2.5-32b.yaml"), "parallel.recompute=selective", "--resume-from=ckpt",
                     "model.hf_path=/m/Qwen2.5-32B", "rollout.router_addr=http://r:29999"]
 
