@@ -56,7 +56,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from megatron_m2po.algo.m2_mask import m2po_mask
+from megatron_m2po.algo.m2_mask import DELTA_CLAMP, m2po_mask, trust_region
 from megatron_m2po.algo.metrics import Metric
 from megatron_m2po.algo.loss_settings import CISPOConfig, GRPOConfig, GSPOConfig, M2POConfig
 
@@ -108,6 +108,13 @@ class LossSpec:
       mini-batch on every DP x CP rank, which needs a forward-only pre-pass at the current weights
       before the first backward -- or ``"microbatch"`` (per micro-batch, per rank).
     * ``needs_seq_index``: the objective needs whole sequences and their ids (GSPO).
+    * ``provisional_keep``: optional ``fn(delta, advantages, loss_mask, *, hint, settings) -> keep``,
+      a guess of the global mask from one micro-batch's own log-ratios and ``hint`` (the previous
+      update's reduced metrics, or None). A spec that has it declares its objective *linear in
+      keep* (``obj_i = keep_i * f_i``, ``f_i`` independent of the mask), which is what makes the
+      actor's ``algo.m2po.mask_strategy=correct`` exact: forward-backward with the guess, then the
+      exact global mask, then a forward-backward of ``keep_exact - keep_guess`` (+1 / -1 per token)
+      on the sequences where they differ. The guess only decides how much is recomputed.
     """
 
     name: str
@@ -116,6 +123,7 @@ class LossSpec:
     token_mask: Optional[MaskFn] = None
     mask_scope: Callable[[Any], str] = lambda settings: "global"
     needs_seq_index: bool = False
+    provisional_keep: Optional[Callable[..., torch.Tensor]] = None
 
     def needs_global_mask_prepass(self, settings: Any) -> bool:
         """Whether the trainer must run the forward-only pre-pass and call ``token_mask`` over the
@@ -131,8 +139,8 @@ LOSSES: dict[str, LossSpec] = {}
 
 
 def register_loss(name: str, *, settings: Optional[type] = None, token_mask: Optional[MaskFn] = None,
-                  mask_scope: Optional[Callable[[Any], str]] = None, needs_seq_index: bool = False
-                  ) -> Callable[[LossFn], LossFn]:
+                  mask_scope: Optional[Callable[[Any], str]] = None, needs_seq_index: bool = False,
+                  provisional_keep: Optional[Callable[..., torch.Tensor]] = None) -> Callable[[LossFn], LossFn]:
     """Decorator adding ``fn(inputs: LossInputs, settings) -> (obj, metrics)`` to the registry.
 
     A plugin module (listed in ``algo.plugins``) calls it at import time::
@@ -156,7 +164,8 @@ def register_loss(name: str, *, settings: Optional[type] = None, token_mask: Opt
         if prev is not None and _ident(prev.objective) != _ident(fn):
             raise ValueError(f"register_loss: {name!r} is already registered (by {prev.objective.__module__}."
                              f"{prev.objective.__qualname__})")
-        LOSSES[name] = LossSpec(name, fn, settings, token_mask, mask_scope or (lambda s: "global"), needs_seq_index)
+        LOSSES[name] = LossSpec(name, fn, settings, token_mask, mask_scope or (lambda s: "global"), needs_seq_index,
+                                provisional_keep)
         return fn
 
     return deco
@@ -230,7 +239,21 @@ def _m2po_scope(settings: M2POConfig) -> str:
     return settings.scope
 
 
-@register_loss("m2po", settings=M2POConfig, token_mask=_m2po_mask, mask_scope=_m2po_scope)
+def _m2po_provisional_keep(delta: torch.Tensor, advantages: torch.Tensor, loss_mask: torch.Tensor, *, hint,
+                           settings: M2POConfig) -> torch.Tensor:
+    """The previous update's cut applied to this micro-batch: mask the trust-region tokens whose
+    (log r)^2 exceeds the previous update's largest kept value; keep all when it masked nothing
+    (or there is no previous update). The weights moved by one update since, so the cut moved
+    little; a wrong guess costs recomputation, never exactness."""
+    valid = loss_mask.to(torch.bool)
+    if not hint or not hint.get("m2po/mask_frac", 0.0) > 0.0:
+        return valid.clone()
+    d = torch.where(valid, delta.detach().to(torch.float64), 0.0).clamp(-DELTA_CLAMP, DELTA_CLAMP)
+    return valid & ~(trust_region(d, advantages, valid) & (d.square() > float(hint["m2po/threshold_value"])))
+
+
+@register_loss("m2po", settings=M2POConfig, token_mask=_m2po_mask, mask_scope=_m2po_scope,
+               provisional_keep=_m2po_provisional_keep)
 def _m2po(x: LossInputs, cfg) -> Objective:
     if x.keep is None:
         raise ValueError("loss 'm2po' needs keep= (the mask from algo.m2_mask.m2po_mask over the mini-batch)")

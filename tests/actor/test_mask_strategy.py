@@ -1,0 +1,170 @@
+"""``algo.m2po.mask_strategy=correct`` (actor/mask_correction.py) gives the update of the pre-pass
+strategy: metrics, the global mask (decided by the literal Algorithm 1 reference), the per-token
+dump, gradients and the weights after the optimizer step, when the provisional mask is wrong in
+every micro-batch, right everywhere, and when nothing is masked; at TP=1, TP=2 + SP, PP=2 and DP=2
+packed. Plus the strategy choice of ``auto`` and the refusals."""
+
+import os
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import actor_testlib as lib
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "algo"))
+import m2_reference as ref  # noqa: E402  (tests/algo: the literal Algorithm 1)
+from megatron_m2po.utils.dist_testing import run_distributed
+
+TAU = 0.02
+LR = 1e-3  # actor_testlib's default
+
+
+def _hf_dir(root):
+    d = os.path.join(root, "qwen3_mask")
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        lib.make_tiny_hf("qwen3", d, seed=21)
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+    return d
+
+
+def _state(actor):
+    """{local parameter name: (weights after the step, the update's gradient)} of this rank (both
+    strategies run the same layout, so each rank compares its own shard)."""
+    return {f"{c}.{name}": (p.detach().float().clone().numpy(), p.main_grad.detach().clone().numpy())
+            for c, chunk in enumerate(actor.model) for name, p in chunk.named_parameters()}
+
+
+def _gather(obj):
+    objs = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(objs, obj)
+    return objs
+
+
+# The provisional mask of each update of the "correct" run: None = keep all (wrong wherever the
+# exact mask masks: every micro-batch here), "exact" = the pre-pass run's cut of that update (right
+# everywhere), "all" = mask every trust-region token (wrong in every micro-batch, the other way).
+HINTS = (None, "exact", "all", None)
+
+
+def _run(rank, world_size, root, layouts):
+    from megatron_m2po.actor.actor import ActorConfig, MegatronActor
+    from megatron_m2po.actor.batch import RolloutBatch
+
+    d = _hf_dir(root)
+    out = []
+    for tp, pp, o in layouts:
+        runs = {}
+        for strategy in ("prepass", "correct"):
+            cfg = lib.actor_config(d, tp=tp, pp=pp, mbs=o.get("mbs", 2))
+            cfg.parallel.sequence_parallel = o.get("sp", False)
+            cfg.parallel.packing = o.get("packing", False)
+            cfg.parallel.max_tokens_per_microbatch = o.get("max_tokens")
+            cfg.model.dtype = o.get("dtype", "float32")
+            cfg.algo.m2po.threshold = TAU
+            cfg.algo.m2po.mask_strategy = strategy
+            actor = MegatronActor.from_config(ActorConfig.from_config(cfg, total_updates=100))
+            samples = lib.make_samples(12, seed=22)
+            lps = actor.compute_logprobs(RolloutBatch(samples))
+            rng = np.random.default_rng(3)
+            for s, lp in zip(samples, lps):
+                s.behav_logprobs = (lp + 0.5 * rng.standard_normal(lp.shape)).astype(np.float32)
+            tokens: list = []
+
+            def hook(mb, logp, ent, keep, tokens=tokens):
+                if actor.tp_rank == 0:
+                    tokens.append((mb.token_index.tolist(), logp.float().tolist(), ent.float().tolist(),
+                                   mb.behav_logprobs.tolist(), mb.advantages.tolist(), mb.loss_mask.tolist(),
+                                   keep.tolist()))
+
+            actor.token_hook = hook
+            minis = RolloutBatch(samples).split(len(HINTS))
+            per_update = []
+            for u, mini in enumerate(minis):
+                if strategy == "correct":
+                    h = HINTS[u]
+                    actor._mask_hint = (None if h is None else runs["prepass"]["metrics"][u] if h == "exact"
+                                        else {"m2po/mask_frac": 1.0, "m2po/threshold_value": 0.0})
+                if u == len(HINTS) - 1:  # nothing masked: the mini-batch's M2 is under the threshold
+                    actor.cfg.algo.m2po.threshold = 100.0
+                tokens.clear()
+                m = actor.train_update(mini)
+                per_update.append((m, actor._last_strategy, _state(actor), sum(_gather(list(tokens)), [])))
+                actor.cfg.algo.m2po.threshold = TAU
+            actor.close()
+            runs[strategy] = {"metrics": [p[0] for p in per_update], "updates": per_update}
+        out.append(((tp, pp, tuple(sorted(o.items()))), runs))
+    return out
+
+
+def _check(results):
+    for layout, runs in results:
+        a, b = runs["prepass"], runs["correct"]
+        fp32 = dict(layout[2]).get("dtype", "float32") == "float32"
+        tol = dict(rel=1e-5, abs=1e-7) if fp32 else dict(rel=2e-2, abs=1e-4)
+        tiny: dict = {}
+        for u, ((ma, sa, ga, ta), (mb, sb, gb, tb)) in enumerate(zip(a["updates"], b["updates"])):
+            assert (sa, sb) == ("prepass", "correct"), (layout, u)
+            assert set(ma) == set(mb), (layout, u, set(ma) ^ set(mb))
+            for k in ma:
+                if k.startswith("mask/"):
+                    continue  # what the guess cost: differs by design
+                assert mb[k] == pytest.approx(ma[k], **tol), (layout, u, k, ma[k], mb[k])
+            assert mb["mask/correct"] == 1.0 and ma["mask/correct"] == 0.0
+            frac = mb["mask/corrected_microbatch_frac"]
+            if HINTS[u] is None and u < len(HINTS) - 1:
+                assert ma["m2po/mask_frac"] > 0 and frac == 1.0, (layout, u, ma["m2po/mask_frac"], frac)
+            elif HINTS[u] == "all":
+                assert frac == 1.0, (layout, u, frac)
+            else:  # a right guess, or nothing masked: no correction at all
+                assert mb["mask/correction_token_frac"] == 0.0, (layout, u, mb)
+            if u == len(HINTS) - 1:
+                assert ma["m2po/mask_frac"] == 0.0
+            # Gradients: the same up to rounding of the masked tokens' contributions, which the
+            # correction subtracts (or adds) in another forward (the layout tests' tolerance).
+            # Weights: where the gradient is ~0, Adam turns that rounding (up to ~3e-8 here) into a
+            # step of up to lr (lr |g| / (|g| + eps)), so such coordinates may differ by up to lr
+            # per update; every other one stays within the layout tests' 5e-5.
+            assert set(ga) == set(gb), layout
+            for name, (wa, g_a) in ga.items():
+                wb, g_b = gb[name]
+                np.testing.assert_allclose(g_b, g_a, rtol=1e-4 if fp32 else 5e-2, atol=1e-6 if fp32 else 1e-5,
+                                           err_msg=f"{layout} {u} grad {name}")
+                tiny[name] = tiny.get(name, np.zeros(g_a.shape, bool)) | (np.abs(g_a) < 1e-6)
+                bound = np.where(tiny[name], LR * (u + 1), 5e-5 if fp32 else 1e-2)
+                assert (np.abs(wb - wa) <= bound).all(), (layout, u, name, float(np.abs(wb - wa).max()))
+            # the per-token dump: same tokens, same values, the exact mask
+            da = {r[0]: r[1:] for t in ta for r in zip(*t)}
+            db = {r[0]: r[1:] for t in tb for r in zip(*t)}
+            assert set(da) == set(db) and len(da) > 10, layout
+            for i in da:
+                assert da[i][5] == db[i][5], (layout, u, i)  # keep
+                np.testing.assert_allclose(db[i][:2], da[i][:2], rtol=0, atol=1e-5 if fp32 else 5e-2)
+            # the literal Algorithm 1 reference decides every token (on the correct run's log-ratios)
+            if u < len(HINTS) - 1:
+                idx = sorted(db)
+                delta = (torch.tensor([db[i][0] for i in idx]) - torch.tensor([db[i][2] for i in idx])).clamp(-20, 20)
+                adv = [db[i][3] for i in idx]
+                valid = [bool(db[i][4]) for i in idx]
+                keep = ref.remove_rule(delta, adv, valid, TAU, order_key=idx)["keep"].tolist()
+                assert [bool(db[i][5]) for i in idx] == [bool(k) for k in keep], (layout, u)
+
+
+def test_correct_equals_prepass_one_process(tmp_path):
+    """TP=1, padded micro-batches of 2 and packed with a token budget."""
+    res = run_distributed(_run, 1, args=(str(tmp_path), [(1, 1, {}), (1, 1, {"packing": True, "max_tokens": 40})]),
+                          timeout_s=240)[0]
+    _check(res)
+
+
+@pytest.mark.multiproc
+def test_correct_equals_prepass_at_every_layout(tmp_path):
+    """TP=2 + SP (fp32 and bf16), PP=2 (1F1B; the cuts broadcast to the first stage) and DP=2
+    packed with a token budget (each replica corrects its own shard, one grad sync)."""
+    res = run_distributed(_run, 2, args=(str(tmp_path), [
+        (2, 1, {"sp": True}), (1, 2, {}), (1, 1, {"packing": True, "max_tokens": 40}),
+        (2, 1, {"sp": True, "dtype": "bfloat16"})]), timeout_s=480)
+    for rank_res in res:
+        _check(rank_res)
