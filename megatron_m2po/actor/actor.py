@@ -22,7 +22,11 @@ One optimizer update (``_update``), docs/design.md §3:
    counted twice), ordered by the canonical token index (sample order in the mini-batch, then
    position). Other losses skip the pre-pass (their policy metrics come from the training
    forward, which runs at the same weights). The actor never branches on a loss name: it asks
-   the registered :class:`~megatron_m2po.algo.losses.LossSpec`.
+   the registered :class:`~megatron_m2po.algo.losses.LossSpec`. With
+   ``algo.m2po.mask_strategy=correct`` (or ``auto`` choosing it) there is no pre-pass: step 2 runs
+   with the spec's provisional mask, then ``_correct_mask`` takes the exact mask from that
+   forward's log-ratios and forward-backwards the difference on the changed sequences only, and
+   the grad finaliser runs once after both (``actor/mask_correction.py``).
 2. forward-backward over the micro-batches with the mask fixed (``_policy_loss``; metrics in
    ``_update_metrics``). The loss of a micro-batch is
    ``sum(...) / N`` with ``N`` the response-token count (``loss_mask``) of the whole mini-batch.

@@ -32,7 +32,9 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
 import random
+import sys
 import time
 
 import numpy as np
@@ -79,24 +81,6 @@ def _sample_minibatches(hf_dir: str, n: int, args, seed: int):
     return out
 
 
-def _snapshot(actor):
-    return ([p.detach().clone() for m in actor.model for p in m.parameters()],
-            copy.deepcopy(actor.optimizer.state_dict()), copy.deepcopy(actor.scheduler.state_dict()),
-            actor.version, copy.deepcopy(actor._mask_hint))
-
-
-def _restore(actor, snap):
-    import torch
-
-    params, opt, sched, version, hint = snap
-    with torch.no_grad():
-        for p, v in zip((p for m in actor.model for p in m.parameters()), params):
-            p.copy_(v)
-    actor.optimizer.load_state_dict(copy.deepcopy(opt))
-    actor.scheduler.load_state_dict(copy.deepcopy(sched))
-    actor.version, actor._mask_hint = version, copy.deepcopy(hint)
-
-
 STRATEGIES = ("cap", "prepass", "correct")
 
 
@@ -108,6 +92,9 @@ def _set_strategy(actor, name: str) -> None:
 
 def _bench(rank, world_size, args):
     import torch
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests", "actor"))
+    import actor_testlib as lib  # snapshot / restore of the actor's training state
 
     from megatron_m2po.actor.actor import ActorConfig, MegatronActor
     from megatron_m2po.actor.batch import RolloutBatch
@@ -142,10 +129,10 @@ def _bench(rank, world_size, args):
                 _set_strategy(actor, "correct")
                 actor.train_update(batch)
                 continue
-            snap = _snapshot(actor)
+            snap = lib.snapshot(actor)
             for name in STRATEGIES:
                 if name != STRATEGIES[0]:
-                    _restore(actor, snap)
+                    lib.restore(actor, snap)
                 _set_strategy(actor, name)
                 t0 = time.process_time()  # CPU time of this process: other load moves it least
                 m = actor.train_update(batch)
