@@ -130,12 +130,20 @@ def _check(results):
             # Weights after the step: where the gradient is ~0, Adam turns that rounding (up to
             # ~3e-8 here) into a step of up to lr (lr |g| / (|g| + eps)); every other coordinate
             # stays within 1e-6.
+            # bf16: the cancelled contributions carry bf16 rounding (8 bits): per tensor the
+            # gradients agree to 5 % in norm (bf16 pre-pass updates at micro-batch 1 vs 2 differ by
+            # up to 3.1 % here, the correction by 3.9 % when it re-adds 20 % of the tokens) and the
+            # weights to two bf16 ulps at 1.0 (the layout difference is one).
             assert set(ga) == set(gb), layout
             for name, (wa, g_a) in ga.items():
                 wb, g_b = gb[name]
-                np.testing.assert_allclose(g_b, g_a, rtol=1e-4 if fp32 else 5e-2, atol=1e-6 if fp32 else 1e-5,
-                                           err_msg=f"{layout} {u} grad {name}")
-                bound = np.where(np.abs(g_a) < 1e-6, LR, 1e-6 if fp32 else 1e-2)
+                if fp32:
+                    np.testing.assert_allclose(g_b, g_a, rtol=1e-4, atol=1e-6, err_msg=f"{layout} {u} grad {name}")
+                    bound = np.where(np.abs(g_a) < 1e-6, LR, 1e-6)
+                else:
+                    err = np.linalg.norm(g_b - g_a) / max(float(np.linalg.norm(g_a)), 1e-12)
+                    assert err <= 5e-2, (layout, u, name, err)
+                    bound = 2 ** -7
                 assert (np.abs(wb - wa) <= bound).all(), (layout, u, name, float(np.abs(wb - wa).max()))
             # the per-token dump: same tokens, same values, the exact mask
             da = {r[0]: r[1:] for t in ta for r in zip(*t)}
@@ -170,3 +178,25 @@ def test_correct_equals_prepass_at_every_layout(tmp_path):
         (2, 1, {"sp": True, "dtype": "bfloat16"})]), timeout_s=480)
     for rank_res in res:
         _check(rank_res)
+
+
+def test_auto_takes_the_cheaper_way_and_bad_settings_are_refused():
+    from megatron_m2po.actor.mask_correction import FORWARD_SHARE, check_dropout, choose_strategy
+    from megatron_m2po.config import load_config
+
+    # auto: a pre-pass first (it measures what a correction would have cost), then whichever costs less
+    assert choose_strategy("auto", None, recompute="none", dropout=False) == "prepass"
+    assert choose_strategy("auto", {"mask/correction_token_frac": 0.02}, recompute="none", dropout=False) == "correct"
+    assert choose_strategy("auto", {"mask/correction_token_frac": 0.3}, recompute="full", dropout=False) == "prepass"
+    assert choose_strategy("auto", {"mask/correction_token_frac": 0.3}, recompute="none", dropout=False) == "correct"
+    assert FORWARD_SHARE["full"] < 0.3 < FORWARD_SHARE["none"]
+    assert choose_strategy("auto", {"mask/correction_token_frac": 0.0}, recompute="none", dropout=True) == "prepass"
+    assert choose_strategy("correct", None, recompute="none", dropout=False) == "correct"
+    with pytest.raises(ValueError, match="model.attention_dropout=0 and model.hidden_dropout=0"):
+        check_dropout("correct", 0.0, 0.1)
+    check_dropout("auto", 0.1, 0.1)  # auto falls back to the pre-pass instead
+    with pytest.raises(ValueError, match="mask_strategy='correct'.*scope='microbatch'"):
+        load_config(None, ["algo.m2po.mask_strategy=correct", "algo.m2po.scope=microbatch", "algo.m2po.rule=cap"])
+    with pytest.raises(ValueError, match="mask_strategy"):
+        load_config(None, ["algo.m2po.mask_strategy=lazy"])
+    assert load_config(None, ["algo.m2po.mask_strategy=auto"]).algo.m2po.mask_strategy == "auto"
