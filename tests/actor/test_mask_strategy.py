@@ -64,6 +64,7 @@ def _run(rank, world_size, root, layouts):
         cfg.parallel.packing = o.get("packing", False)
         cfg.parallel.max_tokens_per_microbatch = o.get("max_tokens")
         cfg.model.dtype = o.get("dtype", "float32")
+        cfg.parallel.recompute = o.get("recompute", "none")
         cfg.algo.m2po.threshold = TAU
         actor = MegatronActor.from_config(ActorConfig.from_config(cfg, total_updates=100))
         samples = lib.make_samples(12, seed=22)
@@ -163,9 +164,9 @@ def _check(results):
 
 
 def test_correct_equals_prepass_one_process(tmp_path):
-    """TP=1, padded micro-batches of 2 and packed with a token budget."""
-    res = run_distributed(_run, 1, args=(str(tmp_path), [(1, 1, {}), (1, 1, {"packing": True, "max_tokens": 40})]),
-                          timeout_s=240)[0]
+    """TP=1, padded micro-batches of 2, and packed with a token budget under full recompute."""
+    res = run_distributed(_run, 1, args=(str(tmp_path), [
+        (1, 1, {}), (1, 1, {"packing": True, "max_tokens": 40, "recompute": "full"})]), timeout_s=240)[0]
     _check(res)
 
 
