@@ -181,8 +181,8 @@ class MegatronActor:
         self.scheduler = scheduler
         self.version = 0
         self._last_mask: Optional[tuple[torch.Tensor, torch.Tensor]] = None
-        # The previous update's reduced metrics (the same on every rank): the provisional mask's
-        # cut and the measured correction cost (actor/mask_correction.py).
+        # The previous update's reduced metrics (the same on every rank): the measured correction
+        # cost that mask_strategy=auto decides on (actor/mask_correction.py).
         self._mask_hint: Optional[dict[str, float]] = None
         self._last_strategy: Optional[str] = None  # for tests and the benchmark
         self._deferred_finalize: Optional[list] = None  # set: the schedules' grad finalising is held back
@@ -519,10 +519,17 @@ class MegatronActor:
         deltas = [(o["logp"] - mb.behav_logprobs.to(o["logp"].dtype)).clamp(-c, c) for o, mb in zip(outs, mbs)]
         keeps, metrics = self._global_mask(mbs, deltas, spec, settings)
         if spec.provisional_keep is not None:
-            guess = [spec.provisional_keep(d, mb.advantages, mb.loss_mask, hint=self._mask_hint, settings=settings)
-                     for d, mb in zip(deltas, mbs)]
-            self._correction_stats(mbs, guess, keeps, plan, records, strategy="prepass")
+            seen: list[dict] = []
+            for d, mb in zip(deltas, mbs):
+                seen.append({"mb": mb, "delta": d, "guess": self._guess(spec, settings, mb, d, seen)})
+            self._correction_stats(mbs, [p["guess"] for p in seen], keeps, plan, records, strategy="prepass")
         return keeps, metrics
+
+    def _guess(self, spec, settings, mb: MicroBatch, delta: torch.Tensor, earlier: list[dict]) -> torch.Tensor:
+        """The provisional keep mask of ``mb`` (the spec's ``provisional_keep``) from its clamped
+        log-ratios and those of this rank's ``earlier`` micro-batches of the update."""
+        seen = [(p["delta"], p["mb"].advantages, p["mb"].loss_mask) for p in earlier]
+        return spec.provisional_keep(delta, mb.advantages, mb.loss_mask, seen=seen, settings=settings)
 
     def _global_mask(self, mbs: list[MicroBatch], deltas: list[torch.Tensor], spec, settings
                      ) -> tuple[list[torch.Tensor], dict]:
@@ -643,8 +650,9 @@ class MegatronActor:
             metrics.update(mask_metrics)
         if provisional is not None:
             delta = (logp.detach() - behav).clamp(-a.logratio_clamp, a.logratio_clamp)
-            keep = spec.provisional_keep(delta, mb.advantages, mb.loss_mask, hint=self._mask_hint, settings=settings)
-            provisional.append({"delta": delta, "guess": keep, "logp": logp.detach(), "entropy": ent.detach()})
+            keep = self._guess(spec, settings, mb, delta, provisional)
+            provisional.append({"mb": mb, "delta": delta, "guess": keep, "logp": logp.detach(),
+                                "entropy": ent.detach()})
         elif self.token_hook is not None:  # optional per-token record (trainer/token_dump.py)
             self.token_hook(mb, logp.detach(), ent.detach(), keep)
         tis = None

@@ -7,7 +7,8 @@ So for any provisional mask ``g``, ``grad L(keep) = grad L(g) + grad L(keep - g)
 non-zero only on the tokens where the two differ. The actor
 
 1. runs forward-backward over every micro-batch with ``g`` (the loss spec's ``provisional_keep``:
-   for M2PO the previous update's cut), recording each token's log-ratio from that forward;
+   for M2PO, Algorithm 1 over the tokens this rank has seen so far in the update, a running
+   estimate of the global cut), recording each token's log-ratio from that forward;
 2. selects the exact global mask from the recorded log-ratios (the same ``token_mask`` call, on
    the same values, as after a pre-pass);
 3. for the sequences holding a token whose keep changed, runs one more forward-backward whose
@@ -16,8 +17,8 @@ non-zero only on the tokens where the two differ. The actor
 4. finalises the gradients (TP / SP, tied-embedding and data-parallel reductions) once, over the
    accumulated provisional + correction gradients, and steps the optimizer.
 
-When the exact mask equals the guess (nothing masked, or the cut did not move across a token)
-there is no step 3. The result equals the pre-pass strategy's to floating-point rounding (the
+When the exact mask equals the guess (nothing masked; or one rank with one micro-batch, where the
+running estimate has seen every token) there is no step 3. The result equals the pre-pass strategy's to floating-point rounding (the
 two sum the same terms in a different order); dropout would make the forwards differ, so the
 strategy needs dropout 0 (``check_dropout``).
 

@@ -32,7 +32,8 @@ class M2POConfig:
     mask_strategy: Literal["prepass", "correct", "auto"] = _f(
         "prepass", help="How the actor gets the exact global mask (scope=global; the same update either way): "
         "'prepass' = a forward-only pass over the mini-batch before forward-backward; 'correct' = "
-        "forward-backward with the previous update's cut, then the exact mask, then a forward-backward "
+        "forward-backward with a running estimate of the mask (Algorithm 1 over the tokens seen so far), then the "
+        "exact mask, then a forward-backward "
         "of the difference on only the sequences (truncated after their last changed token) whose "
         "keep changed; 'auto' = 'correct' while the previous update's measured correction cost is "
         "below a pre-pass, else 'prepass'. 'correct' / 'auto' need model dropout 0.")

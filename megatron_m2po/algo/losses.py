@@ -56,7 +56,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from megatron_m2po.algo.m2_mask import DELTA_CLAMP, m2po_mask, trust_region
+from megatron_m2po.algo.m2_mask import m2po_mask
 from megatron_m2po.algo.metrics import Metric
 from megatron_m2po.algo.loss_settings import CISPOConfig, GRPOConfig, GSPOConfig, M2POConfig
 
@@ -108,9 +108,10 @@ class LossSpec:
       mini-batch on every DP x CP rank, which needs a forward-only pre-pass at the current weights
       before the first backward -- or ``"microbatch"`` (per micro-batch, per rank).
     * ``needs_seq_index``: the objective needs whole sequences and their ids (GSPO).
-    * ``provisional_keep``: optional ``fn(delta, advantages, loss_mask, *, hint, settings) -> keep``,
-      a guess of the global mask from one micro-batch's own log-ratios and ``hint`` (the previous
-      update's reduced metrics, or None). A spec that has it declares its objective *linear in
+    * ``provisional_keep``: optional ``fn(delta, advantages, loss_mask, *, seen, settings) -> keep``,
+      a guess of the global mask for one micro-batch from its log-ratios and ``seen``, the
+      ``(delta, advantages, loss_mask)`` of this rank's earlier micro-batches of the update. A
+      spec that has it declares its objective *linear in
       keep* (``obj_i = keep_i * f_i``, ``f_i`` independent of the mask), which is what makes the
       actor's ``algo.m2po.mask_strategy=correct`` exact: forward-backward with the guess, then the
       exact global mask, then a forward-backward of ``keep_exact - keep_guess`` (+1 / -1 per token)
@@ -239,17 +240,22 @@ def _m2po_scope(settings: M2POConfig) -> str:
     return settings.scope
 
 
-def _m2po_provisional_keep(delta: torch.Tensor, advantages: torch.Tensor, loss_mask: torch.Tensor, *, hint,
+def _m2po_provisional_keep(delta: torch.Tensor, advantages: torch.Tensor, loss_mask: torch.Tensor, *, seen,
                            settings: M2POConfig) -> torch.Tensor:
-    """The previous update's cut applied to this micro-batch: mask the trust-region tokens whose
-    (log r)^2 exceeds the previous update's largest kept value; keep all when it masked nothing
-    (or there is no previous update). The weights moved by one update since, so the cut moved
-    little; a wrong guess costs recomputation, never exactness."""
+    """Algorithm 1 (or the cap rule) over this rank's tokens seen so far in the update -- the
+    earlier micro-batches' trust-region tokens (``seen``) and this one -- applied to this
+    micro-batch: the running estimate of the global cut. On one rank's last micro-batch it sees
+    every token of the mini-batch; elsewhere its cut is a sample estimate of the global one. A
+    wrong guess costs recomputation, never exactness."""
     valid = loss_mask.to(torch.bool)
-    if not hint or not hint.get("m2po/mask_frac", 0.0) > 0.0:
-        return valid.clone()
-    d = torch.where(valid, delta.detach().to(torch.float64), 0.0).clamp(-DELTA_CLAMP, DELTA_CLAMP)
-    return valid & ~(trust_region(d, advantages, valid) & (d.square() > float(hint["m2po/threshold_value"])))
+    if not seen:
+        return m2po_mask(delta.detach(), advantages, valid, threshold=settings.threshold, rule=settings.rule)[0]
+    # O(tokens seen) per micro-batch: a sort-free radix selection, small next to the forward
+    d_all = torch.cat([d for d, _, _ in seen] + [delta.detach()])
+    a_all = torch.cat([a for _, a, _ in seen] + [advantages])
+    m_all = torch.cat([m.to(torch.bool) for _, _, m in seen] + [valid])
+    keep, _ = m2po_mask(d_all, a_all, m_all, threshold=settings.threshold, rule=settings.rule)
+    return keep[-delta.numel():] if delta.numel() else valid.clone()
 
 
 @register_loss("m2po", settings=M2POConfig, token_mask=_m2po_mask, mask_scope=_m2po_scope,

@@ -43,16 +43,29 @@ def _gather(obj):
     return objs
 
 
-# The provisional mask of each update of the "correct" run: None = keep all (wrong wherever the
-# exact mask masks: every micro-batch here), "exact" = the pre-pass run's cut of that update (right
-# everywhere), "all" = mask every trust-region token (wrong in every micro-batch, the other way).
-HINTS = (None, "exact", "all", None)
+# The provisional mask of each update of the "correct" run: "keep_all" (wrong wherever the exact
+# mask masks: every micro-batch here), "exact" (the pre-pass's mask: right everywhere), "inverted"
+# (every token's keep flipped: wrong on every token, both ways), "running" (the
+# loss spec's own guess, Algorithm 1 over the tokens seen so far); the last update's M2 is under
+# the threshold (nothing masked, nothing to correct).
+GUESSES = ("keep_all", "exact", "inverted", "running", "running")
+
+
+def _forced_guess(kind, exact):
+    def guess(spec, settings, mb, delta, earlier):
+        valid = mb.loss_mask.bool()
+        if kind == "keep_all":
+            return valid.clone()
+        right = torch.tensor([exact[i] for i in mb.token_index.tolist()], dtype=torch.bool)
+        return valid & ~right if kind == "inverted" else right
+
+    return guess
 
 
 def _run(rank, world_size, root, layouts):
     """Per layout and update: the pre-pass update, then the same update from the same state
     (``actor_testlib.snapshot``) with the correction strategy and the provisional mask of
-    ``HINTS``; the trajectory goes on from the corrected update."""
+    ``GUESSES``; the trajectory goes on from the corrected update."""
     from megatron_m2po.actor.actor import ActorConfig, MegatronActor
     from megatron_m2po.actor.batch import RolloutBatch
 
@@ -67,7 +80,7 @@ def _run(rank, world_size, root, layouts):
         cfg.parallel.recompute = o.get("recompute", "none")
         cfg.algo.m2po.threshold = TAU
         actor = MegatronActor.from_config(ActorConfig.from_config(cfg, total_updates=100))
-        samples = lib.make_samples(12, seed=22)
+        samples = lib.make_samples(4 * len(GUESSES), seed=22)
         lps = actor.compute_logprobs(RolloutBatch(samples))
         rng = np.random.default_rng(3)
         for s, lp in zip(samples, lps):
@@ -83,22 +96,21 @@ def _run(rank, world_size, root, layouts):
         actor.token_hook = hook
         updates = []
         m2 = actor.cfg.algo.m2po
-        for u, mini in enumerate(RolloutBatch(samples).split(len(HINTS))):
-            m2.threshold = 100.0 if u == len(HINTS) - 1 else TAU  # last: M2 under the threshold, nothing masked
+        for u, mini in enumerate(RolloutBatch(samples).split(len(GUESSES))):
+            m2.threshold = 100.0 if u == len(GUESSES) - 1 else TAU  # last: M2 under the threshold, nothing masked
             snap = lib.snapshot(actor)
             pair = {}
             for strategy in ("prepass", "correct"):
                 if strategy == "correct":
                     lib.restore(actor, snap)
-                    # "exact": just above the pre-pass's largest kept (log r)^2, so that its own
-                    # boundary token, which the two forwards round alike only to ~1e-6, is kept
-                    h, cut = HINTS[u], pair["prepass"][0]["m2po/threshold_value"]
-                    actor._mask_hint = (None if h is None else {"m2po/mask_frac": 1.0, "m2po/threshold_value": 0.0}
-                                        if h == "all" else {"m2po/mask_frac": 1.0, "m2po/threshold_value": 1.001 * cut})
+                    if GUESSES[u] != "running":  # the actor's guess, replaced for this update
+                        exact = dict(zip(*[t.tolist() for t in actor._last_mask])) if actor._last_mask else {}
+                        actor._guess = _forced_guess(GUESSES[u], exact)
                 m2.mask_strategy = strategy
                 tokens.clear()
                 m = actor.train_update(mini)
                 pair[strategy] = (m, actor._last_strategy, _state(actor), sum(_gather(list(tokens)), []))
+                actor.__dict__.pop("_guess", None)
             updates.append((pair["prepass"], pair["correct"]))
         actor.close()
         out.append(((tp, pp, tuple(sorted(o.items()))), updates))
@@ -118,13 +130,11 @@ def _check(results):
                 assert mb[k] == pytest.approx(ma[k], **tol), (layout, u, k, ma[k], mb[k])
             assert mb["mask/correct"] == 1.0 and ma["mask/correct"] == 0.0
             frac = mb["mask/corrected_microbatch_frac"]
-            if HINTS[u] is None and u < len(HINTS) - 1:
+            if GUESSES[u] in ("keep_all", "inverted"):
                 assert ma["m2po/mask_frac"] > 0 and frac == 1.0, (layout, u, ma["m2po/mask_frac"], frac)
-            elif HINTS[u] == "all":
-                assert frac == 1.0, (layout, u, frac)
-            else:  # a right guess, or nothing masked: no correction at all
+            elif GUESSES[u] == "exact" or u == len(GUESSES) - 1:  # a right guess, or nothing masked
                 assert mb["mask/correction_token_frac"] == 0.0, (layout, u, mb)
-            if u == len(HINTS) - 1:
+            if u == len(GUESSES) - 1:
                 assert ma["m2po/mask_frac"] == 0.0
             # Gradients: the same up to rounding of the masked tokens' contributions, which the
             # correction subtracts (or adds) in another forward (the layout tests' tolerance).
@@ -154,7 +164,7 @@ def _check(results):
                 assert da[i][5] == db[i][5], (layout, u, i)  # keep
                 np.testing.assert_allclose(db[i][:2], da[i][:2], rtol=0, atol=1e-5 if fp32 else 5e-2)
             # the literal Algorithm 1 reference decides every token (on the correct run's log-ratios)
-            if u < len(HINTS) - 1:
+            if u < len(GUESSES) - 1:
                 idx = sorted(db)
                 delta = (torch.tensor([db[i][0] for i in idx]) - torch.tensor([db[i][2] for i in idx])).clamp(-20, 20)
                 adv = [db[i][3] for i in idx]
