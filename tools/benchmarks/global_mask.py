@@ -24,6 +24,7 @@ times (c) and keeps (c) as the trajectory's update. Ratios are medians of the pe
 
     python tools/benchmarks/global_mask.py                    # s = 0, 8, 32
     python tools/benchmarks/global_mask.py --staleness 0,4,16,32 --rounds 8
+    python tools/benchmarks/global_mask.py parallel.max_tokens_per_microbatch=256   # ~6 micro-batches
 
 The last line is ``ratio new/cap = X.XX, prepass/cap = Y.YY`` at the largest staleness.
 """
@@ -102,7 +103,7 @@ def _bench(rank, world_size, args):
     from megatron_m2po.utils.hf_dir import resolve_model_path
 
     torch.set_num_threads(args.threads)
-    cfg = load_config(args.config, [])
+    cfg = load_config(args.config, args.overrides)
     hf_dir = resolve_model_path(cfg.model)
     levels = sorted(args.staleness)
     pool = _sample_minibatches(hf_dir, max(levels) + args.rounds, args, seed=args.seed)
@@ -139,6 +140,7 @@ def _bench(rank, world_size, args):
                 times[name].append(time.process_time() - t0)
             metrics.append(m)  # the kept update is (c)'s
         tokens = float(np.mean([sum(x.length for x in mb) for mb in minis[s:]]))
+        results["micro_batches"] = float(np.mean([len(actor._microbatches(mb, list(range(len(mb))))) for mb in minis]))
         actor.close()
         results[s] = (times, metrics, tokens)
     return results
@@ -147,6 +149,7 @@ def _bench(rank, world_size, args):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default="examples/staleness_tiny.yaml")
+    ap.add_argument("overrides", nargs="*", help="config overrides, e.g. parallel.max_tokens_per_microbatch=256")
     ap.add_argument("--staleness", type=lambda v: [int(x) for x in v.split(",")], default=[0, 8, 32])
     ap.add_argument("--rounds", type=int, default=6, help="timed updates per staleness level")
     ap.add_argument("--prompts", type=int, default=16, help="prompts per update (staleness_tiny: 16)")
@@ -159,13 +162,14 @@ def main() -> None:
     from megatron_m2po.utils.dist_testing import run_distributed
 
     (res,) = run_distributed(_bench, 1, args=(args,), timeout_s=7200)
-    print(f"# tiny actor, {args.config}: {args.prompts} x {args.per_prompt} trajectories per update, "
+    print(f"# tiny actor, {args.config} {' '.join(args.overrides)}: {args.prompts} x {args.per_prompt} "
+          f"trajectories per update, {res['micro_batches']:.1f} micro-batches per update, "
           f"{args.threads} thread(s); CPU seconds per update, median of {args.rounds} interleaved rounds; "
           "ratios = median of per-round ratios to cap")
     print(f"{'s':>3}{'tokens':>8}{'mask frac':>11}{'cap s':>8}{'prepass s':>11}{'correct s':>11}"
           f"{'prepass/cap':>13}{'new/cap':>9}{'corr. mb':>10}{'corr. seq':>11}{'corr. tok':>11}")
     last = None
-    for s, (times, metrics, tokens) in sorted(res.items()):
+    for s, (times, metrics, tokens) in sorted((k, v) for k, v in res.items() if k != "micro_batches"):
         med = {k: float(np.median(v)) for k, v in times.items()}
         pre = float(np.median([b / a for a, b in zip(times["cap"], times["prepass"])]))
         new = float(np.median([c / a for a, c in zip(times["cap"], times["correct"])]))
