@@ -452,7 +452,8 @@ class MegatronActor:
         #    with strategy "correct" a provisional mask now and the exact one after step 2)
         keeps, prepass_metrics = [None] * len(mbs), {}
         if strategy == "prepass":
-            keeps, prepass_metrics = self._mask_prepass(mbs, spec, settings, plan, records)
+            keeps, prepass_metrics = self._mask_prepass(
+                mbs, spec, settings, plan, records, measure=getattr(settings, "mask_strategy", None) == "auto")
         provisional: Optional[list[dict]] = [] if strategy == "correct" else None
 
         # 2. forward-backward with the mask fixed (or provisional, then corrected)
@@ -502,15 +503,15 @@ class MegatronActor:
         return choose_strategy(configured, self._mask_hint, recompute=self.cfg.parallel.recompute,
                                dropout=m.attention_dropout > 0 or m.hidden_dropout > 0)
 
-    def _mask_prepass(self, mbs: list[MicroBatch], spec, settings, plan: BatchPlan,
-                      records: list[dict]) -> tuple[list[Optional[torch.Tensor]], dict]:
+    def _mask_prepass(self, mbs: list[MicroBatch], spec, settings, plan: BatchPlan, records: list[dict], *,
+                      measure: bool = False) -> tuple[list[Optional[torch.Tensor]], dict]:
         """Forward-only pre-pass at the current weights and the loss's global token mask
         (``needs_global_mask_prepass``; M2PO with scope=global, ``mask_strategy=prepass``).
 
         Runs on the last stage's DP x CP group (it spans last-stage ranks only). Returns one keep
         tensor per micro-batch and the mask's metrics, which are already global (not reduced
-        again). With a spec that can guess the mask, also records what the correction strategy
-        would have recomputed (``mask/*``, from the same log-ratios), which ``auto`` reads.
+        again). With ``measure`` (``mask_strategy=auto``), also records what the correction
+        strategy would have recomputed (``mask/*``, from the same log-ratios), which ``auto`` reads.
         """
         outs = self._forward_logprobs(mbs, with_entropy=False)
         if not self.is_last_stage:
@@ -518,7 +519,7 @@ class MegatronActor:
         c = self.cfg.algo.logratio_clamp
         deltas = [(o["logp"] - mb.behav_logprobs.to(o["logp"].dtype)).clamp(-c, c) for o, mb in zip(outs, mbs)]
         keeps, metrics = self._global_mask(mbs, deltas, spec, settings)
-        if spec.provisional_keep is not None:
+        if measure and spec.provisional_keep is not None:
             seen: list[dict] = []
             for d, mb in zip(deltas, mbs):
                 seen.append({"mb": mb, "delta": d, "guess": self._guess(spec, settings, mb, d, seen)})
