@@ -56,7 +56,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from megatron_m2po.algo.m2_mask import m2po_mask
+from megatron_m2po.algo.m2_mask import DELTA_CLAMP, m2po_mask, trust_region
 from megatron_m2po.algo.metrics import Metric
 from megatron_m2po.algo.loss_settings import CISPOConfig, GRPOConfig, GSPOConfig, M2POConfig
 
@@ -243,19 +243,32 @@ def _m2po_scope(settings: M2POConfig) -> str:
 def _m2po_provisional_keep(delta: torch.Tensor, advantages: torch.Tensor, loss_mask: torch.Tensor, *, seen,
                            settings: M2POConfig) -> torch.Tensor:
     """Algorithm 1 (or the cap rule) over this rank's tokens seen so far in the update -- the
-    earlier micro-batches' trust-region tokens (``seen``) and this one -- applied to this
-    micro-batch: the running estimate of the global cut. On one rank's last micro-batch it sees
-    every token of the mini-batch; elsewhere its cut is a sample estimate of the global one. A
-    wrong guess costs recomputation, never exactness."""
+    earlier micro-batches (``seen``) and this one -- applied to this micro-batch: the running
+    estimate of the global cut. On one rank's last micro-batch it sees every token of the
+    mini-batch; elsewhere its cut is a sample estimate of the global one. A guess, so plain float
+    sums and one sort (not ``m2po_mask``'s exact fixed-point selection): a wrong guess costs
+    recomputation, never exactness."""
+    def trust_v(d, a, m):
+        m = m.to(torch.bool)
+        d = torch.where(m, d.detach().to(torch.float64), 0.0).clamp(-DELTA_CLAMP, DELTA_CLAMP)
+        return d, trust_region(d, a, m)
+
     valid = loss_mask.to(torch.bool)
-    if not seen:
-        return m2po_mask(delta.detach(), advantages, valid, threshold=settings.threshold, rule=settings.rule)[0]
-    # O(tokens seen) per micro-batch: a sort-free radix selection, small next to the forward
-    d_all = torch.cat([d for d, _, _ in seen] + [delta.detach()])
-    a_all = torch.cat([a for _, a, _ in seen] + [advantages])
-    m_all = torch.cat([m.to(torch.bool) for _, _, m in seen] + [valid])
-    keep, _ = m2po_mask(d_all, a_all, m_all, threshold=settings.threshold, rule=settings.rule)
-    return keep[-delta.numel():] if delta.numel() else valid.clone()
+    d, t = trust_v(delta, advantages, valid)
+    v_all = torch.cat([dd[tt].square() for dd, tt in (trust_v(*x) for x in seen)] + [d[t].square()])
+    n, tau = v_all.numel(), float(settings.threshold)
+    if n == 0 or float(v_all.sum()) <= tau * n:
+        return valid.clone()
+    v, _ = torch.sort(v_all)
+    csum = torch.cumsum(v, 0)
+    i = torch.arange(1, n + 1, dtype=v.dtype, device=v.device)
+    if settings.rule == "remove":  # the longest ascending prefix whose mean is <= tau
+        k = int((csum <= tau * i).sum())
+        cut = float(v[k - 1]) if k else -1.0
+    else:  # the largest v whose capped mean mean(min(v, c)) is <= tau (0: mask every trust token)
+        ok = (csum + v * (n - i)) <= tau * n
+        cut = float(v[ok].max()) if bool(ok.any()) else 0.0
+    return valid & ~(t & (d.square() > cut))
 
 
 @register_loss("m2po", settings=M2POConfig, token_mask=_m2po_mask, mask_scope=_m2po_scope,

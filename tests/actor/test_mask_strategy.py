@@ -244,3 +244,25 @@ def test_auto_takes_the_cheaper_way_and_bad_settings_are_refused():
     with pytest.raises(ValueError, match="mask_strategy"):
         load_config(None, ["algo.m2po.mask_strategy=lazy"])
     assert load_config(None, ["algo.m2po.mask_strategy=auto"]).algo.m2po.mask_strategy == "auto"
+
+
+@pytest.mark.parametrize("rule", ["remove", "cap"])
+def test_running_guess_is_the_exact_mask_of_the_tokens_seen(rule):
+    """M2PO's provisional mask of a micro-batch is the rule over the rank's tokens seen so far:
+    on the last micro-batch, the exact mask of all of them (``m2po_mask``, continuous values: no
+    ties); on the first, the mask of that micro-batch alone."""
+    from megatron_m2po.algo.loss_settings import M2POConfig
+    from megatron_m2po.algo.losses import get_loss
+    from megatron_m2po.algo.m2_mask import m2po_mask
+
+    guess = get_loss("m2po").provisional_keep
+    g = torch.Generator().manual_seed(5)
+    for tau in (0.0, 0.01, 0.04, 10.0):
+        settings = M2POConfig(threshold=tau, rule=rule)
+        parts = [(0.3 * torch.randn(n, generator=g), torch.randn(n, generator=g), torch.rand(n, generator=g) > 0.2)
+                 for n in (7, 40, 23)]
+        cat = [torch.cat(x) for x in zip(*parts)]
+        want = m2po_mask(*cat, threshold=tau, rule=rule)[0][-23:]
+        assert torch.equal(guess(*parts[-1], seen=parts[:-1], settings=settings), want), (rule, tau)
+        first = m2po_mask(*parts[0], threshold=tau, rule=rule)[0]
+        assert torch.equal(guess(*parts[0], seen=[], settings=settings), first), (rule, tau)
