@@ -529,8 +529,9 @@ class MegatronActor:
     def _guess(self, spec, settings, mb: MicroBatch, delta: torch.Tensor, earlier: list[dict]) -> torch.Tensor:
         """The provisional keep mask of ``mb`` (the spec's ``provisional_keep``) from its clamped
         log-ratios and those of this rank's ``earlier`` micro-batches of the update."""
-        seen = [(p["delta"], p["mb"].advantages, p["mb"].loss_mask) for p in earlier]
-        return spec.provisional_keep(delta, mb.advantages, mb.loss_mask, seen=seen, settings=settings)
+        seen = [(p["delta"], p["mb"].advantages, p["mb"].loss_mask, p["mb"].token_index) for p in earlier]
+        return spec.provisional_keep(delta, mb.advantages, mb.loss_mask, order_key=mb.token_index, seen=seen,
+                                     settings=settings)
 
     def _global_mask(self, mbs: list[MicroBatch], deltas: list[torch.Tensor], spec, settings
                      ) -> tuple[list[torch.Tensor], dict]:

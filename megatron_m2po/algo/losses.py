@@ -108,9 +108,9 @@ class LossSpec:
       mini-batch on every DP x CP rank, which needs a forward-only pre-pass at the current weights
       before the first backward -- or ``"microbatch"`` (per micro-batch, per rank).
     * ``needs_seq_index``: the objective needs whole sequences and their ids (GSPO).
-    * ``provisional_keep``: optional ``fn(delta, advantages, loss_mask, *, seen, settings) -> keep``,
-      a guess of the global mask for one micro-batch from its log-ratios and ``seen``, the
-      ``(delta, advantages, loss_mask)`` of this rank's earlier micro-batches of the update. A
+    * ``provisional_keep``: optional ``fn(delta, advantages, loss_mask, *, order_key, seen, settings)
+      -> keep``, a guess of the global mask for one micro-batch from its log-ratios and ``seen``,
+      the ``(delta, advantages, loss_mask, order_key)`` of this rank's earlier micro-batches. A
       spec that has it declares its objective *linear in
       keep* (``obj_i = keep_i * f_i``, ``f_i`` independent of the mask), which is what makes the
       actor's ``algo.m2po.mask_strategy=correct`` exact: forward-backward with the guess, then the
@@ -240,35 +240,43 @@ def _m2po_scope(settings: M2POConfig) -> str:
     return settings.scope
 
 
-def _m2po_provisional_keep(delta: torch.Tensor, advantages: torch.Tensor, loss_mask: torch.Tensor, *, seen,
-                           settings: M2POConfig) -> torch.Tensor:
+def _m2po_provisional_keep(delta: torch.Tensor, advantages: torch.Tensor, loss_mask: torch.Tensor, *, order_key,
+                           seen, settings: M2POConfig) -> torch.Tensor:
     """Algorithm 1 (or the cap rule) over this rank's tokens seen so far in the update -- the
     earlier micro-batches (``seen``) and this one -- applied to this micro-batch: the running
-    estimate of the global cut. On one rank's last micro-batch it sees every token of the
-    mini-batch; elsewhere its cut is a sample estimate of the global one. A guess, so plain float
-    sums and one sort (not ``m2po_mask``'s exact fixed-point selection): a wrong guess costs
-    recomputation, never exactness."""
-    def trust_v(d, a, m):
+    estimate of the global cut, ties broken by ``order_key`` as the exact mask breaks them. On one
+    rank's last micro-batch it sees every token of the mini-batch; elsewhere its cut is a sample
+    estimate of the global one. A guess, so plain float sums and one sort (not ``m2po_mask``'s
+    exact fixed-point selection): a wrong guess costs recomputation, never exactness."""
+    def trust(d, a, m, key):
         m = m.to(torch.bool)
         d = torch.where(m, d.detach().to(torch.float64), 0.0).clamp(-DELTA_CLAMP, DELTA_CLAMP)
-        return d, trust_region(d, a, m)
+        t = trust_region(d, a, m)
+        return d, t, d[t].square(), key[t]
 
     valid = loss_mask.to(torch.bool)
-    d, t = trust_v(delta, advantages, valid)
-    v_all = torch.cat([dd[tt].square() for dd, tt in (trust_v(*x) for x in seen)] + [d[t].square()])
+    d, t, v_cur, k_cur = trust(delta, advantages, valid, order_key)
+    earlier = [trust(*x) for x in seen]
+    v_all = torch.cat([x[2] for x in earlier] + [v_cur])
     n, tau = v_all.numel(), float(settings.threshold)
     if n == 0 or float(v_all.sum()) <= tau * n:
         return valid.clone()
-    v, _ = torch.sort(v_all)
+    keys = torch.cat([x[3] for x in earlier] + [k_cur]).to(torch.int64)
+    by_key = torch.argsort(keys, stable=True)  # ascending v, equal v by ascending key
+    order = by_key[torch.argsort(v_all[by_key], stable=True)]
+    v = v_all[order]
     csum = torch.cumsum(v, 0)
     i = torch.arange(1, n + 1, dtype=v.dtype, device=v.device)
-    if settings.rule == "remove":  # the longest ascending prefix whose mean is <= tau
-        k = int((csum <= tau * i).sum())
-        cut = float(v[k - 1]) if k else -1.0
+    if settings.rule == "remove":  # keep the longest ascending prefix whose mean is <= tau
+        kept = torch.zeros(n, dtype=torch.bool, device=v.device)
+        kept[order[:int((csum <= tau * i).sum())]] = True
+        masked_cur = ~kept[n - v_cur.numel():]
     else:  # the largest v whose capped mean mean(min(v, c)) is <= tau (0: mask every trust token)
         ok = (csum + v * (n - i)) <= tau * n
-        cut = float(v[ok].max()) if bool(ok.any()) else 0.0
-    return valid & ~(t & (d.square() > cut))
+        masked_cur = v_cur > (float(v[ok].max()) if bool(ok.any()) else 0.0)
+    keep = valid.clone()
+    keep[t.nonzero().flatten()[masked_cur]] = False
+    return keep
 
 
 @register_loss("m2po", settings=M2POConfig, token_mask=_m2po_mask, mask_scope=_m2po_scope,

@@ -249,20 +249,24 @@ def test_auto_takes_the_cheaper_way_and_bad_settings_are_refused():
 @pytest.mark.parametrize("rule", ["remove", "cap"])
 def test_running_guess_is_the_exact_mask_of_the_tokens_seen(rule):
     """M2PO's provisional mask of a micro-batch is the rule over the rank's tokens seen so far:
-    on the last micro-batch, the exact mask of all of them (``m2po_mask``, continuous values: no
-    ties); on the first, the mask of that micro-batch alone."""
+    on the last micro-batch, the exact mask of all of them (``m2po_mask``, ties at the cut broken
+    by the order key alike); on the first, the mask of that micro-batch alone."""
     from megatron_m2po.algo.loss_settings import M2POConfig
     from megatron_m2po.algo.losses import get_loss
     from megatron_m2po.algo.m2_mask import m2po_mask
 
     guess = get_loss("m2po").provisional_keep
     g = torch.Generator().manual_seed(5)
-    for tau in (0.0, 0.01, 0.04, 10.0):
+    for tau in (0.0, 0.01, 0.02, 0.03, 0.04, 0.05, 0.06, 0.08, 10.0) * 4:
         settings = M2POConfig(threshold=tau, rule=rule)
-        parts = [(0.3 * torch.randn(n, generator=g), torch.randn(n, generator=g), torch.rand(n, generator=g) > 0.2)
-                 for n in (7, 40, 23)]
+        # rounded log-ratios: runs of equal (log r)^2, which the order key must break as m2po_mask does
+        parts = [((0.3 * torch.randn(n, generator=g) * 8).round() / 8, torch.randn(n, generator=g),
+                  torch.rand(n, generator=g) > 0.2) for n in (7, 40, 23)]
+        keys = torch.randperm(70, generator=g)
+        parts = [p + (keys[o:o + len(p[0])],) for p, o in zip(parts, (0, 7, 47))]
         cat = [torch.cat(x) for x in zip(*parts)]
-        want = m2po_mask(*cat, threshold=tau, rule=rule)[0][-23:]
-        assert torch.equal(guess(*parts[-1], seen=parts[:-1], settings=settings), want), (rule, tau)
-        first = m2po_mask(*parts[0], threshold=tau, rule=rule)[0]
-        assert torch.equal(guess(*parts[0], seen=[], settings=settings), first), (rule, tau)
+        want = m2po_mask(*cat[:3], threshold=tau, rule=rule, order_key=cat[3])[0][-23:]
+        got = guess(*parts[-1][:3], order_key=parts[-1][3], seen=parts[:-1], settings=settings)
+        assert torch.equal(got, want), (rule, tau)
+        first = m2po_mask(*parts[0][:3], threshold=tau, rule=rule, order_key=parts[0][3])[0]
+        assert torch.equal(guess(*parts[0][:3], order_key=parts[0][3], seen=[], settings=settings), first), (rule, tau)
