@@ -216,9 +216,10 @@ class MegatronActor:
         self._tconfig.finalize_model_grads_func = _finalize
         self._tconfig.no_sync_func = [m.no_sync for m in ddp_chunks] if len(ddp_chunks) > 1 else ddp_chunks[0].no_sync
         self._tconfig.grad_scale_func = optimizer.scale_loss
-        from megatron_m2po.actor.mask_correction import check_dropout
+        from megatron_m2po.actor.mask_correction import check_dropout, check_layout
 
         check_dropout(cfg.algo.m2po.mask_strategy, cfg.model.attention_dropout, cfg.model.hidden_dropout)
+        check_layout(cfg.algo.m2po.mask_strategy, cfg.parallel.virtual_pipeline_parallel)
 
     # ---------------------------------------------------------------------------------- build
 
@@ -501,7 +502,8 @@ class MegatronActor:
             return "prepass"
         m = self.cfg.model
         return choose_strategy(configured, self._mask_hint, recompute=self.cfg.parallel.recompute,
-                               dropout=m.attention_dropout > 0 or m.hidden_dropout > 0)
+                               dropout=m.attention_dropout > 0 or m.hidden_dropout > 0,
+                               interleaved=self.cfg.parallel.virtual_pipeline_parallel is not None)
 
     def _mask_prepass(self, mbs: list[MicroBatch], spec, settings, plan: BatchPlan, records: list[dict], *,
                       measure: bool = False) -> tuple[list[Optional[torch.Tensor]], dict]:

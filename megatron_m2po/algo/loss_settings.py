@@ -36,7 +36,8 @@ class M2POConfig:
         "exact mask, then a forward-backward "
         "of the difference on only the sequences (truncated after their last changed token) whose "
         "keep changed; 'auto' = 'correct' while the previous update's measured correction cost is "
-        "below a pre-pass, else 'prepass'. 'correct' / 'auto' need model dropout 0.")
+        "below a pre-pass, else 'prepass'. 'correct' needs model dropout 0 and no virtual pipeline "
+        "(auto takes the pre-pass there).")
 
     def check(self) -> None:
         if self.rule == "remove" and self.scope == "microbatch":

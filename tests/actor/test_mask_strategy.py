@@ -225,7 +225,7 @@ def test_correct_equals_prepass_at_every_layout(tmp_path):
 
 
 def test_auto_takes_the_cheaper_way_and_bad_settings_are_refused():
-    from megatron_m2po.actor.mask_correction import FORWARD_SHARE, check_dropout, choose_strategy
+    from megatron_m2po.actor.mask_correction import FORWARD_SHARE, check_dropout, check_layout, choose_strategy
     from megatron_m2po.config import load_config
 
     # auto: a pre-pass first (it measures what a correction would have cost), then whichever costs less
@@ -239,6 +239,11 @@ def test_auto_takes_the_cheaper_way_and_bad_settings_are_refused():
     with pytest.raises(ValueError, match="model.attention_dropout=0 and model.hidden_dropout=0"):
         check_dropout("correct", 0.0, 0.1)
     check_dropout("auto", 0.1, 0.1)  # auto falls back to the pre-pass instead
+    assert choose_strategy("auto", {"mask/correction_token_frac": 0.0}, recompute="none", dropout=False,
+                           interleaved=True) == "prepass"
+    with pytest.raises(ValueError, match="virtual_pipeline_parallel=2"):
+        check_layout("correct", 2)
+    check_layout("correct", None)
     with pytest.raises(ValueError, match="mask_strategy='correct'.*scope='microbatch'"):
         load_config(None, ["algo.m2po.mask_strategy=correct", "algo.m2po.scope=microbatch", "algo.m2po.rule=cap"])
     with pytest.raises(ValueError, match="mask_strategy"):
