@@ -46,6 +46,11 @@ __all__ = ["CostModel", "Workload", "Candidate", "SearchResult", "step_time", "m
            "search_config", "parallel_section", "packing_of", "print_search", "result_to_dict", "register"]
 
 
+# tools/benchmarks/global_mask.py on the staleness_tiny regime at s = 32 with 256-token micro-batches
+# (6.6 per update; with its own 2048 the running guess sees every token and nothing is corrected)
+MEASURED_CORRECTION_FRAC = 0.0112
+
+
 @dataclass(frozen=True)
 class CostModel:
     """Assumptions of the step-time estimate (H100 SXM defaults). Each field says why."""
@@ -75,6 +80,11 @@ class CostModel:
     overlap_comm: bool = False
     """Tensor-, pipeline- and data-parallel communication is not overlapped with compute (the
     actor does not turn on Megatron's overlap_grad_reduce / TP comm overlap): conservative."""
+    mask_correction_frac: float = MEASURED_CORRECTION_FRAC
+    """Share of an update's tokens that mask_strategy=correct re-runs forward-backward (the
+    changed sequences up to their last changed token); measured by tools/benchmarks/global_mask.py
+    on the staleness_tiny regime at staleness 32 (docs/planner.md). Long responses hold more
+    tokens near the cut per sequence, so at 16k contexts it is likely larger: an assumption."""
 
     def describe(self) -> list[str]:
         doc = _field_docs()
@@ -105,7 +115,8 @@ class Workload:
     updates_per_step: int = 1
     packing: bool = False       # sequences concatenated up to the token budget (no padding)
     response_frac: float = 1.0  # fraction of tokens that are response rows (the output layer runs on these)
-    prepass: bool = False       # the loss needs a forward-only pre-pass per update (M2PO's global mask)
+    prepass: bool = False       # the loss takes a global mask per update (M2PO, scope=global)
+    mask_strategy: str = "prepass"  # how (algo.m2po.mask_strategy): prepass, correct or auto
 
 
 @dataclass
@@ -210,12 +221,17 @@ def step_time(m: ModelShape, lay: Layout, work: Workload, budget_k: int, cm: Cos
     overhead = cm.layer_overhead_s * layers
     t_mb = compute + recompute + tp_comm + pp_comm + overhead
     bubble = t_mb * (pp - 1) / vpp                  # 1F1B: (pp - 1) micro-batch times, / vpp interleaved
-    # M2PO's global mask: one forward-only pass over the mini-batch first (its own fill and drain)
-    prepass = 0.0
+    # M2PO's global mask: a forward-only pass over the mini-batch first (its own fill and drain),
+    # or a forward-backward of the changed sequences after it (mask_correction_frac of the tokens,
+    # packed into micro-batches of the same budget, one more fill and drain); auto takes the less.
+    mask = 0.0
     if work.prepass:
         fwd_mb = ((dense_fwd + head_fwd) / (peak * g_eff) + attn_fwd / (peak * cm.attn_eff)
                   + (tp_comm / 2 if lay.recompute != "full" else tp_comm / 3) + pp_comm / 2 + overhead / 3)
         prepass = fwd_mb * (n_mb + (pp - 1) / vpp)
+        redo = cm.mask_correction_frac * n_mb  # micro-batches' worth of tokens re-run
+        correct = t_mb * (redo + min(redo, 1.0) * (pp - 1) / vpp)
+        mask = {"prepass": prepass, "correct": correct, "auto": min(prepass, correct)}[work.mask_strategy]
     # DP: gradients (fp32) reduced over dp; the distributed optimizer reduce-scatters them and
     # all-gathers the bf16 parameters instead of one all-reduce.
     vocab_p = padded_vocab(m.vocab, tp, lay.vocab_divisible_by)
@@ -233,7 +249,7 @@ def step_time(m: ModelShape, lay: Layout, work: Workload, budget_k: int, cm: Cos
     if cm.overlap_comm:
         tp_comm = pp_comm = dp_comm = 0.0
     t = {"compute": n_mb * compute, "recompute": n_mb * recompute, "tp_comm": n_mb * tp_comm,
-         "pp_comm": n_mb * pp_comm, "overhead": n_mb * overhead, "bubble": bubble, "prepass": prepass,
+         "pp_comm": n_mb * pp_comm, "overhead": n_mb * overhead, "bubble": bubble, "mask": mask,
          "dp_comm": dp_comm, "optimizer": optimizer}
     t["update"] = sum(t.values())
     t["step"] = t["update"] * work.updates_per_step
@@ -367,7 +383,8 @@ def search_config(cfg: Config, m: ModelShape, *, nnodes: int = 1, gpus_per_node:
     work = Workload(sequences=cfg.trainer.prompts_per_update * cfg.rollout.n_samples_per_prompt, seq_len=seq_len,
                     updates_per_step=cfg.trainer.num_updates_per_step, packing=packing,
                     response_frac=cfg.rollout.max_new_tokens / seq_len,
-                    prepass=spec.needs_global_mask_prepass(loss_settings(spec, cfg.algo)))
+                    prepass=spec.needs_global_mask_prepass(loss_settings(spec, cfg.algo)),
+                    mask_strategy=getattr(loss_settings(spec, cfg.algo), "mask_strategy", "prepass"))
     common = dict(nnodes=nnodes, gpus_per_node=gpus_per_node, node_gpus=node_gpus, gpu_mem_gib=gpu_mem_gib)
     ranked: list[Candidate] = []
     rejected: list[Candidate] = []
@@ -462,6 +479,15 @@ def result_to_dict(res: SearchResult, top: int) -> dict[str, Any]:
                         if res.current is not None and res.current.fits else None)}
 
 
+def _mask_words(w: Workload, cm: CostModel) -> str:
+    if not w.prepass:
+        return ""
+    if w.mask_strategy == "prepass":
+        return ", the global mask by a forward-only pre-pass per update (column mask)"
+    return (f", the global mask by mask_strategy={w.mask_strategy} (column mask: expected cost, correcting "
+            f"{cm.mask_correction_frac:.2%} of the tokens, measured)")
+
+
 def print_search(res: SearchResult, top: int = 5) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -471,7 +497,7 @@ def print_search(res: SearchResult, top: int = 5) -> None:
     con.print(f"[bold]{res.model.name}[/] on {res.world} GPUs: {w.sequences} sequences of <= {w.seq_len} tokens "
               f"per update ({w.response_frac:.0%} response), {w.updates_per_step} updates per step, "
               f"{'packed' if w.packing else 'right-padded'} micro-batches"
-              f"{', a forward-only mask pre-pass per update' if w.prepass else ''}", highlight=False)
+              f"{_mask_words(w, res.cost)}", highlight=False)
     con.print("cost model (docs/planner.md):")
     for line in res.cost.describe():
         con.print(f"  {line}", highlight=False, markup=False)
@@ -480,7 +506,7 @@ def print_search(res: SearchResult, top: int = 5) -> None:
     best = res.best
     t = Table(title=f"{len(res.ranked)} of {len(res.ranked) + len(res.rejected)} layouts fit; fastest first "
                     f"(seconds per step)")
-    cols = ["#", "layout", "GiB", "mb/upd", "step s", "compute", "recomp", "prepass", "tp", "pp", "bubble", "dp",
+    cols = ["#", "layout", "GiB", "mb/upd", "step s", "compute", "recomp", "mask", "tp", "pp", "bubble", "dp",
             "optim", "MFU"]
     for ccol in cols:
         t.add_column(ccol, justify="left" if ccol == "layout" else "right", no_wrap=ccol == "layout")
@@ -495,7 +521,7 @@ def print_search(res: SearchResult, top: int = 5) -> None:
         name = r["layout"] + (" (config)" if res.current is not None and same_layout(c, res.current) else "") \
             + (" (chosen)" if same_layout(c, best) else "")
         t.add_row(str(rank) if rank is not None else "-", name, f"{r['memory_gib']:.1f}", str(r["micro_batches"]), f"{r['step_s']:.1f}",
-                  f"{r['compute']:.1f}", f"{r['recompute']:.1f}", f"{r['prepass']:.1f}", f"{r['tp_comm']:.1f}", f"{r['pp_comm']:.1f}",
+                  f"{r['compute']:.1f}", f"{r['recompute']:.1f}", f"{r['mask']:.1f}", f"{r['tp_comm']:.1f}", f"{r['pp_comm']:.1f}",
                   f"{r['bubble']:.1f}", f"{r['dp_comm']:.1f}", f"{r['optimizer']:.2f}", f"{r['mfu']:.2f}")
     con.print(t)
     cur = res.current

@@ -373,8 +373,15 @@ def test_step_time_by_hand_single_gpu():
     assert sel["recompute"] == pytest.approx(4 * attn / 5e14)
     # M2PO's global mask: one more forward over the mini-batch; the head runs on response rows only
     _, pre = S.step_time(TOY, P.Layout(), dataclasses_replace(work, prepass=True, response_frac=0.25), 1, FLAT)
-    assert pre["prepass"] == pytest.approx(4 * (dense + head / 4 + attn) / 5e14)
+    assert pre["mask"] == pytest.approx(4 * (dense + head / 4 + attn) / 5e14)
     assert pre["compute"] == pytest.approx(4 * (3 * dense + 4 * head / 4 + 3 * attn) / 5e14)
+    # or a forward-backward of the corrected share of the tokens (no bubble at PP=1); auto: the less
+    t_mb = (3 * dense + 4 * head / 4 + 3 * attn) / 5e14
+    for frac, strategy, want in ((0.1, "correct", 0.1 * 4 * t_mb), (0.1, "auto", 0.1 * 4 * t_mb),
+                                 (0.5, "auto", pre["mask"]), (0.0, "correct", 0.0)):
+        cm = dataclasses_replace(FLAT, mask_correction_frac=frac)
+        w = dataclasses_replace(work, prepass=True, response_frac=0.25, mask_strategy=strategy)
+        assert S.step_time(TOY, P.Layout(), w, 1, cm)[1]["mask"] == pytest.approx(want), (frac, strategy)
 
 
 def test_comm_by_hand_and_tp_beyond_a_node_is_penalised():

@@ -5,7 +5,8 @@ Layout of one checkpoint directory ``<dir>/<name>/``::
     dist/            megatron.core.dist_checkpointing (torch_dist): model sharded_state_dict and the
                      optimizer's sharded state (any TP / PP / DP layout can reload it)
     rng/rank_<r>.pt  per-rank RNG: torch CPU (+ CUDA), Megatron's model-parallel tracker, numpy, random
-    actor.json       version, scheduler state, layout it was written with
+    actor.json       version, scheduler state, layout it was written with, the last update's metrics
+                     (what mask_strategy=auto chooses from)
     extra_state.json the caller's dict (e.g. the rollout-store cursor), JSON
 
 Atomicity: every rank writes into ``<name>.tmp``; after a barrier rank 0 renames it to ``<name>``
@@ -101,7 +102,9 @@ def save_checkpoint(actor, path: str, extra_state: dict[str, Any]) -> None:
         meta = {"format": _FORMAT, "version": actor.version, "scheduler": actor.scheduler.state_dict(),
                 "adam_step": _adam_step(actor.optimizer),
                 "world_size": dist.get_world_size(), "tensor_parallel": actor.tp_size,
-                "pipeline_parallel": actor.pp_size, "hf_path": actor.cfg.model.hf_path}
+                "pipeline_parallel": actor.pp_size, "hf_path": actor.cfg.model.hf_path,
+                # the previous update's metrics: mask_strategy=auto's choice (the same on every rank)
+                "mask_hint": actor._mask_hint}
         (tmp / "actor.json").write_text(json.dumps(meta, indent=1))
         (tmp / "extra_state.json").write_text(extra_json)
     fault_point("checkpoint_write")  # <name>.tmp complete, not renamed: a crash here keeps the previous `latest`
@@ -222,6 +225,7 @@ def load_checkpoint(actor, path: str, *, model_only: bool = False) -> dict[str, 
     _restore_adam_steps(actor.optimizer, meta.get("adam_step"))
     actor.scheduler.load_state_dict(meta["scheduler"])
     actor.version = int(meta["version"])
+    actor._mask_hint = meta.get("mask_hint")
     rng_file = ckpt / "rng" / f"rank_{dist.get_rank()}.pt"
     if rng_file.is_file() and meta.get("world_size") == dist.get_world_size():
         _set_rng_state(torch.load(rng_file, weights_only=False))

@@ -56,7 +56,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from megatron_m2po.algo.m2_mask import m2po_mask
+from megatron_m2po.algo.m2_mask import DELTA_CLAMP, m2po_mask, trust_region
 from megatron_m2po.algo.metrics import Metric
 from megatron_m2po.algo.loss_settings import CISPOConfig, GRPOConfig, GSPOConfig, M2POConfig
 
@@ -108,6 +108,14 @@ class LossSpec:
       mini-batch on every DP x CP rank, which needs a forward-only pre-pass at the current weights
       before the first backward -- or ``"microbatch"`` (per micro-batch, per rank).
     * ``needs_seq_index``: the objective needs whole sequences and their ids (GSPO).
+    * ``provisional_keep``: optional ``fn(delta, advantages, loss_mask, *, order_key, seen, settings)
+      -> keep``, a guess of the global mask for one micro-batch from its log-ratios and ``seen``,
+      the ``(delta, advantages, loss_mask, order_key)`` of this rank's earlier micro-batches. A
+      spec that has it declares its objective *linear in
+      keep* (``obj_i = keep_i * f_i``, ``f_i`` independent of the mask), which is what makes the
+      actor's ``algo.m2po.mask_strategy=correct`` exact: forward-backward with the guess, then the
+      exact global mask, then a forward-backward of ``keep_exact - keep_guess`` (+1 / -1 per token)
+      on the sequences where they differ. The guess only decides how much is recomputed.
     """
 
     name: str
@@ -116,6 +124,7 @@ class LossSpec:
     token_mask: Optional[MaskFn] = None
     mask_scope: Callable[[Any], str] = lambda settings: "global"
     needs_seq_index: bool = False
+    provisional_keep: Optional[Callable[..., torch.Tensor]] = None
 
     def needs_global_mask_prepass(self, settings: Any) -> bool:
         """Whether the trainer must run the forward-only pre-pass and call ``token_mask`` over the
@@ -131,8 +140,8 @@ LOSSES: dict[str, LossSpec] = {}
 
 
 def register_loss(name: str, *, settings: Optional[type] = None, token_mask: Optional[MaskFn] = None,
-                  mask_scope: Optional[Callable[[Any], str]] = None, needs_seq_index: bool = False
-                  ) -> Callable[[LossFn], LossFn]:
+                  mask_scope: Optional[Callable[[Any], str]] = None, needs_seq_index: bool = False,
+                  provisional_keep: Optional[Callable[..., torch.Tensor]] = None) -> Callable[[LossFn], LossFn]:
     """Decorator adding ``fn(inputs: LossInputs, settings) -> (obj, metrics)`` to the registry.
 
     A plugin module (listed in ``algo.plugins``) calls it at import time::
@@ -156,7 +165,8 @@ def register_loss(name: str, *, settings: Optional[type] = None, token_mask: Opt
         if prev is not None and _ident(prev.objective) != _ident(fn):
             raise ValueError(f"register_loss: {name!r} is already registered (by {prev.objective.__module__}."
                              f"{prev.objective.__qualname__})")
-        LOSSES[name] = LossSpec(name, fn, settings, token_mask, mask_scope or (lambda s: "global"), needs_seq_index)
+        LOSSES[name] = LossSpec(name, fn, settings, token_mask, mask_scope or (lambda s: "global"), needs_seq_index,
+                                provisional_keep)
         return fn
 
     return deco
@@ -230,7 +240,47 @@ def _m2po_scope(settings: M2POConfig) -> str:
     return settings.scope
 
 
-@register_loss("m2po", settings=M2POConfig, token_mask=_m2po_mask, mask_scope=_m2po_scope)
+def _m2po_provisional_keep(delta: torch.Tensor, advantages: torch.Tensor, loss_mask: torch.Tensor, *, order_key,
+                           seen, settings: M2POConfig) -> torch.Tensor:
+    """Algorithm 1 (or the cap rule) over this rank's tokens seen so far in the update -- the
+    earlier micro-batches (``seen``) and this one -- applied to this micro-batch: the running
+    estimate of the global cut, ties broken by ``order_key`` as the exact mask breaks them. On one
+    rank's last micro-batch it sees every token of the mini-batch; elsewhere its cut is a sample
+    estimate of the global one. A guess, so plain float sums and one sort (not ``m2po_mask``'s
+    exact fixed-point selection): a wrong guess costs recomputation, never exactness."""
+    def trust(d, a, m, key):
+        m = m.to(torch.bool)
+        d = torch.where(m, d.detach().to(torch.float64), 0.0).clamp(-DELTA_CLAMP, DELTA_CLAMP)
+        t = trust_region(d, a, m)
+        return d, t, d[t].square(), key[t]
+
+    valid = loss_mask.to(torch.bool)
+    d, t, v_cur, k_cur = trust(delta, advantages, valid, order_key)
+    earlier = [trust(*x) for x in seen]
+    v_all = torch.cat([x[2] for x in earlier] + [v_cur])
+    n, tau = v_all.numel(), float(settings.threshold)
+    if n == 0 or float(v_all.sum()) <= tau * n:
+        return valid.clone()
+    keys = torch.cat([x[3] for x in earlier] + [k_cur]).to(torch.int64)
+    by_key = torch.argsort(keys, stable=True)  # ascending v, equal v by ascending key
+    order = by_key[torch.argsort(v_all[by_key], stable=True)]
+    v = v_all[order]
+    csum = torch.cumsum(v, 0)
+    i = torch.arange(1, n + 1, dtype=v.dtype, device=v.device)
+    if settings.rule == "remove":  # keep the longest ascending prefix whose mean is <= tau
+        kept = torch.zeros(n, dtype=torch.bool, device=v.device)
+        kept[order[:int((csum <= tau * i).sum())]] = True
+        masked_cur = ~kept[n - v_cur.numel():]
+    else:  # the largest v whose capped mean mean(min(v, c)) is <= tau (0: mask every trust token)
+        ok = (csum + v * (n - i)) <= tau * n
+        masked_cur = v_cur > (float(v[ok].max()) if bool(ok.any()) else 0.0)
+    keep = valid.clone()
+    keep[t.nonzero().flatten()[masked_cur]] = False
+    return keep
+
+
+@register_loss("m2po", settings=M2POConfig, token_mask=_m2po_mask, mask_scope=_m2po_scope,
+               provisional_keep=_m2po_provisional_keep)
 def _m2po(x: LossInputs, cfg) -> Objective:
     if x.keep is None:
         raise ValueError("loss 'm2po' needs keep= (the mask from algo.m2_mask.m2po_mask over the mini-batch)")

@@ -109,3 +109,26 @@ def actor_config(hf_dir: str, *, tp: int = 1, pp: int = 1, mbs: int = 2, loss: s
     cfg.optim.weight_decay = 0.0
     cfg.rollout.temperature = 1.0
     return cfg
+
+
+def snapshot(actor):
+    """The actor's training state: weights, optimizer state (fp32 master weights and Adam moments),
+    LR schedule, version and the previous update's metrics; :func:`restore` puts it back, so that
+    two ways of doing one update can start from the same state."""
+    import copy
+
+    return ([p.detach().clone() for m in actor.model for p in m.parameters()],
+            copy.deepcopy(actor.optimizer.state_dict()), copy.deepcopy(actor.scheduler.state_dict()),
+            actor.version, copy.deepcopy(actor._mask_hint))
+
+
+def restore(actor, snap) -> None:
+    import copy
+
+    params, opt, sched, version, hint = snap
+    with torch.no_grad():
+        for p, v in zip((p for m in actor.model for p in m.parameters()), params):
+            p.copy_(v)
+    actor.optimizer.load_state_dict(copy.deepcopy(opt))
+    actor.scheduler.load_state_dict(copy.deepcopy(sched))
+    actor.version, actor._mask_hint = version, copy.deepcopy(hint)
