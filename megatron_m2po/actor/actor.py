@@ -57,6 +57,7 @@ import torch.distributed as dist
 from megatron_m2po.actor.batch import (BatchPlan, MicroBatch, RolloutBatch, ShardedBatch, balanced_shards, dp_shard,
                                        group_microbatches, make_microbatches)
 from megatron_m2po.config import AlgoConfig, Config, ModelConfig, OptimConfig, ParallelConfig
+from megatron_m2po.utils.timing import TIMER
 
 __all__ = ["ActorConfig", "MegatronActor", "init_parallel", "destroy_parallel"]
 
@@ -453,8 +454,9 @@ class MegatronActor:
         #    with strategy "correct" a provisional mask now and the exact one after step 2)
         keeps, prepass_metrics = [None] * len(mbs), {}
         if strategy == "prepass":
-            keeps, prepass_metrics = self._mask_prepass(
-                mbs, spec, settings, plan, records, measure=getattr(settings, "mask_strategy", None) == "auto")
+            with TIMER.phase("mask"):
+                keeps, prepass_metrics = self._mask_prepass(
+                    mbs, spec, settings, plan, records, measure=getattr(settings, "mask_strategy", None) == "auto")
         provisional: Optional[list[dict]] = [] if strategy == "correct" else None
 
         # 2. forward-backward with the mask fixed (or provisional, then corrected)
@@ -463,13 +465,16 @@ class MegatronActor:
             m.zero_grad_buffer()
         self.optimizer.zero_grad()
         self._deferred_finalize = [] if provisional is not None else None
+        # Timed on the host without added syncs (utils/timing.py says what that means on a GPU).
         try:
-            self._run(mbs, lambda mb, model, hidden: self._policy_loss(
-                mb, model, hidden, next(it), spec=spec, settings=settings, denom=denom, records=records,
-                provisional=provisional), forward_only=False)
+            with TIMER.phase("forward_backward"):
+                self._run(mbs, lambda mb, model, hidden: self._policy_loss(
+                    mb, model, hidden, next(it), spec=spec, settings=settings, denom=denom, records=records,
+                    provisional=provisional), forward_only=False)
             if provisional is not None:
-                prepass_metrics = self._correct_mask(mbs, provisional, plan, samples, mine, spec, settings, denom,
-                                                     records)
+                with TIMER.phase("mask"):
+                    prepass_metrics = self._correct_mask(mbs, provisional, plan, samples, mine, spec, settings,
+                                                         denom, records)
                 deferred = self._deferred_finalize
         finally:
             self._deferred_finalize = None
@@ -479,7 +484,8 @@ class MegatronActor:
 
         # 3. optimizer step
         self.scheduler.step(increment=1)  # update u runs at the LR of step u + 1 (warm-up starts above 0)
-        ok, grad_norm, _ = self.optimizer.step()
+        with TIMER.phase("optimizer"):
+            ok, grad_norm, _ = self.optimizer.step()
         if not ok:
             raise RuntimeError("the optimizer step was skipped (non-finite gradients)")
         self.version += 1

@@ -36,6 +36,7 @@ from typing import Any, Awaitable, Callable, Optional, Sequence
 import numpy as np
 
 from megatron_m2po.store.types import Group, Trajectory
+from megatron_m2po.utils.timing import TIMER
 
 logger = logging.getLogger(__name__)
 
@@ -121,7 +122,8 @@ async def default_producer(ctx: ProducerContext, prompts: list) -> list[Group]:
     texts = [ctx.tokenizer.decode(o.output_ids, skip_special_tokens=True) for o in outs]
     answers = [item.answer for item in prompts for _ in range(ctx.n_samples)]
     # The reward pool blocks; keep the event loop free for other producers' requests.
-    result = await asyncio.get_running_loop().run_in_executor(None, ctx.reward.score_batch, texts, answers)
+    with TIMER.phase("reward"):  # driver-side; concurrent groups overlap (a sum of their times)
+        result = await asyncio.get_running_loop().run_in_executor(None, ctx.reward.score_batch, texts, answers)
     groups = []
     for p, item in enumerate(prompts):
         gid = ctx.group_id(p)

@@ -36,6 +36,7 @@ from megatron_m2po.store.store import NotReadyError, RolloutStore, bounded
 from megatron_m2po.store.types import Group
 from megatron_m2po.utils.background_loop import BackgroundLoop
 from megatron_m2po.utils.faults import fault_point
+from megatron_m2po.utils.timing import TIMER
 
 log = logging.getLogger(__name__)
 
@@ -434,7 +435,8 @@ class RolloutDriver:
 
     async def _generate_and_store_locked(self, ctx: ProducerContext, prompts: list, positions: list[int]) -> int:
         t0 = time.perf_counter()
-        fixed = await self._generate(ctx, prompts, positions)
+        with TIMER.phase("generation"):  # the driver's thread: overlaps the trainer in stale_k / async
+            fixed = await self._generate(ctx, prompts, positions)
         await asyncio.get_running_loop().run_in_executor(
             None, lambda: self.store.put_groups(fixed))
         self.gen_seconds += time.perf_counter() - t0

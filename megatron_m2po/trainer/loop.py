@@ -52,6 +52,7 @@ from megatron_m2po.trainer.schedule import events_at, generation_version
 from megatron_m2po.trainer.token_dump import TokenDump
 from megatron_m2po.utils.faults import fault_point
 from megatron_m2po.utils.hf_dir import resolve_model_path
+from megatron_m2po.utils.timing import TIMER
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -201,9 +202,11 @@ class Trainer:
         extra = self._from_rank0(lambda: self._rollout_state(step, at_boundary=at_boundary))
         name = f"step_{step:06d}"
         t0 = time.perf_counter()
-        self.actor.save_checkpoint(str(self.ckpt_dir / name), extra)
+        with TIMER.phase("checkpoint"):
+            self.actor.save_checkpoint(str(self.ckpt_dir / name), extra)
+            if self.lead:
+                self._prune_checkpoints()
         if self.lead:
-            self._prune_checkpoints()
             log.info("checkpoint %s written in %.1fs", name, time.perf_counter() - t0)
 
     def _rollout_state(self, step: int, at_boundary: bool = False) -> dict:
@@ -241,8 +244,9 @@ class Trainer:
             fault_point("engine_dies", lambda: self.driver.fleet.engines[0].handle.proc.kill())
         for attempt in (1, 2):
             try:
-                push_from_stages(self.driver if self.lead else None, self.actor.iter_stage_hf_weights(), v,
-                                 stage=layout.stage, n_stages=layout.n_stages, sender=layout.sender)
+                with TIMER.phase("push"):
+                    push_from_stages(self.driver if self.lead else None, self.actor.iter_stage_hf_weights(), v,
+                                     stage=layout.stage, n_stages=layout.n_stages, sender=layout.sender)
                 break
             except WeightSyncError as e:
                 restarted = self._from_rank0(lambda: self.driver.restart_dead_engines(), what="engine restarts")
@@ -290,6 +294,12 @@ class Trainer:
         out = {}
         if self.engines_version != version:
             out["sync/weight_s"] = self._push_weights()
+        with TIMER.phase("generation_wait"):  # on-policy: the trainer waits; stale: only starts it
+            self._run_generation(steps)
+        return out
+
+    def _run_generation(self, steps: list[int]) -> None:
+        """:meth:`_generate_steps` after its push: generate (or start generating) ``steps``."""
         if self.cfg.algo.recompute_behav_logprobs:
             # The trainer's own log-probs of the generated tokens at this version: every rank
             # takes part, so generation is synchronous here.
@@ -298,11 +308,11 @@ class Trainer:
                                           what=f"the generation of step {s}")
                 if isinstance(groups, _Stopped):
                     self._wait_stopped = True
-                    return out
+                    return
                 self._recompute_behaviour(groups)
                 if self.lead:
                     self.driver.put_groups(groups)
-            return out
+            return
         if self.lead:
             # On-policy data is needed right away; stale data overlaps with training.
             for s in steps:
@@ -310,7 +320,6 @@ class Trainer:
                               _Stopped):
                     self._wait_stopped = True  # rank 0 only: the step's lease shares it with every rank
                     break
-        return out
 
     def _stoppable(self, fn: Callable[[], T]) -> T | _Stopped:
         """Rank 0: ``fn()``, or a :class:`_Stopped` marker when a stop request ended its wait."""
@@ -376,7 +385,8 @@ class Trainer:
             self._boundary_dataset = self.driver.dataset.state_dict()
         if mode != "async":
             extra.update(self._generation_events(self.actor.version))
-        fetched = self._fetch_step(step)
+        with TIMER.phase("data_wait"):
+            fetched = self._fetch_step(step)
         if fetched is None:
             return None
         minibatches, lease, rollout = fetched
@@ -441,6 +451,10 @@ class Trainer:
             if self.lead:
                 self.driver.start_async()
         step = self.start_step
+        # Where the time goes (utils/timing.py): a step's wall time runs from the previous step's
+        # log line to its own, so the previous step's checkpoint counts in this one.
+        TIMER.reset(trace=cfg.logging.trace and self.lead is not None, pid=self.rank)
+        t_mark = time.perf_counter()
         try:
             for step in range(self.start_step, cfg.trainer.num_steps):
                 # Relaunched engines that wait for weights (distributed sync) get them now.
@@ -456,6 +470,9 @@ class Trainer:
                 metrics, per_update = trained
                 if cfg.trainer.eval_every_steps and (step + 1) % cfg.trainer.eval_every_steps == 0:
                     metrics.update(self._evaluate(step + 1))
+                now = time.perf_counter()
+                metrics.update(TIMER.take_step(now - t_mark))
+                t_mark = now
                 if self.lead:
                     self.lead.log_step(step, self.actor.version, metrics, per_update)
                 fault_point("step_end")  # logged, not yet checkpointed
@@ -475,12 +492,28 @@ class Trainer:
                     log.info("final weights exported to %s", out)
             return 0
         finally:
+            TIMER.finish(time.perf_counter() - t_mark)
+            self._report_time()
             self.close()
+
+    def _report_time(self) -> None:
+        """Rank 0: print the "where the time went" table; write the trace (``logging.trace``)."""
+        if self.lead is None or TIMER.totals()[2] == 0:
+            return
+        try:  # a report must not hide the exception that ends a run
+            print(TIMER.table(), flush=True)
+            if TIMER.trace:
+                log.info("trace written to %s (open it in https://ui.perfetto.dev)",
+                         TIMER.write_trace(self.run_dir / "trace.json"))
+        except Exception as e:  # noqa: BLE001
+            log.warning("could not report where the time went: %s", e)
 
     def _evaluate(self, step: int) -> dict[str, float]:
         if self.engines_version != self.actor.version:
             self._push_weights()
-        out = self._from_rank0(lambda: self._stoppable(lambda: self.driver.evaluate(step)), what="the evaluation")
+        with TIMER.phase("evaluation"):
+            out = self._from_rank0(lambda: self._stoppable(lambda: self.driver.evaluate(step)),
+                                   what="the evaluation")
         return {} if isinstance(out, _Stopped) else out  # stopped: the step's checkpoint comes first
 
     def close(self) -> None:

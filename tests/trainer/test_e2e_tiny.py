@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from megatron_m2po.trainer.schedule import expected_staleness
+from megatron_m2po.utils.timing import TRAINER_PHASES
 from waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -320,3 +321,36 @@ def test_fp8_rollouts_update_block_fp8_engines_every_step(tmp_path):
     versions = sorted({int(p.name[1:]) for p in (run / "weights").glob("v*") if p.name[1:].isdigit()})
     assert versions and versions[-1] == (steps - 1) * 2  # pushed block FP8 every step (keep_last=2 kept)
     assert "weight_block_size" in (run / "weights" / f"v{versions[-1]}" / "config.json").read_text()
+
+
+def test_phase_timings_table_and_trace(tmp_path):
+    """Where the time goes: every step logs its phase timings, which fit in its wall time; the run
+    prints the "where the time went" table and (logging.trace=true) writes a Chrome trace."""
+    run = tmp_path / "timed"
+    _train(run, "trainer.num_steps=2", "trainer.mode=sync", "checkpoint.save_every_steps=1",
+           "trainer.eval_every_steps=2", "logging.trace=true")
+    steps = [r for r in _records(run) if "time/wall_s" in r]
+    assert len(steps) == 2, steps
+    for r in steps:
+        t = {k: v for k, v in r.items() if k.startswith("time/")}
+        for key in ("time/data_wait_s", "time/generation_wait_s", "time/forward_backward_s", "time/optimizer_s",
+                    "time/mask_s", "time/generation_s", "time/reward_s", "time/trainer_idle_frac"):
+            assert key in t, (key, sorted(t))
+        assert all(v >= 0 for v in t.values()), t
+        trainer = sum(v for k, v in t.items() if k[len("time/"):-2] in TRAINER_PHASES)
+        assert trainer <= t["time/wall_s"] * 1.001, t
+        assert 0 <= t["time/trainer_idle_frac"] <= 1, t
+    # The first step's wall time holds no checkpoint; the second holds the first step's, and the evaluation.
+    assert "time/checkpoint_s" not in steps[0] and steps[1]["time/checkpoint_s"] > 0
+    assert steps[1]["time/evaluation_s"] > 0
+    log_text = (tmp_path / "timed.log").read_text(errors="replace")
+    assert "where the time went (2 steps" in log_text
+    trace = json.loads((run / "trace.json").read_text())
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    names = {e["name"] for e in spans}
+    assert {"push", "generation", "reward", "data_wait", "forward_backward", "optimizer", "checkpoint",
+            "evaluation"} <= names, names
+    assert all(e["dur"] >= 0 and isinstance(e["tid"], int) for e in spans)
+    # The driver's generation runs in another thread than the trainer's phases.
+    assert len({e["tid"] for e in spans if e["name"] == "generation"} |
+               {e["tid"] for e in spans if e["name"] == "optimizer"}) == 2

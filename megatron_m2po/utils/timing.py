@@ -1,0 +1,132 @@
+"""Where the time goes: per-step phase timings, the end-of-run table and a Chrome trace.
+
+One :class:`PhaseTimer` per process (:data:`TIMER`), so that the actor, the loop and the driver
+time their phases without passing it around. ``with TIMER.phase("push"): ...`` adds the wall
+time of the block to the current step's total of that phase; :meth:`PhaseTimer.take_step`
+returns those totals as ``time/<phase>_s`` metrics and starts the next step.
+
+Costs: two ``perf_counter`` calls per phase and no device synchronisation. On a GPU the host
+returns from a phase before its kernels finish; no sync is added here (the hot path stays as
+it is), so a phase's time ends at the first existing sync after it: the forward-backward's
+queued work lands in the optimizer phase, whose grad-norm read syncs. The sum over phases of a
+step is exact; the split between forward-backward and optimizer is approximate on GPU.
+
+Trace (``logging.trace=true``): every phase is also kept as a Chrome Trace Event Format
+complete event (``ph: "X"``, microseconds) with ``pid`` = the global rank and ``tid`` = the
+thread, written by :meth:`PhaseTimer.write_trace`; https://ui.perfetto.dev opens the file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+# Phases of the trainer's own time (exclusive of each other; their sum is at most the step's wall
+# time). "generation" is the driver's engine-side time: it overlaps the trainer's in stale_k / async.
+TRAINER_PHASES = ("push", "generation_wait", "data_wait", "mask", "forward_backward", "optimizer",
+                  "checkpoint", "evaluation")
+IDLE_PHASES = ("generation_wait", "data_wait")  # the trainer waits for rollouts
+
+
+class PhaseTimer:
+    """Per-step phase totals (seconds) of this process, thread-safe (the driver times its
+    generation in its own thread)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.reset()
+
+    def reset(self, *, trace: bool = False, pid: int = 0) -> None:
+        """Forget everything; ``trace``: keep every phase as a trace event (``pid``: the rank)."""
+        with self._lock:
+            self._step: dict[str, float] = defaultdict(float)
+            self._run: dict[str, float] = defaultdict(float)
+            self._steps = 0
+            self._wall = 0.0
+            self.trace = trace
+            self.pid = pid
+            self.events: list[dict] = []
+            self._threads: dict[int, str] = {}  # trace tid (an int, as Chrome wants) -> thread name
+            self._t0 = time.perf_counter()
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Time the block as phase ``name`` of the current step."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(name, time.perf_counter() - t0, start=t0)
+
+    def add(self, name: str, seconds: float, *, start: float | None = None) -> None:
+        """Add ``seconds`` to phase ``name`` (``start``: its perf_counter start, for the trace)."""
+        with self._lock:
+            self._step[name] += seconds
+            if self.trace:
+                start = time.perf_counter() - seconds if start is None else start
+                self.events.append({"name": name, "ph": "X", "ts": (start - self._t0) * 1e6, "dur": seconds * 1e6,
+                                    "pid": self.pid, "tid": threading.get_native_id()})
+                self._threads[threading.get_native_id()] = threading.current_thread().name
+
+    def take_step(self, wall_s: float) -> dict[str, float]:
+        """The step's metrics (``time/<phase>_s``, ``time/wall_s``, ``time/trainer_idle_frac``)
+        for a step of ``wall_s`` seconds; its totals join the run's and the next step starts."""
+        with self._lock:
+            step, self._step = dict(self._step), defaultdict(float)
+            for k, v in step.items():
+                self._run[k] += v
+            self._steps += 1
+            self._wall += wall_s
+        out = {f"time/{k}_s": v for k, v in sorted(step.items())}
+        out["time/wall_s"] = wall_s
+        out["time/trainer_idle_frac"] = sum(step.get(p, 0.0) for p in IDLE_PHASES) / wall_s if wall_s > 0 else 0.0
+        return out
+
+    def finish(self, wall_s: float) -> None:
+        """Count time after the last step (the final checkpoint) into the run's totals."""
+        with self._lock:
+            for k, v in self._step.items():
+                self._run[k] += v
+            self._step = defaultdict(float)
+            self._wall += wall_s
+
+    def totals(self) -> tuple[dict[str, float], float, int]:
+        """The run's (phase -> seconds, wall seconds, steps)."""
+        with self._lock:
+            return dict(self._run), self._wall, self._steps
+
+    def table(self) -> str:
+        """The "where the time went" table: per phase its total, share of the wall time and mean
+        per step; the trainer's phases first, then "other" (the rest of the wall time), then the
+        driver's overlapping generation time."""
+        run, wall, steps = self.totals()
+        rows = [(p, run[p]) for p in TRAINER_PHASES if p in run]
+        rows.append(("other", max(0.0, wall - sum(s for _, s in rows))))
+        rows += [(p, s) for p, s in sorted(run.items()) if p not in TRAINER_PHASES]
+        lines = [f"where the time went ({steps} steps, {wall:.1f}s wall; generation overlaps in stale_k/async)",
+                 f"{'phase':<18}{'total s':>10}{'% wall':>9}{'s/step':>10}"]
+        for name, s in rows:
+            lines.append(f"{name:<18}{s:>10.2f}{100 * s / wall if wall else 0.0:>8.1f}%{s / max(steps, 1):>10.3f}")
+        return "\n".join(lines)
+
+    def write_trace(self, path: str | os.PathLike) -> Path:
+        """Write the kept events as a Chrome / Perfetto trace JSON; returns the path."""
+        with self._lock:
+            events, threads = list(self.events), dict(self._threads)
+        meta = [{"name": "process_name", "ph": "M", "pid": self.pid, "tid": 0, "args": {"name": f"rank {self.pid}"}}]
+        meta += [{"name": "thread_name", "ph": "M", "pid": self.pid, "tid": t, "args": {"name": n}}
+                 for t, n in threads.items()]
+        path = Path(path)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"traceEvents": meta + events, "displayTimeUnit": "ms"}))
+        tmp.replace(path)
+        return path
+
+
+TIMER = PhaseTimer()
