@@ -359,6 +359,28 @@ class RolloutDriver:
                         ", ".join(u for u, _ in off), ", ".join(v for _, v in off), self.engine_version)
         return [u for u, _ in off]
 
+    def engine_loads(self) -> dict[str, float]:
+        """Metrics of the engines' load now (``/v1/loads``, SGLang 0.5.23 ``entrypoints/v1_loads.py``),
+        summed over engines: ``rollout/engine_{running,queued}_reqs``, ``rollout/engine_used_tokens``.
+        A snapshot, not an average; {} when there are no engines or one does not answer (a metric
+        must not end a run)."""
+        async def loads() -> list[dict]:
+            out = []
+            for url in self.engine_urls:
+                async with SGLangClient(url, timeout_s=10.0, max_retries=0) as c:
+                    out.append(await c.loads())
+            return out
+        if not self.engine_urls:
+            return {}
+        try:
+            got = self._bg.submit(loads()).result(timeout=30)
+        except Exception as e:  # noqa: BLE001
+            log.debug("engine loads: %s", e)
+            return {}
+        return {f"rollout/engine_{name}": float(sum(int(g.get(key, 0)) for g in got))
+                for name, key in (("running_reqs", "num_running_reqs"), ("queued_reqs", "num_waiting_reqs"),
+                                  ("used_tokens", "num_used_tokens"))}
+
     # ------------------------------------------------------------------ generation
     def _context(self, prefix: str, n_samples: Optional[int] = None, **meta) -> ProducerContext:
         r = self.cfg.rollout

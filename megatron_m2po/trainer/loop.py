@@ -474,6 +474,8 @@ class Trainer:
                 metrics.update(TIMER.take_step(now - t_mark))
                 t_mark = now
                 if self.lead:
+                    metrics.update(self.driver.engine_loads())
+                if self.lead:
                     self.lead.log_step(step, self.actor.version, metrics, per_update)
                 fault_point("step_end")  # logged, not yet checkpointed
                 fault_point("worker_dies")

@@ -86,6 +86,10 @@ class PhaseTimer:
         out = {f"time/{k}_s": v for k, v in sorted(step.items())}
         out["time/wall_s"] = wall_s
         out["time/trainer_idle_frac"] = sum(step.get(p, 0.0) for p in IDLE_PHASES) / wall_s if wall_s > 0 else 0.0
+        if "generation" in step and wall_s > 0:
+            # The driver generates one step at a time (its generation lock): while it does, the
+            # engines are busy; the rest of the wall time they wait (for weights or for work).
+            out["time/engine_idle_frac"] = max(0.0, 1.0 - step["generation"] / wall_s)
         return out
 
     def finish(self, wall_s: float) -> None:

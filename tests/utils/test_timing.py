@@ -28,6 +28,18 @@ def test_steps_table_and_trace(tmp_path):
     assert done.wait(10), "the driver thread did not record its phase"
     m2 = t.take_step(2.0)
     assert m2["time/generation_s"] == 3.0 and m2["time/trainer_idle_frac"] == 0.0
+    assert m2["time/engine_idle_frac"] == 0.0  # generation longer than the step: clamped
+    t.add("generation", 1.0)
+    assert t.take_step(4.0)["time/engine_idle_frac"] == 0.75
+    t.reset(trace=True, pid=3)
+    t.add("data_wait", 1.5)
+    t.add("optimizer", 2.0)
+    t.take_step(6.0)
+    with t.phase("forward_backward"):
+        pass
+    threading.Thread(target=driver, name="driver").start()
+    assert done.wait(10)
+    t.take_step(2.0)
     assert m2["time/forward_backward_s"] >= 0
     t.add("checkpoint", 1.0)
     t.finish(1.5)  # the final checkpoint, after the last step
@@ -41,7 +53,7 @@ def test_steps_table_and_trace(tmp_path):
     assert list(rows).index("generation") > list(rows).index("other")
     trace = json.loads(t.write_trace(tmp_path / "trace.json").read_text())
     spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
-    assert sorted(e["name"] for e in spans) == ["checkpoint", "data_wait", "data_wait", "forward_backward",
+    assert sorted(e["name"] for e in spans) == ["checkpoint", "data_wait", "forward_backward",
                                                 "generation", "optimizer"]
     assert {e["pid"] for e in spans} == {3}
     threads = {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
