@@ -5,7 +5,7 @@
 
 Without ``--metrics`` it draws the standard panels that exist in the files (reward / accuracy,
 mask or clip fraction, M2 before/after, KL, entropy, staleness, gradient norm, response length,
-throughput): one PNG per panel plus ``overview.png`` with all of them. With ``--metrics`` (names
+throughput, where the time goes per step and the trainer's / engines' idle fractions): one PNG per panel plus ``overview.png`` with all of them. With ``--metrics`` (names
 or shell-style patterns such as ``'policy/*'``) it draws one PNG per metric plus the overview.
 Several files overlay as one colour per run, labelled by run directory name.
 
@@ -39,6 +39,12 @@ PANELS: list[tuple[str, str, list[str]]] = [
     ("grad_norm", "Gradient norm", ["*grad_norm*"]),
     ("response_len", "Response length (tokens)", ["rollout/response_len"]),
     ("throughput", "Throughput (tokens/s)", ["perf/tokens_per_s"]),
+    # Where the time goes (docs/design.md §3): the trainer's phases per step, and who waits.
+    ("time", "Where the time goes (s per step)",
+     ["time/wall_s", "time/generation_wait_s", "time/data_wait_s", "time/push_s", "time/mask_s",
+      "time/forward_backward_s", "time/optimizer_s", "time/checkpoint_s", "time/evaluation_s", "time/generation_s"]),
+    ("idle", "Idle fraction (trainer waits for data, engines for work)",
+     ["time/trainer_idle_frac", "time/engine_idle_frac"]),
 ]
 _LINESTYLES = ["-", "--", ":", "-."]
 _SKIP_KEYS = {"step", "time", "update"}
@@ -94,7 +100,9 @@ def _draw(ax, runs, labels, keys, x_key, title, smooth) -> bool:
                 name = key
             else:
                 name = label if len(keys) == 1 else f"{label}: {key}"
-            ax.plot(xs, moving_average(ys, smooth), color=colors[ri % len(colors)],
+            # One run: a colour per metric (a panel such as "time" has more lines than line styles).
+            color = colors[(ki if len(runs) == 1 else ri) % len(colors)]
+            ax.plot(xs, moving_average(ys, smooth), color=color,
                     linestyle=_LINESTYLES[ki % len(_LINESTYLES)], linewidth=1.4,
                     marker="o" if len(xs) < 30 else None, markersize=3, label=name)
             drew = True

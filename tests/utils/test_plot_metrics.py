@@ -112,3 +112,30 @@ def test_cli(tmp_path):
                           "--out", str(tmp_path / "cli"), "--metrics", "zzz"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "available:" in bad.stderr
+
+
+def test_where_the_time_goes_panels(tmp_path, monkeypatch):
+    with MetricsLogger(tmp_path / "run", tensorboard=False) as ml:
+        for s in range(1, 6):
+            ml.log({"time/wall_s": 2.0, "time/data_wait_s": 0.5, "time/forward_backward_s": 1.0,
+                    "time/optimizer_s": 0.1, "time/generation_s": 1.5, "time/trainer_idle_frac": 0.25,
+                    "time/engine_idle_frac": 0.25}, step=s)
+    import matplotlib.figure
+
+    seen = {}
+    orig = matplotlib.figure.Figure.savefig
+
+    def record(fig, path, *args, **kw):
+        ax = fig.axes[0]
+        seen[Path(path).name] = ([t.get_text() for t in ax.get_legend().get_texts()],
+                                 {line.get_color() for line in ax.get_lines()})
+        return orig(fig, path, *args, **kw)
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", record)
+    written = plot_metrics([tmp_path / "run"], tmp_path / "p")
+    assert [p.name for p in written] == ["time.png", "idle.png", "overview.png"]
+    legend, colors = seen["time.png"]
+    assert legend == ["time/wall_s", "time/data_wait_s", "time/forward_backward_s", "time/optimizer_s",
+                      "time/generation_s"]
+    assert len(colors) == 5  # one run: each phase its own colour
+    assert seen["idle.png"][0] == ["time/trainer_idle_frac", "time/engine_idle_frac"]
