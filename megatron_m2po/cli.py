@@ -19,7 +19,7 @@ COMMANDS: dict[str, str] = {
     "eval": "megatron_m2po.evaluation",
     "store": "megatron_m2po.store.cli",
     "convert": "megatron_m2po.actor.convert",
-    "plan": "megatron_m2po.plan_search",   # extends planner.register with --search
+    "plan": "megatron_m2po.plan.search",  # extends plan.memory.register with --search
     "experiment": "megatron_m2po.experiment",
     "config": "megatron_m2po.config_cli",
 }

@@ -102,7 +102,7 @@ class RehearsalError(RuntimeError):
 
 
 @dataclass
-class Plan:
+class RehearsalPlan:
     """The rehearsal's config: the recipe with the substitutions (key -> (value, reason))."""
 
     recipe: str
@@ -131,7 +131,7 @@ def family_of(cfg: Config) -> str:
 
 
 def plan(config_path: Path, *, shared: Path, model_dir: str, family: str, steps: int, kill_after: int,
-         extra: list[str], router_addr: str) -> Plan:
+         extra: list[str], router_addr: str) -> RehearsalPlan:
     """The recipe with the substitutions; validated as the trainer will see it (with ``router_addr``,
     which the nodes get from ``ROUTER_ADDR`` like a user's run)."""
     cfg = load_config(config_path)
@@ -188,7 +188,7 @@ def plan(config_path: Path, *, shared: Path, model_dir: str, family: str, steps:
                            + ([] if local else [f"rollout.router_addr={router_addr}"]))
     final = config_from_dict(data)
     name = config_path.stem
-    return Plan(name, config_path, final, o, family, note, steps, kill_after, extra)
+    return RehearsalPlan(name, config_path, final, o, family, note, steps, kill_after, extra)
 
 
 # ---------------------------------------------------------------------------- processes
@@ -307,7 +307,7 @@ def _port_free(port: int) -> bool:
 
 @dataclass
 class Rehearsal:
-    plan: Plan
+    plan: RehearsalPlan
     workdir: Path
     model_dir: str
     router_port: int

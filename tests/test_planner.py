@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_m2po import planner as P
+from megatron_m2po.plan import memory as P
 from megatron_m2po.cli import main
 from megatron_m2po.config import load_config
 
@@ -339,7 +339,7 @@ def test_planner_refuses_what_the_actor_refuses(capsys):
 # `m2po plan --search`: the cost model by hand, the ranking rules, the recipes
 # ---------------------------------------------------------------------------------------------
 
-from megatron_m2po import plan_search as S  # noqa: E402
+from megatron_m2po.plan import search as S  # noqa: E402
 
 # A GPT-style toy (MHA, GeLU MLP 4h): matmul parameters per layer 4h^2 + 8h^2 = 12h^2.
 TOY = P.ModelShape("toy", hidden=1024, layers=8, heads=8, kv_heads=8, ffn=4096, vocab=32000, tied=False,

@@ -88,10 +88,10 @@ def thd_to_padded_index(cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.T
     return pos, seq, int(lengths.max()) if lengths.numel() else 0
 
 
-_PLANS: dict = {}  # the current micro-batch's _PackPlan, keyed by (cu_seqlens, heads per partition)
+_PLANS: dict = {}  # the current micro-batch's _PackedAttentionPlan, keyed by (cu_seqlens, heads per partition)
 
 
-class _PackPlan:
+class _PackedAttentionPlan:
     """Index tensors of one pack's padded groups, computed once per micro-batch (every layer
     of the micro-batch reuses them)."""
 
@@ -161,7 +161,7 @@ class PackedDotProductAttention(DotProductAttention):
         key_ = (tuple(cu.tolist()), self.num_attention_heads_per_partition)
         plan = _PLANS.get(key_)
         if plan is None:
-            plan = _PackPlan(list(key_[0]), key_[1], query.device, GROUP_OVERHEAD_ELEMENTS)
+            plan = _PackedAttentionPlan(list(key_[0]), key_[1], query.device, GROUP_OVERHEAD_ELEMENTS)
             _PLANS.clear()  # one micro-batch at a time: keep only its plan
             _PLANS[key_] = plan
         outs = []

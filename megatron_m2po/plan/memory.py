@@ -52,8 +52,8 @@ from megatron_m2po.config import Config, load_config
 
 GiB = 1024 ** 3
 
-__all__ = ["ModelShape", "MODELS", "Layout", "StageMemory", "Plan", "PlanError", "model_shape",
-           "estimate", "plan", "plan_from_config", "register", "run"]
+__all__ = ["ModelShape", "MODELS", "Layout", "StageMemory", "LayoutPlan", "PlanError", "model_shape",
+           "estimate", "plan", "plan_from_config", "stage_params", "resolve_model", "config_of", "register", "run"]
 
 
 class PlanError(ValueError):
@@ -239,7 +239,7 @@ class StageMemory:
 
 
 @dataclass
-class Plan:
+class LayoutPlan:
     model: ModelShape
     layout: Layout
     stages: list[StageMemory]
@@ -255,7 +255,7 @@ class Plan:
     def ok(self) -> bool:
         return not self.errors
 
-    def raise_if_infeasible(self) -> "Plan":
+    def raise_if_infeasible(self) -> "LayoutPlan":
         if self.errors:
             raise PlanError("; ".join(self.errors))
         return self
@@ -286,7 +286,7 @@ def layer_activation_bytes(m: ModelShape, tokens: float, seq_len: int, tp: int, 
     return replicated / (tp if sequence_parallel else 1) + split / tp
 
 
-def _stage_params(m: ModelShape, lay: Layout, stage: int, vocab_p: int) -> float:
+def stage_params(m: ModelShape, lay: Layout, stage: int, vocab_p: int) -> float:
     per_layer = m.layer_params()
     p = per_layer * m.layers / lay.pp
     emb = vocab_p * m.hidden
@@ -326,7 +326,7 @@ def estimate(m: ModelShape, lay: Layout) -> list[StageMemory]:
     fused = min(lay.logprob_chunk_rows, toks) * vocab_p / lay.tp * 12
     out = []
     for i in range(lay.pp):
-        params = _stage_params(m, lay, i, vocab_p)
+        params = stage_params(m, lay, i, vocab_p)
         if lay.vpp:  # interleaved 1F1B: Megatron's memory penalty on the first stage
             in_flight = math.ceil((1 + (lay.pp - 1) / (lay.pp * lay.vpp)) * lay.pp) if i == 0 else lay.pp - i
             factor = (1 + (lay.pp - 1) / (lay.pp * lay.vpp)) * lay.pp if i == 0 else lay.pp - i
@@ -355,8 +355,8 @@ def _divisors(n: int, limit: int) -> list[int]:
     return [d for d in range(1, min(n, limit) + 1) if n % d == 0]
 
 
-def plan(m: ModelShape, lay: Layout) -> Plan:
-    """Estimate and check ``lay`` for ``m``; ``Plan.errors`` says what is impossible and what to change."""
+def plan(m: ModelShape, lay: Layout) -> LayoutPlan:
+    """Estimate and check ``lay`` for ``m``; ``LayoutPlan.errors`` says what is impossible and what to change."""
     errs: list[str] = []
     warns: list[str] = []
     for k in ("tp", "pp", "dp", "cp"):
@@ -399,7 +399,7 @@ def plan(m: ModelShape, lay: Layout) -> Plan:
                      f"bubbles; raise prompts_per_update or lower micro_batch_size")
 
     stages_mem = estimate(m, lay) if not errs else []
-    p = Plan(model=m, layout=lay, stages=stages_mem, errors=errs, warnings=warns)
+    p = LayoutPlan(model=m, layout=lay, stages=stages_mem, errors=errs, warnings=warns)
     if errs:
         return p
     worst = p.worst
@@ -487,7 +487,7 @@ def engine_gpus(cfg: Config, lay: Layout) -> list[int]:
     return list(range(lay.gpus_per_node, lay.gpus_per_node + r.num_engines * r.engine_tp))
 
 
-def plan_from_config(cfg: Config, m: ModelShape, **kw: Any) -> Plan:
+def plan_from_config(cfg: Config, m: ModelShape, **kw: Any) -> LayoutPlan:
     """Plan a run config: layout, engine GPU accounting, memory."""
     lay = layout_from_config(cfg, **kw)
     extra: list[str] = []
@@ -538,7 +538,7 @@ def _bool_flag(p: argparse.ArgumentParser, name: str, help: str) -> None:
 
 
 def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Add ``m2po plan`` (``plan_search.register`` extends it with ``--search``)."""
+    """Add ``m2po plan`` (``plan.search.register`` extends it with ``--search``)."""
     p = sub.add_parser("plan", help="Estimate per-GPU memory of a layout and reject impossible ones.",
                        description=__doc__.split("\n\n")[0])
     p.add_argument("config", nargs="?", help="Run config YAML (omit for the defaults).")
@@ -570,7 +570,7 @@ def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     return p
 
 
-def _resolve_model(args: argparse.Namespace, cfg: Config) -> ModelShape:
+def resolve_model(args: argparse.Namespace, cfg: Config) -> ModelShape:
     if args.hf_config:
         return ModelShape.from_hf_config(args.hf_config)
     if args.model:
@@ -595,7 +595,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     cfg = config_of(args)
     try:
-        m = _resolve_model(args, cfg)
+        m = resolve_model(args, cfg)
         names = {"tp": "tp", "pp": "pp", "dp": "dp", "cp": "cp", "vpp": "vpp", "micro_batch_tokens": "micro_batch_tokens",
                  "seq_len": "seq_len", "num_microbatches": "num_microbatches", "recompute": "recompute",
                  "sequence_parallel": "sequence_parallel", "distributed_optimizer": "distributed_optimizer",
@@ -614,7 +614,7 @@ def run(args: argparse.Namespace) -> int:
     return 0 if p.ok else 1
 
 
-def plan_to_dict(p: Plan) -> dict:
+def plan_to_dict(p: LayoutPlan) -> dict:
     return {"model": dataclasses.asdict(p.model), "layout": dataclasses.asdict(p.layout),
             "params_b": p.model.num_params() / 1e9,
             "stages": [dict(dataclasses.asdict(s), total=s.total) for s in p.stages],
@@ -623,7 +623,7 @@ def plan_to_dict(p: Plan) -> dict:
             "notes": p.notes}
 
 
-def print_plan(p: Plan) -> None:
+def print_plan(p: LayoutPlan) -> None:
     from rich.console import Console
     from rich.table import Table
 

@@ -1,6 +1,6 @@
 """``m2po plan --search``: enumerate the layouts that fit and rank them by estimated step time.
 
-The memory of each candidate comes from :func:`megatron_m2po.planner.plan` (the same estimate and
+The memory of each candidate comes from :func:`megatron_m2po.plan.memory.plan` (the same estimate and
 the same refusals as ``m2po plan``); the time comes from the cost model below. Every assumption
 is a field of :class:`CostModel` with its value and reason, and ``m2po plan --search`` prints
 them (docs/planner.md explains the model).
@@ -37,10 +37,10 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from megatron_m2po import planner
 from megatron_m2po.config import Config
-from megatron_m2po.planner import (GiB, Layout, ModelShape, Plan, PlanError, _stage_params, padded_vocab,
-                                   plan_from_config)
+from megatron_m2po.plan import memory
+from megatron_m2po.plan.memory import (GiB, Layout, LayoutPlan, ModelShape, PlanError, padded_vocab, plan_from_config,
+                                       stage_params)
 
 __all__ = ["CostModel", "Workload", "Candidate", "SearchResult", "step_time", "model_flops_per_update",
            "search_config", "parallel_section", "packing_of", "print_search", "result_to_dict", "register"]
@@ -125,7 +125,7 @@ class Candidate:
 
     layout: Layout
     budget_k: int               # micro-batch token budget = budget_k * seq_len
-    plan: Plan
+    plan: LayoutPlan
     micro_batches: int = 0      # per update per data-parallel rank
     time: dict[str, float] = dataclasses.field(default_factory=dict)
 
@@ -235,7 +235,7 @@ def step_time(m: ModelShape, lay: Layout, work: Workload, budget_k: int, cm: Cos
     # DP: gradients (fp32) reduced over dp; the distributed optimizer reduce-scatters them and
     # all-gathers the bf16 parameters instead of one all-reduce.
     vocab_p = padded_vocab(m.vocab, tp, lay.vocab_divisible_by)
-    params = max(_stage_params(m, lay, i, vocab_p) for i in range(pp))
+    params = max(stage_params(m, lay, i, vocab_p) for i in range(pp))
     dp_comm = 0.0
     if dp > 1:
         bw = _bw(tp * dp, lay.gpus_per_node, cm)
@@ -367,7 +367,7 @@ def search_config(cfg: Config, m: ModelShape, *, nnodes: int = 1, gpus_per_node:
                   headroom: float = 0.1, max_vpp: int = 4, tie: float = 0.02) -> SearchResult:
     """Every layout of ``cfg``'s model on ``nnodes x gpus_per_node`` GPUs, ranked by step time.
 
-    A layout fits when :func:`~megatron_m2po.planner.plan` accepts it and its worst stage needs at
+    A layout fits when :func:`~megatron_m2po.plan.memory.plan` accepts it and its worst stage needs at
     most ``(1 - headroom)`` of the memory budget (a margin for the estimate's error). The chosen
     one (:attr:`SearchResult.best`) needs the least memory among those within ``tie`` of the
     fastest estimated step time.
@@ -549,7 +549,7 @@ def print_search(res: SearchResult, top: int = 5) -> None:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = planner.register(sub)
+    p = memory.register(sub)
     p.add_argument("--search", action="store_true",
                    help="Enumerate the layouts that fit the cluster (tp, pp, vpp, recompute, micro-batch token "
                         "budget, distributed optimizer), rank them by estimated step time (cost model in "
@@ -565,16 +565,16 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if not args.search or args.list_models:
-        return planner.run(args)
+        return memory.run(args)
     fixed = [k for k in ("tp", "pp", "dp", "cp", "vpp", "micro_batch_tokens", "num_microbatches", "recompute",
                          "sequence_parallel", "distributed_optimizer") if getattr(args, k, None) is not None]
     if fixed:
         print(f"m2po plan --search: --{', --'.join(k.replace('_', '-') for k in fixed)} fix what the search "
               f"enumerates; drop them (or drop --search to check one layout)", file=sys.stderr)
         return 2
-    cfg = planner.config_of(args)
+    cfg = memory.config_of(args)
     try:
-        m = planner._resolve_model(args, cfg)
+        m = memory.resolve_model(args, cfg)
         def search(nnodes: int) -> SearchResult:
             r = search_config(cfg, m, nnodes=nnodes, gpus_per_node=args.gpus_per_node, node_gpus=args.node_gpus,
                               gpu_mem_gib=args.gpu_mem_gib, headroom=args.headroom, tie=args.tie)
