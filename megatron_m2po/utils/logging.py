@@ -118,7 +118,7 @@ class MetricsLogger:
 
     Example::
 
-        ml = MetricsLogger("runs/x", config_dict=cfg.to_dict(), enabled=rank == 0)
+        ml = MetricsLogger("runs/x", config_dict=config_to_dict(cfg)  # megatron_m2po.config.config_to_dict, enabled=rank == 0)
         ml.log({"rollout/reward_mean": 0.4, "staleness/hist": [0, 12, 30]}, step=3)
         ml.close()
 
