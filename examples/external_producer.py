@@ -16,6 +16,11 @@ Generation: an HF model on this machine (default; reloaded when a newer version 
 ``--engine-url`` for an SGLang-compatible engine (a CPU worker or SGLang, e.g. engines the
 trainer updates): then the engine's reported per-token versions (or its ``weight_version``) tag
 the tokens (else the version published at submission, the oldest they can come from). See ``megatron_m2po/rollout/external.py`` for the protocol.
+
+Exit status: 0 after ``--rounds`` rounds; 3 when the trainer (or store server) is gone - its
+port closed or unreachable after the client's retries, as when a run has finished - with one
+line saying so on stderr; 4 when the server refused a request (wrong token, a bad group), with
+its answer on one line.
 """
 
 from __future__ import annotations
@@ -34,8 +39,12 @@ from megatron_m2po.config import DataConfig, RewardConfig
 from megatron_m2po.data import build_prompt_dataset
 from megatron_m2po.rewards import get_reward_fn
 from megatron_m2po.rollout.external import Completion, ExternalProducer, WeightsRef, make_group
+from megatron_m2po.store.client import StoreClientError
 
 log = logging.getLogger("external_producer")
+
+EXIT_TRAINER_GONE = 3
+EXIT_REFUSED = 4
 
 
 class HFSampler:
@@ -162,6 +171,15 @@ def main(argv: list[str] | None = None) -> int:
                      float(sum(scores)) / max(len(scores), 1))
             if args.interval_s and rnd + 1 < args.rounds:
                 time.sleep(args.interval_s)
+    except StoreClientError as e:
+        # No status: no answer at all after the client's retries (the trainer finished and closed
+        # its port, or never listened there); a status: the server answered and refused.
+        if e.status is None:
+            print(f"external_producer: the trainer at {args.store_url} is gone or not answering ({e.message}); stopping",
+                  file=sys.stderr, flush=True)
+            return EXIT_TRAINER_GONE
+        print(f"external_producer: {args.store_url} refused the request: {e}", file=sys.stderr, flush=True)
+        return EXIT_REFUSED
     finally:
         reward.close()
     return 0

@@ -312,6 +312,9 @@ class LoggingConfig:
     dump_tokens_every: int = _f(0, ge=0, help="Write token-level data (entropy, log-ratio, advantage sign, staleness, "
                                 "GRPO clip / M2PO mask decisions) of every N-th training step to "
                                 "<run_dir>/tokens/step_NNNNNN.npz (0 = never); read by `m2po experiment entropy`.")
+    access_log: bool = _f(False, help="Print aiohttp's access line of every request to the trainer's ingestion server "
+                          "(rollout.source=external) on the console; off, requests are only counted "
+                          "(server/requests in its GET /v1/stats).")
     dump_tokens_max: int = _f(200_000, ge=1, help="At most this many response tokens per dumped step (a seeded uniform "
                               "subset beyond it): bounds a dump to ~10 MB.")
     trace: bool = _f(False, help="Write <run_dir>/trace.json, a Chrome / Perfetto trace (open it in "

@@ -14,9 +14,9 @@ Candidates (for the config's cluster, ``nnodes x gpus_per_node`` trainer GPUs):
   split into ``pp * vpp`` chunks and there are at least ``pp`` micro-batches (Megatron's
   interleaved schedule needs ``microbatch_group_size_per_vp_stage >= pp``);
 * recompute ``none`` / ``selective`` / ``full``; distributed optimizer off / on;
-* a micro-batch token budget of ``k x seq_len``, ``k`` in 1, 2, 4, 8. Without packing (the
-  actor today) that is ``parallel.micro_batch_size = k`` sequences right-padded to the longest;
-  with packing it is ``parallel.max_tokens_per_microbatch = k * seq_len`` tokens.
+* a micro-batch token budget of ``k x seq_len``, ``k`` in 1, 2, 4, 8. Without packing
+  (``parallel.packing=false``) that is ``parallel.micro_batch_size = k`` sequences right-padded
+  to the longest; with packing it is ``parallel.max_tokens_per_microbatch = k * seq_len`` tokens.
 
 Workload: ``prompts_per_update * n_samples_per_prompt`` sequences per optimizer update,
 ``num_updates_per_step`` updates per step, lengths ``seq_len = max_prompt + max_new`` at most.

@@ -1,7 +1,8 @@
 """Asyncio client for an SGLang engine or an sglang-router (and for our CPU worker).
 
-Routes and field names follow SGLang 0.5.x; checked against the source of
-``sgl-project/sglang`` (stored copies, versions 0.5.3rc2 and later 0.5.x):
+Routes and field names follow SGLang 0.5.23, the one supported version
+(``rollout/sglang_version.py``; ``tests/rollout/test_sglang_contract.py`` checks them against the
+wheel's source):
 
 - ``python/sglang/srt/entrypoints/http_server.py``: ``/generate`` (POST|PUT, body =
   ``GenerateReqInput``), ``/health`` and ``/health_generate`` (both generate a token: 200, or
@@ -31,9 +32,7 @@ Routes and field names follow SGLang 0.5.x; checked against the source of
   {master_address, master_port, rank_offset, world_size, group_name="weight_update_group",
   backend="nccl"}; ``UpdateWeightsFromDistributedReqInput`` {names, dtypes, shapes, group_name,
   flush_cache, abort_all_requests, weight_version, load_format}; ``PauseGenerationReqInput``
-  {mode: "abort" (default) | "retract" | "in_place"} -- SGLang <= 0.5.5 takes no body and
-  always aborts in-flight requests, so ``pause_generation(mode="in_place")`` degrades to abort
-  there (the aborted requests come back with ``finish_reason.type == "abort"``).
+  {mode: "abort" (default) | "retract" | "in_place"}.
 - ``python/sglang/srt/managers/tokenizer_manager.py``: ``meta_info`` = {id, finish_reason,
   prompt_tokens, weight_version, completion_tokens, cached_tokens, e2e_latency,
   output_token_logprobs: [[logprob, token_id, text|None], ...]}; ``finish_reason`` is
@@ -432,13 +431,8 @@ class SGLangClient:
         return dict(zip(urls, infos))
 
     async def get_server_info(self) -> dict:
-        """GET /get_server_info (newer SGLang also serves /server_info)."""
-        try:
-            return await self.request("GET", "/get_server_info")
-        except EngineError as e:
-            if e.status != 404:
-                raise
-            return await self.request("GET", "/server_info")
+        """GET /server_info (SGLang 0.5.23's route; ``/get_server_info`` is its deprecated alias)."""
+        return await self.request("GET", "/server_info")
 
     async def weight_version(self) -> str:
         """The served weight version: ``/model_info``'s ``weight_version`` (SGLang 0.5.23 has no
@@ -457,7 +451,8 @@ class SGLangClient:
 
     # ------------------------------------------------------------------ control
     async def pause_generation(self, mode: str = "in_place") -> dict:
-        """Pause; ``in_place`` keeps in-flight requests with their KV cache (SGLang >= 0.5.6)."""
+        """Pause; ``in_place`` keeps in-flight requests with their KV cache, ``retract`` puts them
+        back in the queue, ``abort`` ends them (``PauseGenerationReqInput.mode``)."""
         if mode not in ("abort", "retract", "in_place"):
             raise ValueError(f"pause mode {mode!r}: use 'in_place', 'retract' or 'abort'")
         return await self.request("POST", "/pause_generation", {"mode": mode})

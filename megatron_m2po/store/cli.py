@@ -61,6 +61,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="Answer 408 and close when a request body stalls this long (default 60).")
     s.add_argument("--idle-timeout-s", type=float, default=75.0,
                    help="Close keep-alive connections idle this long (default 75).")
+    s.add_argument("--access-log", action="store_true",
+                   help="Print one access line per request on stderr (debugging; by default requests are "
+                        "only counted: server/requests in 'm2po store stats' over HTTP, GET /v1/stats).")
     s.set_defaults(func=run_serve)
 
     t = ssub.add_parser("stats", help="Print the metrics of a store file.")
@@ -139,7 +142,7 @@ def run_serve(args: argparse.Namespace) -> int:
                    max_request_mb=args.max_request_mb or cfg.max_request_mb,
                    synchronous=args.synchronous or cfg.synchronous, capacity_groups=args.capacity_groups,
                    trainer_token=trainer_token, body_timeout_s=args.body_timeout_s,
-                   idle_timeout_s=args.idle_timeout_s)
+                   idle_timeout_s=args.idle_timeout_s, access_log=args.access_log)
     except ValueError as e:
         raise SystemExit(f"m2po store serve: {e}") from None
     except (sqlite3.DatabaseError, RuntimeError, OSError) as e:

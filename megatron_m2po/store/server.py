@@ -194,8 +194,18 @@ def build_app(store: RolloutStore, *, token: Optional[str], max_request_bytes: i
             return _err(500, f"store error: {type(e).__name__}: {e}")
         return web.json_response(res.to_dict())
 
+    # Every request is counted (``server/requests`` in ``GET /v1/stats``) instead of logged: one
+    # aiohttp access line per push buried a trainer's step lines. Access lines are a debug switch
+    # (``m2po store serve --access-log``; ``logging.access_log`` for the trainer's own server).
+    served = [0]
+
+    @web.middleware
+    async def count(request: web.Request, handler):
+        served[0] += 1
+        return await handler(request)
+
     async def stats(_: web.Request) -> web.Response:
-        return web.json_response(await in_pool(store.metrics))
+        return web.json_response({**await in_pool(store.metrics), "server/requests": served[0]})
 
     async def get_version(_: web.Request) -> web.Response:
         v = await asyncio.get_running_loop().run_in_executor(control, read_version)
@@ -229,7 +239,7 @@ def build_app(store: RolloutStore, *, token: Optional[str], max_request_bytes: i
             if c is not None:
                 c.close()
 
-    app = web.Application(middlewares=[auth], client_max_size=max_request_bytes)
+    app = web.Application(middlewares=[count, auth], client_max_size=max_request_bytes)
     app.add_routes([web.get("/health", health), web.post("/v1/groups", post_groups), web.get("/v1/stats", stats),
                     web.get("/v1/version", get_version), web.post("/v1/version", post_version)])
     app.on_cleanup.append(on_cleanup)
@@ -239,8 +249,11 @@ def build_app(store: RolloutStore, *, token: Optional[str], max_request_bytes: i
 def run_server(path: str, *, host: str = "127.0.0.1", port: int = 8765, token: Optional[str],
                insecure_no_auth: bool = False, max_request_mb: float = 256.0, synchronous: str = "FULL",
                capacity_groups: Optional[int] = None, trainer_token: Optional[str] = None,
-               body_timeout_s: float = 60.0, idle_timeout_s: float = 75.0) -> None:
-    """Serve until SIGINT / SIGTERM. Prints ``serving ... on http://HOST:PORT`` once listening."""
+               body_timeout_s: float = 60.0, idle_timeout_s: float = 75.0, access_log: bool = False) -> None:
+    """Serve until SIGINT / SIGTERM. Prints ``serving ... on http://HOST:PORT`` once listening.
+
+    ``access_log=True`` prints aiohttp's access line of every request on stderr (debugging); by
+    default requests are only counted (``server/requests`` in ``GET /v1/stats``)."""
     if token is None and not insecure_no_auth:
         raise ValueError("no ingestion token: set the env var named by store.token_env (default M2PO_STORE_TOKEN) "
                          "or store.token_file; --insecure-no-auth serves without one (never on a shared network)")
@@ -256,10 +269,18 @@ def run_server(path: str, *, host: str = "127.0.0.1", port: int = 8765, token: O
     store = RolloutStore(path, synchronous=synchronous, capacity_groups=capacity_groups)
     max_bytes = int(max_request_mb * 1024 * 1024)
 
+    access_logger = None
+    if access_log:
+        from aiohttp.log import access_logger
+        h = logging.StreamHandler(sys.stderr)
+        h.setFormatter(logging.Formatter("%(asctime)s access: %(message)s"))
+        access_logger.addHandler(h)
+        access_logger.setLevel(logging.INFO)
+
     async def main() -> None:
         runner = web.AppRunner(build_app(store, token=token, max_request_bytes=max_bytes, trainer_token=trainer_token,
                                          body_timeout_s=body_timeout_s),
-                               access_log=None, keepalive_timeout=idle_timeout_s, lingering_time=1.0)
+                               access_log=access_logger, keepalive_timeout=idle_timeout_s, lingering_time=1.0)
         await runner.setup()
         sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

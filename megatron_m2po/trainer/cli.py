@@ -27,7 +27,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     rank = int(os.environ.get("RANK", "0"))
     from megatron_m2po.utils.logging import setup_logging
-    setup_logging(rank)
+    setup_logging(rank, access_log=cfg.logging.access_log)
     # Megatron-Core logs its whole optimizer config and every parameter bucket at INFO: keep
     # the console to our progress lines unless asked (M2PO_MEGATRON_LOG=INFO).
     logging.getLogger("megatron").setLevel(os.environ.get("M2PO_MEGATRON_LOG", "WARNING"))

@@ -118,7 +118,7 @@ class MetricsLogger:
 
     Example::
 
-        ml = MetricsLogger("runs/x", config_dict=cfg.to_dict(), enabled=rank == 0)
+        ml = MetricsLogger("runs/x", config_dict=config_to_dict(cfg)  # megatron_m2po.config.config_to_dict, enabled=rank == 0)
         ml.log({"rollout/reward_mean": 0.4, "staleness/hist": [0, 12, 30]}, step=3)
         ml.close()
 
@@ -403,8 +403,12 @@ class _StderrHandler(logging.StreamHandler):
 _HANDLER_ATTR = "_m2po_handler"
 
 
-def setup_logging(rank: int = 0, *, level: str | int = "INFO", all_ranks: bool = False) -> None:
+def setup_logging(rank: int = 0, *, level: str | int = "INFO", all_ranks: bool = False,
+                  access_log: bool = False) -> None:
     """Configure the root logger: ``[rank N] HH:MM:SS LEVEL name: message`` on stderr.
+
+    aiohttp's per-request access lines (``aiohttp.access``, one per push to the trainer's
+    ingestion server) reach the console only with ``access_log`` (``logging.access_log``).
 
     Rank 0 logs at ``level``; other ranks log warnings and errors only unless ``all_ranks``.
     Calling it again replaces the handler it installed (idempotent).
@@ -426,3 +430,4 @@ def setup_logging(rank: int = 0, *, level: str | int = "INFO", all_ranks: bool =
     root.setLevel(level if (rank == 0 or all_ranks) else max(level, logging.WARNING))
     for noisy in ("matplotlib", "PIL", "urllib3", "httpx", "filelock", "asyncio"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    logging.getLogger("aiohttp.access").setLevel(logging.INFO if access_log else logging.WARNING)

@@ -282,3 +282,47 @@ def test_load_weights_retries_when_the_trainer_prunes_the_directory(tmp_path):
 
     with pytest.raises(ValueError, match="not a model"):
         producer.load_weights(1, broken)
+
+
+def test_external_producer_example_exits_with_one_line_when_the_trainer_is_gone(base_model, tmp_path):
+    """The server closes its port mid-run (a finished trainer): exit 3 and one line, no traceback."""
+    db = tmp_path / "gone.sqlite"
+    env = {**os.environ, "M2PO_STORE_TOKEN": TOKEN}
+    server = subprocess.Popen([sys.executable, "-m", "megatron_m2po.cli", "store", "serve", "--path", str(db),
+                               "--port", "0"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    producer = None
+    try:
+        url = None
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and url is None:
+            line = server.stdout.readline()
+            if not line and server.poll() is not None:
+                break
+            m = re.search(r"on (http://\S+)", line)
+            url = m.group(1) if m else None
+        assert url, f"store server did not start (rc={server.poll()})"
+        cmd = [sys.executable, str(REPO / "examples" / "external_producer.py"), "--store-url", url,
+               "--base-model", base_model, "--rounds", "1000", "--prompts-per-round", "1", "--n-samples", "2",
+               "--max-new-tokens", "4", "--group-prefix", "ext-gone"]
+        producer = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        seen, deadline = [], time.monotonic() + 120
+        while time.monotonic() < deadline:
+            line = producer.stderr.readline()
+            if not line:
+                break
+            seen.append(line)
+            if "round 0:" in line:
+                break
+        assert seen and "round 0:" in seen[-1], "the producer pushed no round:\n" + "".join(seen)
+        server.terminate()  # the trainer finished: its port closes
+        server.wait(30)
+        _, err = producer.communicate(timeout=120)
+    finally:
+        for p in (producer, server):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait()
+    assert producer.returncode == 3, "".join(seen) + err
+    assert "Traceback" not in err, err
+    lines = [ln for ln in err.splitlines() if "round " not in ln]
+    assert len(lines) == 1 and lines[0].startswith(f"external_producer: the trainer at {url} is gone"), err
