@@ -42,8 +42,8 @@ SEED = 11
 
 EXACT_FIELDS = ("update", "sample", "pos", "token", "staleness", "advantage")
 FLOAT_FIELDS = ("logp", "behav_logp", "logratio", "entropy")
-# Metrics that measure time, or the engine's rounding against the trainer's.
-NOT_COMPARED = ("time", "perf/", "sync/", "mismatch/", "update/perf/", "update/sync/", "update/mismatch/")
+# Metrics that measure time or the engines' load, or the engine's rounding against the trainer's.
+NOT_COMPARED = ("time", "engine/", "perf/", "sync/", "mismatch/", "update/perf/", "update/sync/", "update/mismatch/")
 
 
 def _train_all(tmp_path: Path, runs: dict[str, list[str]], timeout: float = 500) -> None:

@@ -361,7 +361,8 @@ class RolloutDriver:
 
     def engine_loads(self) -> dict[str, float]:
         """Metrics of the engines' load now (``/v1/loads``, SGLang 0.5.23 ``entrypoints/v1_loads.py``),
-        summed over engines: ``rollout/engine_{running,queued}_reqs``, ``rollout/engine_used_tokens``.
+        summed over engines: ``engine/{running,queued}_reqs``, ``engine/used_tokens``; not under
+        ``rollout/``, whose metrics describe the rollouts (a re-run reproduces them exactly).
         A snapshot, not an average; {} when there are no engines or one does not answer (a metric
         must not end a run)."""
         async def loads() -> list[dict]:
@@ -377,7 +378,7 @@ class RolloutDriver:
         except Exception as e:  # noqa: BLE001
             log.debug("engine loads: %s", e)
             return {}
-        return {f"rollout/engine_{name}": float(sum(int(g.get(key, 0)) for g in got))
+        return {f"engine/{name}": float(sum(int(g.get(key, 0)) for g in got))
                 for name, key in (("running_reqs", "num_running_reqs"), ("queued_reqs", "num_waiting_reqs"),
                                   ("used_tokens", "num_used_tokens"))}
 

@@ -338,8 +338,8 @@ def test_phase_timings_table_and_trace(tmp_path):
                     "time/engine_idle_frac"):
             assert key in t, (key, sorted(t))
         # /v1/loads at the step's end: the step's generation is done, nothing runs or waits.
-        assert r["rollout/engine_running_reqs"] == r["rollout/engine_queued_reqs"] == 0, r
-        assert r["rollout/engine_used_tokens"] >= 0
+        assert r["engine/running_reqs"] == r["engine/queued_reqs"] == 0, r
+        assert r["engine/used_tokens"] >= 0
         assert all(v >= 0 for v in t.values()), t
         trainer = sum(v for k, v in t.items() if k[len("time/"):-2] in TRAINER_PHASES)
         assert trainer <= t["time/wall_s"] * 1.001, t
