@@ -111,7 +111,7 @@ def test_router_flags_keep_an_engine_paused_for_a_weight_update_routable(env):
             seen_ours.append(workers(ours)[worker])
             if quick_flipped is None and not workers(quick)[worker]:
                 quick_flipped = time.monotonic() - t0
-            time.sleep(0.2)  # poll interval while the pause lasts
+            time.sleep(0.2)  # elapsed time is the behaviour under test: polls spread over the pause
     finally:
         call(worker, "continue_generation")
     assert quick_flipped is not None, f"the 2-failure router still listed {worker} healthy after a {pause_s} s pause"
