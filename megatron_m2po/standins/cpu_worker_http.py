@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 
 from megatron_m2po.parallel.side_group import destroy_side_group
-from megatron_m2po.rollout import sglang_sampling as sampling
+from megatron_m2po.standins import sglang_sampling as sampling
 from megatron_m2po.rollout.sglang_version import SUPPORTED_SGLANG
 
 _VERSION = SUPPORTED_SGLANG  # the SGLang version it emulates: server_info's "version" (SGLang's __version__)

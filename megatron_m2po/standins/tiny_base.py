@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Iterator
 
 from megatron_m2po.data.synthetic import SyntheticTask
 
-if TYPE_CHECKING:  # torch is imported where it is used: `import megatron_m2po.utils.tiny_base` stays light
+if TYPE_CHECKING:  # torch is imported where it is used: `import megatron_m2po.standins.tiny_base` stays light
     import torch
 
 log = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
 """A CPU inference worker that speaks SGLang 0.5.23's HTTP protocol, refusals included.
 
-    python -m megatron_m2po.rollout.cpu_worker --model-path DIR --host 127.0.0.1 --port 30000
+    python -m megatron_m2po.standins.cpu_worker --model-path DIR --host 127.0.0.1 --port 30000
 
 Serves an HF transformers causal LM (float32, one torch thread) so the CPU default, CI and the
 quick-start run the same client, router and weight-sync code as production SGLang. The routes
@@ -67,10 +67,10 @@ from typing import Any, Iterable, Optional
 import torch
 
 from megatron_m2po.parallel.side_group import broadcast, new_side_group
-from megatron_m2po.rollout import sglang_sampling as sampling
-from megatron_m2po.rollout.cpu_prefix_cache import PrefixCache
-from megatron_m2po.rollout.cpu_worker_http import _DEFAULT_GROUP, RequestError, make_app
-from megatron_m2po.rollout.sglang_sampling import Sampling
+from megatron_m2po.standins import sglang_sampling as sampling
+from megatron_m2po.standins.cpu_prefix_cache import PrefixCache
+from megatron_m2po.standins.cpu_worker_http import _DEFAULT_GROUP, RequestError, make_app
+from megatron_m2po.standins.sglang_sampling import Sampling
 from megatron_m2po.utils.hf_dir import iter_safetensors
 
 log = logging.getLogger("m2po.cpu_worker")

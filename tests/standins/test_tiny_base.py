@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_m2po.utils import tiny_base as tb
+from megatron_m2po.standins import tiny_base as tb
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -166,7 +166,7 @@ def _rank_ensure(rank, world_size, cache_dir):
 
 @pytest.mark.multiproc
 def test_concurrent_ranks_build_once(tmp_path):
-    from megatron_m2po.utils.dist_testing import run_distributed
+    from megatron_m2po.standins.dist_testing import run_distributed
 
     paths = run_distributed(_rank_ensure, world_size=2, args=(str(tmp_path),), timeout_s=240)
     assert paths[0] == paths[1] == str(tb.tiny_base_path(tmp_path, FAST))
