@@ -14,6 +14,7 @@ import uuid
 from typing import Optional
 
 import torch
+from aiohttp import web
 
 from megatron_m2po.parallel.side_group import destroy_side_group
 from megatron_m2po.standins import sglang_sampling as sampling
@@ -29,30 +30,85 @@ class RequestError(ValueError):
     """A bad request: answered with HTTP 400 and the message."""
 
 
-def make_app(engine):
-    """The aiohttp application over ``engine`` (a ``cpu_worker.Engine``)."""
-    from aiohttp import web
+def _ok(payload: dict, status: int = 200) -> web.Response:
+    return web.json_response(payload, status=status)
 
-    health_generates = os.environ.get("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", "true").lower() not in (
-        "0", "false", "no", "off")
-    health_timeout_s = float(os.environ.get("SGLANG_HEALTH_CHECK_TIMEOUT", 20))
 
-    def ok(payload: dict, status: int = 200):
-        return web.json_response(payload, status=status)
+def _err(message: str, status: int = 400) -> web.Response:
+    return _ok({"error": {"message": message}}, status)
 
-    async def body(request) -> dict:
-        if not request.can_read_body:
-            return {}
-        try:
-            data = await request.json()
-        except json.JSONDecodeError as e:
-            raise web.HTTPBadRequest(text=f"invalid JSON: {e}") from None
-        return data or {}
 
-    def err(message: str, status: int = 400):
-        return ok({"error": {"message": message}}, status)
+async def _body(request) -> dict:
+    """The request's JSON body ({} when there is none); invalid JSON is a 400 naming the error."""
+    if not request.can_read_body:
+        return {}
+    try:
+        data = await request.json()
+    except json.JSONDecodeError as e:
+        raise web.HTTPBadRequest(text=f"invalid JSON: {e}") from None
+    return data or {}
 
-    def expand(req: dict) -> tuple[list, bool]:
+
+class WorkerApp:
+    """SGLang 0.5.23's HTTP routes over one ``cpu_worker.Engine``; :meth:`build` returns the aiohttp app.
+
+    The routes, by concern (each group's table is one method):
+
+    * generation: ``/generate`` (JSON or server-sent events);
+    * health and information: ``/health``, ``/health_generate``, ``/ready``, ``/model_info``,
+      ``/server_info``, ``/v1/loads``, ``/get_weights_by_name``;
+    * cache and scheduling: ``/flush_cache``, ``/abort_request``, ``/pause_generation``,
+      ``/continue_generation``, ``/slow_down``;
+    * weights: the update session (``/begin_weight_update``, ``/end_weight_update``), updates from
+      disk and from a distributed group, the group's set-up and tear-down, ``/update_weight_version``.
+
+    The state the HTTP layer keeps itself (the rest is the engine's): the deferred cache flush in
+    progress, the weight-update session, the lock that serialises weight-update group requests.
+    """
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.health_generates = os.environ.get("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", "true").lower() not in (
+            "0", "false", "no", "off")
+        self.health_timeout_s = float(os.environ.get("SGLANG_HEALTH_CHECK_TIMEOUT", 20))
+        self.flush_pending = False  # flush_wrapper.py: one deferred flush at a time
+        # SGLang 0.5.23 managers/scheduler_components/weight_updater.py: a weight-update session;
+        # distributed updates outside it fail, begin inside one and end outside one fail (HTTP 400).
+        self.session_open = False
+        # SGLang's scheduler runs one request at a time and its group set-up and broadcasts block it
+        # (managers/communicator.py queues each kind; scheduler_components/weight_updater.py):
+        # weight-update group requests are served one after another, never side by side.
+        self.group_ops = asyncio.Lock()
+
+    def build(self) -> web.Application:
+        app = web.Application(client_max_size=1 << 30)
+        app.on_startup.append(self._on_startup)
+        self._generation_routes(app.router)
+        self._health_and_info_routes(app.router)
+        self._cache_and_scheduling_routes(app.router)
+        self._weight_routes(app.router)
+        return app
+
+    async def _on_startup(self, app) -> None:
+        await self.engine.start()
+
+    def _via_scheduler(self, fn):
+        """A control request answered by the scheduler: its reply is a message to the tokenizer
+        manager (what /health waits for)."""
+        async def handler(request):
+            try:
+                return await fn(request)
+            finally:
+                self.engine.note_receive()
+        return handler
+
+    # -- generation -------------------------------------------------------------------------------
+
+    def _generation_routes(self, r) -> None:
+        r.add_route("POST", "/generate", self.generate)
+        r.add_route("PUT", "/generate", self.generate)
+
+    def _expand(self, req: dict) -> tuple[list, bool]:
         """GenerateReqInput normalisation (io_struct.py ``_handle_parallel_sampling``,
         ``_normalize_batch_inputs``, ``_normalize_rid``, ``_normalize_logprob_params``) and
         tokenizer_manager.py ``_handle_batch_request``: -> (per-request kwargs, is_batch).
@@ -66,10 +122,10 @@ def make_app(engine):
                                       "worker; use return_logprob (sampled tokens) and logprob_start_len")
         ids, text = req.get("input_ids"), req.get("text")
         if ids is None and text is not None:
-            if engine.tokenizer is None:
+            if self.engine.tokenizer is None:
                 raise RequestError("text input needs a tokenizer in the model dir; send input_ids")
-            ids = ([engine.tokenizer.encode(t) for t in text] if isinstance(text, list)
-                   else engine.tokenizer.encode(text))
+            ids = ([self.engine.tokenizer.encode(t) for t in text] if isinstance(text, list)
+                   else self.engine.tokenizer.encode(text))
         if ids is None:
             raise RequestError("one of input_ids / text is required")
         batch = bool(ids) and isinstance(ids[0], list)
@@ -127,42 +183,42 @@ def make_app(engine):
                 out.append(dict(kw, rid=uuid.uuid4().hex if n > 1 else rids[i]))
         return out, batch
 
-    async def generate(request):
-        req = await body(request)
+    async def generate(self, request):
+        req = await _body(request)
         params = req.get("sampling_params")
         try:  # api_contract.py generate_contract_error: HTTP 400 {"error": "<text>"}, streaming or not
             for p in (params if isinstance(params, list) else [params]):
                 if p is not None:
                     sampling.check_contract(p)
         except sampling.ContractError as e:
-            return ok({"error": str(e)}, 400)
+            return _ok({"error": str(e)}, 400)
         stream = bool(req.get("stream"))
         try:
-            reqs, batch = expand(req)
-            if engine.paused:  # tokenizer_manager.py generate_request: rid registered, then the wait
+            reqs, batch = self._expand(req)
+            if self.engine.paused:  # tokenizer_manager.py generate_request: rid registered, then the wait
                 held = [r["rid"] for r in reqs]
-                engine.held.update((r, False) for r in held)
+                self.engine.held.update((r, False) for r in held)
                 try:
-                    await engine.wait_resumed()
+                    await self.engine.wait_resumed()
                 finally:
-                    sent = {r: engine.held.pop(r, False) for r in held}
+                    sent = {r: self.engine.held.pop(r, False) for r in held}
             else:
                 sent = {}
-            seqs = [engine.make_seq(r.pop("input_ids"), r.pop("params"), r.pop("rid"), **r) for r in reqs]
+            seqs = [self.engine.make_seq(r.pop("input_ids"), r.pop("params"), r.pop("rid"), **r) for r in reqs]
             for s in seqs:
                 s.abort_sent = sent.get(s.rid, False)
         except sampling.ContractError as e:
-            return ok({"error": str(e)}, 400)
+            return _ok({"error": str(e)}, 400)
         except (sampling.ParamError, RequestError, TypeError, ValueError) as e:
             if stream:  # http_server.py stream_results: the error is an SSE event of a 200 answer
-                return await sse(request, [], error=str(e))
-            return err(str(e))
+                return await self._sse(request, [], error=str(e))
+            return _err(str(e))
         if stream:
-            return await sse(request, seqs, batch=batch)
-        outs = await asyncio.gather(*(engine.generate_one(s) for s in seqs))
+            return await self._sse(request, seqs, batch=batch)
+        outs = await asyncio.gather(*(self.engine.generate_one(s) for s in seqs))
         return web.json_response(outs if batch else outs[0])
 
-    async def sse(request, seqs: list, *, batch: bool = False, error: Optional[str] = None):
+    async def _sse(self, request, seqs: list, *, batch: bool = False, error: Optional[str] = None):
         """stream=true: ``data: <json>\\n\\n`` events, then ``data: [DONE]`` (http_server.py
         ``serve_generate_request``). Each event carries everything generated so far
         (non-incremental streaming, SGLang's default); batch events add ``index``
@@ -181,7 +237,7 @@ def make_app(engine):
         queue: asyncio.Queue = asyncio.Queue()
         for i, s in enumerate(seqs):
             s.events = (queue, i)
-            engine.submit(s)
+            self.engine.submit(s)
         pending, sent = set(range(len(seqs))), [0] * len(seqs)
         try:
             while pending:
@@ -190,194 +246,260 @@ def make_app(engine):
                 if i not in pending:
                     continue
                 if s.future.done():
-                    chunk = engine.response(s)
+                    chunk = self.engine.response(s)
                     pending.discard(i)
                 else:
                     n, interval = len(s.output), s.sp.stream_interval or 1
                     if not (interval == 1 or n - sent[i] >= interval or (sent[i] == 0 and n > 0)):
                         continue
-                    if sampling.holds_stop_prefix(s.sp, s.output, engine.tokenizer):
+                    if sampling.holds_stop_prefix(s.sp, s.output, self.engine.tokenizer):
                         continue
-                    chunk, sent[i] = engine.partial(s), n
+                    chunk, sent[i] = self.engine.partial(s), n
                 if batch:
                     chunk["index"] = i
                 await send(chunk)
         except (asyncio.CancelledError, ConnectionResetError):
             for i in pending:
-                engine.abort(seqs[i].rid, False)
+                self.engine.abort(seqs[i].rid, False)
             raise
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
 
-    async def health_generate(request):
+    # -- health and information -------------------------------------------------------------------
+
+    def _health_and_info_routes(self, r) -> None:
+        r.add_get("/health", self.health_generate)
+        r.add_get("/ready", self.ready)
+        r.add_get("/health_generate", self.health_generate)
+        for p in ("/get_model_info", "/model_info"):
+            r.add_get(p, self.get_model_info)
+        for p in ("/get_server_info", "/server_info"):
+            r.add_get(p, self.get_server_info)
+        r.add_get("/v1/loads", self._via_scheduler(self.v1_loads))
+        r.add_route("GET", "/get_weights_by_name", self._via_scheduler(self.get_weights_by_name))
+        r.add_route("POST", "/get_weights_by_name", self._via_scheduler(self.get_weights_by_name))
+
+    async def health_generate(self, request):
         """/health and /health_generate (http_server.py ``health_generate``; /health generates too
         unless SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION is false): a one-token request is sent
         (skipped by the scheduler when it is busy, which answers at once), and the check passes
         when any scheduler message arrives after it started; after SGLANG_HEALTH_CHECK_TIMEOUT
         seconds without one it is 503. While generation is paused (any mode) the request waits
         in the tokenizer manager, so a paused, quiet server answers 503."""
-        if request.path == "/health" and not health_generates:
+        if request.path == "/health" and not self.health_generates:
             return web.Response(status=200)
-        mark = engine.received
+        mark = self.engine.received
 
         async def send() -> None:
-            await engine.wait_resumed()
-            if engine.busy():  # scheduler.py: skipped, "ongoing requests already carry health info"
-                engine.note_receive()
+            await self.engine.wait_resumed()
+            if self.engine.busy():  # scheduler.py: skipped, "ongoing requests already carry health info"
+                self.engine.note_receive()
                 return
-            seq = engine.make_seq([0], {"max_new_tokens": 1, "temperature": 0.0},
-                                  f"{HEALTH_CHECK_RID_PREFIX}_{uuid.uuid4().hex}")
-            engine.submit(seq)
+            seq = self.engine.make_seq([0], {"max_new_tokens": 1, "temperature": 0.0},
+                                       f"{HEALTH_CHECK_RID_PREFIX}_{uuid.uuid4().hex}")
+            self.engine.submit(seq)
 
         task = asyncio.create_task(send())
-        healthy = await engine.received_since(mark, health_timeout_s)
+        healthy = await self.engine.received_since(mark, self.health_timeout_s)
         task.cancel()
         return web.Response(status=200 if healthy else 503)
 
-    async def ready(request):
+    async def ready(self, request):
         # http_server.py /ready: tokenizer_manager.is_ready() = not paused and healthy.
-        return web.Response(status=503 if engine.paused else 200)
+        return web.Response(status=503 if self.engine.paused else 200)
 
-    def model_info():
-        return {"model_path": engine.model_path, "tokenizer_path": engine.model_path if engine.tokenizer else None,
+    def _model_info(self):
+        e = self.engine
+        return {"model_path": e.model_path, "tokenizer_path": e.model_path if e.tokenizer else None,
                 "is_generation": True, "preferred_sampling_params": None,
-                "weight_version": engine.weight_version, "model_type": getattr(engine.config, "model_type", None),
-                "architectures": getattr(engine.config, "architectures", None)}
+                "weight_version": e.weight_version, "model_type": getattr(e.config, "model_type", None),
+                "architectures": getattr(e.config, "architectures", None)}
 
-    async def get_model_info(request):
-        return ok(model_info())
+    async def get_model_info(self, request):
+        return _ok(self._model_info())
 
-    async def get_server_info(request):
-        return ok({"model_path": engine.model_path, "tokenizer_path": model_info()["tokenizer_path"],
-                   "tp_size": 1, "dp_size": 1, "pp_size": 1, "context_length": engine.context_len,
-                   "max_running_requests": engine.max_running, "weight_version": engine.weight_version,
-                   "quantization": "fp8" if engine.fp8 is not None else None,
-                   "version": _VERSION, "engine": "m2po-cpu-worker",
-                   # One entry per DP rank, as http_server.py server_info builds it from the
-                   # schedulers' get_internal_state (scheduler_components/internal_state.py
-                   # _add_topology): what the scheduler runs at once, after memory sizing.
-                   "internal_states": [{"effective_max_running_requests_per_dp": engine.max_running}]})
+    async def get_server_info(self, request):
+        e = self.engine
+        return _ok({"model_path": e.model_path, "tokenizer_path": self._model_info()["tokenizer_path"],
+                     "tp_size": 1, "dp_size": 1, "pp_size": 1, "context_length": e.context_len,
+                     "max_running_requests": e.max_running, "weight_version": e.weight_version,
+                     "quantization": "fp8" if e.fp8 is not None else None,
+                     "version": _VERSION, "engine": "m2po-cpu-worker",
+                     # One entry per DP rank, as http_server.py server_info builds it from the
+                     # schedulers' get_internal_state (scheduler_components/internal_state.py
+                     # _add_topology): what the scheduler runs at once, after memory sizing.
+                     "internal_states": [{"effective_max_running_requests_per_dp": e.max_running}]})
 
-    flushing = {"pending": False}
+    async def v1_loads(self, request):
+        # SGLang 0.5.23 entrypoints/v1_loads.py: per-DP-rank load snapshots.
+        return _ok({"timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(), "version": _VERSION,
+                    "accelerator": None, "num_accelerators": 1, "loads": [self.engine.load()]})
 
-    async def flush_cache(request):
+    # SGLang 0.5.23 http_server.py /get_weights_by_name (GetWeightsByNameReqInput {name,
+    # truncate_size=100}) -> models/llama.py get_weights_by_name: the parameter as float32 nested
+    # lists, its first truncate_size rows; a tied lm_head.weight answers with embed_tokens.weight;
+    # an unknown name is a 400 {"error": {"message": "Get parameter by name failed"}}.
+    def _weights_by_name(self, name: str, truncate_size: int):
+        params = dict(self.engine.model.named_parameters())
+        if name == "lm_head.weight" and getattr(self.engine.config, "tie_word_embeddings", False):
+            name = "model.embed_tokens.weight"
+        if name not in params:
+            return None
+        return params[name].detach().to(torch.float32).numpy().tolist()[:truncate_size]
+
+    async def get_weights_by_name(self, request):
+        req = await _body(request)
+        out = await self.engine.run_model(self._weights_by_name, str(req.get("name", "")),
+                                          int(req.get("truncate_size", 100)))
+        if out is None:
+            return _ok({"error": {"message": "Get parameter by name failed"}}, 400)
+        return _ok(out)
+
+    # -- cache and scheduling ---------------------------------------------------------------------
+
+    def _cache_and_scheduling_routes(self, r) -> None:
+        r.add_route("*", "/flush_cache", self.flush_cache)
+        r.add_post("/abort_request", self.abort_request)
+        r.add_post("/pause_generation", self.pause_generation)
+        r.add_post("/continue_generation", self.continue_generation)
+        r.add_route("GET", "/slow_down", self._via_scheduler(self.slow_down))
+        r.add_route("POST", "/slow_down", self._via_scheduler(self.slow_down))
+
+    async def flush_cache(self, request):
         # http_server.py flush_cache(timeout) -> scheduler_components/flush_wrapper.py: timeout 0
         # flushes at once when scheduler.py flush_cache allows it (no running request; no waiting
         # one unless the scheduler is paused); timeout > 0 defers until fully idle -- nothing
         # running and nothing waiting, paused or not -- or answers "Timed out" (one deferred flush
         # at a time). A flush drops the prefix cache.
-        engine.note_receive()
+        self.engine.note_receive()
         try:
             timeout = float(request.query.get("timeout", 0) or 0)
         except ValueError:
             return web.Response(text=f"timeout={request.query.get('timeout')!r}: a number >= 0\n", status=422)
         if timeout > 0:
-            if flushing["pending"]:
+            if self.flush_pending:
                 return web.Response(text="Another flush_cache is already in progress.", status=400)
-            flushing["pending"] = True
+            self.flush_pending = True
             try:
                 deadline = time.monotonic() + timeout
-                while engine.busy():  # waits on scheduler messages (each step sends one)
+                while self.engine.busy():  # waits on scheduler messages (each step sends one)
                     left = deadline - time.monotonic()
-                    if left <= 0 or not await engine.received_since(engine.received, left):
-                        if engine.busy():
+                    if left <= 0 or not await self.engine.received_since(self.engine.received, left):
+                        if self.engine.busy():
                             return web.Response(text="Timed out waiting for idle state.", status=400)
             finally:
-                flushing["pending"] = False
-        if not await engine.run_model(engine.flush):
+                self.flush_pending = False
+        if not await self.engine.run_model(self.engine.flush):
             return web.Response(text="Flush cache failed.\n", status=400)
         return web.Response(text="Cache flushed.\nPlease check backend logs for more details. (When there are "
                                  "running or waiting requests, the operation will not be performed.)\n", status=200)
 
-    async def abort_request(request):
-        req = await body(request)
-        engine.abort(req.get("rid"), bool(req.get("abort_all", False)))
+    async def abort_request(self, request):
+        req = await _body(request)
+        self.engine.abort(req.get("rid"), bool(req.get("abort_all", False)))
         return web.Response(status=200)
 
-    async def pause_generation(request):
+    async def pause_generation(self, request):
         """tokenizer_manager.py / scheduler.py ``pause_generation``: every mode makes new requests
         wait; "in_place" stops the scheduler with its requests and caches as they are; "retract"
         stops it and moves running requests back to the waiting queue (their KV is freed, so a
         cache flush is legal); "abort" (the default) aborts everything and returns once no request
         is left, without stopping the scheduler."""
-        req = await body(request)
+        req = await _body(request)
         mode = req.get("mode", "abort")
         if mode not in ("abort", "retract", "in_place"):
-            return err(f"Invalid mode: {mode!r}. Expected one of ['abort', 'retract', 'in_place'].")
-        engine.paused = True
-        engine.resumed.clear()
+            return _err(f"Invalid mode: {mode!r}. Expected one of ['abort', 'retract', 'in_place'].")
+        self.engine.paused = True
+        self.engine.resumed.clear()
         if mode == "abort":
-            while engine.live:
-                engine.abort(None, True)
-                await asyncio.gather(*(asyncio.shield(s.future) for s in list(engine.live.values())),
+            while self.engine.live:
+                self.engine.abort(None, True)
+                await asyncio.gather(*(asyncio.shield(s.future) for s in list(self.engine.live.values())),
                                      return_exceptions=True)
         else:
-            async with engine.step_lock:  # returns only after the current step ends
-                engine.sched_paused = True
+            async with self.engine.step_lock:  # returns only after the current step ends
+                self.engine.sched_paused = True
                 if mode == "retract":
-                    await engine.run_model(engine._retract_all)
-            engine.note_receive()
-        return ok({"message": "Generation paused successfully.", "status": "ok"})
+                    await self.engine.run_model(self.engine._retract_all)
+            self.engine.note_receive()
+        return _ok({"message": "Generation paused successfully.", "status": "ok"})
 
-    async def continue_generation(request):
-        engine.paused = engine.sched_paused = False
-        engine.resumed.set()
-        engine.wake.set()
-        engine.note_receive()
-        return ok({"message": "Generation continued successfully.", "status": "ok"})
+    async def continue_generation(self, request):
+        self.engine.paused = self.engine.sched_paused = False
+        self.engine.resumed.set()
+        self.engine.wake.set()
+        self.engine.note_receive()
+        return _ok({"message": "Generation continued successfully.", "status": "ok"})
 
-    # SGLang 0.5.23 managers/scheduler_components/weight_updater.py: a weight-update session;
-    # distributed updates outside it fail, begin inside one and end outside one fail (HTTP 400).
-    session: dict = {"open": False}
+    async def slow_down(self, request):
+        # SGLang: SlowDownReqInput(forward_sleep_time: Optional[float]); None turns it off.
+        req = await _body(request)
+        t = req.get("forward_sleep_time")
+        if t is not None and (not isinstance(t, (int, float)) or t < 0):
+            return _ok({"error": {"message": f"forward_sleep_time must be a number >= 0 or null, got {t!r}"}}, 400)
+        self.engine.forward_sleep_time = float(t) if t else None
+        self.engine.wake.set()
+        return _ok({})
 
-    async def begin_weight_update(request):
-        await body(request)
-        if session["open"]:
-            return ok({"success": False, "message": "a weight-update session is already open; "
-                                                    "call end_weight_update() first"}, 400)
-        session["open"] = True
-        return ok({"success": True, "message": "Success"})
+    # -- weights ----------------------------------------------------------------------------------
 
-    async def end_weight_update(request):
-        await body(request)
-        if not session["open"]:
-            return ok({"success": False, "message": "no weight-update session is open; "
-                                                    "call begin_weight_update() first"}, 400)
-        session["open"] = False
-        if engine.fp8 is not None:
+    def _weight_routes(self, r) -> None:
+        r.add_post("/begin_weight_update", self._via_scheduler(self.begin_weight_update))
+        r.add_post("/end_weight_update", self._via_scheduler(self.end_weight_update))
+        r.add_post("/update_weights_from_disk", self._via_scheduler(self.update_from_disk))
+        r.add_post("/init_weights_update_group", self._via_scheduler(self.init_group))
+        r.add_post("/destroy_weights_update_group", self._via_scheduler(self.destroy_group))
+        r.add_post("/update_weights_from_distributed", self._via_scheduler(self.update_from_distributed))
+        r.add_post("/update_weight_version", self.update_weight_version)
+
+    async def begin_weight_update(self, request):
+        await _body(request)
+        if self.session_open:
+            return _ok({"success": False, "message": "a weight-update session is already open; "
+                                                     "call end_weight_update() first"}, 400)
+        self.session_open = True
+        return _ok({"success": True, "message": "Success"})
+
+    async def end_weight_update(self, request):
+        await _body(request)
+        if not self.session_open:
+            return _ok({"success": False, "message": "no weight-update session is open; "
+                                                     "call begin_weight_update() first"}, 400)
+        self.session_open = False
+        if self.engine.fp8 is not None:
             # end_weight_update -> DefaultModelLoader.postprocess_weights (process_weights_after_loading).
             # Stricter than SGLang: an FP8 weight whose scale never came (or the reverse) is an error here.
             try:
-                await engine.run_model(engine.fp8.after_loading)
+                await self.engine.run_model(self.engine.fp8.after_loading)
             except ValueError as e:
-                return ok({"success": False, "message": str(e)}, 400)
-        return ok({"success": True, "message": "Success"})
+                return _ok({"success": False, "message": str(e)}, 400)
+        return _ok({"success": True, "message": "Success"})
 
-    async def flush_after_update(req: dict):
+    async def _flush_after_update(self, req: dict):
         # weight_updater.py flush_cache_after_weight_update: flush_cache defaults to true and a
         # flush refused because requests run or wait fails the (already applied) update. Without
         # a flush the prefix cache keeps the KV the old weights computed, and later requests reuse it.
-        if req.get("flush_cache", True) and not await engine.run_model(engine.flush):
-            return ok({"success": False, "message": "Weights were updated, but the cache was not flushed because "
-                       "requests are still running or queued. Retract or finish them, then call /flush_cache."},
-                      400)
+        if req.get("flush_cache", True) and not await self.engine.run_model(self.engine.flush):
+            return _ok({"success": False, "message": "Weights were updated, but the cache was not flushed because "
+                        "requests are still running or queued. Retract or finish them, then call /flush_cache."},
+                       400)
         return None
 
-    def set_version(v) -> None:
+    def _set_version(self, v) -> None:
         if v is not None:
-            engine.weight_version = str(v)
+            self.engine.weight_version = str(v)
 
-    async def update_from_disk(request):
-        req = await body(request)
+    async def update_from_disk(self, request):
+        req = await _body(request)
         if req.get("abort_all_requests"):
-            engine.abort(None, True)
+            self.engine.abort(None, True)
         path = req.get("model_path", "")
         if not glob.glob(os.path.join(path, "*.safetensors")):  # loader.py _prepare_weights: nothing loaded
-            return ok({"success": False, "message": f"Failed to get weights iterator: Cannot find any model weights "
-                       f"with `{path}`.", "num_paused_requests": 0}, 400)
+            return _ok({"success": False, "message": f"Failed to get weights iterator: Cannot find any model weights "
+                        f"with `{path}`.", "num_paused_requests": 0}, 400)
         try:
-            await engine.run_model(engine.load_from_disk, path)
+            await self.engine.run_model(self.engine.load_from_disk, path)
         except Exception as e:  # noqa: BLE001 - reported to the caller
             # model_runner_components/weight_updater.py update_weights_from_disk: "Rolling back to
             # original weights" reloads from model_config.model_path, which already names the new
@@ -385,154 +507,70 @@ def make_app(engine):
             # run_scheduler_process: "Scheduler hit an exception", SIGQUIT to the server): the
             # engine is gone and the caller gets no answer. (Per-tensor FP8 always ends here.)
             try:
-                await engine.run_model(engine.load_from_disk, path)
+                await self.engine.run_model(self.engine.load_from_disk, path)
             except Exception as again:  # noqa: BLE001
                 log.error("Scheduler hit an exception: rolling back to %s failed: %s", path, again)
                 logging.shutdown()
                 os._exit(1)
-            return ok({"success": False, "message": f"Failed to update weights: {e}.\nRolling back to original "
-                       "weights.", "num_paused_requests": 0}, 400)
-        engine.model_path = path
-        set_version(req.get("weight_version"))
+            return _ok({"success": False, "message": f"Failed to update weights: {e}.\nRolling back to original "
+                        "weights.", "num_paused_requests": 0}, 400)
+        self.engine.model_path = path
+        self._set_version(req.get("weight_version"))
         msg = "Succeeded to update model weights."
         if req.get("weight_version") is not None:
             msg += f" Weight version updated to {req['weight_version']}."
-        refused = await flush_after_update(req)
+        refused = await self._flush_after_update(req)
         if refused is not None:
             return refused
-        return ok({"success": True, "message": msg, "num_paused_requests": 0})
+        return _ok({"success": True, "message": msg, "num_paused_requests": 0})
 
-    # SGLang's scheduler runs one request at a time and its group set-up and broadcasts block it
-    # (managers/communicator.py queues each kind; scheduler_components/weight_updater.py):
-    # weight-update group requests are served one after another, never side by side.
-    group_ops = asyncio.Lock()
-
-    async def init_group(request):
-        req = await body(request)
+    async def init_group(self, request):
+        req = await _body(request)
         try:
-            async with group_ops:
-                await asyncio.to_thread(engine.init_group, req)
+            async with self.group_ops:
+                await asyncio.to_thread(self.engine.init_group, req)
         except Exception as e:  # noqa: BLE001
-            return ok({"success": False, "message": f"Failed to initialize custom process group: {e}."}, 400)
-        return ok({"success": True, "message": "Succeeded to initialize custom process group."})
+            return _ok({"success": False, "message": f"Failed to initialize custom process group: {e}."}, 400)
+        return _ok({"success": True, "message": "Succeeded to initialize custom process group."})
 
-    async def destroy_group(request):
-        req = await body(request)
+    async def destroy_group(self, request):
+        req = await _body(request)
         name = req.get("group_name", _DEFAULT_GROUP)
-        async with group_ops:
-            pg = engine.groups.pop(name, None)
+        async with self.group_ops:
+            pg = self.engine.groups.pop(name, None)
         if pg is None:
-            return ok({"success": False, "message": f"group {name!r} does not exist"}, 400)
+            return _ok({"success": False, "message": f"group {name!r} does not exist"}, 400)
         destroy_side_group(pg)  # weight_updater.py: torch.distributed.destroy_process_group(pg)
-        return ok({"success": True, "message": "Succeeded to destroy custom process group."})
+        return _ok({"success": True, "message": "Succeeded to destroy custom process group."})
 
-    async def update_from_distributed(request):
-        req = await body(request)
-        if not session["open"]:
-            return ok({"success": False, "message": "update_weights_from_distributed must run between "
-                                                    "begin_weight_update() and end_weight_update()"}, 400)
+    async def update_from_distributed(self, request):
+        req = await _body(request)
+        if not self.session_open:
+            return _ok({"success": False, "message": "update_weights_from_distributed must run between "
+                                                     "begin_weight_update() and end_weight_update()"}, 400)
         if req.get("abort_all_requests"):
-            engine.abort(None, True)
+            self.engine.abort(None, True)
         try:
-            async with group_ops:
-                named = await asyncio.to_thread(engine.receive, req)
-                await engine.run_model(engine.load_weights, named)
+            async with self.group_ops:
+                named = await asyncio.to_thread(self.engine.receive, req)
+                await self.engine.run_model(self.engine.load_weights, named)
         except Exception as e:  # noqa: BLE001
             # weight_updater.py load_weights_from_distributed: the tensors before the failing one stay loaded.
-            return ok({"success": False, "message": f"Failed to update parameter online: {e}. The full weights of the "
-                       "ModelRunner are partially updated. Please discard the whole weights."}, 400)
-        set_version(req.get("weight_version"))
+            return _ok({"success": False, "message": f"Failed to update parameter online: {e}. The full weights of the "
+                        "ModelRunner are partially updated. Please discard the whole weights."}, 400)
+        self._set_version(req.get("weight_version"))
         msg = "Succeeded to update parameter online."
         if req.get("weight_version") is not None:
             msg += f" Weight version updated to {req['weight_version']}."
-        refused = await flush_after_update(req)
+        refused = await self._flush_after_update(req)
         if refused is not None:
             return refused
-        return ok({"success": True, "message": msg})
+        return _ok({"success": True, "message": msg})
 
-    async def slow_down(request):
-        # SGLang: SlowDownReqInput(forward_sleep_time: Optional[float]); None turns it off.
-        req = await body(request)
-        t = req.get("forward_sleep_time")
-        if t is not None and (not isinstance(t, (int, float)) or t < 0):
-            return ok({"error": {"message": f"forward_sleep_time must be a number >= 0 or null, got {t!r}"}}, 400)
-        engine.forward_sleep_time = float(t) if t else None
-        engine.wake.set()
-        return ok({})
-
-    async def v1_loads(request):
-        # SGLang 0.5.23 entrypoints/v1_loads.py: per-DP-rank load snapshots.
-        return ok({"timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(), "version": _VERSION,
-                   "accelerator": None, "num_accelerators": 1, "loads": [engine.load()]})
-
-    async def update_weight_version(request):
-        req = await body(request)
+    async def update_weight_version(self, request):
+        req = await _body(request)
         if req.get("abort_all_requests"):
-            engine.abort(None, True)
-        set_version(req.get("new_version"))
-        return ok({"success": True, "message": f"Weight version updated to {req.get('new_version')}",
-                   "new_version": req.get("new_version")})
-
-    # SGLang 0.5.23 http_server.py /get_weights_by_name (GetWeightsByNameReqInput {name,
-    # truncate_size=100}) -> models/llama.py get_weights_by_name: the parameter as float32 nested
-    # lists, its first truncate_size rows; a tied lm_head.weight answers with embed_tokens.weight;
-    # an unknown name is a 400 {"error": {"message": "Get parameter by name failed"}}.
-    def weights_by_name(name: str, truncate_size: int):
-        params = dict(engine.model.named_parameters())
-        if name == "lm_head.weight" and getattr(engine.config, "tie_word_embeddings", False):
-            name = "model.embed_tokens.weight"
-        if name not in params:
-            return None
-        return params[name].detach().to(torch.float32).numpy().tolist()[:truncate_size]
-
-    async def get_weights_by_name(request):
-        req = await body(request)
-        out = await engine.run_model(weights_by_name, str(req.get("name", "")), int(req.get("truncate_size", 100)))
-        if out is None:
-            return ok({"error": {"message": "Get parameter by name failed"}}, 400)
-        return ok(out)
-
-    async def on_startup(app):
-        await engine.start()
-
-    def via_scheduler(fn):
-        """A control request answered by the scheduler: its reply is a message to the tokenizer
-        manager (what /health waits for)."""
-        async def handler(request):
-            try:
-                return await fn(request)
-            finally:
-                engine.note_receive()
-        return handler
-
-    app = web.Application(client_max_size=1 << 30)
-    app.on_startup.append(on_startup)
-    r = app.router
-    r.add_route("POST", "/generate", generate)
-    r.add_route("PUT", "/generate", generate)
-    r.add_get("/health", health_generate)
-    r.add_get("/ready", ready)
-    r.add_get("/health_generate", health_generate)
-    for p in ("/get_model_info", "/model_info"):
-        r.add_get(p, get_model_info)
-    for p in ("/get_server_info", "/server_info"):
-        r.add_get(p, get_server_info)
-    r.add_post("/begin_weight_update", via_scheduler(begin_weight_update))
-    r.add_post("/end_weight_update", via_scheduler(end_weight_update))
-    r.add_route("*", "/flush_cache", flush_cache)
-    r.add_post("/abort_request", abort_request)
-    r.add_post("/pause_generation", pause_generation)
-    r.add_post("/continue_generation", continue_generation)
-    r.add_post("/update_weights_from_disk", via_scheduler(update_from_disk))
-    r.add_post("/init_weights_update_group", via_scheduler(init_group))
-    r.add_post("/destroy_weights_update_group", via_scheduler(destroy_group))
-    r.add_post("/update_weights_from_distributed", via_scheduler(update_from_distributed))
-    r.add_post("/update_weight_version", update_weight_version)
-    r.add_route("GET", "/slow_down", via_scheduler(slow_down))
-    r.add_route("POST", "/slow_down", via_scheduler(slow_down))
-    r.add_get("/v1/loads", via_scheduler(v1_loads))
-    r.add_route("GET", "/get_weights_by_name", via_scheduler(get_weights_by_name))
-    r.add_route("POST", "/get_weights_by_name", via_scheduler(get_weights_by_name))
-    return app
-
-
+            self.engine.abort(None, True)
+        self._set_version(req.get("new_version"))
+        return _ok({"success": True, "message": f"Weight version updated to {req.get('new_version')}",
+                    "new_version": req.get("new_version")})
