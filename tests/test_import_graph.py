@@ -177,6 +177,8 @@ def test_the_seam_reaches_real_standins_from_the_known_places(graph):
 
     assert standin.STANDINS == STANDINS
     assert {standin.standin_module(n) for n in standin.SEAMS} <= set(graph)
+    with pytest.raises(ValueError, match="'dist_testing' is not one production may reach"):
+        standin.load_standin("dist_testing")  # a test helper: no seam reaches it
     callers = {a for a, deps in graph.items() if SEAM in deps and not _is_standin(a)}
     assert callers == SEAM_CALLERS, ("a new place in production reaches the stand-ins (or an old one no longer "
                                      f"does): {sorted(callers ^ SEAM_CALLERS)}; update SEAM_CALLERS and "
