@@ -185,6 +185,18 @@ def test_the_seam_reaches_real_standins_from_the_known_places(graph):
                                      "docs/design.md §2 if that is intended")
 
 
+def test_launch_scripts_name_the_seams_standins():
+    """The shell launchers start the CPU worker by module name too: the name they use is the seam's."""
+    import re
+
+    from megatron_m2po.utils import standin
+
+    scripts = sorted((ROOT.parent / "scripts").glob("*.sh"))
+    named = {(s.name, m) for s in scripts for m in re.findall(r"megatron_m2po\.standins\.\w+", s.read_text())}
+    assert ("launch_sglang_fleet.sh", standin.standin_module("cpu_worker")) in named, named
+    assert {m for _, m in named} <= {standin.standin_module(n) for n in standin.SEAMS}, named
+
+
 def test_the_standin_rules_see_imports_and_names(tmp_path):
     """The checker itself: a direct import, a function-level import and a dotted name in a string are
     caught; a docstring is not a load."""

@@ -18,7 +18,9 @@ longer lists are dropped, and so are engines it lists as unhealthy unless this p
 paused (:meth:`EngineFleet.hold`) or they answer ``/health`` themselves (the router's view lags: it
 marks a paused engine unhealthy after ``--health-failure-threshold`` failed checks and healthy again
 only after ``--health-success-threshold`` good ones). ``rollout.engine == "sglang"`` launches
-``$SGLANG_PYTHON -m sglang.launch_server`` (SGLang's own venv; this interpreter when unset); ``"cpu_worker"`` launches the CPU worker stand-in (``standin_module("cpu_worker")``, ``standins/cpu_worker.py``).
+``$SGLANG_PYTHON -m sglang.launch_server`` (SGLang's own venv; this interpreter when unset);
+``"cpu_worker"`` launches the CPU worker stand-in (``standin_module("cpu_worker")``,
+``standins/cpu_worker.py``).
 Each engine logs to ``<run_dir>/engines/engine_<i>.log``; a failed start raises with the
 log's last lines. The router (sglang-router 0.3.2) is started with no workers and workers are
 added with ``POST /workers``; a restarted engine is removed from the router first and added back
