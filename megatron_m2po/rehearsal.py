@@ -6,7 +6,7 @@
 What runs is the recipe's own config through the launch path its users run, with only what a
 CPU cannot hold substituted (each substitution is printed with its reason):
 
-* the model: the tiny base of the recipe's family (:mod:`megatron_m2po.utils.tiny_base`, a
+* the model: the tiny base of the recipe's family (:mod:`megatron_m2po.standins.tiny_base`, a
   Qwen3-shaped one for Qwen3 recipes), in the recipe's dtype;
 * the data: the synthetic task instead of the recipe's parquet file (not on this machine), in
   the recipe's prompt template, graded by the recipe's reward;
@@ -59,6 +59,7 @@ from typing import Callable, Optional
 
 from megatron_m2po.config import Config, apply_overrides, config_from_dict, config_to_dict, load_config
 from megatron_m2po.utils.net import free_port
+from megatron_m2po.utils.standin import load_standin
 
 LAUNCH_SCRIPTS = ("train.sh", "launch_sglang_fleet.sh")  # what a rehearsal runs, from one scripts/ directory
 
@@ -523,9 +524,10 @@ def main(argv: Optional[list[str]] = None) -> int:
             raise RehearsalError(f"--workdir {workdir} is not empty: a rehearsal starts from nothing")
         workdir.mkdir(parents=True, exist_ok=True)
         family = family_of(load_config(config))
-        from megatron_m2po.utils.tiny_base import TinyBaseSpec, TinyModelSpec, ensure_tiny_base
+        tb = load_standin("tiny_base")
         cache = os.path.expanduser(load_config(config).model.tiny_cache_dir)
-        model_dir = str(ensure_tiny_base(cache, spec=TinyBaseSpec(model=TinyModelSpec(family=family)), progress=False))
+        model_dir = str(tb.ensure_tiny_base(cache, spec=tb.TinyBaseSpec(model=tb.TinyModelSpec(family=family)),
+                                            progress=False))
         router_port = free_port()
         p = plan(config, shared=workdir / "shared", model_dir=model_dir, family=family, steps=a.steps,
                  kill_after=a.kill_after, extra=a.overrides,

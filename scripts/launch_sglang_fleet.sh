@@ -12,7 +12,7 @@
 # ADVERTISE_HOST (`hostname -f`: how the router and trainer reach the engines), MEM_FRACTION (0.85,
 # SGLang --mem-fraction-static), EXTRA_WORKER_URLS (""), LOG_DIR (./sglang_logs), PYTHON (python3, runs the router),
 # ENGINE_PYTHON ($SGLANG_PYTHON, else PYTHON: runs the engines).
-# ENGINE (sglang): cpu_worker starts `PYTHON -m megatron_m2po.rollout.cpu_worker` (the CPU emulation of
+# ENGINE (sglang): cpu_worker starts `PYTHON -m megatron_m2po.standins.cpu_worker` (the CPU emulation of
 # an SGLang server, this package) instead, on no GPU (GPUS is ignored; NUM_ENGINES defaults to 1,
 # ENGINE_TP must be 1): the CPU rehearsal of a recipe (run_*.sh --rehearse) uses it.
 # PROMETHEUS_PORT (the router's default): the router's metrics port.
@@ -100,7 +100,7 @@ for ((i = 0; i < NUM_ENGINES; i++)); do
   ids=$(IFS=,; echo "${gpu_list[*]:$((i * ENGINE_TP)):$ENGINE_TP}")
   port=$((BASE_PORT + i))
   if [ "$ENGINE" = cpu_worker ]; then
-    engine_cmds+=("OMP_NUM_THREADS=1 $(printf '%q ' "$PYTHON" -m megatron_m2po.rollout.cpu_worker \
+    engine_cmds+=("OMP_NUM_THREADS=1 $(printf '%q ' "$PYTHON" -m megatron_m2po.standins.cpu_worker \
       --model-path "$MODEL_PATH" --host "$HOST" --port "$port" --weight-version 0 ${extra[@]+"${extra[@]}"})")
   else
     engine_cmds+=("CUDA_VISIBLE_DEVICES=$ids $(printf '%q ' "$ENGINE_PYTHON" -m sglang.launch_server \

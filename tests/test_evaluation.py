@@ -116,7 +116,7 @@ def _tiny_model_dir(root):
 
 @pytest.mark.slow
 def test_eval_end_to_end_against_a_cpu_worker(tmp_path):
-    pytest.importorskip("megatron_m2po.rollout.cpu_worker")
+    pytest.importorskip("megatron_m2po.standins.cpu_worker")
     pytest.importorskip("megatron_m2po.rollout.engines")
     import argparse
 

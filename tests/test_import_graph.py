@@ -3,6 +3,9 @@
     algo/, parallel/          at the bottom: nothing from actor/ rollout/ trainer/ store/
     actor/ (Megatron) | rollout/   side by side: neither imports the other
     trainer/                  above both; CLI shells and the experiment on top
+    standins/                 the CPU stand-ins: production never imports them; it names them
+                              only in utils/standin.py (the seam), and calls that seam only from
+                              the modules in SEAM_CALLERS
 
 Every module of ``megatron_m2po/`` is parsed with ``ast``; every ``import`` counts, at module
 level, inside functions and under ``if TYPE_CHECKING``. ``import megatron_m2po.store`` (or
@@ -21,6 +24,11 @@ import pytest
 
 PKG = "megatron_m2po"
 ROOT = Path(__file__).resolve().parents[1] / PKG
+STANDINS = f"{PKG}.standins"
+SEAM = f"{PKG}.utils.standin"  # the one production module that names the stand-ins (loads them by name)
+# Where production needs a stand-in (docs/design.md §2): the CPU platform when there is no CUDA, the
+# tiny base for model.hf_path=tiny and the rehearsal, the CPU worker's engine command line.
+SEAM_CALLERS = {f"{PKG}.actor.actor", f"{PKG}.utils.hf_dir", f"{PKG}.rehearsal", f"{PKG}.rollout.engines"}
 
 
 def _modules() -> dict[str, Path]:
@@ -126,3 +134,78 @@ def test_the_graph_sees_function_level_and_relative_imports(tmp_path):
     src = tmp_path / "w.py"
     src.write_text("def f():\n    from megatron_m2po.x import y\n    from . import z\n")
     assert _imports(f"{PKG}.w", src, mods) == {f"{PKG}.x.y", f"{PKG}.z"}
+
+
+def _is_standin(module: str) -> bool:
+    return module == STANDINS or module.startswith(STANDINS + ".")
+
+
+def _standin_imports(graph: dict[str, set[str]]) -> list[str]:
+    """Import edges from production modules (outside the stand-in package) into it."""
+    return sorted(f"{a} -> {b}" for a, deps in graph.items() if not _is_standin(a) for b in deps if _is_standin(b))
+
+
+def _names_standins(path: Path) -> list[str]:
+    """Lines of ``path`` whose string literals (docstrings aside: they load nothing) name the stand-in
+    package, as a dotted module name (importlib, ``python -m``) or a path (runpy)."""
+    tree = ast.parse(path.read_text(), str(path))
+    docstrings = {id(n.body[0].value) for n in ast.walk(tree)
+                  if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                  and n.body and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+    needles = (STANDINS, STANDINS.replace(".", "/"))
+    where = path.relative_to(ROOT.parent) if path.is_relative_to(ROOT.parent) else path
+    return [f"{where}:{n.lineno}: {n.value!r}" for n in ast.walk(tree)
+            if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docstrings
+            and any(x in n.value for x in needles)]
+
+
+def test_production_never_imports_the_standins(graph):
+    assert f"{STANDINS}.cpu_worker" in graph, "the stand-in package is not where this test looks"
+    assert _standin_imports(graph) == [], "production code imports a CPU stand-in; load it through " \
+        f"{SEAM}.load_standin (by name) at one of the seams, or move the code out of the stand-ins"
+
+
+def test_standins_are_named_only_in_the_seam():
+    hits = [h for name, path in _modules().items() if not _is_standin(name) and name != SEAM
+            for h in _names_standins(path)]
+    assert hits == [], f"production names the stand-in package outside the seam {SEAM}: {hits}"
+    assert _names_standins(_modules()[SEAM]), f"the seam {SEAM} no longer names the stand-in package"
+
+
+def test_the_seam_reaches_real_standins_from_the_known_places(graph):
+    from megatron_m2po.utils import standin
+
+    assert standin.STANDINS == STANDINS
+    assert {standin.standin_module(n) for n in standin.SEAMS} <= set(graph)
+    with pytest.raises(ValueError, match="'dist_testing' is not one production may reach"):
+        standin.load_standin("dist_testing")  # a test helper: no seam reaches it
+    callers = {a for a, deps in graph.items() if SEAM in deps and not _is_standin(a)}
+    assert callers == SEAM_CALLERS, ("a new place in production reaches the stand-ins (or an old one no longer "
+                                     f"does): {sorted(callers ^ SEAM_CALLERS)}; update SEAM_CALLERS and "
+                                     "docs/design.md §2 if that is intended")
+
+
+def test_launch_scripts_name_the_seams_standins():
+    """The shell launchers start the CPU worker by module name too: the name they use is the seam's."""
+    import re
+
+    from megatron_m2po.utils import standin
+
+    scripts = sorted((ROOT.parent / "scripts").glob("*.sh"))
+    named = {(s.name, m) for s in scripts for m in re.findall(r"megatron_m2po\.standins\.\w+", s.read_text())}
+    assert ("launch_sglang_fleet.sh", standin.standin_module("cpu_worker")) in named, named
+    assert {m for _, m in named} <= {standin.standin_module(n) for n in standin.SEAMS}, named
+
+
+def test_the_standin_rules_see_imports_and_names(tmp_path):
+    """The checker itself: a direct import, a function-level import and a dotted name in a string are
+    caught; a docstring is not a load."""
+    mods = {f"{PKG}.a": Path("a.py"), STANDINS: Path("__init__.py"), f"{STANDINS}.w": Path("w.py")}
+    src = tmp_path / "a.py"
+    src.write_text(f'"""Mentions {STANDINS}.w in a docstring."""\n'
+                   f"def f():\n    from {STANDINS} import w\n")
+    g = {f"{PKG}.a": _imports(f"{PKG}.a", src, mods), STANDINS: set(), f"{STANDINS}.w": {f"{PKG}.a"}}
+    assert _standin_imports(g) == [f"{PKG}.a -> {STANDINS}.w"]
+    assert _names_standins(src) == []
+    src.write_text(f"import importlib\nm = importlib.import_module(f'{STANDINS}.{{x}}')\n")
+    assert len(_names_standins(src)) == 1

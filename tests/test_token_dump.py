@@ -227,7 +227,7 @@ def _dp_dump_worker(rank, world, payload):
 def test_dump_over_data_parallel_ranks_equals_one_process(tmp_path):
     """Two gloo ranks, each recording its data-parallel shard: rank 0 writes the same file as one
     process recording everything."""
-    from megatron_m2po.utils.dist_testing import run_distributed
+    from megatron_m2po.standins.dist_testing import run_distributed
 
     rng = np.random.default_rng(6)
     cfg = _dump_cfg(tmp_path, dump_tokens_every=1)

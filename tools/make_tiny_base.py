@@ -19,7 +19,7 @@ if __package__ in (None, ""):  # run as a script: make the package importable fr
 
 from megatron_m2po.config import ModelConfig  # noqa: E402
 from megatron_m2po.utils.logging import setup_logging  # noqa: E402
-from megatron_m2po.utils.tiny_base import (TinyBaseSpec, ensure_tiny_base, load_tiny_meta,  # noqa: E402
+from megatron_m2po.standins.tiny_base import (TinyBaseSpec, ensure_tiny_base, load_tiny_meta,  # noqa: E402
                                            tiny_base_path)
 
 

@@ -73,7 +73,7 @@ class RewardRise:
     def __init__(self) -> None:
         self.mod = _module("tests/trainer/test_e2e_tiny.py")
         self.bounds = {"rise": (">", self.mod.RISE_THRESHOLD), "gain": (">", self.mod.GAIN_THRESHOLD)}
-        from megatron_m2po.utils.tiny_base import ensure_tiny_base
+        from megatron_m2po.standins.tiny_base import ensure_tiny_base
 
         self.base = ensure_tiny_base(os.path.expanduser("~/.cache/megatron_m2po/tiny_base"), progress=False)
         self.base_acc = self.mod.expected_accuracy(self.base)
@@ -117,17 +117,17 @@ class StalenessFast:
 
 
 class TinyBase:
-    """tests/utils/test_tiny_base.py::test_default_build_accuracy_and_reward: base accuracy per build seed."""
+    """tests/standins/test_tiny_base.py::test_default_build_accuracy_and_reward: base accuracy per build seed."""
 
     variants = {"healthy": []}
     default_variants = ["healthy"]
 
     def __init__(self) -> None:
-        self.mod = _module("tests/utils/test_tiny_base.py")
+        self.mod = _module("tests/standins/test_tiny_base.py")
         self.bounds = {"base_accuracy_t1": ("in", self.mod.BASE_BAND)}
 
     def run(self, seed: int, extra: list[str], work: Path) -> dict:
-        code = ("import json, sys; from megatron_m2po.utils.tiny_base import ensure_tiny_base, load_tiny_meta; "
+        code = ("import json, sys; from megatron_m2po.standins.tiny_base import ensure_tiny_base, load_tiny_meta; "
                 "m = load_tiny_meta(ensure_tiny_base(sys.argv[1], seed=int(sys.argv[2]), progress=False)); "
                 "print(json.dumps({k: m[k] for k in ('base_accuracy_t1', 'steps', 'model_sha256')}))")
         proc = subprocess.run([sys.executable, "-c", code, str(work / f"seed{seed}"), str(seed)], cwd=ROOT,

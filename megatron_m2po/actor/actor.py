@@ -91,7 +91,7 @@ class ActorConfig:
 def init_parallel(p: ParallelConfig, seed: int) -> bool:
     """torch.distributed (if needed) + Megatron parallel state. Returns True if it created the group.
 
-    Without CUDA the CPU emulation (``platform.cpu``) is enabled and gloo is used. Undo with
+    Without CUDA the CPU emulation (the ``cpu_platform`` stand-in) is enabled and gloo is used. Undo with
     :func:`destroy_parallel`.
     """
     from megatron.core import parallel_state as ps
@@ -99,9 +99,9 @@ def init_parallel(p: ParallelConfig, seed: int) -> bool:
 
     cuda = torch.cuda.is_available()
     if not cuda:
-        from megatron_m2po.platform import cpu
+        from megatron_m2po.utils.standin import load_standin
 
-        cpu.enable()
+        load_standin("cpu_platform").enable()
     if p.context_parallel > 1:
         raise ValueError(f"parallel.context_parallel={p.context_parallel}: context parallelism is not implemented "
                          "in the actor yet; use tensor / pipeline / data parallelism")

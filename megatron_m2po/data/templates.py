@@ -8,7 +8,7 @@ Templates (``DataConfig.template``):
   ``add_generation_prompt=True`` (instruct / thinking models).
 - ``"raw"``: the problem text unchanged.
 - ``"synthetic"``: :data:`SYNTHETIC_TEMPLATE` = ``"{problem}="``, the exact prompt format the
-  tiny CPU base model is warmed up on (``megatron_m2po.utils.tiny_base.PROMPT_TEMPLATE``);
+  tiny CPU base model is warmed up on (``megatron_m2po.standins.tiny_base.PROMPT_TEMPLATE``);
   :func:`synthetic_response` is the matching target response (``"\\boxed{15}"``, tiny_base's
   ``RESPONSE_TEMPLATE``). Use it (or ``"raw"``) for the tiny runs: ``"chat"`` puts the
   paper's long text in the user message, far from the warm-up format.

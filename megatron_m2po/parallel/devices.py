@@ -3,7 +3,7 @@
 NCCL groups take only CUDA tensors ("No backend type associated with device type cpu" otherwise);
 gloo groups take CPU tensors. Code that builds a small tensor just to reduce a flag or a few
 statistics asks here instead of assuming the CPU (which gloo accepts and NCCL refuses on the
-first step; the CPU platform's collective audit, ``platform/collective_audit.py``, refuses it too).
+first step; the CPU platform's collective audit, ``standins/collective_audit.py``, refuses it too).
 """
 
 from __future__ import annotations

@@ -1,2 +1,3 @@
-"""Rollout engines: SGLang client (client.py), engine fleet + router (engines.py), CPU worker on
-SGLang's HTTP protocol (cpu_worker.py), default producer (producer.py). Import the submodules."""
+"""Rollout engines: SGLang client (client.py), engine fleet + router (engines.py), default producer
+(producer.py). The CPU worker that speaks SGLang's HTTP protocol is a stand-in
+(``megatron_m2po/standins/cpu_worker.py``). Import the submodules."""

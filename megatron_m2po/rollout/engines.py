@@ -18,7 +18,9 @@ longer lists are dropped, and so are engines it lists as unhealthy unless this p
 paused (:meth:`EngineFleet.hold`) or they answer ``/health`` themselves (the router's view lags: it
 marks a paused engine unhealthy after ``--health-failure-threshold`` failed checks and healthy again
 only after ``--health-success-threshold`` good ones). ``rollout.engine == "sglang"`` launches
-``$SGLANG_PYTHON -m sglang.launch_server`` (SGLang's own venv; this interpreter when unset); ``"cpu_worker"`` launches ``megatron_m2po.rollout.cpu_worker``.
+``$SGLANG_PYTHON -m sglang.launch_server`` (SGLang's own venv; this interpreter when unset);
+``"cpu_worker"`` launches the CPU worker stand-in (``standin_module("cpu_worker")``,
+``standins/cpu_worker.py``).
 Each engine logs to ``<run_dir>/engines/engine_<i>.log``; a failed start raises with the
 log's last lines. The router (sglang-router 0.3.2) is started with no workers and workers are
 added with ``POST /workers``; a restarted engine is removed from the router first and added back
@@ -51,6 +53,7 @@ from megatron_m2po.rollout.launcher import (EngineHandle, EngineSpec, FleetError
                                             LocalLauncher, sglang_python)
 from megatron_m2po.rollout.placement import NodeGPUs, cuda_count, engine_gpus, node_gpus, ray_local_gpus
 from megatron_m2po.utils.net import free_port
+from megatron_m2po.utils.standin import standin_module
 
 log = logging.getLogger("m2po.engines")
 
@@ -360,7 +363,7 @@ class EngineFleet:
         cfg = self.cfg
         logp = Path(self.run_dir) / "engines" / f"engine_{i}.log"
         if cfg.engine == "cpu_worker":
-            cmd = [sys.executable, "-m", "megatron_m2po.rollout.cpu_worker", "--model-path", self.model_path,
+            cmd = [sys.executable, "-m", standin_module("cpu_worker"), "--model-path", self.model_path,
                    "--host", cfg.host, "--port", str(port), "--weight-version", self.weight_version,
                    "--dist-timeout-s", str(cfg.weight_sync_timeout_s)]
             env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}

@@ -29,9 +29,10 @@ def resolve_model_path(model: "ModelConfig", override: Optional[str] = None, *, 
     """
     path = override or model.hf_path
     if path == "tiny":
-        from megatron_m2po.utils.tiny_base import ensure_tiny_base
+        from megatron_m2po.utils.standin import load_standin
 
-        return str(ensure_tiny_base(os.path.expanduser(model.tiny_cache_dir), progress=progress))
+        tiny_base = load_standin("tiny_base")
+        return str(tiny_base.ensure_tiny_base(os.path.expanduser(model.tiny_cache_dir), progress=progress))
     p = Path(path).expanduser()
     if not (p / "config.json").is_file():
         raise ValueError(f"model path {path!r} is not an HF model directory (no config.json); set "

@@ -41,7 +41,7 @@ def init_megatron(tp: int = 1, pp: int = 1, seed: int = 1234) -> None:
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 
-    from megatron_m2po.platform import cpu
+    from megatron_m2po.standins import cpu_platform as cpu
 
     cpu.enable()
     if ps.model_parallel_is_initialized():

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import actor_testlib as lib
-from megatron_m2po.utils.dist_testing import run_distributed
+from megatron_m2po.standins.dist_testing import run_distributed
 
 
 def _hf_dir(root, kind, tie=False, seed=2):

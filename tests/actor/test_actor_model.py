@@ -5,7 +5,7 @@ import os
 import torch
 
 import actor_testlib as lib
-from megatron_m2po.utils.dist_testing import run_distributed
+from megatron_m2po.standins.dist_testing import run_distributed
 
 CASES = [("qwen2", False), ("qwen2", True), ("qwen3", False), ("llama", True)]
 

@@ -196,7 +196,7 @@ def test_attention_matches_per_sequence_attention():
     arithmetic that bf16, dropout or attention sinks fall back to), on packed input (sequences
     grouped by length, scattered into padded rows, real tokens gathered back: the pack's tokens
     never see another sequence) and on padded input."""
-    from megatron_m2po.utils.dist_testing import run_distributed
+    from megatron_m2po.standins.dist_testing import run_distributed
 
     (cases,) = run_distributed(_attention_vs_naive, 1, timeout_s=120)
     assert {(c[0], c[1]) for c in cases} == {(k, f) for k in ("fused", "parent") for f in ("packed", "padded")}
@@ -258,7 +258,7 @@ def _rope_thd(rank, world_size):
 def test_packed_rope_gather_equals_megatrons_loop():
     """RoPE on a THD pack through one gather gives bit for bit what Megatron's per-sequence
     loop gives, for ``freqs`` of the longest sequence and for ``freqs`` of every packed position."""
-    from megatron_m2po.utils.dist_testing import run_distributed
+    from megatron_m2po.standins.dist_testing import run_distributed
 
     (same,) = run_distributed(_rope_thd, 1, timeout_s=120)
     assert same == [True, True]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 
 import actor_testlib as lib
-from megatron_m2po.utils.dist_testing import run_distributed
+from megatron_m2po.standins.dist_testing import run_distributed
 
 
 def _bf16_tp2_dp2(rank, world_size, root):

@@ -15,7 +15,7 @@ import actor_testlib as lib
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "algo"))
 import m2_reference as ref  # noqa: E402  (tests/algo: the literal Algorithm 1)
-from megatron_m2po.utils.dist_testing import run_distributed
+from megatron_m2po.standins.dist_testing import run_distributed
 
 TAU = 0.02
 LR = 1e-3  # actor_testlib's default

@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from megatron_m2po.algo.advantages import grpo_advantages
 from megatron_m2po.algo.metrics import Metric, merge_metrics, reduce_metrics
-from megatron_m2po.utils.dist_testing import run_distributed
+from megatron_m2po.standins.dist_testing import run_distributed
 
 
 def test_grpo_advantages_hand_example():

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from megatron_m2po.config import ConfigError, load_config
-from megatron_m2po.utils.dist_testing import run_distributed
+from megatron_m2po.standins.dist_testing import run_distributed
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "actor"))  # actor_testlib
 

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_m2po.algo.m2_mask import m2po_mask
-from megatron_m2po.utils.dist_testing import run_distributed
+from megatron_m2po.standins.dist_testing import run_distributed
 from m2_reference import random_case, remove_rule
 
 pytestmark = pytest.mark.multiproc

@@ -46,7 +46,7 @@ def test_chat_template_errors():
 
 
 def test_synthetic_template_and_response_are_graded_correct(char_tokenizer):
-    # The tiny base model's warm-up format (megatron_m2po/utils/tiny_base.py): "12+7=" -> "\\boxed{19}".
+    # The tiny base model's warm-up format (megatron_m2po/standins/tiny_base.py): "12+7=" -> "\\boxed{19}".
     assert render_prompt("3+14-2", "synthetic") == "3+14-2="
     resp = synthetic_response("3+14-2", "15")
     assert resp == "\\boxed{15}"

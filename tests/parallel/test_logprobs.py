@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from megatron_m2po.parallel import logprobs as lp_mod
 from megatron_m2po.parallel.logprobs import _downcast_in_place, fused_logprobs_entropy
-from megatron_m2po.utils.dist_testing import run_distributed
+from megatron_m2po.standins.dist_testing import run_distributed
 
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
 

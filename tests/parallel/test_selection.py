@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_m2po.parallel import selection as sel
-from megatron_m2po.utils.dist_testing import run_distributed
+from megatron_m2po.standins.dist_testing import run_distributed
 
 
 def test_fixed_point_limbs_are_exact_ceil():

@@ -51,7 +51,7 @@ args=()
 while [ $# -gt 0 ]; do
   case "$1" in --tp-size|--mem-fraction-static) shift 2 ;; *) args+=("$1"); shift ;; esac
 done
-exec {sys.executable} -m megatron_m2po.rollout.cpu_worker "${{args[@]}}"
+exec {sys.executable} -m megatron_m2po.standins.cpu_worker "${{args[@]}}"
 """)
     path.chmod(path.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
     assert os.access(path, os.X_OK)

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from megatron_m2po.config import RolloutConfig
-from megatron_m2po.rollout import sglang_sampling as sampling
+from megatron_m2po.standins import sglang_sampling as sampling
 from megatron_m2po.rollout.client import EngineError, SGLangClient
 from megatron_m2po.rollout.engines import EngineFleet
 from rollout_testlib import build_tiny_qwen2

@@ -52,7 +52,7 @@ def test_cpu_worker_started_under_a_torchrun_environment_comes_up(tiny_model_dir
         monkeypatch.setenv(k, v)
     monkeypatch.setenv("MASTER_PORT", str(free_port()))  # a port nobody listens on, as an agent store elsewhere
     port = free_port()
-    cmd = [sys.executable, "-m", "megatron_m2po.rollout.cpu_worker",
+    cmd = [sys.executable, "-m", "megatron_m2po.standins.cpu_worker",
            "--model-path", tiny_model_dir, "--host", "127.0.0.1", "--port", str(port), "--weight-version", "0"]
     spec = EngineSpec(0, "127.0.0.1", port, cmd, {"OMP_NUM_THREADS": "1"}, tmp_path / "engine_0.log")
     handle = LocalLauncher().launch(spec)

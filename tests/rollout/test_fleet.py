@@ -263,7 +263,7 @@ def test_generate_timeout_aborts_on_engine(env):
 
 
 def test_connection_errors_retry_with_backoff():
-    from megatron_m2po.utils.dist_testing import free_port
+    from megatron_m2po.utils.net import free_port
     url = f"http://127.0.0.1:{free_port()}"
 
     async def scenario():
@@ -484,7 +484,7 @@ def test_get_weight_version_route_is_gone(env):
 
 def test_external_engines_are_validated_by_address(env, tmp_path):
     from megatron_m2po.rollout.engines import FleetError
-    from megatron_m2po.utils.dist_testing import free_port
+    from megatron_m2po.utils.net import free_port
     fleet, _, _ = env
     dead = f"http://127.0.0.1:{free_port()}"
     cfg = RolloutConfig(engine="cpu_worker", launcher="external", use_router=False,
@@ -519,7 +519,7 @@ def test_engine_of_another_sglang_version_is_refused_at_start(tmp_path):
     from aiohttp import web
     from megatron_m2po.rollout.engines import FleetError
     from megatron_m2po.rollout.sglang_version import SUPPORTED_SGLANG
-    from megatron_m2po.utils.dist_testing import free_port
+    from megatron_m2po.utils.net import free_port
 
     app = web.Application()
     app.router.add_get("/health", lambda r: web.Response(status=200))

@@ -48,7 +48,7 @@ def engines(tiny_model_dir, tmp_path_factory):
     """A CPU worker running 3 requests at once and an SGLang-shaped engine with two DP ranks of 7."""
     d = tmp_path_factory.mktemp("concurrency")
     port = free_port()
-    spec = EngineSpec(0, "127.0.0.1", port, [sys.executable, "-m", "megatron_m2po.rollout.cpu_worker",
+    spec = EngineSpec(0, "127.0.0.1", port, [sys.executable, "-m", "megatron_m2po.standins.cpu_worker",
                                               "--model-path", tiny_model_dir, "--port", str(port),
                                               "--weight-version", "0", "--max-running-requests", "3"],
                       {"OMP_NUM_THREADS": "1"}, d / "worker.log")

@@ -14,7 +14,7 @@ import torch
 
 from megatron_m2po.config import RolloutConfig
 from megatron_m2po.rollout.client import SGLangClient
-from megatron_m2po.rollout.cpu_prefix_cache import PrefixCache
+from megatron_m2po.standins.cpu_prefix_cache import PrefixCache
 from megatron_m2po.rollout.engines import EngineFleet
 from megatron_m2po.rollout.weight_sync import DiskWeightSync, DistributedWeightSync
 from rollout_testlib import hf_logprobs

@@ -88,7 +88,7 @@ def env(tiny_model_dir, tmp_path_factory):
         workers = []
         for i in range(2):
             port = free_port()
-            workers.append(start(i, [sys.executable, "-m", "megatron_m2po.rollout.cpu_worker", "--model-path",
+            workers.append(start(i, [sys.executable, "-m", "megatron_m2po.standins.cpu_worker", "--model-path",
                                      tiny_model_dir, "--port", str(port), "--weight-version", "0"], port))
         for u in [router, *workers]:
             wait_until(lambda u=u: call(u, "health") if u != router else _up(router), what=f"{u} up",

@@ -83,7 +83,7 @@ def env(tiny_model_dir, tmp_path_factory):
     try:
         router = procs.router("router", QUICK)
         port = free_port()
-        worker = procs.start("worker", [sys.executable, "-m", "megatron_m2po.rollout.cpu_worker", "--model-path",
+        worker = procs.start("worker", [sys.executable, "-m", "megatron_m2po.standins.cpu_worker", "--model-path",
                                         tiny_model_dir, "--port", str(port), "--weight-version", "0",
                                         "--max-running-requests", "3"],
                              port, {"OMP_NUM_THREADS": "1", "SGLANG_HEALTH_CHECK_TIMEOUT": "2"})

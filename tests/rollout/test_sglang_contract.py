@@ -20,6 +20,7 @@ from megatron_m2po.rollout.sglang_version import SUPPORTED_SGLANG
 
 ROOT = Path(__file__).resolve().parents[2]
 PKG = ROOT / "megatron_m2po" / "rollout"
+STANDINS = ROOT / "megatron_m2po" / "standins"
 WHEEL_DIR = ROOT / ".cache" / "sglang-wheel"
 
 # Response / meta_info keys the client reads (client.py GenerateOutput.from_json, weight_version,
@@ -112,7 +113,7 @@ def _client_calls() -> dict[str, set[str]]:
 
 
 def _worker_routes() -> set[str]:
-    tree = ast.parse((PKG / "cpu_worker_http.py").read_text())
+    tree = ast.parse((STANDINS / "cpu_worker_http.py").read_text())
     routes = set()
     for n in ast.walk(tree):
         if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and \
@@ -185,7 +186,7 @@ def _tuple_const(sgl, path: str, name: str) -> tuple:
 def test_worker_sampling_fields_are_sglangs(sgl):
     """The CPU worker's sampling-parameter contract is 0.5.23's: the JSON contract's field list
     (api/v1/api_types.py, unknown keys rejected) and the scheduler's SamplingParams."""
-    from megatron_m2po.rollout import sglang_sampling
+    from megatron_m2po.standins import sglang_sampling
     api = _tuple_const(sgl, "sglang/api/v1/api_types.py", "_FIELDS_SamplingParams")
     assert sglang_sampling.API_FIELDS == api
     srt = _class_fields(sgl)["SamplingParams"]
@@ -203,7 +204,7 @@ API_FIELDS_IMPLEMENTED = ("max_new_tokens", "stop", "stop_token_ids", "temperatu
 
 def test_worker_generate_fields_exist_in_sglang(sgl):
     """Every top-level /generate field the CPU worker reads is a GenerateReqInput field."""
-    tree = ast.parse((PKG / "cpu_worker_http.py").read_text())
+    tree = ast.parse((STANDINS / "cpu_worker_http.py").read_text())
     read = {_const(n.args[0]) for n in ast.walk(tree) if isinstance(n, ast.Call)
             and isinstance(n.func, ast.Attribute) and n.func.attr == "get" and isinstance(n.func.value, ast.Name)
             and n.func.value.id == "req" and n.args and _const(n.args[0])}

@@ -31,7 +31,7 @@ def test_cpu_worker_keeps_the_trainer_python(tiny_model_dir, tmp_path, monkeypat
     monkeypatch.setenv("SGLANG_PYTHON", sglang_python_standin(tmp_path))
     cfg = RolloutConfig(engine="cpu_worker", num_engines=1)
     spec = EngineFleet(cfg, tiny_model_dir, run_dir=str(tmp_path))._spec(0, 1234)
-    assert spec.cmd[:3] == [sys.executable, "-m", "megatron_m2po.rollout.cpu_worker"]
+    assert spec.cmd[:3] == [sys.executable, "-m", "megatron_m2po.standins.cpu_worker"]
 
 
 def test_unset_sglang_python_is_the_trainer_python_and_a_bad_one_is_named(tiny_model_dir, tmp_path, monkeypatch):

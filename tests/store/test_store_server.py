@@ -16,7 +16,7 @@ import pytest
 from megatron_m2po.store import RolloutStore, fifo
 from megatron_m2po.store.client import AsyncStoreClient, StoreClient, StoreClientError
 from megatron_m2po.store.codec import encode_binary, encode_json
-from megatron_m2po.utils.dist_testing import free_port
+from megatron_m2po.utils.net import free_port
 from store_testlib import make_group, same_group, start_server, stop
 
 TOKEN = "s3cret"

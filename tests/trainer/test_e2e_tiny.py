@@ -198,7 +198,7 @@ def expected_accuracy(model_dir: Path | str, tokenizer_dir: Path | str | None = 
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from megatron_m2po.utils.tiny_base import format_prompt, format_response
+    from megatron_m2po.standins.tiny_base import format_prompt, format_response
 
     tok = AutoTokenizer.from_pretrained(str(tokenizer_dir or model_dir))
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
@@ -243,7 +243,7 @@ def test_reward_rises_on_the_synthetic_task(tmp_path):
     The first measurement was at 12 steps (the earlier version of this test): rise 0.046 +-
     0.029, which no threshold could separate from noise.
     """
-    from megatron_m2po.utils.tiny_base import ensure_tiny_base
+    from megatron_m2po.standins.tiny_base import ensure_tiny_base
 
     run = tmp_path / "rise"
     _train(run, *RISE_OVERRIDES, f"trainer.seed={RISE_SEED}", timeout=560)
@@ -260,8 +260,8 @@ def test_reward_rises_on_the_synthetic_task(tmp_path):
 
 def test_external_producer_feeds_the_trainer(tmp_path):
     """rollout.source=external: the trainer serves ingestion and trains on what a harness pushes."""
-    from megatron_m2po.utils.dist_testing import free_port
-    from megatron_m2po.utils.tiny_base import ensure_tiny_base
+    from megatron_m2po.utils.net import free_port
+    from megatron_m2po.standins.tiny_base import ensure_tiny_base
 
     base = ensure_tiny_base(os.path.expanduser("~/.cache/megatron_m2po/tiny_base"), progress=False)
     run, port = tmp_path / "ext", free_port()

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from megatron_m2po.utils.dist_testing import run_distributed
+from megatron_m2po.standins.dist_testing import run_distributed
 
 PG_TIMEOUT_S = 2.0
 

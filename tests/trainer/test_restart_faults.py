@@ -190,7 +190,7 @@ def test_sigterm_while_waiting_for_data_checkpoints_the_finished_steps_and_exits
     (before: the handler only set a flag the wait never looked at). A second run with
     ``trainer.wait_timeout_s`` small fails at its deadline with a message naming the wait."""
     from megatron_m2po.store.client import StoreClient
-    from megatron_m2po.utils.dist_testing import free_port
+    from megatron_m2po.utils.net import free_port
     from waiting import wait_until
 
     run, port = tmp_path / "ext", free_port()
@@ -265,14 +265,14 @@ def test_engines_restarted_outside_the_trainer_are_brought_to_its_version(tmp_pa
     ahead of the re-run's and are refused by the store (the run fails)."""
     from megatron_m2po.rollout.launcher import EngineSpec, LocalLauncher
     from megatron_m2po.utils.net import free_port
-    from megatron_m2po.utils.tiny_base import ensure_tiny_base
+    from megatron_m2po.standins.tiny_base import ensure_tiny_base
     from waiting import wait_until
 
     tiny_model_dir = str(ensure_tiny_base(os.path.expanduser("~/.cache/megatron_m2po/tiny_base"), progress=False))
     launcher, handles, urls = LocalLauncher(), {}, []
 
     def start(i: int, port: int) -> None:
-        spec = EngineSpec(i, "127.0.0.1", port, [sys.executable, "-m", "megatron_m2po.rollout.cpu_worker",
+        spec = EngineSpec(i, "127.0.0.1", port, [sys.executable, "-m", "megatron_m2po.standins.cpu_worker",
                                                   "--model-path", tiny_model_dir, "--port", str(port),
                                                   "--weight-version", "0"],
                           {"OMP_NUM_THREADS": "1"}, tmp_path / f"engine_{i}_{len(handles)}.log")

@@ -82,7 +82,7 @@ def test_engines_started_under_torchrun_inherit_none_of_its_environment(tmp_path
                                 and (k in DROPPED_ENV_VARS or k.startswith(DROPPED_ENV_PREFIXES)))
                 assert leaked == [], f"{' '.join(_cmdline(pid)[:4])} inherited {leaked} from the trainer"
 
-        workers = wait_until(lambda: _find(proc.pid, "megatron_m2po.rollout.cpu_worker"), hopeless=ended,
+        workers = wait_until(lambda: _find(proc.pid, "megatron_m2po.standins.cpu_worker"), hopeless=ended,
                              what="a CPU worker started by trainer rank 0", timeout=240)
         ranks = [p for p in _tree(proc.pid) if "megatron_m2po.cli" in _cmdline(p)
                  and "RANK" in _environ(p) and p not in workers]

@@ -159,7 +159,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=1234)
     args = ap.parse_args()
     random.seed(args.seed)
-    from megatron_m2po.utils.dist_testing import run_distributed
+    from megatron_m2po.standins.dist_testing import run_distributed
 
     (res,) = run_distributed(_bench, 1, args=(args,), timeout_s=7200)
     print(f"# tiny actor, {args.config} {' '.join(args.overrides)}: {args.prompts} x {args.per_prompt} "

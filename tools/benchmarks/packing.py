@@ -148,7 +148,7 @@ def _actor_bench(rank, world_size, root, args):
 
 
 def actor_table(args) -> None:
-    from megatron_m2po.utils.dist_testing import run_distributed
+    from megatron_m2po.standins.dist_testing import run_distributed
 
     with tempfile.TemporaryDirectory() as root:
         (tokens, waste, names, cpu, lps), = run_distributed(_actor_bench, 1, args=(root, args), timeout_s=1800)

@@ -84,7 +84,7 @@ def main() -> None:
 
     from megatron_m2po.config import RolloutConfig
     from megatron_m2po.rollout.engines import EngineFleet
-    from megatron_m2po.utils.dist_testing import run_distributed
+    from megatron_m2po.standins.dist_testing import run_distributed
 
     tmp = Path(tempfile.mkdtemp(prefix="bench_ws_"))
     cfg = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=int(args.hidden * 2.75),

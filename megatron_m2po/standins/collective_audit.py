@@ -15,7 +15,7 @@ Two facts are tracked:
   all host-born, naming no device, makes another (``t.long()``, ``t * 2``, ``torch.stack([a, b])``).
   A call that names a device is given the benefit of the doubt: ``device=x.device`` is a CPU
   device here even when ``x`` would be on the GPU in production. ``Tensor.cuda()`` / ``.to("cuda")``
-  give an accelerator tensor, as on a GPU (``platform/cpu.py`` makes them keep the data here).
+  give an accelerator tensor, as on a GPU (``standins/cpu_platform.py`` makes them keep the data here).
 - **Accelerator groups**: every group except those created with an explicit ``backend="gloo"``
   (``dist.new_group(..., backend="gloo")``, Megatron's ``*_gloo`` groups). The default group is an
   accelerator group: the actor creates it as NCCL whenever CUDA is present (``actor/actor.py``
@@ -134,7 +134,7 @@ def _refuse(name: str, tensors: list[torch.Tensor], group: Any) -> None:
         f"on GPUs, got a host tensor (shape {tuple(t.shape)}, {t.dtype}) created without a device. "
         "NCCL refuses it on the first step on a GPU cluster (gloo here would take it). Create the tensor on "
         "the group's device (torch.device('cuda', torch.cuda.current_device()) when "
-        "dist.get_backend(group) == 'nccl') or use a gloo group (platform/collective_audit.py).")
+        "dist.get_backend(group) == 'nccl') or use a gloo group (standins/collective_audit.py).")
 
 
 def _checked(name: str, fn: Callable, pos: int) -> Callable:

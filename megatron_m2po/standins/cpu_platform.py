@@ -47,7 +47,7 @@ What :func:`enable` changes, and why:
    memory (created without a device, or by ``.cpu()``), and ``torch.distributed``'s tensor
    collectives raise NCCL's "No backend type associated with device type cpu" for such a tensor
    on a group that is NCCL on GPUs (every group but explicit gloo ones). Gloo would take it, and
-   the first step on a cluster would not (``platform/collective_audit.py``).
+   the first step on a cluster would not (``standins/collective_audit.py``).
 
 Nothing else in the package special-cases the CPU beyond choosing gloo, the local layer spec
 and turning fused kernels off (see ``actor/model.py``).
@@ -62,7 +62,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from megatron_m2po.platform import collective_audit
+from megatron_m2po.standins import collective_audit
 
 __all__ = ["enable", "is_enabled"]
 
@@ -164,7 +164,7 @@ def enable() -> None:
     if _ENABLED:
         return
     if torch.cuda.is_available():
-        raise RuntimeError("platform.cpu.enable() called on a machine with CUDA: the emulation must never "
+        raise RuntimeError("cpu_platform.enable() called on a machine with CUDA: the emulation must never "
                            "replace the real GPU path; do not call it when torch.cuda.is_available()")
     cuda = torch.cuda
 

@@ -6,11 +6,11 @@ not leak into the pytest process.
 
 import torch
 
-from megatron_m2po.utils.dist_testing import run_distributed
+from megatron_m2po.standins.dist_testing import run_distributed
 
 
 def _torch_level(rank, world_size):
-    from megatron_m2po.platform import cpu
+    from megatron_m2po.standins import cpu_platform as cpu
 
     cpu.enable()
     cpu.enable()  # idempotent
@@ -50,7 +50,7 @@ def test_torch_level_redirections():
 
 
 def _refuses_on_cuda(rank, world_size):
-    from megatron_m2po.platform import cpu
+    from megatron_m2po.standins import cpu_platform as cpu
 
     torch.cuda.is_available = lambda: True  # pretend a GPU machine
     try:
@@ -66,7 +66,7 @@ def test_refuses_when_cuda_available():
 
 
 def _megatron_tp2(rank, world_size):
-    from megatron_m2po.platform import cpu
+    from megatron_m2po.standins import cpu_platform as cpu
 
     cpu.enable()
     from megatron.core import parallel_state as ps
@@ -103,11 +103,11 @@ def test_megatron_gpt_forward_backward_tp2_on_gloo():
 
 
 def _collective_audit(rank, world_size):
-    """What NCCL refuses on GPUs, the CPU platform refuses too (platform/collective_audit.py)."""
+    """What NCCL refuses on GPUs, the CPU platform refuses too (standins/collective_audit.py)."""
     import torch.distributed as dist
 
     from megatron_m2po.algo.metrics import Metric, reduce_metrics
-    from megatron_m2po.platform import cpu
+    from megatron_m2po.standins import cpu_platform as cpu
 
     cpu.enable()
 
@@ -155,7 +155,7 @@ def test_collectives_refuse_host_tensors_on_accelerator_groups():
 
 
 def _any_rank_on_platform(rank, world_size):
-    from megatron_m2po.platform import cpu
+    from megatron_m2po.standins import cpu_platform as cpu
     from megatron_m2po.trainer.rank0 import any_rank
 
     cpu.enable()

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_m2po.utils import tiny_base as tb
+from megatron_m2po.rewards.extract import extract_last_boxed
+from megatron_m2po.standins import tiny_base as tb
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -84,8 +85,8 @@ def test_templates_and_tasks_agree_with_data_module():
         a, op, b = (r["problem"].partition("+") if "+" in r["problem"]
                     else r["problem"].partition("-"))
         assert int(r["answer"]) == (int(a) + int(b) if op == "+" else int(a) - int(b))
-    assert tb.extract_boxed("=\\boxed{3} then \\boxed{ -4 }") == "-4"
-    assert tb.extract_boxed("no box") is None
+    assert extract_last_boxed("=\\boxed{3} then \\boxed{ -4 }") == "-4"  # the extractor sampled_accuracy uses
+    assert extract_last_boxed("no box") is None
 
 
 def test_fast_build_deterministic_cached_and_hf_loadable(tmp_path, monkeypatch):
@@ -166,7 +167,7 @@ def _rank_ensure(rank, world_size, cache_dir):
 
 @pytest.mark.multiproc
 def test_concurrent_ranks_build_once(tmp_path):
-    from megatron_m2po.utils.dist_testing import run_distributed
+    from megatron_m2po.standins.dist_testing import run_distributed
 
     paths = run_distributed(_rank_ensure, world_size=2, args=(str(tmp_path),), timeout_s=240)
     assert paths[0] == paths[1] == str(tb.tiny_base_path(tmp_path, FAST))
@@ -230,7 +231,7 @@ def test_default_build_accuracy_and_reward(tmp_path):
     rows = tb.make_problems(48, "test", tb.TinyTask())
     resp = tb.sample_responses(model, tok, [tb.format_prompt(r["problem"]) for r in rows],
                                max_new_tokens=12, seed=1)
-    boxed = [tb.extract_boxed(t) for t in resp]
+    boxed = [extract_last_boxed(t) for t in resp]
     assert sum(b is not None for b in boxed) >= 40  # the format is learned
     grades = [grade_math(t, r["answer"]) for t, r in zip(resp, rows)]
     assert [g == "correct" for g in grades] == [b == r["answer"] for b, r in zip(boxed, rows)]

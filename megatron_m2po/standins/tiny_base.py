@@ -40,7 +40,6 @@ import json
 import logging
 import os
 import random
-import re
 import shutil
 import tempfile
 import time
@@ -49,8 +48,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
 from megatron_m2po.data.synthetic import SyntheticTask
+from megatron_m2po.rewards.extract import extract_last_boxed
 
-if TYPE_CHECKING:  # torch is imported where it is used: `import megatron_m2po.utils.tiny_base` stays light
+if TYPE_CHECKING:  # torch is imported where it is used: `import megatron_m2po.standins.tiny_base` stays light
     import torch
 
 log = logging.getLogger(__name__)
@@ -140,15 +140,6 @@ def format_prompt(problem: str) -> str:
 
 def format_response(answer: str) -> str:
     return RESPONSE_TEMPLATE.format(answer=answer)
-
-
-_BOXED_RE = re.compile(r"\\boxed\{([^{}]*)\}")
-
-
-def extract_boxed(text: str) -> str | None:
-    """The content of the last ``\\boxed{...}`` (no nesting needed for this task)."""
-    found = _BOXED_RE.findall(text)
-    return found[-1].strip() if found else None
 
 
 # --------------------------------------------------------------------------------------------
@@ -300,13 +291,18 @@ def sample_responses(model, tokenizer, prompts: list[str], *, max_new_tokens: in
 
 def sampled_accuracy(model, tokenizer, rows: list[dict[str, str]], *, seed: int,
                      max_new_tokens: int = 12, batch: int = 256) -> float:
-    """Fraction of ``rows`` whose sampled (T=1) response boxes the exact answer."""
+    """Fraction of ``rows`` whose sampled (T=1) response boxes the exact answer.
+
+    The answer is read as the reward reads it (``rewards/extract.extract_last_boxed``). Where that
+    differs from a plain last ``\\boxed{...}`` regex -- an empty box, ``\\boxed 5`` without
+    braces, an unclosed last box, nesting, ``\\fbox`` -- the tiny task's integer answers compare
+    the same way on every response a default build samples (its weights and accuracy are unchanged)."""
     correct = 0
     for s in range(0, len(rows), batch):
         chunk = rows[s:s + batch]
         resp = sample_responses(model, tokenizer, [format_prompt(r["problem"]) for r in chunk],
                                 max_new_tokens=max_new_tokens, seed=seed + s)
-        correct += sum(extract_boxed(t) == r["answer"] for t, r in zip(resp, chunk))
+        correct += sum(extract_last_boxed(t) == r["answer"] for t, r in zip(resp, chunk))
     return correct / max(len(rows), 1)
 
 

@@ -1,6 +1,6 @@
 """A CPU inference worker that speaks SGLang 0.5.23's HTTP protocol, refusals included.
 
-    python -m megatron_m2po.rollout.cpu_worker --model-path DIR --host 127.0.0.1 --port 30000
+    python -m megatron_m2po.standins.cpu_worker --model-path DIR --host 127.0.0.1 --port 30000
 
 Serves an HF transformers causal LM (float32, one torch thread) so the CPU default, CI and the
 quick-start run the same client, router and weight-sync code as production SGLang. The routes
@@ -67,10 +67,10 @@ from typing import Any, Iterable, Optional
 import torch
 
 from megatron_m2po.parallel.side_group import broadcast, new_side_group
-from megatron_m2po.rollout import sglang_sampling as sampling
-from megatron_m2po.rollout.cpu_prefix_cache import PrefixCache
-from megatron_m2po.rollout.cpu_worker_http import _DEFAULT_GROUP, RequestError, make_app
-from megatron_m2po.rollout.sglang_sampling import Sampling
+from megatron_m2po.standins import sglang_sampling as sampling
+from megatron_m2po.standins.cpu_prefix_cache import PrefixCache
+from megatron_m2po.standins.cpu_worker_http import _DEFAULT_GROUP, RequestError, WorkerApp
+from megatron_m2po.standins.sglang_sampling import Sampling
 from megatron_m2po.utils.hf_dir import iter_safetensors
 
 log = logging.getLogger("m2po.cpu_worker")
@@ -162,7 +162,7 @@ def _cache_tensors(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 class Engine:
-    """Model, scheduler and weight updates; the HTTP layer is in ``make_app``."""
+    """Model, scheduler and weight updates; the HTTP layer is ``cpu_worker_http.WorkerApp``."""
 
     def __init__(self, model_path: str, *, max_running: int = 64, seed: int = 0,
                  weight_version: str = "default", dist_timeout_s: float = 300.0,
@@ -802,7 +802,7 @@ def main(argv: Optional[list[str]] = None) -> None:
                     weight_version=args.weight_version, dist_timeout_s=args.dist_timeout_s,
                     quantization=args.quantization)
     log.info("serving %s on http://%s:%d", args.model_path, args.host, args.port)
-    web.run_app(make_app(engine), host=args.host, port=args.port, print=None, access_log=None,
+    web.run_app(WorkerApp(engine).build(), host=args.host, port=args.port, print=None, access_log=None,
                 shutdown_timeout=2.0)
 
 
