@@ -8,7 +8,11 @@ Two controllers with the same interface, run on trainer rank 0:
   :mod:`megatron_m2po.rollout.weight_stage`);
 - ``push(weights, version, engine_urls=None) -> SyncStats``: the same push from this one process
   (one stage), where ``weights`` is an iterator of ``(hf_name, full_tensor)`` or an HF checkpoint
-  directory (a refit, a benchmark, the tests).
+  directory (a refit, a benchmark, the tests);
+- ``can_refit_alone`` / ``refit(url, version)`` / ``on_engines_restarted(urls)``: what a relaunched
+  engine needs. The disk sync refits one engine alone from the latest version directory; the
+  distributed one cannot (the engine waits for the next push from every stage) and rebuilds its
+  groups at that push, since a relaunched engine has lost them.
 
 Pause and cache flush (docs/sglang.md, "Weight updates and the prefix cache"). SGLang keeps prompt KV
 in its radix cache across requests until the cache is flushed; an update that does not flush leaves
