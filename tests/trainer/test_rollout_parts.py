@@ -149,3 +149,41 @@ def test_group_ids_are_one_format_for_the_trainer_and_the_producers():
     assert group_ids.trajectory_uid("s000007-g00004", 3) == "s000007-g00004-3"
     assert not group_ids.async_prefix(1_700_000_000_000, 5).startswith("s")
     assert group_ids.eval_prefix("synthetic", 10) == "eval-synthetic-10"
+
+
+def test_ingestion_server_alone_serves_the_store_to_token_holders_and_no_one_sets_the_version(tmp_path,
+                                                                                               monkeypatch):
+    import json
+    import urllib.error
+    import urllib.request
+
+    from megatron_m2po.trainer.ingestion import IngestionServer
+
+    store = RolloutStore(str(tmp_path / "s.sqlite"))
+    bg = BackgroundLoop("test-ingestion")
+    cfg = StoreConfig(serve_port=0, token_env="M2PO_TEST_INGEST_TOKEN")
+    try:
+        monkeypatch.delenv("M2PO_TEST_INGEST_TOKEN", raising=False)
+        with pytest.raises(ValueError, match=r"set the ingestion token in \$M2PO_TEST_INGEST_TOKEN"):
+            IngestionServer(cfg, store, bg).start()
+        monkeypatch.setenv("M2PO_TEST_INGEST_TOKEN", "tok")
+        server = IngestionServer(cfg, store, bg)
+        url = server.start(str(tmp_path / "weights"))
+        store.set_version(3)
+
+        def call(path, method="GET", body=None):
+            req = urllib.request.Request(url + path, method=method, data=body,
+                                         headers={"Authorization": "Bearer tok", "Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=30) as r:
+                return json.loads(r.read())
+
+        assert call("/v1/version") == {"version": 3}
+        with pytest.raises(urllib.error.HTTPError) as e:  # the producers' token cannot set the version
+            call("/v1/version", "POST", json.dumps({"version": 9}).encode())
+        assert e.value.code == 403 and store.current_version == 3
+        server.close()
+        with pytest.raises(urllib.error.URLError):
+            call("/v1/version")
+    finally:
+        bg.close()
+        store.close()
