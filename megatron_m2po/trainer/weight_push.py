@@ -95,8 +95,8 @@ class WeightPushController:
                     raise
                 if self.leads:
                     log.warning("weight push of version %d failed (%s); pushing again to every engine", version, e)
-        if not self.leads:
-            self.version = version  # rank 0's finish() recorded it as soon as the engines held it
+        # Every rank alike (rank 0's finish() recorded it already, as soon as the engines held it).
+        self.version = version
 
     # ------------------------------------------------------------------ rank 0
     def begin(self, version: int, n_stages: int) -> PushPlan:
