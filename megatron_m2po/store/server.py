@@ -97,31 +97,53 @@ def build_app(store: RolloutStore, *, token: Optional[str], max_request_bytes: i
     Without ``trainer_token`` there is no role separation: ``token`` serves both roles."""
     if trainer_token is not None and token is not None and hmac.compare_digest(trainer_token.encode(), token.encode()):
         raise ValueError("the trainer token equals the producer token: role separation needs two different tokens")
-    if max_inflight_bytes is None:
-        max_inflight_bytes = 2 * max_request_bytes
-    inflight = [0]
-    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="store-db")
-    # Control routes (the version) are answered on their own thread and read-only connection, so a
-    # large push being decoded or written never delays them (WAL readers do not wait for the writer).
-    control = ThreadPoolExecutor(max_workers=1, thread_name_prefix="store-control")
-    control_conn: list = []
+    h = _Handlers(store, token=token, trainer_token=trainer_token, max_request_bytes=max_request_bytes,
+                  body_timeout_s=body_timeout_s,
+                  max_inflight_bytes=2 * max_request_bytes if max_inflight_bytes is None else max_inflight_bytes)
+    app = web.Application(middlewares=[h.count, h.auth], client_max_size=max_request_bytes)
+    app.add_routes([web.get("/health", h.health), web.post("/v1/groups", h.post_groups),
+                    web.get("/v1/stats", h.stats), web.get("/v1/version", h.get_version),
+                    web.post("/v1/version", h.post_version)])
+    app.on_cleanup.append(h.on_cleanup)
+    return app
 
-    def read_version() -> Optional[int]:
-        from megatron_m2po.store import sqlite as db
-        if not control_conn:
-            try:
-                control_conn.append(db.connect(store.path, readonly=True))
-            except Exception:  # e.g. an in-memory store: fall back to the store's own handle
-                control_conn.append(None)
-        c = control_conn[0]
-        if c is None:
-            return store.current_version
-        v = db.get_meta(c, "current_version")
-        return None if v is None else int(v)
 
-    async def in_pool(fn: Callable, *a, **kw):
-        return await asyncio.get_running_loop().run_in_executor(pool, lambda: fn(*a, **kw))
+class _Handlers:
+    """The routes of :func:`build_app` and their shared state, grouped by concern: access
+    (counting, tokens), groups (the data path, bounded in memory), version (the control path)."""
 
+    def __init__(self, store: RolloutStore, *, token: Optional[str], trainer_token: Optional[str],
+                 max_request_bytes: int, body_timeout_s: float, max_inflight_bytes: int):
+        self.store, self.token, self.trainer_token = store, token, trainer_token
+        self.max_request_bytes, self.body_timeout_s = max_request_bytes, body_timeout_s
+        self.max_inflight_bytes, self.inflight = max_inflight_bytes, 0
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="store-db")
+        # Control routes (the version) are answered on their own thread and read-only connection, so a
+        # large push being decoded or written never delays them (WAL readers do not wait for the writer).
+        self.control = ThreadPoolExecutor(max_workers=1, thread_name_prefix="store-control")
+        self.control_conn: list = []
+        # Every request is counted (``server/requests`` in ``GET /v1/stats``) instead of logged: one
+        # aiohttp access line per push buried a trainer's step lines. Access lines are a debug switch
+        # (``m2po store serve --access-log``; ``logging.access_log`` for the trainer's own server).
+        self.served = 0
+
+    async def in_pool(self, fn: Callable, *a, **kw):
+        return await asyncio.get_running_loop().run_in_executor(self.pool, lambda: fn(*a, **kw))
+
+    async def on_cleanup(self, _: web.Application) -> None:
+        self.pool.shutdown(wait=True)
+        self.control.shutdown(wait=True)
+        for c in self.control_conn:
+            if c is not None:
+                c.close()
+
+    # ------------------------------------------------------------------ access
+    @web.middleware
+    async def count(self, request: web.Request, handler):
+        self.served += 1
+        return await handler(request)
+
+    @staticmethod
     def _matches(got: str, want: Optional[str]) -> bool:
         try:  # header parsing never 5xx: undecodable bytes are a wrong token
             return want is not None and got.startswith("Bearer ") and hmac.compare_digest(
@@ -130,12 +152,13 @@ def build_app(store: RolloutStore, *, token: Optional[str], max_request_bytes: i
             return False
 
     @web.middleware
-    async def auth(request: web.Request, handler):
-        if token is not None and request.path != "/health":
+    async def auth(self, request: web.Request, handler):
+        if self.token is not None and request.path != "/health":
             got = request.headers.get("Authorization", "")
-            is_trainer = _matches(got, trainer_token)
-            ok = is_trainer or _matches(got, token)
-            if ok and trainer_token is not None and not is_trainer and (request.method, request.path) in TRAINER_ROUTES:
+            is_trainer = self._matches(got, self.trainer_token)
+            ok = is_trainer or self._matches(got, self.token)
+            if (ok and self.trainer_token is not None and not is_trainer
+                    and (request.method, request.path) in TRAINER_ROUTES):
                 return _err(403, f"{request.method} {request.path} needs the trainer token; this is a producer "
                                  "token (producers push groups and read the version)")
             if not ok:
@@ -143,42 +166,49 @@ def build_app(store: RolloutStore, *, token: Optional[str], max_request_bytes: i
                             **{"WWW-Authenticate": "Bearer"})
         return await handler(request)
 
-    async def health(_: web.Request) -> web.Response:
+    async def health(self, _: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
 
-    async def post_groups(request: web.Request) -> web.Response:
+    async def stats(self, _: web.Request) -> web.Response:
+        return web.json_response({**await self.in_pool(self.store.metrics), "server/requests": self.served})
+
+    # ------------------------------------------------------------------ groups
+    async def post_groups(self, request: web.Request) -> web.Response:
         t0 = time.time()
-        if request.content_length is not None and request.content_length > max_request_bytes:
+        limit = self.max_request_bytes
+        if request.content_length is not None and request.content_length > limit:
             return _err(413, f"request body of {request.content_length} bytes exceeds the limit of "
-                             f"{max_request_bytes} bytes; send smaller batches")
+                             f"{limit} bytes; send smaller batches")
         # Bodies held in memory at once are bounded: a body counts with its declared length (the
         # limit when it declares none) until its request is answered; beyond the budget, 429.
-        held = max_request_bytes if request.content_length is None else request.content_length
-        if inflight[0] + held > max_inflight_bytes and inflight[0] > 0:
-            return _err(429, f"{inflight[0]} request bytes are already in flight (being received or stored; budget "
-                             f"{max_inflight_bytes}); retry shortly", **{"Retry-After": "1"})
-        inflight[0] += held
+        held = limit if request.content_length is None else request.content_length
+        if self.inflight + held > self.max_inflight_bytes and self.inflight > 0:
+            return _err(429, f"{self.inflight} request bytes are already in flight (being received or stored; "
+                             f"budget {self.max_inflight_bytes}); retry shortly", **{"Retry-After": "1"})
+        self.inflight += held
         try:
-            return await _post_groups(request, t0)
+            return await self._post_groups(request, t0)
         finally:
-            inflight[0] -= held
+            self.inflight -= held
 
-    async def _post_groups(request: web.Request, t0: float) -> web.Response:
+    async def _post_groups(self, request: web.Request, t0: float) -> web.Response:
         try:
-            body = await asyncio.wait_for(request.read(), timeout=body_timeout_s)
+            body = await asyncio.wait_for(request.read(), timeout=self.body_timeout_s)
         except asyncio.TimeoutError:
-            return _err(408, f"request body not received within {body_timeout_s:g} s (stalled upload); "
+            return _err(408, f"request body not received within {self.body_timeout_s:g} s (stalled upload); "
                              "the connection is closed", Connection="close")
         except web.HTTPRequestEntityTooLarge:
-            return _err(413, f"request body exceeds the limit of {max_request_bytes} bytes; send smaller batches")
+            return _err(413, f"request body exceeds the limit of {self.max_request_bytes} bytes; send smaller "
+                             "batches")
         except (ConnectionError, HttpProcessingError) as e:  # the client went away or framed the body wrongly
             return _err(400, f"request body not received: {type(e).__name__}: {e}", Connection="close")
+        store = self.store
         try:
-            groups = await in_pool(decode_payload, body, request.headers.get("Content-Type", ""))
+            groups = await self.in_pool(decode_payload, body, request.headers.get("Content-Type", ""))
             # Versions must lie in the store's known range [0, current version]; before the trainer
             # published a version only the initial weights (version 0) exist.
-            res = await in_pool(lambda: store.put_groups(groups, received_at=t0,
-                                                         current_version=store.current_version or 0))
+            res = await self.in_pool(lambda: store.put_groups(groups, received_at=t0,
+                                                              current_version=store.current_version or 0))
         except PayloadTooLarge as e:
             return _err(413, str(e))
         except PayloadError as e:
@@ -194,56 +224,44 @@ def build_app(store: RolloutStore, *, token: Optional[str], max_request_bytes: i
             return _err(500, f"store error: {type(e).__name__}: {e}")
         return web.json_response(res.to_dict())
 
-    # Every request is counted (``server/requests`` in ``GET /v1/stats``) instead of logged: one
-    # aiohttp access line per push buried a trainer's step lines. Access lines are a debug switch
-    # (``m2po store serve --access-log``; ``logging.access_log`` for the trainer's own server).
-    served = [0]
+    # ------------------------------------------------------------------ version
+    def _read_version(self) -> Optional[int]:
+        from megatron_m2po.store import sqlite as db
+        if not self.control_conn:
+            try:
+                self.control_conn.append(db.connect(self.store.path, readonly=True))
+            except Exception:  # e.g. an in-memory store: fall back to the store's own handle
+                self.control_conn.append(None)
+        c = self.control_conn[0]
+        if c is None:
+            return self.store.current_version
+        v = db.get_meta(c, "current_version")
+        return None if v is None else int(v)
 
-    @web.middleware
-    async def count(request: web.Request, handler):
-        served[0] += 1
-        return await handler(request)
-
-    async def stats(_: web.Request) -> web.Response:
-        return web.json_response({**await in_pool(store.metrics), "server/requests": served[0]})
-
-    async def get_version(_: web.Request) -> web.Response:
-        v = await asyncio.get_running_loop().run_in_executor(control, read_version)
+    async def get_version(self, _: web.Request) -> web.Response:
+        v = await asyncio.get_running_loop().run_in_executor(self.control, self._read_version)
         return web.json_response({"version": v})
 
-    async def post_version(request: web.Request) -> web.Response:
+    async def post_version(self, request: web.Request) -> web.Response:
         if request.content_length is None or request.content_length > 1024:
             return _err(413 if request.content_length else 411,
                         f"POST /v1/version takes a small JSON body with a Content-Length (at most 1024 bytes), "
                         f"got {request.content_length}")
         try:
-            raw = await asyncio.wait_for(request.read(), timeout=body_timeout_s)
+            raw = await asyncio.wait_for(request.read(), timeout=self.body_timeout_s)
             doc = json.loads(raw.decode("utf-8"), parse_int=lambda x: int(x) if len(x) <= 20 else None)
         except asyncio.TimeoutError:
-            return _err(408, f"request body not received within {body_timeout_s:g} s", Connection="close")
+            return _err(408, f"request body not received within {self.body_timeout_s:g} s", Connection="close")
         except (ValueError, UnicodeDecodeError, RecursionError) as e:
             return _err(400, f"body is not JSON: {type(e).__name__}: {str(e)[:200]}")
         v = doc.get("version") if isinstance(doc, dict) else None
         if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < (1 << 63):
             return _err(400, f"'version' must be an integer in [0, 2^63), got {str(v)[:80]}")
         try:
-            await in_pool(store.set_version, v)
+            await self.in_pool(self.store.set_version, v)
         except ValueError as e:
             return _err(409, str(e))
         return web.json_response({"version": v})
-
-    async def on_cleanup(_: web.Application) -> None:
-        pool.shutdown(wait=True)
-        control.shutdown(wait=True)
-        for c in control_conn:
-            if c is not None:
-                c.close()
-
-    app = web.Application(middlewares=[count, auth], client_max_size=max_request_bytes)
-    app.add_routes([web.get("/health", health), web.post("/v1/groups", post_groups), web.get("/v1/stats", stats),
-                    web.get("/v1/version", get_version), web.post("/v1/version", post_version)])
-    app.on_cleanup.append(on_cleanup)
-    return app
 
 
 def run_server(path: str, *, host: str = "127.0.0.1", port: int = 8765, token: Optional[str],
