@@ -35,6 +35,7 @@ from typing import Any, Awaitable, Callable, Optional, Sequence
 
 import numpy as np
 
+from megatron_m2po.rollout.group_ids import group_id, trajectory_uid
 from megatron_m2po.store.types import Group, Trajectory
 from megatron_m2po.utils.timing import TIMER
 
@@ -54,11 +55,12 @@ class ProducerContext:
         sampling_params: SGLang sampling params (temperature, top_p, max_new_tokens, stop ids).
         n_samples: responses per prompt (the GRPO group size).
         version: weight version the engines hold at submission.
-        group_prefix: group ids are ``f"{group_prefix}-g{position:05d}"`` (deterministic).
+        group_prefix: group ids are ``group_ids.group_id(group_prefix, position)`` (deterministic;
+            :mod:`~megatron_m2po.rollout.group_ids` owns the format).
         metadata: extra metadata copied into every trajectory (step, mode, ...).
         seed: run seed; when set, request ``j`` of group ``gid`` is sampled with
             ``sampling_seed = request_seed(seed, gid, j)``.
-        positions: position of each prompt in its step (group ``f"{group_prefix}-g{pos:05d}"``);
+        positions: position of each prompt in its step (group ``group_id(group_prefix, pos)``);
             defaults to the prompt's index in the list handed to the producer.
     """
 
@@ -77,7 +79,7 @@ class ProducerContext:
     def group_id(self, p: int) -> str:
         """Deterministic id of the group of the ``p``-th prompt handed to the producer."""
         pos = self.positions[p] if self.positions is not None else p
-        return f"{self.group_prefix}-g{pos:05d}"
+        return group_id(self.group_prefix, pos)
 
     def sampling_params_for(self, gid: str, j: int) -> dict:
         """Sampling params of sample ``j`` of group ``gid`` (seeded when ``seed`` is set)."""
@@ -132,7 +134,7 @@ async def default_producer(ctx: ProducerContext, prompts: list) -> list[Group]:
             i = p * ctx.n_samples + j
             out = outs[i]
             trajs.append(Trajectory(
-                uid=f"{gid}-{j}", group_id=gid, prompt_ids=np.asarray(item.prompt_ids),
+                uid=trajectory_uid(gid, j), group_id=gid, prompt_ids=np.asarray(item.prompt_ids),
                 response_ids=np.asarray(out.output_ids), behav_logprobs=np.asarray(out.output_logprobs),
                 versions=_token_versions(out, ctx.version), reward=float(result.scores[i]),
                 finish_reason=out.finish_type if out.finish_type in ("stop", "length", "abort") else "stop",

@@ -8,7 +8,11 @@ Two controllers with the same interface, run on trainer rank 0:
   :mod:`megatron_m2po.rollout.weight_stage`);
 - ``push(weights, version, engine_urls=None) -> SyncStats``: the same push from this one process
   (one stage), where ``weights`` is an iterator of ``(hf_name, full_tensor)`` or an HF checkpoint
-  directory (a refit, a benchmark, the tests).
+  directory (a refit, a benchmark, the tests);
+- ``can_refit_alone`` / ``refit(url, version)`` / ``on_engines_restarted(urls)``: what a relaunched
+  engine needs. The disk sync refits one engine alone from the latest version directory; the
+  distributed one cannot (the engine waits for the next push from every stage) and rebuilds its
+  groups at that push, since a relaunched engine has lost them.
 
 Pause and cache flush (docs/sglang.md, "Weight updates and the prefix cache"). SGLang keeps prompt KV
 in its radix cache across requests until the cache is flushed; an update that does not flush leaves
@@ -41,7 +45,7 @@ and the sender broadcasts one uint8 tensor (SGLang's ``FlattenedTensorBucket`` l
 last bucket of the last stage carries ``weight_version`` and ``flush_cache``. NCCL on GPU tensors, gloo on CPU. The
 groups have a timeout and every HTTP call has one, so a dead engine raises ``WeightSyncError``
 naming it instead of hanging the trainer. The groups are rebuilt for the next push after a failure,
-when the engines change, or when :meth:`DistributedWeightSync.invalidate` says an engine was
+when the engines change, or when :meth:`DistributedWeightSync.on_engines_restarted` says an engine was
 restarted (a restarted engine has lost its groups).
 
 ``fp8=True`` (``rollout.fp8_weights``) quantises the linears of the decoder blocks to block FP8 on
@@ -167,6 +171,18 @@ class _Base:
     def _from_dir(self, path: str, plan: PushPlan):
         return iter_safetensors(path)
 
+    #: Whether :meth:`refit` loads the current weights into one relaunched engine from this process
+    #: alone. When not, a relaunched engine waits (unregistered) for the next push from every stage.
+    can_refit_alone = False
+
+    def refit(self, url: str, version: int) -> None:
+        """Load the weights of ``version`` (the last pushed) into the relaunched engine ``url``."""
+        raise WeightSyncError(f"{type(self).__name__} cannot refit engine {url} alone: it gets version {version} "
+                              "with the next push from every stage")
+
+    def on_engines_restarted(self, urls: list[str]) -> None:
+        """Engines ``urls`` were relaunched: what this controller set up with them is gone."""
+
     def begin(self, version: int, n_stages: int, engine_urls: Optional[list[str]] = None) -> PushPlan:
         raise NotImplementedError
 
@@ -207,6 +223,14 @@ class DiskWeightSync(_Base):
         self.sync_dir.mkdir(parents=True, exist_ok=True)
         self.latest_dir: Optional[str] = None
         self._skip_update = False
+
+    can_refit_alone = True  # from the latest complete version directory
+
+    def refit(self, url: str, version: int) -> None:
+        if self.latest_dir is None:
+            raise RuntimeError(f"engine {url} was restarted at weight version {version}, but there is no on-disk "
+                               "copy of that version to refit it from")
+        self.push(self.latest_dir, version, engine_urls=[url])
 
     def _complete(self, version: int) -> Optional[str]:
         final = self.sync_dir / f"v{version}"
@@ -338,6 +362,9 @@ class DistributedWeightSync(_Base):
     def invalidate(self, url: Optional[str] = None) -> None:
         """An engine (``url``, or any) lost its groups (restarted): the next push rebuilds them."""
         self._stale = True
+
+    def on_engines_restarted(self, urls: list[str]) -> None:
+        self.invalidate()  # a relaunched engine has lost its weight-update groups
 
     def connect(self, engine_urls: Optional[list[str]] = None) -> None:
         """Check the engines answer (their tensor-parallel sizes); groups are built by the next push."""

@@ -5,16 +5,18 @@ Every rank runs :class:`Trainer`; global rank 0 also owns the rollout side (:cla
 no collectives: it returns data, and the loop shares it with every rank (:meth:`Trainer._from_rank0`;
 a step's rollouts are scattered: each rank receives its data-parallel shard and the mini-batches'
 plans, :meth:`Trainer._fetch_step`) and runs the actor's collectives (log-prob recompute, weight gathers, checkpoints) on all of them.
+The engines' weight version is the push controller's (:mod:`.weight_push`; every rank holds one).
 The trainer creates the process group and destroys it when the run ends, however it ends.
 
-Modes (docs/design.md §3):
+Modes (docs/design.md §3), each a schedule object (:mod:`.schedule`: what to generate, what to
+lease, when to push), so :meth:`Trainer._train_step` tests no mode:
 
 * ``sync`` — on-policy: the rollouts of step ``s`` are generated with the weights the step
   starts at (mini-batch ``j`` has staleness ``j``; the first update is exactly on-policy).
 * ``stale_k`` — the paper's controlled setting: step ``s`` trains on rollouts generated at
   version ``s*U - k`` (base-model rollouts while that version does not exist); generation runs
   in the background, up to ``k`` updates ahead of its use (:mod:`.schedule`).
-* ``async`` — engines generate continuously, weights are pushed every
+* ``async`` — engines generate continuously (or external producers push), weights are pushed every
   ``trainer.sync_every_updates`` updates, the store serves under ``store.max_staleness``.
 
 Updates are run one optimizer mini-batch at a time so that a generation event that falls
@@ -48,8 +50,9 @@ from megatron_m2po.actor.checkpoint import latest_checkpoint
 from megatron_m2po.config import Config, config_to_dict, dump_config
 from megatron_m2po.trainer.batching import groups_to_batch, rollout_metrics, trajectory_to_sample
 from megatron_m2po.trainer.rank0 import any_rank, check_shared_run_dir, from_rank0, scatter_from_rank0
-from megatron_m2po.trainer.schedule import events_at, generation_version
+from megatron_m2po.trainer.schedule import make_schedule
 from megatron_m2po.trainer.token_dump import TokenDump
+from megatron_m2po.trainer.weight_push import WeightPushController
 from megatron_m2po.utils.faults import fault_point
 from megatron_m2po.utils.hf_dir import resolve_model_path
 from megatron_m2po.utils.timing import TIMER
@@ -113,6 +116,9 @@ class Trainer:
         self.lead: Optional[_Lead] = None  # global rank 0 only
         self.driver = None                 # self.lead.driver
         self.token_dump: Optional[TokenDump] = None
+        # The engines' weights: rank 0's push controller (the driver's), a follower elsewhere; every
+        # rank tracks the same version.
+        self.weights = WeightPushController.follower()
         self._owns_pg = init_parallel(cfg.parallel, cfg.trainer.seed)
         try:
             self.rank = dist.get_rank()
@@ -122,7 +128,7 @@ class Trainer:
             cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, hf_path=self.model_path))
             self.cfg = cfg
             self.U = cfg.trainer.num_updates_per_step
-            self.k = cfg.trainer.stale_k if cfg.trainer.mode == "stale_k" else 0
+            self.schedule = make_schedule(cfg.trainer)  # what trainer.mode generates, leases and pushes
             self.actor = MegatronActor.from_config(
                 ActorConfig.from_config(cfg, total_updates=cfg.trainer.num_steps * self.U))
             self.ckpt_dir = cfg.resolved_path(cfg.checkpoint.dir, "checkpoints")
@@ -134,15 +140,13 @@ class Trainer:
             if self.rank == 0:
                 self.lead = _Lead(cfg, self.model_path)
                 self.driver = self.lead.driver
+                self.weights = self.driver.weights
         except BaseException:
             self.close()
             raise
-        self.engines_version = 0  # the weights the engines hold (all ranks track it identically)
         self.start_step = 0
-        # Resume bookkeeping of _catch_up: steps generated off-schedule (step -> version), and the
-        # step count up to which every generation event happened at its scheduled version.
-        self._caught_up: dict[int, int] = {}
-        self._scheduled_through = cfg.trainer.num_steps
+        # Rank 0: the whole mini-batches of the step being trained, when its tokens are dumped.
+        self._full_minibatches: Optional[list[RolloutBatch]] = None
         # Rank 0: a stop request ended a wait for data in this step; the dataset position at the
         # step's start, before its generation events drew prompts (a checkpoint of the finished
         # steps must not record those draws: the resumed step repeats them).
@@ -178,21 +182,18 @@ class Trainer:
         if ckpt is not None:
             extra = self.actor.load_checkpoint(str(ckpt))
             self.start_step = int(extra["step"])
-            # Checkpoints without these predate _catch_up: their run scheduled every step it trains.
-            self._scheduled_through = int(extra.get("scheduled_through", self.cfg.trainer.num_steps))
-            self._caught_up = {int(s): int(v) for s, v in extra.get("caught_up", [])}
+            self.schedule.load_state_dict(extra)
         if self.lead:
             d = self.driver
             if extra is not None:
                 d.dataset.load_state_dict(extra["dataset"])
             # A run that died before its first checkpoint (or during its write) left leases and, in
             # async mode, groups of weights that are gone: rewound here as after a checkpoint.
-            r = d.rewind(extra["store_cursor"] if extra is not None else None, self.actor.version)
+            r = d.rewind(extra["store_cursor"] if extra is not None else None, self.actor.version,
+                         retire_ahead=self.schedule.retires_ahead)
             if ckpt is not None:
                 log.info("resumed from %s at step %d (version %d); %d lease(s) will be replayed, %d group(s) "
                          "retired", ckpt, self.start_step, self.actor.version, r["replays"], r["retired"])
-        # Fresh engines start from the base model (version 0).
-        self.engines_version = 0
 
     def _save(self, step: int, *, at_boundary: bool = False) -> None:
         """Checkpoint after ``step`` steps (all ranks); the actor's checkpoint moves ``latest``.
@@ -212,16 +213,15 @@ class Trainer:
     def _rollout_state(self, step: int, at_boundary: bool = False) -> dict:
         """Rank 0: what a resume needs besides the actor (dataset position, store cursor)."""
         dataset = self.driver.dataset.state_dict()
-        if at_boundary and self.cfg.trainer.mode != "async":
+        if at_boundary and self.schedule.redraws_step_prompts:
             # Generation started at the step's version may still be in flight: the resumed step
             # re-draws the same prompts and generates what is missing at that same version.
             dataset = self._boundary_dataset
         else:
-            self.driver.wait_generation()
-        return {"step": step, "dataset": dataset,
-                "store_cursor": self.driver.store.cursor_state(), "mode": self.cfg.trainer.mode, "stale_k": self.k,
-                "scheduled_through": self.cfg.trainer.num_steps,
-                "caught_up": sorted(self._caught_up.items())}
+            self.driver.generator.wait_generation()
+        # The schedule's part: mode, stale_k, and the catch-up bookkeeping.
+        return {"step": step, "dataset": dataset, "store_cursor": self.driver.store.cursor_state(),
+                **self.schedule.state_dict()}
 
     def _prune_checkpoints(self) -> None:
         import shutil
@@ -233,34 +233,19 @@ class Trainer:
 
     # ------------------------------------------------------------------ weights
     def _push_weights(self) -> float:
-        """All ranks: every pipeline stage sends its own layers to the engines (rank 0 drives the
-        push). A push that fails because engines died is repeated once after they are relaunched:
-        the repeat loads the current weights into them, then they rejoin the router."""
-        from megatron_m2po.rollout.weight_stage import WeightSyncError, push_from_stages
-
-        v, layout = self.actor.version, self.actor.stage_layout()
+        """All ranks: push the actor's weights to the engines (:meth:`WeightPushController.push`:
+        every pipeline stage sends its own layers, rank 0 drives the push, a push that engines'
+        deaths broke is repeated once after they are relaunched); returns seconds."""
+        layout = self.actor.stage_layout()
         t0 = time.perf_counter()
-        if self.lead and self.driver.fleet is not None and self.driver.fleet.engines:
-            fault_point("engine_dies", lambda: self.driver.fleet.engines[0].handle.proc.kill())
-        for attempt in (1, 2):
-            try:
-                with TIMER.phase("push"):
-                    push_from_stages(self.driver if self.lead else None, self.actor.iter_stage_hf_weights(), v,
-                                     stage=layout.stage, n_stages=layout.n_stages, sender=layout.sender)
-                break
-            except WeightSyncError as e:
-                restarted = self._from_rank0(lambda: self.driver.restart_dead_engines(), what="engine restarts")
-                if attempt == 2 or not restarted:
-                    raise
-                if self.lead:
-                    log.warning("weight push of version %d failed (%s); pushing again to every engine", v, e)
-        self.engines_version = v
+        self.weights.push(self.actor.iter_stage_hf_weights, self.actor.version, stage=layout.stage,
+                          n_stages=layout.n_stages, sender=layout.sender)
         return time.perf_counter() - t0
 
-    def _generation_events(self, version: int) -> dict[str, float]:
-        """stale_k / sync: generate the steps scheduled at ``version`` (all ranks)."""
-        steps = [s for s in events_at(version, self.U, self.k, self.cfg.trainer.num_steps) if s >= self.start_step]
-        return self._generate_steps(steps, version)
+    def _generation_events(self) -> dict[str, float]:
+        """Generate what the schedule generates at the actor's version (all ranks; none in async)."""
+        version = self.actor.version
+        return self._generate_steps(self.schedule.steps_to_generate(version, self.start_step), version)
 
     def _catch_up(self) -> None:
         """A resumed stale_k / sync run (all ranks): steps whose generation event lies before the
@@ -270,21 +255,31 @@ class Trainer:
         Their staleness is below the scheduled one (the weights of their event are gone); the
         warning names them."""
         v = self.actor.version
-        # Steps the checkpointed run scheduled at their exact version, and those it caught up itself.
-        past = [s for s in range(max(self.start_step, self._scheduled_through), self.cfg.trainer.num_steps)
-                if generation_version(s, self.U, self.k) < v and s not in self._caught_up]
+        past = self.schedule.catch_up_candidates(v, self.start_step)
         if not past:
             return
-        missing = self._from_rank0(lambda: self.driver.missing_steps(past), what="the steps to catch up")
+        missing = self._from_rank0(lambda: self.driver.generator.missing_steps(past), what="the steps to catch up")
         # Present ones were caught up from this same checkpoint before a crash: also at version v.
-        self._caught_up.update({s: v for s in past})
+        self.schedule.mark_caught_up(past, v)
         if not missing:
             return
         if self.lead:
             log.warning("steps %s were scheduled before the resume point (version %d) but never generated "
                         "(trainer.num_steps raised since the checkpoint?): generating them now at version %d; "
-                        "their staleness is below the scheduled %d", missing, v, v, self.k)
+                        "their staleness is below the scheduled %d", missing, v, v, self.schedule.k)
         self._generate_steps(missing, v)
+
+    def _start_continuous(self) -> None:
+        """A schedule that generates continuously (async, all ranks): the engines get the weights the
+        run starts from, then generate on their own. Engines kept from a run that died hold its
+        weights: the producer must not start on them."""
+        if not self.schedule.continuous:
+            return
+        off = self._from_rank0(lambda: self.weights.check_engines(), what="the engine check")
+        if self.actor.version > 0 or off:
+            self._push_weights()
+        if self.lead:
+            self.driver.start_continuous()
 
     def _generate_steps(self, steps: list[int], version: int) -> dict[str, float]:
         """Generate the rollouts of ``steps`` with the weights of ``version`` (all ranks). A stop
@@ -292,7 +287,7 @@ class Trainer:
         if not steps or self._wait_stopped:
             return {}
         out = {}
-        if self.engines_version != version:
+        if self.weights.version != version:
             out["sync/weight_s"] = self._push_weights()
         with TIMER.phase("generation_wait"):  # on-policy: the trainer waits; stale: only starts it
             self._run_generation(steps)
@@ -304,26 +299,27 @@ class Trainer:
             # The trainer's own log-probs of the generated tokens at this version: every rank
             # takes part, so generation is synchronous here.
             for s in steps:
-                groups = self._from_rank0(lambda step=s: self._stoppable(lambda: self.driver.generate_step_groups(step)),
+                groups = self._from_rank0(lambda step=s: self._stoppable(lambda: self.driver.generator.generate_step_groups(step)),
                                           what=f"the generation of step {s}")
                 if isinstance(groups, _Stopped):
                     self._wait_stopped = True
                     return
                 self._recompute_behaviour(groups)
                 if self.lead:
-                    self.driver.put_groups(groups)
+                    self.driver.generator.put_groups(groups)
             return
         if self.lead:
-            # On-policy data is needed right away; stale data overlaps with training.
+            # On-policy data is needed right away; stale data overlaps with training (schedule.background).
+            gen = self.driver.generator
             for s in steps:
-                if isinstance(self._stoppable(lambda step=s: self.driver.generate_for_step(step, background=self.k > 0)),
+                if isinstance(self._stoppable(lambda step=s: gen.generate_for_step(step, background=self.schedule.background)),
                               _Stopped):
                     self._wait_stopped = True  # rank 0 only: the step's lease shares it with every rank
                     break
 
     def _stoppable(self, fn: Callable[[], T]) -> T | _Stopped:
         """Rank 0: ``fn()``, or a :class:`_Stopped` marker when a stop request ended its wait."""
-        from megatron_m2po.trainer.driver import StopRequested
+        from megatron_m2po.trainer.waiting import StopRequested
         try:
             return fn()
         except StopRequested as e:
@@ -339,13 +335,6 @@ class Trainer:
             t.recomputed_behav_logprobs = np.minimum(np.asarray(lp, dtype=np.float32), 0.0)
 
     # ------------------------------------------------------------------ one step
-    def _lease(self, step: int) -> tuple[list, Any]:
-        """Rank 0: lease the step's groups from the store; returns (groups, lease)."""
-        u = step * self.U
-        if self.cfg.trainer.mode == "async":
-            return self.driver.take_async(step, u)
-        return self.driver.take_step(step, u, self._caught_up.get(step, generation_version(step, self.U, self.k)))
-
     def _fetch_step(self, step: int) -> Optional[tuple[list[ShardedBatch], Any, dict]]:
         """Rank 0 leases the step's groups and splits them into optimizer mini-batches; every rank
         receives, per mini-batch, the global plan (sizes and versions) and the samples of its own
@@ -354,7 +343,7 @@ class Trainer:
         leased: dict[str, Any] = {}
 
         def lease() -> list:
-            got = _Stopped() if self._wait_stopped else self._stoppable(lambda: self._lease(step))
+            got = _Stopped() if self._wait_stopped else self._stoppable(lambda: self.schedule.lease(self.driver.leaser, step))
             if isinstance(got, _Stopped):
                 return [(None, got)] * len(self._dp_of)
             groups, leased["lease"] = got
@@ -377,55 +366,48 @@ class Trainer:
         return minibatches, leased.get("lease"), meta
 
     def _train_step(self, step: int) -> Optional[tuple[dict[str, float], list[dict[str, float]]]]:
-        """One step (all ranks); None when a stop request ended the wait for its data."""
+        """One step (all ranks); None when a stop request ended the wait for its data.
+
+        Generate what the schedule generates at the current version, lease the step's data, then
+        per optimizer mini-batch: generate what falls due at its version (a generation event
+        inside a step, stale_k with ``k`` not a multiple of ``U``), train, push when the schedule
+        says; acknowledge the lease."""
         t0 = time.perf_counter()
         extra: dict[str, float] = {}
-        mode = self.cfg.trainer.mode
         if self.lead:
             self._boundary_dataset = self.driver.dataset.state_dict()
-        if mode != "async":
-            extra.update(self._generation_events(self.actor.version))
+        extra.update(self._generation_events())
         with TIMER.phase("data_wait"):
             fetched = self._fetch_step(step)
         if fetched is None:
             return None
         minibatches, lease, rollout = fetched
-        per_update = []
-        ages, age_counts = [], []
+        per_update, ages, age_counts = [], [], []
         dump = self.token_dump if self.token_dump is not None and self.token_dump.wants(step) else None
         if dump:
             dump.begin(step)
         first_sample = 0
         for j, mb in enumerate(minibatches):
-            if j > 0 and mode != "async":
-                extra.update(self._generation_events(self.actor.version))
+            if j > 0:
+                extra.update(self._generation_events())
             counts = mb.plan.version_counts
             present = counts > 0
             ages.append(self.actor.version - (mb.plan.version_base + np.arange(counts.shape[0]))[present])
             age_counts.append(counts[present])
             update = self.actor.version
-            m = self.actor.train_update(mb)
-            per_update.append(m)
+            per_update.append(self.actor.train_update(mb))
             fault_point("train_update")  # the step's lease is open, its updates half done
             if dump:  # rank 0 assembles the dump from the whole mini-batch it leased
                 dump.end_update(self._full_minibatches[j] if self.lead else None, update, first_sample)
             first_sample += len(mb.plan.lengths)
-            if mode == "async" and self.actor.version % self.cfg.trainer.sync_every_updates == 0:
+            if self.schedule.push_after_update(self.actor.version):
                 extra["sync/weight_s"] = extra.get("sync/weight_s", 0.0) + self._push_weights()
         if dump:
             dump.write()
         if self.lead:
-            self.driver.ack(lease)
+            self.driver.leaser.ack(lease)
         step_s = time.perf_counter() - t0
-        metrics = _mean_dicts(per_update)
-        # Extremes over the step's updates, and the token staleness histogram (bins 0, 1, ...).
-        for key, fn in (("staleness/max", max), ("policy/ratio_max", max), ("staleness/min", min)):
-            if key in per_update[0]:
-                metrics[key] = fn(m[key] for m in per_update)
-        ages = np.concatenate(ages) if ages else np.zeros(0, np.int64)
-        if ages.size:
-            hist = np.bincount(ages, weights=np.concatenate(age_counts))
-            metrics["staleness/hist"] = [int(c) for c in hist]
+        metrics = _step_metrics(per_update, ages, age_counts)
         metrics.update(extra)
         if rollout:
             metrics.update(rollout)
@@ -441,15 +423,8 @@ class Trainer:
         self._install_signal_handlers()
         self._resume()
         cfg = self.cfg
-        if cfg.trainer.mode != "async":
-            self._catch_up()
-        if cfg.trainer.mode == "async":
-            # Engines kept from a run that died hold its weights: the async producer must not start on them.
-            off = self._from_rank0(lambda: self.driver.check_engines(), what="the engine check")
-            if self.actor.version > 0 or off:
-                self._push_weights()
-            if self.lead:
-                self.driver.start_async()
+        self._catch_up()          # exact schedules: steps scheduled before the resume point, never generated
+        self._start_continuous()  # async: the engines generate from now on
         step = self.start_step
         # Where the time goes (utils/timing.py): a step's wall time runs from the previous step's
         # log line to its own, so the previous step's checkpoint counts in this one.
@@ -458,7 +433,7 @@ class Trainer:
         try:
             for step in range(self.start_step, cfg.trainer.num_steps):
                 # Relaunched engines that wait for weights (distributed sync) get them now.
-                if self._from_rank0(lambda: self.driver.check_engines(), what="the engine check"):
+                if self._from_rank0(lambda: self.weights.check_engines(), what="the engine check"):
                     self._push_weights()
                 trained = self._train_step(step)
                 if trained is None:  # a stop request ended the wait for this step's data
@@ -511,10 +486,10 @@ class Trainer:
             log.warning("could not report where the time went: %s", e)
 
     def _evaluate(self, step: int) -> dict[str, float]:
-        if self.engines_version != self.actor.version:
+        if self.weights.version != self.actor.version:
             self._push_weights()
         with TIMER.phase("evaluation"):
-            out = self._from_rank0(lambda: self._stoppable(lambda: self.driver.evaluate(step)),
+            out = self._from_rank0(lambda: self._stoppable(lambda: self.driver.evaluator.evaluate(step)),
                                    what="the evaluation")
         return {} if isinstance(out, _Stopped) else out  # stopped: the step's checkpoint comes first
 
@@ -527,6 +502,20 @@ class Trainer:
                 self.actor.close()
         finally:
             destroy_parallel(self._owns_pg)
+
+
+def _step_metrics(per_update: list[dict], ages: list[np.ndarray], age_counts: list[np.ndarray]) -> dict:
+    """A step's training metrics: the mean over its updates, the extremes, and the token staleness
+    histogram (``staleness/hist``, bins 0, 1, ...; ``ages``/``age_counts`` per update)."""
+    metrics = _mean_dicts(per_update)
+    for key, fn in (("staleness/max", max), ("policy/ratio_max", max), ("staleness/min", min)):
+        if key in per_update[0]:
+            metrics[key] = fn(m[key] for m in per_update)
+    ages = np.concatenate(ages) if ages else np.zeros(0, np.int64)
+    if ages.size:
+        hist = np.bincount(ages, weights=np.concatenate(age_counts))
+        metrics["staleness/hist"] = [int(c) for c in hist]
+    return metrics
 
 
 def _mean_dicts(ds: list[dict[str, float]]) -> dict[str, float]:

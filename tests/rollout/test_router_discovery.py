@@ -1,7 +1,7 @@
 """Router-only external fleets behind the real sglang-router 0.3.2: engines are discovered from
 its ``GET /workers``, version-checked, refit on every push (disk and distributed), and engines
 that join or leave the router are picked up at the next push (``EngineFleet.refresh``, which
-``RolloutDriver.push_weights`` calls before every push)."""
+``trainer/weight_push.py`` ``WeightPushController.begin`` calls before every push)."""
 
 from __future__ import annotations
 
@@ -125,7 +125,7 @@ def test_discovered_engines_are_refit_and_joiners_picked_up_at_the_next_push(env
     disk = DiskWeightSync(fleet.engine_urls, str(d / "weights"), base_model_dir=tiny_model_dir, timeout_s=30)
     dist = DistributedWeightSync(fleet.engine_urls, backend="gloo", timeout_s=30)
     try:
-        # What RolloutDriver.push_weights does: refresh, then push to the fleet's URLs.
+        # What WeightPushController.begin does: refresh, then push to the fleet's URLs.
         assert fleet.refresh() == []
         disk.push(iter(perturbed(tiny_model_dir, 1)), 1, engine_urls=fleet.engine_urls)
         assert call(a, "weight_version") == "1" and call(b, "weight_version") == "0"

@@ -67,8 +67,7 @@ def test_engine_killed_mid_push_is_replaced_refit_and_readmitted(tiny_model_dir,
         assert restarted == [victim.url] and fleet.pending_urls == [victim.url]
         workers = _call(fleet.url, "request", "GET", "/workers")["workers"]
         assert [w["url"] for w in workers] == [fleet.engines[0].url]  # not admitted before its refit
-        if kind == "distributed":
-            sync.invalidate(victim.url)
+        sync.on_engines_restarted([victim.url])  # distributed: its groups are gone; disk: nothing to do
         stats = sync.push(iter(new), 2, engine_urls=fleet.engine_urls)  # no failure on the lost groups
         assert stats.engines == 2
         assert fleet.admit() == [victim.url]
@@ -82,7 +81,7 @@ def test_engine_killed_mid_push_is_replaced_refit_and_readmitted(tiny_model_dir,
             victim.handle.proc.kill()
             victim.handle.proc.wait(30)
             assert fleet.check_and_restart(refit=False) == [victim.url]
-            sync.invalidate(victim.url)  # what RolloutDriver.restart_dead_engines does
+            sync.on_engines_restarted([victim.url])  # what WeightPushController.restart_dead_engines does
             sync.push(iter(first), 3, engine_urls=fleet.engine_urls)
             assert fleet.admit() == [victim.url]
             assert {_call(u, "weight_version") for u in fleet.engine_urls} == {"3"}

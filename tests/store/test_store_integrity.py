@@ -253,7 +253,7 @@ def test_trainer_step_with_a_quarantined_group_fails_at_once_naming_it(tmp_path)
     """Exact stale-k cannot serve a step one of whose groups is quarantined: the driver says so at
     once (which group, what to do) instead of waiting for the step's timeout."""
     from megatron_m2po.config import Config
-    from megatron_m2po.trainer.driver import RolloutDriver
+    from megatron_m2po.trainer.leaser import Leaser
 
     path = tmp_path / "s.sqlite"
     gids = [f"s000003-g{i:05d}" for i in range(4)]
@@ -262,13 +262,11 @@ def test_trainer_step_with_a_quarantined_group_fails_at_once_naming_it(tmp_path)
     cfg = Config()
     cfg.trainer.prompts_per_step = 4
     store = RolloutStore(str(path))
-    # The real take_step over a real store; only the engines and producers it does not use are absent.
-    driver = object.__new__(RolloutDriver)
-    driver.cfg, driver.store, driver._inflight, driver._async_future = cfg, store, [], None
-    driver.stop_event = threading.Event()
+    # The real leaser over a real store; no generation feeds it (none in flight).
+    leaser = Leaser(cfg.trainer, cfg.store, store, stop_event=threading.Event())
     try:
         with pytest.raises(RuntimeError) as e:
-            driver.take_step(3, version=4, generated_at=0, timeout_s=600)
+            leaser.take_step(3, version=4, generated_at=0, timeout_s=600)
         msg = str(e.value)
         assert gids[2] in msg and "quarantined" in msg and "did not arrive" not in msg
         assert "m2po store backup" in msg

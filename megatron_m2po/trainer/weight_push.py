@@ -1,0 +1,202 @@
+"""The weight-push controller: which weights the engines hold, and how new ones reach them.
+
+Every rank holds a :class:`WeightPushController`; its ``version`` (the weight version the engines
+hold) is the same on all of them, because every rank takes part in every push
+(:func:`~megatron_m2po.rollout.weight_stage.push_from_stages`: each pipeline stage sends its own
+layers) and every rank sees the same outcome. Global rank 0's controller also drives the push
+(:meth:`begin` / :meth:`finish`, through the weight sync of ``rollout.weight_sync``) and looks
+after the engines between pushes: dead ones are relaunched and refit (:meth:`check_engines`).
+
+A push never changes the engines' weights while a generation that must be tagged with the old
+version is in flight: :meth:`begin` first waits for it (``drain``).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Iterable
+
+from megatron_m2po.config import RolloutConfig
+from megatron_m2po.rollout.client import SGLangClient
+from megatron_m2po.rollout.weight_stage import PushPlan, WeightSyncError, push_from_stages
+from megatron_m2po.rollout.weight_sync import DiskWeightSync, DistributedWeightSync
+from megatron_m2po.trainer.rank0 import from_rank0
+from megatron_m2po.utils.faults import fault_point
+from megatron_m2po.utils.timing import TIMER
+
+log = logging.getLogger(__name__)
+
+
+def build_weight_sync(rollout: RolloutConfig, engine_urls: list[str], *, sync_dir: str, base_model_dir: str,
+                      external: bool):
+    """Rank 0's weight sync of ``rollout.weight_sync`` (disk for external producers, which load the
+    published ``v<version>`` directories themselves)."""
+    r = rollout
+    if r.weight_sync == "disk" or external:
+        return DiskWeightSync(engine_urls, sync_dir, base_model_dir=base_model_dir, timeout_s=r.weight_sync_timeout_s,
+                              fp8=r.fp8_weights, fp8_block=tuple(r.fp8_block_size))
+    import torch
+
+    # Engines must reach every stage's sender: each sender uses M2PO_WEIGHT_SYNC_ADDR of its own
+    # node, else the address of its route to the engines (master_address="").
+    sync = DistributedWeightSync(engine_urls, master_address="", timeout_s=r.weight_sync_timeout_s,
+                                 backend="nccl" if torch.cuda.is_available() else "gloo",
+                                 bucket_mb=r.weight_sync_bucket_mb, fp8=r.fp8_weights,
+                                 fp8_block=tuple(r.fp8_block_size))
+    sync.connect()
+    return sync
+
+
+class WeightPushController:
+    """The engines' weight version (every rank) and, on global rank 0, the push itself.
+
+    Rank 0: ``sync`` (a :class:`DiskWeightSync` or :class:`DistributedWeightSync`), ``fleet`` (the
+    :class:`~megatron_m2po.rollout.engines.EngineFleet`, None when there are no engines to manage),
+    ``store`` (the push records the trainer's version there first), ``bg`` (the event loop that
+    asks engines their weight version), ``drain`` (waits until no generation is in flight). Other
+    ranks: :meth:`follower`, which only tracks ``version``.
+    """
+
+    def __init__(self, sync: Any = None, *, fleet: Any = None, store: Any = None, bg: Any = None,
+                 drain: Callable[[], None] = lambda: None):
+        self.sync, self.fleet, self.store, self.bg, self.drain = sync, fleet, store, bg, drain
+        self.version = 0  # fresh engines start from the base model
+
+    @classmethod
+    def follower(cls) -> "WeightPushController":
+        """A rank other than global rank 0: takes part in pushes, tracks ``version``."""
+        return cls()
+
+    @property
+    def leads(self) -> bool:
+        return self.sync is not None
+
+    @property
+    def engine_urls(self) -> list[str]:
+        return self.fleet.engine_urls if self.fleet is not None else []
+
+    # ------------------------------------------------------------------ every rank
+    def push(self, weights: Callable[[], Iterable], version: int, *, stage: int, n_stages: int, sender: bool) -> None:
+        """All ranks: every pipeline stage sends its own layers (``weights()``: this rank's stage
+        tensors, a fresh iterator per attempt). A push that fails because engines died is repeated
+        once after they are relaunched: the repeat loads the current weights into them, then they
+        rejoin the router."""
+        if self.leads and self.fleet is not None and self.fleet.engines:
+            fault_point("engine_dies", lambda: self.fleet.engines[0].handle.proc.kill())
+        for attempt in (1, 2):
+            try:
+                with TIMER.phase("push"):
+                    push_from_stages(self if self.leads else None, weights(), version, stage=stage,
+                                     n_stages=n_stages, sender=sender)
+                break
+            except WeightSyncError as e:
+                restarted = from_rank0(lambda: self.restart_dead_engines(), what="engine restarts")
+                if attempt == 2 or not restarted:
+                    raise
+                if self.leads:
+                    log.warning("weight push of version %d failed (%s); pushing again to every engine", version, e)
+        # Every rank alike (rank 0's finish() recorded it already, as soon as the engines held it).
+        self.version = version
+
+    # ------------------------------------------------------------------ rank 0
+    def begin(self, version: int, n_stages: int) -> PushPlan:
+        """Rank 0's start of a weight push from ``n_stages`` pipeline stages."""
+        self.drain()
+        # The trainer is at ``version`` already: record it first, so tokens an engine samples
+        # with the new weights while the push is still returning validate against it.
+        self.store.set_version(version)
+        # The fleet's current URLs: a replaced engine (e.g. a new Ray actor) may have moved, and a
+        # router-discovered fleet is re-read from the router (engines that joined get this push).
+        if self.fleet is not None:
+            self.fleet.refresh()
+            self.fleet.hold(self.engine_urls)  # paused by the push: the router's health view is not the truth
+        try:
+            return self.sync.begin(version, n_stages, self.engine_urls)
+        except BaseException:
+            if self.fleet is not None:
+                self.fleet.release()
+            raise
+
+    def finish(self, plan: PushPlan, results: list):
+        """Rank 0's end of a push: engines at the new version; relaunched engines rejoin the router."""
+        fault_point("weight_push")  # the store records plan.version; the engines do not hold it yet
+        try:
+            stats = self.sync.finish(plan, results)
+        finally:
+            if self.fleet is not None:
+                self.fleet.release()
+        self.version = plan.version
+        if self.fleet is not None:
+            self.fleet.admit()
+        return stats
+
+    def refit(self, url: str) -> None:
+        """A restarted engine gets the current weights before it serves again (the fleet's
+        ``refit_fn``; only weight syncs that :attr:`can_refit_alone` are asked, see
+        :meth:`check_engines`)."""
+        if self.version == 0:
+            return  # it launched from the base model, which is version 0
+        self.sync.refit(url, self.version)
+
+    def restart_dead_engines(self) -> list[str]:
+        """Relaunch dead engines without weights or router registration (after a failed push the
+        push is repeated for every engine, which refits them and rebuilds their groups); returns
+        their URLs."""
+        if self.fleet is None:
+            return []
+        restarted = self.fleet.check_and_restart(refit=False)
+        if restarted:
+            log.warning("restarted %d engine(s): %s; they get the weights with the next push",
+                        len(restarted), ", ".join(restarted))
+            self.sync.on_engines_restarted(restarted)
+        return restarted
+
+    def check_engines(self) -> list[str]:
+        """Restart dead engines; returns the URLs of those still waiting for weights.
+
+        A weight sync that can refit one engine alone (disk: from the latest version directory)
+        refits a relaunched engine here, and it is re-registered. One that cannot (distributed)
+        leaves the engine waiting (unregistered) for the trainer's next push from every stage,
+        which rebuilds the groups for it and admits it; at version 0 the engine launched from the
+        base model and needs no weights.
+        """
+        if self.fleet is None:
+            return []
+        if not self.sync.can_refit_alone and self.version > 0:
+            self.restart_dead_engines()
+            pending = self.fleet.pending_urls
+        else:
+            pending = []
+            restarted = self.fleet.check_and_restart()
+            if restarted:
+                log.warning("restarted %d engine(s): %s", len(restarted), ", ".join(restarted))
+                self.sync.on_engines_restarted(restarted)
+        return pending + self._engines_off_version(set(pending))
+
+    def _engines_off_version(self, skip: set[str]) -> list[str]:
+        """Engines whose served weight version is not the one pushed last: restarted by someone
+        else (an external or router-discovered engine comes back with the base model), or kept
+        from a run that died (they hold weights the re-run does not have). Their tokens would be
+        tagged with versions the schedule does not expect; the trainer pushes to every engine."""
+        async def versions() -> list[str]:
+            out = []
+            for url in self.engine_urls:
+                if url in skip:
+                    out.append(str(self.version))
+                    continue
+                async with SGLangClient(url, timeout_s=30.0, max_retries=2) as c:
+                    out.append(await c.weight_version())
+            return out
+        urls = self.engine_urls
+        got = self.bg.submit(versions()).result(timeout=120)
+        off = [(u, v) for u, v in zip(urls, got) if v != str(self.version)]
+        if off:
+            log.warning("engine(s) %s serve weight version(s) %s, not version %d pushed last (restarted outside the "
+                        "trainer, or kept from a run that died): pushing the current weights to every engine",
+                        ", ".join(u for u, _ in off), ", ".join(v for _, v in off), self.version)
+        return [u for u, _ in off]
+
+    def close(self) -> None:
+        if self.sync is not None:
+            self.sync.close()
+
