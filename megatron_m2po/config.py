@@ -318,8 +318,10 @@ class LoggingConfig:
     dump_tokens_max: int = _f(200_000, ge=1, help="At most this many response tokens per dumped step (a seeded uniform "
                               "subset beyond it): bounds a dump to ~10 MB.")
     trace: bool = _f(False, help="Write <run_dir>/trace.json, a Chrome / Perfetto trace (open it in "
-                     "https://ui.perfetto.dev) of rank 0's phases: pushes, waits for data, mask pass, "
-                     "forward-backward, optimizer, checkpoints, evaluation and the driver's generation.")
+                     "https://ui.perfetto.dev) of every trainer rank's phases (pushes, waits for data, mask "
+                     "pass, forward-backward, optimizer, checkpoints, evaluation), the driver's generation and "
+                     "rewards, and the engines' load; each rank also leaves <run_dir>/trace/rank<R>.json. "
+                     "Draw it with tools/plot_trace.py.")
 
 
 @dataclass
