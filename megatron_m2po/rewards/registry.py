@@ -24,9 +24,16 @@ Trainer-facing API::
     into one chunk per worker; a chunk of ``m`` items gets ``m * reward.timeout_s``, and a
     timeout or error fails the whole chunk.
 
+  Either shape may be a coroutine function (``async def``, e.g. one that asks a service): the
+  worker runs it on an event loop; the items of a chunk (one chunk per worker, as for batch
+  functions) are awaited concurrently, each under ``reward.timeout_s`` (an item past it is a
+  ``"timeout"``; the pool's deadline of ``m * reward.timeout_s`` per chunk still holds).
+
   The module must be importable in a fresh process (the workers are ``spawn``-ed and receive
-  the trainer's ``sys.path``). Coroutine functions are rejected. Scores must be finite numbers;
-  anything else is an ``"error"`` item.
+  the trainer's ``sys.path``). Scores must be finite numbers; anything else is an ``"error"`` item.
+- ``"http"``: a reward model behind HTTP at ``reward.url``
+  (:class:`~megatron_m2po.rewards.http.HttpReward`: protocol, batching, timeouts, retries, and
+  the error when the server is down), scored in the trainer process (no worker pool).
 
 Every call runs in :class:`~megatron_m2po.rewards.pool.ScoringPool` (``reward.num_workers``
 processes). A timeout or a crashed worker scores ``no_answer``, is counted
@@ -54,7 +61,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["RewardResult", "RewardFunction", "get_reward_fn", "batch_reward", "BUILTIN_REWARDS",
            "check_reward_target"]
 
-BUILTIN_REWARDS = ("math",)
+BUILTIN_REWARDS = ("math", "http")
 STATUSES = ("correct", "wrong", "no_answer", "ok", "timeout", "error")
 
 
@@ -134,9 +141,6 @@ def check_reward_target(target: str) -> tuple[str, Callable]:
         raise ValueError(f"reward.fn={target!r}: the module has no such attribute ({e})") from e
     if not callable(fn):
         raise ValueError(f"reward.fn={target!r} is a {type(fn).__name__}, not a function")
-    if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None)):  # noqa: B004 - a callable object's __call__ may be async
-        raise ValueError(f"reward.fn={target!r} is a coroutine function; reward functions must be "
-                         "synchronous (they run in worker processes)")
     kind = "batch" if getattr(fn, "m2po_batch", False) else "item"
     shape = ("fn(responses: list[str], answers: list[str]) -> list[float]" if kind == "batch"
              else "fn(response: str, answer: str) -> float")
@@ -150,6 +154,11 @@ def check_reward_target(target: str) -> tuple[str, Callable]:
         raise ValueError(f"reward.fn={target!r} has signature {_describe(fn)}, which cannot be called as "
                          f"{shape} ({e}); give extra parameters defaults") from None
     return kind, fn
+
+
+def is_coroutine_fn(fn: Callable) -> bool:
+    """``async def`` functions, and callable objects whose ``__call__`` is one."""
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))  # noqa: B004
 
 
 class RewardFunction:
@@ -186,7 +195,7 @@ class RewardFunction:
         res = RewardResult()
         if not responses:
             return res
-        if self.spec.kind == "batch":
+        if self.spec.kind == "batch" or self.spec.coroutine:  # coroutine items: awaited together per chunk
             n_chunks = min(self.num_workers, len(responses))
             bounds = [len(responses) * k // n_chunks for k in range(n_chunks + 1)]
             calls = [(responses[a:b], answers[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
@@ -242,8 +251,13 @@ def get_reward_fn(reward_cfg) -> RewardFunction:
     fn_name = str(reward_cfg.fn).strip()
     if fn_name == "math":
         spec = ScorerSpec("math", "", values)
+    elif fn_name == "http":
+        from megatron_m2po.rewards.http import HttpReward
+
+        return HttpReward.from_config(reward_cfg)  # type: ignore[return-value]  # the same interface
     else:
-        kind, _ = check_reward_target(fn_name)
-        spec = ScorerSpec(kind, fn_name, values)
+        kind, fn = check_reward_target(fn_name)
+        spec = ScorerSpec(kind, fn_name, values, coroutine=is_coroutine_fn(fn),
+                          item_timeout_s=float(reward_cfg.timeout_s))
     return RewardFunction(spec, num_workers=int(reward_cfg.num_workers), timeout_s=float(reward_cfg.timeout_s),
                           no_answer=values[2], correct=values[0])
