@@ -37,7 +37,7 @@ from typing import Any, Optional
 
 import aiohttp
 
-from megatron_m2po.rewards.registry import RewardResult
+from megatron_m2po.rewards.result import RewardResult
 
 logger = logging.getLogger(__name__)
 
