@@ -53,6 +53,7 @@ import logging
 import time
 from typing import Callable
 
+from megatron_m2po.config import ConfigError
 from megatron_m2po.rewards.pool import ScorerSpec, ScoringPool, load_target
 from megatron_m2po.rewards.result import STATUSES, RewardResult  # noqa: F401 - re-exported
 
@@ -199,8 +200,18 @@ def get_reward_fn(reward_cfg) -> RewardFunction:
     """Build the reward of ``reward_cfg`` (a :class:`~megatron_m2po.config.RewardConfig`).
 
     Starts ``reward_cfg.num_workers`` processes and waits until they have loaded the scorer
-    (about a second each). Raises ValueError for an unknown name or a bad custom function.
+    (about a second each). Raises ConfigError (a ValueError: ``m2po train`` prints it as one line)
+    for an unknown name, a bad custom function or a reward server that is down.
     """
+    try:
+        return _build(reward_cfg)
+    except ConfigError:
+        raise
+    except ValueError as e:  # the user's reward settings: one line, not a traceback
+        raise ConfigError(str(e)) from None
+
+
+def _build(reward_cfg) -> RewardFunction:
     values = (float(reward_cfg.correct), float(reward_cfg.wrong), float(reward_cfg.no_answer))
     fn_name = str(reward_cfg.fn).strip()
     if fn_name == "math":

@@ -130,7 +130,7 @@ def test_malformed_answers_are_counted_errors(server, trigger, message):
 
 def test_a_server_that_is_down_is_a_clear_error(server):
     down = f"http://127.0.0.1:{free_port()}/score"
-    with pytest.raises(ValueError, match=r"reward.fn=http: the reward server at .* cannot be reached") as e:
+    with pytest.raises(ConfigError, match=r"reward.fn=http: the reward server at .* cannot be reached") as e:
         get_reward_fn(_cfg(down))
     assert down in str(e.value) and "start the reward server or fix reward.url" in str(e.value)
     reward = get_reward_fn(_cfg(server.url))
