@@ -260,12 +260,21 @@ class DataConfig:
 class RewardConfig:
     """Reward function (docs/design.md §3, paper appendix B)."""
 
-    fn: str = _f("math", help="'math' (math-verify) or a custom 'module:function'.")
+    fn: str = _f("math", help="'math' (math-verify), 'http' (a reward model server at reward.url) or a custom "
+                 "'module:function' (per item or @batch_reward; may be 'async def').")
     correct: float = _f(1.0, help="Reward of a verified-correct final answer.")
     wrong: float = _f(0.1, help="Reward of an extracted but wrong answer.")
     no_answer: float = _f(0.0, help="Reward when no \\boxed{} answer is found.")
     timeout_s: float = _f(5.0, gt=0, help="Per-response scoring timeout (a timeout scores no_answer and is counted).")
     num_workers: int = _f(2, ge=1, help="Scoring processes.")
+    url: str = _f("", help="reward.fn=http: the reward server's endpoint (http://host:port/path), POSTed "
+                  '{"responses": [...], "answers": [...]} and answering {"scores": [...]} (rewards/http.py).')
+    batch_size: int = _f(64, ge=1, help="reward.fn=http: responses per request.")
+    max_concurrency: int = _f(4, ge=1, help="reward.fn=http: requests in flight at once.")
+    request_timeout_s: float = _f(60.0, gt=0, help="reward.fn=http: deadline of one request; after the retries a "
+                                  "timed-out batch scores no_answer and is counted (reward/n_timeouts).")
+    max_retries: int = _f(2, ge=0, help="reward.fn=http: extra attempts of a request that cannot connect, times out "
+                          "or gets 429 / 5xx (backoff 0.5 s, 1 s, ...); a server still unreachable stops the run.")
 
 
 @dataclass
@@ -318,8 +327,10 @@ class LoggingConfig:
     dump_tokens_max: int = _f(200_000, ge=1, help="At most this many response tokens per dumped step (a seeded uniform "
                               "subset beyond it): bounds a dump to ~10 MB.")
     trace: bool = _f(False, help="Write <run_dir>/trace.json, a Chrome / Perfetto trace (open it in "
-                     "https://ui.perfetto.dev) of rank 0's phases: pushes, waits for data, mask pass, "
-                     "forward-backward, optimizer, checkpoints, evaluation and the driver's generation.")
+                     "https://ui.perfetto.dev) of every trainer rank's phases (pushes, waits for data, mask "
+                     "pass, forward-backward, optimizer, checkpoints, evaluation), the driver's generation and "
+                     "rewards, and the engines' load; each rank also leaves <run_dir>/trace/rank<R>.json. "
+                     "Draw it with tools/plot_trace.py.")
 
 
 @dataclass
@@ -377,6 +388,12 @@ class Config:
         if t.mode == "async" and a.recompute_behav_logprobs:
             raise ConfigError("algo.recompute_behav_logprobs=true needs trainer.mode=sync or stale_k: in async mode the "
                               "trainer's weights are not the ones that generated the data")
+        rw = self.reward
+        if rw.fn.strip() == "http" and not rw.url.startswith(("http://", "https://")):
+            raise ConfigError(f"reward.fn=http needs reward.url=http://host:port/path of the reward server (got "
+                              f"reward.url={rw.url!r})")
+        if rw.url and rw.fn.strip() != "http":
+            raise ConfigError(f"reward.url={rw.url!r} is only read with reward.fn=http (got reward.fn={rw.fn!r})")
         if self.rollout.n_samples_per_prompt == 1 and a.advantage.startswith("grpo"):
             raise ConfigError("rollout.n_samples_per_prompt=1 gives GRPO groups of one sample (all advantages 0); use >= 2")
         return self

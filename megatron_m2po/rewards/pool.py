@@ -27,6 +27,7 @@ spec to it and returns one ``(score, status, message)`` per item.
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import logging
 import math
@@ -61,6 +62,8 @@ class ScorerSpec:
     kind: str
     target: str = ""
     values: tuple[float, float, float] = (1.0, 0.1, 0.0)
+    coroutine: bool = False  # ``async def`` target: awaited on an event loop in the worker
+    item_timeout_s: float = 0.0  # coroutine item targets: each item's own deadline (0 = only the pool's)
 
 
 @dataclass
@@ -123,6 +126,13 @@ def _make_scorer(spec: ScorerSpec):
         return score_math
 
     fn = load_target(spec.target)
+    if spec.coroutine and spec.kind == "item":
+        return _coroutine_items(fn, spec.item_timeout_s)
+    if spec.coroutine:  # a batch coroutine: one event loop per chunk, then the batch checks below
+        afn = fn
+
+        def fn(responses, answers):
+            return asyncio.run(afn(responses, answers))
     if spec.kind == "item":
 
         def score_items(responses, answers):
@@ -150,6 +160,25 @@ def _make_scorer(spec: ScorerSpec):
 
         return score_batch
     raise ValueError(f"unknown scorer kind {spec.kind!r}")
+
+
+def _coroutine_items(fn, item_timeout_s: float):
+    """Scorer of an ``async def fn(response, answer)``: the items of a chunk are awaited
+    concurrently on one event loop (a reward that waits on a service overlaps its requests), each
+    under ``item_timeout_s``; an item past it has status "timeout", the others keep their scores."""
+
+    async def one(r, a):
+        try:
+            return (_as_score(await asyncio.wait_for(fn(r, a), item_timeout_s or None)), "ok", "")
+        except asyncio.TimeoutError:
+            return (None, "timeout", f"no score within {item_timeout_s:g} s")
+        except Exception as e:  # noqa: BLE001 - reported per item, never raised
+            return (None, "error", f"{type(e).__name__}: {e}")
+
+    async def run(responses, answers):
+        return list(await asyncio.gather(*(one(r, a) for r, a in zip(responses, answers))))
+
+    return lambda responses, answers: asyncio.run(run(responses, answers))
 
 
 def _worker_main(conn) -> None:

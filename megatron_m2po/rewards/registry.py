@@ -24,9 +24,16 @@ Trainer-facing API::
     into one chunk per worker; a chunk of ``m`` items gets ``m * reward.timeout_s``, and a
     timeout or error fails the whole chunk.
 
+  Either shape may be a coroutine function (``async def``, e.g. one that asks a service): the
+  worker runs it on an event loop; the items of a chunk (one chunk per worker, as for batch
+  functions) are awaited concurrently, each under ``reward.timeout_s`` (an item past it is a
+  ``"timeout"``; the pool's deadline of ``m * reward.timeout_s`` per chunk still holds).
+
   The module must be importable in a fresh process (the workers are ``spawn``-ed and receive
-  the trainer's ``sys.path``). Coroutine functions are rejected. Scores must be finite numbers;
-  anything else is an ``"error"`` item.
+  the trainer's ``sys.path``). Scores must be finite numbers; anything else is an ``"error"`` item.
+- ``"http"``: a reward model behind HTTP at ``reward.url``
+  (:class:`~megatron_m2po.rewards.http.HttpReward`: protocol, batching, timeouts, retries, and
+  the error when the server is down), scored in the trainer process (no worker pool).
 
 Every call runs in :class:`~megatron_m2po.rewards.pool.ScoringPool` (``reward.num_workers``
 processes). A timeout or a crashed worker scores ``no_answer``, is counted
@@ -44,69 +51,24 @@ import asyncio
 import inspect
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import Callable
 
+from megatron_m2po.config import ConfigError
 from megatron_m2po.rewards.pool import ScorerSpec, ScoringPool, load_target
+from megatron_m2po.rewards.result import STATUSES, RewardResult  # noqa: F401 - re-exported
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["RewardResult", "RewardFunction", "get_reward_fn", "batch_reward", "BUILTIN_REWARDS",
            "check_reward_target"]
 
-BUILTIN_REWARDS = ("math",)
-STATUSES = ("correct", "wrong", "no_answer", "ok", "timeout", "error")
+BUILTIN_REWARDS = ("math", "http")
 
 
 def batch_reward(fn: Callable) -> Callable:
     """Mark ``fn(responses: list[str], answers: list[str]) -> list[float]`` as a batch reward."""
     fn.m2po_batch = True  # type: ignore[attr-defined]
     return fn
-
-
-@dataclass(slots=True)
-class RewardResult:
-    """Scores of one batch, in input order.
-
-    Attributes:
-        scores: one float per response (timeouts and errors score ``no_answer``).
-        statuses: one of ``STATUSES`` per response.
-        messages: per-response detail for ``timeout`` / ``error`` (else "").
-        n_timeouts / n_errors / n_no_answer / n_correct / n_wrong: counts over the batch
-            (``n_no_answer`` counts only genuine missing answers, not timeouts or errors).
-        elapsed_s: wall time of the scoring call.
-    """
-
-    scores: list[float] = field(default_factory=list)
-    statuses: list[str] = field(default_factory=list)
-    messages: list[str] = field(default_factory=list)
-    n_timeouts: int = 0
-    n_errors: int = 0
-    n_no_answer: int = 0
-    n_correct: int = 0
-    n_wrong: int = 0
-    elapsed_s: float = 0.0
-
-    def __len__(self) -> int:
-        return len(self.scores)
-
-    @property
-    def accuracy(self) -> float:
-        """Fraction verified correct (math reward); 0 for an empty batch."""
-        return self.n_correct / len(self.scores) if self.scores else 0.0
-
-    def metrics(self, prefix: str = "reward/") -> dict[str, float]:
-        """Flat metrics for logging (counts are sums; reduce across producers by summing)."""
-        n = len(self.scores)
-        return {
-            f"{prefix}mean": sum(self.scores) / n if n else 0.0,
-            f"{prefix}acc": self.accuracy,
-            f"{prefix}n": float(n),
-            f"{prefix}n_timeouts": float(self.n_timeouts),
-            f"{prefix}n_errors": float(self.n_errors),
-            f"{prefix}n_no_answer": float(self.n_no_answer),
-            f"{prefix}score_s": self.elapsed_s,
-        }
 
 
 def _describe(fn: Callable) -> str:
@@ -134,9 +96,6 @@ def check_reward_target(target: str) -> tuple[str, Callable]:
         raise ValueError(f"reward.fn={target!r}: the module has no such attribute ({e})") from e
     if not callable(fn):
         raise ValueError(f"reward.fn={target!r} is a {type(fn).__name__}, not a function")
-    if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None)):  # noqa: B004 - a callable object's __call__ may be async
-        raise ValueError(f"reward.fn={target!r} is a coroutine function; reward functions must be "
-                         "synchronous (they run in worker processes)")
     kind = "batch" if getattr(fn, "m2po_batch", False) else "item"
     shape = ("fn(responses: list[str], answers: list[str]) -> list[float]" if kind == "batch"
              else "fn(response: str, answer: str) -> float")
@@ -150,6 +109,11 @@ def check_reward_target(target: str) -> tuple[str, Callable]:
         raise ValueError(f"reward.fn={target!r} has signature {_describe(fn)}, which cannot be called as "
                          f"{shape} ({e}); give extra parameters defaults") from None
     return kind, fn
+
+
+def is_coroutine_fn(fn: Callable) -> bool:
+    """``async def`` functions, and callable objects whose ``__call__`` is one."""
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))  # noqa: B004
 
 
 class RewardFunction:
@@ -186,7 +150,7 @@ class RewardFunction:
         res = RewardResult()
         if not responses:
             return res
-        if self.spec.kind == "batch":
+        if self.spec.kind == "batch" or self.spec.coroutine:  # coroutine items: awaited together per chunk
             n_chunks = min(self.num_workers, len(responses))
             bounds = [len(responses) * k // n_chunks for k in range(n_chunks + 1)]
             calls = [(responses[a:b], answers[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
@@ -236,14 +200,29 @@ def get_reward_fn(reward_cfg) -> RewardFunction:
     """Build the reward of ``reward_cfg`` (a :class:`~megatron_m2po.config.RewardConfig`).
 
     Starts ``reward_cfg.num_workers`` processes and waits until they have loaded the scorer
-    (about a second each). Raises ValueError for an unknown name or a bad custom function.
+    (about a second each). Raises ConfigError (a ValueError: ``m2po train`` prints it as one line)
+    for an unknown name, a bad custom function or a reward server that is down.
     """
+    try:
+        return _build(reward_cfg)
+    except ConfigError:
+        raise
+    except ValueError as e:  # the user's reward settings: one line, not a traceback
+        raise ConfigError(str(e)) from None
+
+
+def _build(reward_cfg) -> RewardFunction:
     values = (float(reward_cfg.correct), float(reward_cfg.wrong), float(reward_cfg.no_answer))
     fn_name = str(reward_cfg.fn).strip()
     if fn_name == "math":
         spec = ScorerSpec("math", "", values)
+    elif fn_name == "http":
+        from megatron_m2po.rewards.http import HttpReward
+
+        return HttpReward.from_config(reward_cfg)  # type: ignore[return-value]  # the same interface
     else:
-        kind, _ = check_reward_target(fn_name)
-        spec = ScorerSpec(kind, fn_name, values)
+        kind, fn = check_reward_target(fn_name)
+        spec = ScorerSpec(kind, fn_name, values, coroutine=is_coroutine_fn(fn),
+                          item_timeout_s=float(reward_cfg.timeout_s))
     return RewardFunction(spec, num_workers=int(reward_cfg.num_workers), timeout_s=float(reward_cfg.timeout_s),
                           no_answer=values[2], correct=values[0])

@@ -428,7 +428,7 @@ class Trainer:
         step = self.start_step
         # Where the time goes (utils/timing.py): a step's wall time runs from the previous step's
         # log line to its own, so the previous step's checkpoint counts in this one.
-        TIMER.reset(trace=cfg.logging.trace and self.lead is not None, pid=self.rank)
+        TIMER.reset(trace=cfg.logging.trace, pid=self.rank)
         t_mark = time.perf_counter()
         try:
             for step in range(self.start_step, cfg.trainer.num_steps):
@@ -449,7 +449,7 @@ class Trainer:
                 metrics.update(TIMER.take_step(now - t_mark))
                 t_mark = now
                 if self.lead:
-                    metrics.update(self.driver.engine_loads())
+                    metrics.update(TIMER.counters(self.driver.engine_loads()))
                 if self.lead:
                     self.lead.log_step(step, self.actor.version, metrics, per_update)
                 fault_point("step_end")  # logged, not yet checkpointed
@@ -474,14 +474,16 @@ class Trainer:
             self.close()
 
     def _report_time(self) -> None:
-        """Rank 0: print the "where the time went" table; write the trace (``logging.trace``)."""
-        if self.lead is None or TIMER.totals()[2] == 0:
+        """Rank 0: print the "where the time went" table; every rank: write the trace (``logging.trace``)."""
+        if TIMER.totals()[2] == 0:
             return
         try:  # a report must not hide the exception that ends a run
-            print(TIMER.table(), flush=True)
+            if self.lead:
+                print(TIMER.table(), flush=True)
             if TIMER.trace:
-                log.info("trace written to %s (open it in https://ui.perfetto.dev)",
-                         TIMER.write_trace(self.run_dir / "trace.json"))
+                path = TIMER.write_trace(self.run_dir, world_size=dist.get_world_size())
+                if self.lead:
+                    log.info("trace written to %s (open it in https://ui.perfetto.dev)", path)
         except Exception as e:  # noqa: BLE001
             log.warning("could not report where the time went: %s", e)
 

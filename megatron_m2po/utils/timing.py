@@ -13,13 +13,24 @@ step is exact; the split between forward-backward and optimizer is approximate o
 
 Trace (``logging.trace=true``): every phase is also kept as a Chrome Trace Event Format
 complete event (``ph: "X"``, microseconds) with ``pid`` = the global rank and ``tid`` = the
-thread, written by :meth:`PhaseTimer.write_trace`; https://ui.perfetto.dev opens the file.
+thread; :meth:`PhaseTimer.counters` keeps the engines' load as counter events (``ph: "C"``) of a
+separate "engines" process. At the end of a run :meth:`PhaseTimer.write_trace` writes each rank's
+events to ``<run_dir>/trace/rank<R>.json`` and rank 0 merges every rank's file into
+``<run_dir>/trace.json`` (https://ui.perfetto.dev opens it). The files are the only channel
+between the ranks, no collective: the trace is written in a ``finally``, where a rank that
+failed must not start a collective the others never join (the run directory is shared:
+``check_shared_run_dir``). Timestamps are wall-clock microseconds (one clock for every rank of
+a host; across hosts as good as their clock sync), shifted so the merged trace starts at 0.
+``python -m megatron_m2po.utils.timing RUN_DIR`` merges the rank files again, e.g. after rank 0
+gave up waiting for a slow rank.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
+import sys
 import threading
 import time
 from collections import defaultdict
@@ -32,6 +43,11 @@ from typing import Iterator
 TRAINER_PHASES = ("push", "generation_wait", "data_wait", "mask", "forward_backward", "optimizer",
                   "checkpoint", "evaluation")
 IDLE_PHASES = ("generation_wait", "data_wait")  # the trainer waits for rollouts
+ENGINES_PID = 1_000_000  # the trace's "engines" process (counter tracks); ranks are 0..world-1
+TRACE_FILE = "trace.json"
+RANK_TRACE_DIR = "trace"
+
+log = logging.getLogger(__name__)
 
 
 class PhaseTimer:
@@ -54,6 +70,10 @@ class PhaseTimer:
             self.events: list[dict] = []
             self._threads: dict[int, str] = {}  # trace tid (an int, as Chrome wants) -> thread name
             self._t0 = time.perf_counter()
+            self._t0_us = time.time() * 1e6  # the trace's clock: wall time, so that ranks' events line up
+
+    def _ts(self, perf: float) -> float:
+        return self._t0_us + (perf - self._t0) * 1e6
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -70,9 +90,19 @@ class PhaseTimer:
             self._step[name] += seconds
             if self.trace:
                 start = time.perf_counter() - seconds if start is None else start
-                self.events.append({"name": name, "ph": "X", "ts": (start - self._t0) * 1e6, "dur": seconds * 1e6,
+                self.events.append({"name": name, "ph": "X", "ts": self._ts(start), "dur": seconds * 1e6,
                                     "pid": self.pid, "tid": threading.get_native_id()})
                 self._threads[threading.get_native_id()] = threading.current_thread().name
+
+    def counters(self, values: dict[str, float]) -> dict[str, float]:
+        """Keep ``values`` (e.g. the engines' ``engine/*`` load) as counter events of the trace's
+        "engines" process, stamped now; returns ``values`` (so a caller can pass them on)."""
+        if self.trace and values:
+            with self._lock:
+                now = self._ts(time.perf_counter())
+                self.events += [{"name": k, "ph": "C", "ts": now, "pid": ENGINES_PID, "args": {"value": v}}
+                                for k, v in values.items()]
+        return values
 
     def take_step(self, wall_s: float) -> dict[str, float]:
         """The step's metrics (``time/<phase>_s``, ``time/wall_s``, ``time/trainer_idle_frac``)
@@ -119,18 +149,64 @@ class PhaseTimer:
             lines.append(f"{name:<18}{s:>10.2f}{100 * s / wall if wall else 0.0:>8.1f}%{s / max(steps, 1):>10.3f}")
         return "\n".join(lines)
 
-    def write_trace(self, path: str | os.PathLike) -> Path:
-        """Write the kept events as a Chrome / Perfetto trace JSON; returns the path."""
+    def trace_events(self) -> list[dict]:
+        """The kept events with this process's metadata (process and thread names)."""
         with self._lock:
             events, threads = list(self.events), dict(self._threads)
         meta = [{"name": "process_name", "ph": "M", "pid": self.pid, "tid": 0, "args": {"name": f"rank {self.pid}"}}]
         meta += [{"name": "thread_name", "ph": "M", "pid": self.pid, "tid": t, "args": {"name": n}}
                  for t, n in threads.items()]
-        path = Path(path)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"traceEvents": meta + events, "displayTimeUnit": "ms"}))
-        tmp.replace(path)
-        return path
+        if any(e["pid"] == ENGINES_PID for e in events):
+            meta.append({"name": "process_name", "ph": "M", "pid": ENGINES_PID, "tid": 0,
+                         "args": {"name": "engines (/v1/loads)"}})
+        return meta + events
+
+    def write_trace(self, run_dir: str | os.PathLike, *, world_size: int = 1, wait_s: float = 60.0) -> Path:
+        """Write this rank's events to ``<run_dir>/trace/rank<pid>.json``; rank 0 then waits up
+        to ``wait_s`` for the other ranks' files and merges them into ``<run_dir>/trace.json``
+        (a rank whose file does not come is named in a warning). Returns the file written last."""
+        run_dir = Path(run_dir)
+        own = _write_json(run_dir / RANK_TRACE_DIR / f"rank{self.pid}.json", {"traceEvents": self.trace_events()})
+        if self.pid != 0:
+            return own
+        deadline = time.monotonic() + wait_s
+        paths = [run_dir / RANK_TRACE_DIR / f"rank{r}.json" for r in range(world_size)]
+        while not all(p.is_file() for p in paths) and time.monotonic() < deadline:
+            time.sleep(0.1)  # poll for the other ranks' files; the deadline only bounds a rank that died
+        missing = [r for r, p in enumerate(paths) if not p.is_file()]
+        if missing:
+            log.warning("trace: no events from rank(s) %s after %.0f s; trace.json has the others (merge again "
+                        "later: python -m megatron_m2po.utils.timing %s)", missing, wait_s, run_dir)
+        return merge_traces(run_dir)
+
+
+def _write_json(path: Path, obj: dict) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")  # renamed into place: a reader never sees half a file
+    tmp.write_text(json.dumps(obj))
+    tmp.replace(path)
+    return path
+
+
+def merge_traces(run_dir: str | os.PathLike) -> Path:
+    """Merge ``<run_dir>/trace/rank*.json`` into ``<run_dir>/trace.json``, shifted to start at 0."""
+    run_dir = Path(run_dir)
+    files = sorted((run_dir / RANK_TRACE_DIR).glob("rank*.json"), key=lambda p: int(p.stem[len("rank"):]))
+    if not files:
+        raise ValueError(f"no rank trace files in {run_dir / RANK_TRACE_DIR} (written by runs with logging.trace=true)")
+    events = [e for p in files for e in json.loads(p.read_text())["traceEvents"]]
+    t0 = min((e["ts"] for e in events if "ts" in e), default=0.0)
+    for e in events:
+        if "ts" in e:
+            e["ts"] -= t0
+    return _write_json(run_dir / TRACE_FILE, {"traceEvents": events, "displayTimeUnit": "ms",
+                                              "otherData": {"t0_unix_s": t0 / 1e6, "ranks": len(files)}})
 
 
 TIMER = PhaseTimer()
+
+
+if __name__ == "__main__":  # python -m megatron_m2po.utils.timing RUN_DIR: merge the rank files again
+    if len(sys.argv) != 2:
+        sys.exit("usage: python -m megatron_m2po.utils.timing RUN_DIR")
+    print(merge_traces(sys.argv[1]))

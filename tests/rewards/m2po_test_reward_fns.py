@@ -50,3 +50,25 @@ async def coroutine_fn(response, answer):
 
 
 NOT_CALLABLE = 3
+
+
+_arrived: dict[str, int] = {}
+
+
+async def together(response, answer):
+    """An ``async def`` item reward that scores ``answer`` once ``answer`` items of its group
+    (``response``) are being awaited at once: items scored one after another never get there
+    (they time out)."""
+    import asyncio
+
+    _arrived[response] = _arrived.get(response, 0) + 1
+    while _arrived[response] < int(answer):
+        await asyncio.sleep(0.01)  # poll for the group's other items, awaited on this same loop
+    if response == "hang":
+        await asyncio.Event().wait()  # a service that never answers: the item's timeout (behaviour under test)
+    return float(answer)
+
+
+@batch_reward
+async def async_lengths(responses, answers):
+    return [float(len(r)) for r in responses]

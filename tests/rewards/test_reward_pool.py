@@ -108,7 +108,6 @@ def test_batch_function_returning_wrong_length_is_an_error():
     (f"{FNS}:NOT_CALLABLE", "not a function"),
     (f"{FNS}:three_args", r"three_args\(response, answer, problem\).*cannot be called as"),
     (f"{FNS}:one_arg", "cannot be called as fn\\(response: str, answer: str\\)"),
-    (f"{FNS}:coroutine_fn", "coroutine function"),
 ])
 def test_bad_custom_functions_fail_at_startup_naming_the_path(target, message):
     with pytest.raises(ValueError, match=message) as ei:
@@ -136,3 +135,21 @@ def test_closed_reward_refuses_work():
     assert all(p.poll() is not None for p in procs)
     with pytest.raises(ValueError, match="closed"):
         reward.score_batch(["a"], ["a"])
+
+
+def test_coroutine_item_function_awaits_a_chunks_items_together():
+    """``async def`` rewards (a reward that asks a service): the items of a worker's chunk are
+    awaited concurrently, each under reward.timeout_s; a hanging item times out alone."""
+    with get_reward_fn(RewardConfig(fn=f"{FNS}:together", num_workers=1, timeout_s=5.0)) as reward:
+        assert reward.spec.coroutine and reward.spec.kind == "item"
+        res = reward.score_batch(["g1"] * 4, ["4"] * 4)  # all 4 in one chunk: they meet
+        assert res.statuses == ["ok"] * 4 and res.scores == [4.0] * 4
+        restarts = reward.n_restarts
+        res = reward.score_batch(["hang", "g2", "g2"], ["1", "2", "2"])
+        assert res.statuses == ["timeout", "ok", "ok"] and res.n_timeouts == 1, res
+        assert res.scores == [0.0, 2.0, 2.0] and "no score within 5 s" in res.messages[0]
+        assert reward.n_restarts == restarts  # the worker answered: nothing killed
+    with get_reward_fn(RewardConfig(fn=f"{FNS}:async_lengths", num_workers=2)) as reward:
+        assert reward.spec.coroutine and reward.spec.kind == "batch"
+        assert reward.score_batch(["a", "bb", "ccc"], ["", "", ""]).scores == [1.0, 2.0, 3.0]
+        assert reward.score("dddd", "") == 4.0

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import json
+import logging
 import threading
+from pathlib import Path
 
-from megatron_m2po.utils.timing import PhaseTimer
+from megatron_m2po.utils.dist_testing import run_distributed
+from megatron_m2po.utils.timing import ENGINES_PID, TIMER, PhaseTimer, merge_traces
+from waiting import wait_until
 
 
 def test_steps_table_and_trace(tmp_path):
@@ -31,7 +35,7 @@ def test_steps_table_and_trace(tmp_path):
     assert m2["time/engine_idle_frac"] == 0.0  # generation longer than the step: clamped
     t.add("generation", 1.0)
     assert t.take_step(4.0)["time/engine_idle_frac"] == 0.75
-    t.reset(trace=True, pid=3)
+    t.reset(trace=True, pid=0)
     t.add("data_wait", 1.5)
     t.add("optimizer", 2.0)
     t.take_step(6.0)
@@ -51,16 +55,65 @@ def test_steps_table_and_trace(tmp_path):
     assert float(rows["other"][1]) == round(9.5 - 1.5 - 2.0 - 1.0 - fb, 2)
     assert rows["generation"][1] == "3.00"  # listed after "other": not part of the trainer's sum
     assert list(rows).index("generation") > list(rows).index("other")
-    trace = json.loads(t.write_trace(tmp_path / "trace.json").read_text())
+    t.counters({"engine/running_reqs": 2.0})
+    assert t.write_trace(tmp_path) == tmp_path / "trace.json"  # rank 0 of a world of 1: merged alone
+    trace = json.loads((tmp_path / "trace.json").read_text())
     spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
     assert sorted(e["name"] for e in spans) == ["checkpoint", "data_wait", "forward_backward",
                                                 "generation", "optimizer"]
-    assert {e["pid"] for e in spans} == {3}
+    assert {e["pid"] for e in spans} == {0}
     threads = {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
     assert "driver" in threads
+    counters = [e for e in trace["traceEvents"] if e["ph"] == "C"]
+    assert counters == [{"name": "engine/running_reqs", "ph": "C", "ts": counters[0]["ts"], "pid": ENGINES_PID,
+                         "args": {"value": 2.0}}]
+    assert min(e["ts"] for e in trace["traceEvents"] if "ts" in e) == 0  # shifted to start at 0
 
 
 def test_no_trace_keeps_no_events():
     t = PhaseTimer()
     t.add("push", 1.0)
     assert t.events == [] and t.take_step(0.0)["time/trainer_idle_frac"] == 0.0
+
+
+def _rank_trace(rank: int, world_size: int, run_dir: str) -> dict | None:
+    """One trainer rank: time phases in two threads, write the trace at the end. Rank 1 writes
+    only once rank 0 has written its own file, so rank 0 must wait for it to merge."""
+    TIMER.reset(trace=True, pid=rank)
+    with TIMER.phase("forward_backward"):
+        pass
+    t = threading.Thread(target=lambda: TIMER.add("generation", 0.25), name="driver")
+    t.start()
+    t.join()
+    TIMER.take_step(1.0)
+    if rank == 1:
+        wait_until(lambda: (Path(run_dir) / "trace" / "rank0.json").is_file(), what="rank 0's trace file")
+    out = TIMER.write_trace(run_dir, world_size=world_size)
+    return json.loads(out.read_text()) if rank == 0 else None
+
+
+def test_trace_merges_every_rank(tmp_path):
+    """Under 2 gloo ranks every rank's phases reach <run_dir>/trace.json: rank 0 waits for the
+    file of a rank that writes after it and merges both, one process per rank."""
+    trace = run_distributed(_rank_trace, world_size=2, args=(str(tmp_path),))[0]
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert sorted((e["pid"], e["name"]) for e in spans) == [
+        (0, "forward_backward"), (0, "generation"), (1, "forward_backward"), (1, "generation")]
+    names = {(e["pid"], e["args"]["name"]) for e in trace["traceEvents"] if e["ph"] == "M"}
+    assert {(0, "rank 0"), (1, "rank 1"), (0, "driver"), (1, "driver")} <= names
+    assert min(e["ts"] for e in spans) == 0 and trace["otherData"]["ranks"] == 2
+    assert json.loads((tmp_path / "trace.json").read_text()) == trace
+
+
+def test_trace_names_a_rank_that_never_wrote(tmp_path, caplog):
+    t = PhaseTimer()
+    t.reset(trace=True, pid=0)
+    t.add("push", 0.5)
+    with caplog.at_level(logging.WARNING, logger="megatron_m2po.utils.timing"):
+        t.write_trace(tmp_path, world_size=2, wait_s=0.2)  # elapsed time is the behaviour under test (the give-up)
+    assert "rank(s) [1]" in caplog.text
+    assert {e["pid"] for e in json.loads((tmp_path / "trace.json").read_text())["traceEvents"]} == {0}
+    (tmp_path / "trace" / "rank1.json").write_text(json.dumps({"traceEvents": [
+        {"name": "push", "ph": "X", "ts": 0.0, "dur": 1.0, "pid": 1, "tid": 7}]}))
+    merged = json.loads(merge_traces(tmp_path).read_text())  # the later merge the warning names
+    assert {e["pid"] for e in merged["traceEvents"]} == {0, 1}
