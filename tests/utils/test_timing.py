@@ -7,7 +7,7 @@ import logging
 import threading
 from pathlib import Path
 
-from megatron_m2po.utils.dist_testing import run_distributed
+from megatron_m2po.standins.dist_testing import run_distributed
 from megatron_m2po.utils.timing import ENGINES_PID, TIMER, PhaseTimer, merge_traces
 from waiting import wait_until
 
