@@ -132,3 +132,33 @@ def restore(actor, snap) -> None:
     actor.optimizer.load_state_dict(copy.deepcopy(opt))
     actor.scheduler.load_state_dict(copy.deepcopy(sched))
     actor.version, actor._mask_hint = version, copy.deepcopy(hint)
+
+
+class Recorder:
+    """The actor's :class:`~megatron_m2po.actor.global_mask.TokenRecord` s by update (installs
+    itself as ``actor.token_hook``): this rank's micro-batches, as the loss used them."""
+
+    def __init__(self, actor) -> None:
+        self.updates: dict[int, list] = {}
+        actor.token_hook = self
+
+    def __call__(self, rec) -> None:
+        self.updates.setdefault(rec.update, []).append(rec)
+
+    def last(self) -> int:
+        """The last update recorded (its weight version before the step)."""
+        return max(self.updates)
+
+    def mask(self, update: int) -> dict[int, bool]:
+        """``{canonical token index: keep}`` of this rank's tokens in ``update`` ({} where it
+        recorded none: not the last pipeline stage)."""
+        out: dict[int, bool] = {}
+        for r in self.updates.get(update, []):
+            assert r.keep is not None, f"update {update}: the loss took no mask"
+            out.update(zip(r.mb.token_index.tolist(), r.keep.tolist()))
+        return out
+
+    def strategy(self, update: int):
+        """The update's global-mask strategy (the same in each of its records)."""
+        (s,) = {r.strategy for r in self.updates[update]}
+        return s

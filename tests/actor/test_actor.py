@@ -76,15 +76,14 @@ def _stale_batch(actor, samples, noise, seed=0):
     return RolloutBatch(samples)
 
 
-def _gathered_mask(actor):
-    """{token_index: keep} of the last update, over every data-parallel rank of the last stage."""
-    idx, keep = actor._last_mask if actor._last_mask is not None else (torch.zeros(0, dtype=torch.long),
-                                                                          torch.zeros(0, dtype=torch.bool))
+def _gathered_mask(rec, update):
+    """{token_index: keep} of ``update`` (recorded by ``rec``, an ``actor_testlib.Recorder``), over
+    every data-parallel rank of the last stage."""
     objs = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(objs, (idx.tolist(), keep.tolist()))
+    torch.distributed.all_gather_object(objs, rec.mask(update) if rec.updates else {})
     out = {}
-    for i, k in objs:
-        for a, b in zip(i, k):
+    for part in objs:
+        for a, b in part.items():
             assert out.get(a, b) == b  # TP ranks agree
             out[a] = b
     return out
@@ -124,8 +123,9 @@ def _train_layouts(rank, world_size, root, layouts):
         logps, ents = actor.compute_logprobs(batch, with_entropy=True)
         mbs = actor._microbatches(batch.samples[:4], actor._shards(batch.samples[:4])[actor.dp_rank])
         plan = [(mb.sample_index, tuple(mb.tokens.shape), mb.cu_seqlens is not None) for mb in mbs]
+        rec = lib.Recorder(actor)
         metrics = actor.train_step(batch, num_minibatches=2)
-        mask = _gathered_mask(actor)
+        mask = _gathered_mask(rec, 1)  # the second update's
         grads = _norm_grads(actor) if not o.get("dist_opt") else [{}]
         weights = {k: v.numpy().copy() for k, v in actor.iter_hf_weights()}
         actor.close()
@@ -207,8 +207,10 @@ def _grad_scale_and_onpolicy(rank, world_size, root):
     actor = MegatronActor.from_config(ActorConfig.from_config(cfg, total_updates=100))
     samples = lib.make_samples(6, seed=8)
     batch = _stale_batch(actor, samples, noise=0.5, seed=3)
+    rec = lib.Recorder(actor)
     metrics = actor.train_step(batch, 1)[0]
-    keep = dict(zip(*[t.tolist() for t in actor._last_mask]))
+    keep = rec.mask(0)
+    assert rec.strategy(0) == "prepass" and len(keep) == sum(len(s.response_ids) for s in samples)
     # HF reference
     hf = tr.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
     n = float(sum(int(s.loss_mask.sum()) for s in samples))

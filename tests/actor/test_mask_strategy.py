@@ -85,32 +85,28 @@ def _run(rank, world_size, root, layouts):
         rng = np.random.default_rng(3)
         for s, lp in zip(samples, lps):
             s.behav_logprobs = (lp + 0.5 * rng.standard_normal(lp.shape)).astype(np.float32)
-        tokens: list = []
-
-        def hook(mb, logp, ent, keep, tokens=tokens, actor=actor):
-            if actor.tp_rank == 0:
-                tokens.append((mb.token_index.tolist(), logp.float().tolist(), ent.float().tolist(),
-                               mb.behav_logprobs.tolist(), mb.advantages.tolist(), mb.loss_mask.tolist(),
-                               keep.tolist()))
-
-        actor.token_hook = hook
         updates = []
         m2 = actor.cfg.algo.m2po
         for u, mini in enumerate(RolloutBatch(samples).split(len(GUESSES))):
             m2.threshold = 100.0 if u == len(GUESSES) - 1 else TAU  # last: M2 under the threshold, nothing masked
             snap = lib.snapshot(actor)
-            pair = {}
+            pair, exact = {}, {}
             for strategy in ("prepass", "correct"):
                 if strategy == "correct":
                     lib.restore(actor, snap)
                     if GUESSES[u] != "running":  # the actor's guess, replaced for this update
-                        exact = dict(zip(*[t.tolist() for t in actor._last_mask])) if actor._last_mask else {}
-                        actor._guess = _forced_guess(GUESSES[u], exact)
+                        actor.global_mask.guess = _forced_guess(GUESSES[u], exact)
                 m2.mask_strategy = strategy
-                tokens.clear()
+                rec = lib.Recorder(actor)
                 m = actor.train_update(mini)
-                pair[strategy] = (m, actor._last_strategy, _state(actor), sum(_gather(list(tokens)), []))
-                actor.__dict__.pop("_guess", None)
+                if strategy == "prepass":
+                    exact = rec.mask(u)  # of this rank's tokens: the mask the forced guesses are built from
+                tokens = [(r.mb.token_index.tolist(), r.logp.float().tolist(), r.entropy.float().tolist(),
+                           r.mb.behav_logprobs.tolist(), r.mb.advantages.tolist(), r.mb.loss_mask.tolist(),
+                           r.keep.tolist()) for r in rec.updates.get(u, []) if actor.tp_rank == 0]
+                strategies = set().union(*_gather({r.strategy for r in rec.updates.get(u, [])}))  # last stage's
+                pair[strategy] = (m, strategies, _state(actor), sum(_gather(tokens), []))
+                actor.global_mask.__dict__.pop("guess", None)
             updates.append((pair["prepass"], pair["correct"]))
         actor.close()
         out.append(((tp, pp, tuple(sorted(o.items()))), updates))
@@ -122,7 +118,7 @@ def _check(results):
         fp32 = dict(layout[2]).get("dtype", "float32") == "float32"
         tol = dict(rel=1e-5, abs=1e-7) if fp32 else dict(rel=2e-2, abs=1e-4)
         for u, ((ma, sa, ga, ta), (mb, sb, gb, tb)) in enumerate(updates):
-            assert (sa, sb) == ("prepass", "correct"), (layout, u)
+            assert (sa, sb) == ({"prepass"}, {"correct"}), (layout, u)  # the records' strategies
             # mask/*: what the guess cost (the pre-pass measures it only for auto)
             assert set(ma) == {k for k in mb if not k.startswith("mask/")}, (layout, u, set(ma) ^ set(mb))
             for k in ma:
@@ -187,10 +183,12 @@ def _auto(rank, world_size, root):
     out = []
     for u, mini in enumerate(RolloutBatch(samples).split(4)):
         if u == 1:
-            actor._guess = lambda spec, settings, mb, delta, earlier: torch.zeros_like(mb.loss_mask, dtype=torch.bool)
+            actor.global_mask.guess = lambda spec, settings, mb, delta, earlier: torch.zeros_like(
+                mb.loss_mask, dtype=torch.bool)
+        rec = lib.Recorder(actor)
         m = actor.train_update(mini)
-        actor.__dict__.pop("_guess", None)
-        out.append((actor._last_strategy, m))
+        actor.global_mask.__dict__.pop("guess", None)
+        out.append((rec.strategy(u), m))
     actor.close()
     return out
 
@@ -225,7 +223,7 @@ def test_correct_equals_prepass_at_every_layout(tmp_path):
 
 
 def test_auto_takes_the_cheaper_way_and_bad_settings_are_refused():
-    from megatron_m2po.actor.mask_correction import FORWARD_SHARE, check_dropout, check_layout, choose_strategy
+    from megatron_m2po.actor.mask_correction import FORWARD_SHARE, check_dropout, choose_strategy
     from megatron_m2po.config import load_config
 
     # auto: a pre-pass first (it measures what a correction would have cost), then whichever costs less
@@ -239,11 +237,6 @@ def test_auto_takes_the_cheaper_way_and_bad_settings_are_refused():
     with pytest.raises(ValueError, match="model.attention_dropout=0 and model.hidden_dropout=0"):
         check_dropout("correct", 0.0, 0.1)
     check_dropout("auto", 0.1, 0.1)  # auto falls back to the pre-pass instead
-    assert choose_strategy("auto", {"mask/correction_token_frac": 0.0}, recompute="none", dropout=False,
-                           interleaved=True) == "prepass"
-    with pytest.raises(ValueError, match="virtual_pipeline_parallel=2"):
-        check_layout("correct", 2)
-    check_layout("correct", None)
     with pytest.raises(ValueError, match="mask_strategy='correct'.*scope='microbatch'"):
         load_config(None, ["algo.m2po.mask_strategy=correct", "algo.m2po.scope=microbatch", "algo.m2po.rule=cap"])
     with pytest.raises(ValueError, match="mask_strategy"):
