@@ -23,7 +23,7 @@ two sum the same terms in a different order); dropout would make the forwards di
 strategy needs dropout 0 (``check_dropout``).
 
 This module holds the layout-free parts: which sequences to recompute, their truncated samples
-and weights, and the cost model that ``auto`` uses. The actor (``actor/actor.py``) runs them.
+and weights, and the cost model that ``auto`` uses. ``actor/global_mask.py`` runs them in the actor.
 """
 
 from __future__ import annotations
