@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from megatron_m2po.actor.batch import RolloutBatch, Sample, make_microbatches
+from megatron_m2po.actor.global_mask import TokenRecord
 from megatron_m2po.config import load_config
 from megatron_m2po.experiment.entropy import entropy_stats, load_dumps
 from megatron_m2po.experiment.entropy import run as entropy_run
@@ -100,7 +101,8 @@ def test_dump_assembles_micro_batches_across_ranks_and_writes_the_step(tmp_path)
         expect_logp.append(logp)
         for mb in reversed(mbs):
             idx = mb.token_index.numpy()
-            actor.token_hook(mb, torch.from_numpy(logp[idx]), torch.from_numpy(ent[idx]), None)
+            actor.token_hook(TokenRecord(12 + j, None, mb, torch.from_numpy(logp[idx]), torch.from_numpy(ent[idx]),
+                                         None))
         dump.end_update(mini, 12 + j, first)
         first += len(mini.samples)
     path = dump.write()
@@ -132,8 +134,8 @@ def test_dump_size_is_bounded_by_a_seeded_subset(tmp_path):
         mini = RolloutBatch(_samples(np.random.default_rng(3), 6, version=0))
         n = sum(s.response_ids.shape[0] for s in mini.samples)
         for mb in _microbatches(mini.samples, range(6), 64):
-            actor.token_hook(mb, torch.from_numpy(-rng.random(n).astype(np.float32)),
-                             torch.zeros(n), torch.ones(n, dtype=torch.bool))
+            actor.token_hook(TokenRecord(0, "prepass", mb, torch.from_numpy(-rng.random(n).astype(np.float32)),
+                                         torch.zeros(n), torch.ones(n, dtype=torch.bool)))
         dump.end_update(mini, 0, 0)
         paths.append(dump.write())
     a, meta = read_token_dump(paths[0])
@@ -217,7 +219,8 @@ def _dp_dump_worker(rank, world, payload):
     for j, (mini, (logp, ent)) in enumerate(zip(minis, values)):
         for mb in _microbatches(mini.samples, dp_shard(len(mini.samples), world, rank), 2):
             idx = mb.token_index.numpy()
-            actor.token_hook(mb, torch.from_numpy(logp[idx]), torch.from_numpy(ent[idx]), None)
+            actor.token_hook(TokenRecord(4 + j, None, mb, torch.from_numpy(logp[idx]), torch.from_numpy(ent[idx]),
+                                         None))
         dump.end_update(mini, 4 + j, first)
         first += len(mini.samples)
     return str(dump.write())

@@ -14,7 +14,7 @@ states of *response rows only* into log-probs with the vocab-parallel fused kern
 
 One optimizer update (``_update``), docs/design.md §3:
 
-1. Pre-pass (``_mask_prepass``), only when the loss spec says ``needs_global_mask_prepass``
+1. Pre-pass (``GlobalMask.prepass``, actor/global_mask.py), only when the loss spec says ``needs_global_mask_prepass``
    (M2PO with ``algo.m2po.scope=global``): a forward-only pass at the current weights gives
    ``logp_theta`` for every token of the mini-batch; the spec's ``token_mask`` (``m2po_mask``)
    then selects the global mask over the data x context parallel group of the last stage
@@ -24,7 +24,7 @@ One optimizer update (``_update``), docs/design.md §3:
    forward, which runs at the same weights). The actor never branches on a loss name: it asks
    the registered :class:`~megatron_m2po.algo.losses.LossSpec`. With
    ``algo.m2po.mask_strategy=correct`` (or ``auto`` choosing it) there is no pre-pass: step 2 runs
-   with the spec's provisional mask, then ``_correct_mask`` takes the exact mask from that
+   with the spec's provisional mask, then ``GlobalMask.correct`` takes the exact mask from that
    forward's log-ratios and forward-backwards the difference on the changed sequences only, and
    the grad finaliser runs once after both (``actor/mask_correction.py``).
 2. forward-backward over the micro-batches with the mask fixed (``_policy_loss``; metrics in
@@ -48,7 +48,7 @@ import dataclasses
 import datetime
 import os
 from functools import partial
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 import torch
@@ -56,6 +56,7 @@ import torch.distributed as dist
 
 from megatron_m2po.actor.batch import (BatchPlan, MicroBatch, RolloutBatch, ShardedBatch, balanced_shards, dp_shard,
                                        group_microbatches, make_microbatches)
+from megatron_m2po.actor.global_mask import GlobalMask, TokenRecord
 from megatron_m2po.config import AlgoConfig, Config, ModelConfig, OptimConfig, ParallelConfig
 from megatron_m2po.utils.timing import TIMER
 
@@ -166,9 +167,9 @@ class MegatronActor:
         4
     """
 
-    # Called as ``token_hook(mb, logp, entropy, keep)`` by every training micro-batch when set
-    # (per-token values of the update, detached; ``keep`` is the loss's mask or None).
-    token_hook: Optional[Any] = None
+    # Opt-in observer of training updates: called with one ``actor.global_mask.TokenRecord`` per
+    # training micro-batch (last stage) when set; the record holds the mask the loss finally used.
+    token_hook: Optional[Callable[[TokenRecord], None]] = None
 
     def __init__(self, cfg: ActorConfig, chunks: list, bridge, ddp_chunks: list, optimizer, scheduler,
                  *, owns_parallel: bool = False, owns_process_group: bool = False) -> None:
@@ -181,11 +182,10 @@ class MegatronActor:
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.version = 0
-        self._last_mask: Optional[tuple[torch.Tensor, torch.Tensor]] = None
         # The previous update's reduced metrics (the same on every rank): the measured correction
         # cost that mask_strategy=auto decides on (actor/mask_correction.py).
         self._mask_hint: Optional[dict[str, float]] = None
-        self._last_strategy: Optional[str] = None  # for tests and the benchmark
+        self.global_mask = GlobalMask(self)  # the global-mask steps (actor/global_mask.py)
         self._deferred_finalize: Optional[list] = None  # set: the schedules' grad finalising is held back
         self._owns_parallel = owns_parallel  # from_config initialised Megatron's parallel state
         self._owns_pg = owns_process_group
@@ -217,10 +217,9 @@ class MegatronActor:
         self._tconfig.finalize_model_grads_func = _finalize
         self._tconfig.no_sync_func = [m.no_sync for m in ddp_chunks] if len(ddp_chunks) > 1 else ddp_chunks[0].no_sync
         self._tconfig.grad_scale_func = optimizer.scale_loss
-        from megatron_m2po.actor.mask_correction import check_dropout, check_layout
+        from megatron_m2po.actor.mask_correction import check_dropout
 
         check_dropout(cfg.algo.m2po.mask_strategy, cfg.model.attention_dropout, cfg.model.hidden_dropout)
-        check_layout(cfg.algo.m2po.mask_strategy, cfg.parallel.virtual_pipeline_parallel)
 
     # ---------------------------------------------------------------------------------- build
 
@@ -446,8 +445,7 @@ class MegatronActor:
             raise ValueError(f"data-parallel rank {self.dp_rank} was sent a shard without mini-batch samples "
                              f"{missing[:5]}: send each rank actor.shards(plan)[its dp rank]")
         mbs = self._microbatches(samples, mine, plan)
-        strategy = self._mask_strategy(spec, settings)
-        self._last_strategy = strategy
+        strategy = self.global_mask.choose(spec, settings)
         records: list[dict] = []
 
         # 1. what the loss needs before the first backward (M2PO: the global mask, from a pre-pass;
@@ -455,7 +453,7 @@ class MegatronActor:
         keeps, prepass_metrics = [None] * len(mbs), {}
         if strategy == "prepass":
             with TIMER.phase("mask"):
-                keeps, prepass_metrics = self._mask_prepass(
+                keeps, prepass_metrics = self.global_mask.prepass(
                     mbs, spec, settings, plan, records, measure=getattr(settings, "mask_strategy", None) == "auto")
         provisional: Optional[list[dict]] = [] if strategy == "correct" else None
 
@@ -470,11 +468,11 @@ class MegatronActor:
             with TIMER.phase("forward_backward"):
                 self._run(mbs, lambda mb, model, hidden: self._policy_loss(
                     mb, model, hidden, next(it), spec=spec, settings=settings, denom=denom, records=records,
-                    provisional=provisional), forward_only=False)
+                    strategy=strategy, provisional=provisional), forward_only=False)
             if provisional is not None:
                 with TIMER.phase("mask"):
-                    prepass_metrics = self._correct_mask(mbs, provisional, plan, samples, mine, spec, settings,
-                                                         denom, records)
+                    prepass_metrics = self.global_mask.correct(mbs, provisional, plan, samples, mine, spec,
+                                                               settings, denom, records)
                 deferred = self._deferred_finalize
         finally:
             self._deferred_finalize = None
@@ -493,159 +491,14 @@ class MegatronActor:
         self._mask_hint = out
         return out
 
-    def _mask_strategy(self, spec, settings) -> Optional[str]:
-        """How this update takes the global mask: None (the loss takes none), "prepass" or "correct"
-        (``algo.m2po.mask_strategy``; actor/mask_correction.py). The same on every rank."""
-        from megatron_m2po.actor.mask_correction import choose_strategy
-
-        if not spec.needs_global_mask_prepass(settings):
-            return None
-        configured = getattr(settings, "mask_strategy", "prepass")
-        if spec.provisional_keep is None:
-            if configured == "correct":
-                raise ValueError(f"mask_strategy='correct' needs a loss whose objective is linear in the mask "
-                                 f"(a LossSpec with provisional_keep); loss {spec.name!r} has none: use prepass")
-            return "prepass"
-        m = self.cfg.model
-        return choose_strategy(configured, self._mask_hint, recompute=self.cfg.parallel.recompute,
-                               dropout=m.attention_dropout > 0 or m.hidden_dropout > 0,
-                               interleaved=self.cfg.parallel.virtual_pipeline_parallel is not None)
-
-    def _mask_prepass(self, mbs: list[MicroBatch], spec, settings, plan: BatchPlan, records: list[dict], *,
-                      measure: bool = False) -> tuple[list[Optional[torch.Tensor]], dict]:
-        """Forward-only pre-pass at the current weights and the loss's global token mask
-        (``needs_global_mask_prepass``; M2PO with scope=global, ``mask_strategy=prepass``).
-
-        Runs on the last stage's DP x CP group (it spans last-stage ranks only). Returns one keep
-        tensor per micro-batch and the mask's metrics, which are already global (not reduced
-        again). With ``measure`` (``mask_strategy=auto``), also records what the correction
-        strategy would have recomputed (``mask/*``, from the same log-ratios), which ``auto`` reads.
-        """
-        outs = self._forward_logprobs(mbs, with_entropy=False)
-        if not self.is_last_stage:
-            return [None] * len(mbs), {}
-        c = self.cfg.algo.logratio_clamp
-        deltas = [(o["logp"] - mb.behav_logprobs.to(o["logp"].dtype)).clamp(-c, c) for o, mb in zip(outs, mbs)]
-        keeps, metrics = self._global_mask(mbs, deltas, spec, settings)
-        if measure and spec.provisional_keep is not None:
-            seen: list[dict] = []
-            for d, mb in zip(deltas, mbs):
-                seen.append({"mb": mb, "delta": d, "guess": self._guess(spec, settings, mb, d, seen)})
-            self._correction_stats(mbs, [p["guess"] for p in seen], keeps, plan, records, strategy="prepass")
-        return keeps, metrics
-
-    def _guess(self, spec, settings, mb: MicroBatch, delta: torch.Tensor, earlier: list[dict]) -> torch.Tensor:
-        """The provisional keep mask of ``mb`` (the spec's ``provisional_keep``) from its clamped
-        log-ratios and those of this rank's ``earlier`` micro-batches of the update."""
-        seen = [(p["delta"], p["mb"].advantages, p["mb"].loss_mask, p["mb"].token_index) for p in earlier]
-        return spec.provisional_keep(delta, mb.advantages, mb.loss_mask, order_key=mb.token_index, seen=seen,
-                                     settings=settings)
-
-    def _global_mask(self, mbs: list[MicroBatch], deltas: list[torch.Tensor], spec, settings
-                     ) -> tuple[list[torch.Tensor], dict]:
-        """The spec's ``token_mask`` over the whole mini-batch from the clamped log-ratios of this
-        rank's micro-batches (last stage; global over its DP x CP group, canonical token order)."""
-        order = torch.cat([mb.token_index for mb in mbs])
-        keep, metrics = spec.token_mask(
-            torch.cat(deltas), torch.cat([mb.advantages for mb in mbs]), torch.cat([mb.loss_mask for mb in mbs]),
-            order_key=order, group=self.dp_group if self.dp_size > 1 else None, settings=settings)
-        self._last_mask = (order.cpu(), keep.cpu())  # for tests
-        return list(torch.split(keep, [mb.num_tokens for mb in mbs])), {k: float(m.value) for k, m in metrics.items()}
-
-    def _correction_stats(self, mbs: list[MicroBatch], guess: list[torch.Tensor], keeps: list[torch.Tensor],
-                          plan: BatchPlan, records: list[dict], *, strategy: str) -> dict[int, torch.Tensor]:
-        """Per-sample differences ``keep - guess`` and their cost as metric records (this rank's
-        share, reduced with the others): ``mask/correction_token_frac`` (tokens a correction re-runs /
-        tokens of the update, what ``auto`` compares with a pre-pass), ``mask/corrected_sequence_frac``,
-        ``mask/corrected_microbatch_frac`` (micro-batches holding a changed token), ``mask/correct``
-        (1 when this update used the correction strategy)."""
-        from megatron_m2po.actor.mask_correction import changed_lengths, diff_by_sample
-        from megatron_m2po.algo.metrics import Metric
-
-        diffs = diff_by_sample(mbs, guess, keeps)
-        cut = changed_lengths(diffs)
-        tokens = float(sum(int(plan.lengths[i]) for mb in mbs for i in mb.sample_index))
-        n_seq = float(sum(len(mb.sample_index) for mb in mbs))
-        redo = float(sum(int(plan.lengths[i]) - int(plan.response_lengths[i]) + r for i, r in cut.items()))
-        hit = float(sum(any(i in diffs for i in mb.sample_index) for mb in mbs))
-        records.append({"mask/correction_token_frac": Metric(redo / max(tokens, 1.0), "mean", tokens),
-                        "mask/corrected_sequence_frac": Metric(len(cut) / max(n_seq, 1.0), "mean", n_seq),
-                        "mask/corrected_microbatch_frac": Metric(hit / max(len(mbs), 1), "mean", float(len(mbs))),
-                        "mask/correct": Metric(float(strategy == "correct"), "max")})
-        return diffs
-
-    def _correct_mask(self, mbs: list[MicroBatch], provisional: list[dict], plan: BatchPlan, samples,
-                      mine: list[int], spec, settings, denom: float, records: list[dict]) -> dict:
-        """Steps 2-3 of actor/mask_correction.py after the provisional forward-backward: the exact
-        global mask from the recorded log-ratios (last stage), the deferred token hooks with it, and
-        one forward-backward of ``keep - guess`` over the changed sequences, cut after their last
-        changed token. Every stage of the replica learns those cuts by one broadcast over the
-        pipeline group. Returns the mask's (global) metrics."""
-        from megatron_m2po.actor.mask_correction import changed_lengths, truncate
-        from megatron_m2po.parallel.devices import collective_device
-
-        metrics: dict = {}
-        diffs: dict[int, torch.Tensor] = {}
-        if self.is_last_stage:
-            keeps, metrics = self._global_mask(mbs, [p["delta"] for p in provisional], spec, settings)
-            diffs = self._correction_stats(mbs, [p["guess"] for p in provisional], keeps, plan, records,
-                                           strategy="correct")
-            if self.token_hook is not None:  # deferred from the provisional pass: the dump holds the exact mask
-                for mb, p, k in zip(mbs, provisional, keeps):
-                    self.token_hook(mb, p["logp"], p["entropy"], k)
-        cut = changed_lengths(diffs)
-        if self.pp_size > 1:  # the cuts of this replica's shard, to every stage (0 = unchanged)
-            t = torch.tensor([cut.get(i, 0) for i in mine], dtype=torch.int64, device=collective_device(self.pp_group))
-            dist.broadcast(t, src=self.last_stage_rank, group=self.pp_group)
-            cut = {i: int(r) for i, r in zip(mine, t.tolist()) if r > 0}
-        if not cut:
-            return metrics
-        p = self.cfg.parallel
-        pad = p.tensor_parallel if p.sequence_parallel else 1
-        short = {i: truncate(samples[i], r) for i, r in cut.items()}
-        lengths = plan.lengths.tolist()
-        for i, sm in short.items():
-            lengths[i] = sm.length
-        groups = group_microbatches(lengths, [i for i in mine if i in cut], micro_batch_size=p.micro_batch_size,
-                                    max_tokens=p.max_tokens_per_microbatch, packing=p.packing, pad_multiple=pad)
-        fix = self._to_device(make_microbatches(short, groups, pad_multiple=pad, packing=p.packing,
-                                                response_lengths=plan.response_lengths))
-        weights = iter([torch.cat([diffs[i][:cut[i]] for i in mb.sample_index]).to(self.device) if diffs else None
-                        for mb in fix])
-        self._run(fix, lambda mb, model, hidden: self._correction_loss(
-            mb, model, hidden, next(weights), spec=spec, denom=denom, records=records), forward_only=False)
-        return metrics
-
-    def _correction_loss(self, mb: MicroBatch, model, hidden: torch.Tensor, weight: torch.Tensor, *, spec,
-                         denom: float, records: list[dict]):
-        """Megatron loss function of a correction micro-batch: the loss of ``keep - guess``, i.e. the
-        loss with the tokens the exact mask adds minus the loss with those it removes (the objective
-        is linear in keep; entropy and every other term do not depend on the mask and are already in
-        the provisional pass). Its value goes to ``loss/policy`` and ``loss/total`` (sums)."""
-        from megatron_m2po.algo.losses import compute_policy_loss, tis_weights
-        from megatron_m2po.algo.metrics import Metric
-
-        a = self.cfg.algo
-        logp, _ = self._token_logprobs(mb, model, hidden, with_entropy=False)
-        behav, adv = mb.behav_logprobs.to(logp.dtype), mb.advantages.to(logp.dtype)
-        tis = None
-        if a.tis and mb.engine_logprobs is not None:
-            tis = tis_weights(behav, mb.engine_logprobs.to(logp.dtype), a.tis_cap)
-        loss = None
-        for sign, keep in ((1.0, weight > 0), (-1.0, weight < 0)):
-            part, _ = compute_policy_loss(spec.name, logp, behav, adv, mb.loss_mask, denominator=denom, algo_cfg=a,
-                                          keep=keep, seq_index=mb.seq_index, tis_weight=tis)
-            loss = sign * part if loss is None else loss + sign * part
-        value = float(loss.detach())
-        records.append({"loss/policy": Metric(value, "sum"), "loss/total": Metric(value, "sum")})
-        return loss, torch.tensor(mb.num_tokens, dtype=torch.int), None
-
     def _policy_loss(self, mb: MicroBatch, model, hidden: torch.Tensor, keep: Optional[torch.Tensor], *, spec,
-                     settings, denom: float, records: list[dict], provisional: Optional[list[dict]] = None):
+                     settings, denom: float, records: list[dict], strategy: Optional[str],
+                     provisional: Optional[list[dict]] = None):
         """Megatron loss function of one micro-batch: ``(loss, n_tokens, None)``; its metric records
         (each declaring its reduction) go to ``records``. With ``provisional`` (a list), the keep
         mask is the spec's guess (``provisional_keep``) and the micro-batch's log-ratios, guess,
-        log-probs and entropy are appended to it; the token hook then runs after the exact mask."""
+        log-probs and entropy are appended to it; its :class:`TokenRecord` then waits for the exact
+        mask (``GlobalMask.correct``)."""
         from megatron_m2po.algo.losses import compute_policy_loss, tis_weights
         from megatron_m2po.algo.metrics import Metric
 
@@ -660,11 +513,11 @@ class MegatronActor:
             metrics.update(mask_metrics)
         if provisional is not None:
             delta = (logp.detach() - behav).clamp(-a.logratio_clamp, a.logratio_clamp)
-            keep = self._guess(spec, settings, mb, delta, provisional)
+            keep = self.global_mask.guess(spec, settings, mb, delta, provisional)
             provisional.append({"mb": mb, "delta": delta, "guess": keep, "logp": logp.detach(),
                                 "entropy": ent.detach()})
         elif self.token_hook is not None:  # optional per-token record (trainer/token_dump.py)
-            self.token_hook(mb, logp.detach(), ent.detach(), keep)
+            self.token_hook(TokenRecord(self.version, strategy, mb, logp.detach(), ent.detach(), keep))
         tis = None
         if a.tis and mb.engine_logprobs is not None:
             tis = tis_weights(behav, mb.engine_logprobs.to(logp.dtype), a.tis_cap)

@@ -23,7 +23,7 @@ two sum the same terms in a different order); dropout would make the forwards di
 strategy needs dropout 0 (``check_dropout``).
 
 This module holds the layout-free parts: which sequences to recompute, their truncated samples
-and weights, and the cost model that ``auto`` uses. The actor (``actor/actor.py``) runs them.
+and weights, and the cost model that ``auto`` uses. ``actor/global_mask.py`` runs them in the actor.
 """
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ import torch
 
 from megatron_m2po.actor.batch import MicroBatch, Sample
 
-__all__ = ["FORWARD_SHARE", "choose_strategy", "check_dropout", "check_layout", "changed_lengths", "truncate", "diff_by_sample"]
+__all__ = ["FORWARD_SHARE", "choose_strategy", "check_dropout", "changed_lengths", "truncate", "diff_by_sample",
+           "pad_for_schedule"]
 
 # A forward pass as a share of forward + backward, the unit the pre-pass costs against the
 # correction's forward-backward: backward ~ 2 forwards; full recompute runs the forward once more
@@ -53,32 +54,18 @@ def check_dropout(strategy: str, attention_dropout: float, hidden_dropout: float
                          "auto (which takes the pre-pass when dropout is on)")
 
 
-def check_layout(strategy: str, virtual_pipeline_parallel) -> None:
-    """ValueError for ``mask_strategy=correct`` with interleaved pipelining: Megatron's interleaved
-    schedule refuses fewer micro-batches than pipeline stages (``schedules.py``,
-    ``forward_backward_pipelining_with_interleaving``: "The number of contiguous micro-batches in
-    a virtual pipeline stage should range in [PP, M]"), and a correction is often one."""
-    if strategy == "correct" and virtual_pipeline_parallel is not None:
-        raise ValueError(f"algo.m2po.mask_strategy='correct' is not supported with "
-                         f"parallel.virtual_pipeline_parallel={virtual_pipeline_parallel} (Megatron's interleaved "
-                         "schedule needs at least pipeline_parallel micro-batches per run); use mask_strategy=auto "
-                         "(which then takes the pre-pass) or prepass, or no virtual pipeline")
-
-
-def choose_strategy(configured: str, hint: Optional[dict], *, recompute: str, dropout: bool,
-                    interleaved: bool = False) -> str:
+def choose_strategy(configured: str, hint: Optional[dict], *, recompute: str, dropout: bool) -> str:
     """``"prepass"`` or ``"correct"`` for the next update; a pure function of values that are the
     same on every rank (the previous update's reduced metrics), so every rank takes the same one.
 
-    ``auto``: the pre-pass with dropout, with interleaved pipelining (``check_layout``), or
-    without a measurement yet (its log-ratios measure what
+    ``auto``: the pre-pass with dropout, or without a measurement yet (its log-ratios measure what
     a correction would have cost, for free); else correction while its measured cost -- the share
     of this update's tokens the previous update's correction re-ran (``mask/correction_token_frac``,
     forward-backward) -- is below the pre-pass's (a forward over every token, ``FORWARD_SHARE``).
     """
     if configured != "auto":
         return configured
-    if dropout or interleaved or not hint or "mask/correction_token_frac" not in hint:
+    if dropout or not hint or "mask/correction_token_frac" not in hint:
         return "prepass"
     return "correct" if hint["mask/correction_token_frac"] < FORWARD_SHARE[recompute] else "prepass"
 
@@ -110,3 +97,24 @@ def truncate(s: Sample, r: int) -> Sample:
     return Sample(uid=s.uid, prompt_ids=s.prompt_ids, response_ids=cut(s.response_ids),
                   behav_logprobs=cut(s.behav_logprobs), advantages=cut(s.advantages), loss_mask=cut(s.loss_mask),
                   versions=cut(s.versions), engine_logprobs=cut(s.engine_logprobs))
+
+
+def pad_for_schedule(groups: list[list[int]], weights: list, multiple: int, lengths: list[int],
+                     cut: dict[int, int]) -> tuple[list[list[int]], list]:
+    """``groups`` (and their per-token ``weights``) filled up to a multiple of ``multiple``
+    micro-batches with the shortest changed sample (by ``lengths``, cut after ``cut[i]`` response
+    tokens) at weight 0.
+
+    Megatron's interleaved schedule (megatron-core 0.16.1 ``pipeline_parallel/schedules.py``,
+    ``forward_backward_pipelining_with_interleaving``) runs micro-batches in groups of
+    ``microbatch_group_size_per_vp_stage`` (default: the pipeline size), and refuses fewer
+    micro-batches than that or a last group shorter than the pipeline size; a correction often
+    has one micro-batch. A filler's loss is ``0 * (...)``: it adds exactly 0 to every gradient
+    and to ``loss/*``. ``multiple=1`` (no interleaving) returns the inputs unchanged. Weights are
+    None off the last stage (no loss there)."""
+    fill = -len(groups) % multiple
+    if not fill:
+        return groups, weights
+    i = min((i for g in groups for i in g), key=lambda i: (lengths[i], i))
+    zero = None if weights[0] is None else torch.zeros(cut[i], dtype=weights[0].dtype)
+    return groups + [[i]] * fill, weights + [zero] * fill

@@ -30,14 +30,14 @@ class M2POConfig:
                                                 "(a forward-only pre-pass); 'microbatch' = per micro-batch per rank "
                                                 "(released code).")
     mask_strategy: Literal["prepass", "correct", "auto"] = _f(
-        "prepass", help="How the actor gets the exact global mask (scope=global; the same update either way): "
+        "auto", help="How the actor gets the exact global mask (scope=global; the same update either way): "
         "'prepass' = a forward-only pass over the mini-batch before forward-backward; 'correct' = "
         "forward-backward with a running estimate of the mask (Algorithm 1 over the tokens seen so far), then the "
         "exact mask, then a forward-backward "
         "of the difference on only the sequences (truncated after their last changed token) whose "
         "keep changed; 'auto' = 'correct' while the previous update's measured correction cost is "
-        "below a pre-pass, else 'prepass'. 'correct' needs model dropout 0 and no virtual pipeline "
-        "(auto takes the pre-pass there).")
+        "below a pre-pass (the first update takes the pre-pass, which measures it), else 'prepass'. "
+        "'correct' needs model dropout 0 (auto takes the pre-pass there).")
 
     def check(self) -> None:
         if self.rule == "remove" and self.scope == "microbatch":

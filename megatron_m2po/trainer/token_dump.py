@@ -13,8 +13,9 @@ the advantage, the token's staleness, and both trust-region decisions on the *sa
   log-ratios whatever loss the run trains with;
 * ``keep`` — the mask the loss itself used (1 kept, 0 masked), -1 when the loss took none.
 
-The values come from :attr:`MegatronActor.token_hook`, which the actor calls with each training
-micro-batch's detached log-probs, entropies and mask. Only ranks of the last pipeline stage with
+The values come from :attr:`MegatronActor.token_hook`, which the actor calls with a
+:class:`~megatron_m2po.actor.global_mask.TokenRecord` per training micro-batch: its detached
+log-probs, entropies and the mask the loss finally used. Only ranks of the last pipeline stage with
 tensor-parallel rank 0 record (the other TP ranks hold the same values); each records its
 data-parallel shard, and :meth:`TokenDump.write` gathers the shards on global rank 0 by canonical
 token index. A dump keeps at most ``logging.dump_tokens_max`` tokens (a uniform subset seeded by
@@ -31,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_m2po.actor.batch import RolloutBatch
+from megatron_m2po.actor.global_mask import TokenRecord
 from megatron_m2po.config import Config
 
 __all__ = ["TokenDump", "grpo_clipped", "m2po_masked", "read_token_dump"]
@@ -83,9 +85,9 @@ class TokenDump:
         if self.records:
             self.actor.token_hook = self._hook
 
-    def _hook(self, mb, logp: torch.Tensor, ent: torch.Tensor, keep: Optional[torch.Tensor]) -> None:
-        self._parts.append((mb.token_index.cpu().numpy(), logp.float().cpu().numpy(), ent.float().cpu().numpy(),
-                            None if keep is None else keep.cpu().numpy()))
+    def _hook(self, rec: TokenRecord) -> None:
+        self._parts.append((rec.mb.token_index.cpu().numpy(), rec.logp.float().cpu().numpy(),
+                            rec.entropy.float().cpu().numpy(), None if rec.keep is None else rec.keep.cpu().numpy()))
 
     def end_update(self, mini: RolloutBatch, update: int, first_sample: int) -> None:
         """The update ``update`` (its weight version before the step) over ``mini`` has run."""

@@ -9,13 +9,14 @@ import torch
 KINDS = ("qwen2", "qwen3", "llama")
 
 
-def make_tiny_hf(kind: str, out_dir: str, *, seed: int = 0, tie: bool = False, vocab: int = 128) -> str:
-    """Save a 2-layer, hidden-64, GQA (4 heads / 2 kv heads) random model of ``kind`` in ``out_dir``."""
+def make_tiny_hf(kind: str, out_dir: str, *, seed: int = 0, tie: bool = False, vocab: int = 128,
+                 layers: int = 2) -> str:
+    """Save a ``layers``-layer, hidden-64, GQA (4 heads / 2 kv heads) random model of ``kind`` in ``out_dir``."""
     import transformers as tr
 
     if os.path.isfile(os.path.join(out_dir, "config.json")):
         return out_dir
-    common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                   rms_norm_eps=1e-6, tie_word_embeddings=tie)
     if kind == "qwen2":
@@ -111,24 +112,67 @@ def actor_config(hf_dir: str, *, tp: int = 1, pp: int = 1, mbs: int = 2, loss: s
     return cfg
 
 
+def _inner_optimizers(actor) -> list:
+    """The torch optimizers under Megatron's wrappers (their params are the fp32 main weights, or
+    this rank's shards of them with the distributed optimizer)."""
+    return [o.optimizer for o in getattr(actor.optimizer, "chained_optimizers", [actor.optimizer])]
+
+
 def snapshot(actor):
-    """The actor's training state: weights, optimizer state (fp32 master weights and Adam moments),
-    LR schedule, version and the previous update's metrics; :func:`restore` puts it back, so that
-    two ways of doing one update can start from the same state."""
+    """The actor's training state: weights, optimizer state (fp32 master weights and Adam moments,
+    whole or this rank's shard with the distributed optimizer, read from the torch optimizers
+    because Megatron's distributed ``state_dict`` leaves the moments out), LR schedule, version and
+    the previous update's metrics; :func:`restore` puts it back, so that two ways of doing one
+    update can start from the same state."""
     import copy
 
+    inner = _inner_optimizers(actor)
     return ([p.detach().clone() for m in actor.model for p in m.parameters()],
-            copy.deepcopy(actor.optimizer.state_dict()), copy.deepcopy(actor.scheduler.state_dict()),
+            [[p.detach().clone() for g in o.param_groups for p in g["params"]] for o in inner],
+            [copy.deepcopy(o.state_dict()) for o in inner], copy.deepcopy(actor.scheduler.state_dict()),
             actor.version, copy.deepcopy(actor._mask_hint))
 
 
 def restore(actor, snap) -> None:
     import copy
 
-    params, opt, sched, version, hint = snap
+    params, mains, opts, sched, version, hint = snap
     with torch.no_grad():
         for p, v in zip((p for m in actor.model for p in m.parameters()), params):
             p.copy_(v)
-    actor.optimizer.load_state_dict(copy.deepcopy(opt))
+        for o, main, st in zip(_inner_optimizers(actor), mains, opts):
+            for p, v in zip((p for g in o.param_groups for p in g["params"]), main):
+                p.copy_(v)
+            o.load_state_dict(copy.deepcopy(st))
     actor.scheduler.load_state_dict(copy.deepcopy(sched))
     actor.version, actor._mask_hint = version, copy.deepcopy(hint)
+
+
+class Recorder:
+    """The actor's :class:`~megatron_m2po.actor.global_mask.TokenRecord` s by update (installs
+    itself as ``actor.token_hook``): this rank's micro-batches, as the loss used them."""
+
+    def __init__(self, actor) -> None:
+        self.updates: dict[int, list] = {}
+        actor.token_hook = self
+
+    def __call__(self, rec) -> None:
+        self.updates.setdefault(rec.update, []).append(rec)
+
+    def last(self) -> int:
+        """The last update recorded (its weight version before the step)."""
+        return max(self.updates)
+
+    def mask(self, update: int) -> dict[int, bool]:
+        """``{canonical token index: keep}`` of this rank's tokens in ``update`` ({} where it
+        recorded none: not the last pipeline stage)."""
+        out: dict[int, bool] = {}
+        for r in self.updates.get(update, []):
+            assert r.keep is not None, f"update {update}: the loss took no mask"
+            out.update(zip(r.mb.token_index.tolist(), r.keep.tolist()))
+        return out
+
+    def strategy(self, update: int):
+        """The update's global-mask strategy (the same in each of its records)."""
+        (s,) = {r.strategy for r in self.updates[update]}
+        return s

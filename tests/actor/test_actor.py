@@ -76,15 +76,14 @@ def _stale_batch(actor, samples, noise, seed=0):
     return RolloutBatch(samples)
 
 
-def _gathered_mask(actor):
-    """{token_index: keep} of the last update, over every data-parallel rank of the last stage."""
-    idx, keep = actor._last_mask if actor._last_mask is not None else (torch.zeros(0, dtype=torch.long),
-                                                                          torch.zeros(0, dtype=torch.bool))
+def _gathered_mask(rec, update):
+    """{token_index: keep} of ``update`` (recorded by ``rec``, an ``actor_testlib.Recorder``), over
+    every data-parallel rank of the last stage."""
     objs = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(objs, (idx.tolist(), keep.tolist()))
+    torch.distributed.all_gather_object(objs, rec.mask(update) if rec.updates else {})
     out = {}
-    for i, k in objs:
-        for a, b in zip(i, k):
+    for part in objs:
+        for a, b in part.items():
             assert out.get(a, b) == b  # TP ranks agree
             out[a] = b
     return out
@@ -107,7 +106,8 @@ def _norm_grads(actor):
 
 def _train_layouts(rank, world_size, root, layouts):
     """One update pair per layout ``(tp, pp, options)``; options: mbs, dist_opt, sp, packing,
-    max_tokens, balance (parallel.* settings)."""
+    max_tokens, balance (parallel.* settings), correct (``algo.m2po.mask_strategy=correct`` with a
+    keep-all provisional mask: a correction pass in every micro-batch that holds a masked token)."""
     from megatron_m2po.actor.actor import ActorConfig, MegatronActor
 
     d = _hf_dir(root, "qwen3", seed=4)
@@ -119,13 +119,18 @@ def _train_layouts(rank, world_size, root, layouts):
         cfg.parallel.max_tokens_per_microbatch = o.get("max_tokens")
         cfg.parallel.balance_data_parallel = o.get("balance", True)
         cfg.algo.m2po.threshold = 0.02
+        if o.get("correct"):
+            cfg.algo.m2po.mask_strategy = "correct"
         actor = MegatronActor.from_config(ActorConfig.from_config(cfg, total_updates=100))
+        if o.get("correct"):
+            actor.global_mask.guess = lambda spec, settings, mb, delta, earlier: mb.loss_mask.bool().clone()
         batch = _stale_batch(actor, lib.make_samples(8, seed=5), noise=0.5)
         logps, ents = actor.compute_logprobs(batch, with_entropy=True)
         mbs = actor._microbatches(batch.samples[:4], actor._shards(batch.samples[:4])[actor.dp_rank])
         plan = [(mb.sample_index, tuple(mb.tokens.shape), mb.cu_seqlens is not None) for mb in mbs]
+        rec = lib.Recorder(actor)
         metrics = actor.train_step(batch, num_minibatches=2)
-        mask = _gathered_mask(actor)
+        mask = _gathered_mask(rec, 1)  # the second update's
         grads = _norm_grads(actor) if not o.get("dist_opt") else [{}]
         weights = {k: v.numpy().copy() for k, v in actor.iter_hf_weights()}
         actor.close()
@@ -147,14 +152,26 @@ def test_train_step_layout_invariance(tmp_path):
     TP rank with the TP=1 gradients (a missing reduction gives each rank its own partial value).
     Sequence lengths are odd and even, so SP pads micro-batches to a multiple of TP."""
     single = run_distributed(_train_layouts, 1, args=(str(tmp_path), [
-        (1, 1, {"mbs": 1}), (1, 1, {"mbs": 3}), (1, 1, {"packing": True, "max_tokens": 30})]), timeout_s=240)[0]
+        (1, 1, {"mbs": 1}), (1, 1, {"mbs": 3}), (1, 1, {"packing": True, "max_tokens": 30}),
+        (1, 1, {"mbs": 1, "correct": True})]), timeout_s=240)[0]
     double = run_distributed(_train_layouts, 2, args=(str(tmp_path), [
         (2, 1, {}), (2, 1, {"mbs": 3, "sp": True}), (2, 1, {"sp": True, "packing": True}),
         (1, 2, {}), (1, 2, {"packing": True, "max_tokens": 25}),
         (1, 1, {}), (1, 1, {"mbs": 3, "dist_opt": True}),
-        (1, 1, {"packing": True, "max_tokens": 40}), (1, 1, {"packing": True, "balance": False})]),
+        (1, 1, {"packing": True, "max_tokens": 40}), (1, 1, {"packing": True, "balance": False}),
+        (2, 1, {"sp": True, "correct": True}), (1, 2, {"correct": True}),
+        (1, 1, {"packing": True, "max_tokens": 40, "correct": True})]),
         timeout_s=420)[0]
     (_, (lp0, ent0), m0, mask0, g0, w0, _), *others = single + double
+    # mask_strategy=auto (the default): a pre-pass first (it measures a correction's cost), then the
+    # correction (the running guess is right here); "correct" layouts re-run every micro-batch that
+    # holds a masked token, and still give the reference's update to the same tolerance
+    for layout, _, m, *_ in single + double:
+        corrected = [m[u]["mask/corrected_microbatch_frac"] for u in range(2)]
+        if dict(layout[2]).get("correct"):
+            assert [m[u]["mask/correct"] for u in range(2)] == [1.0, 1.0] and min(corrected) > 0, (layout, m)
+        else:
+            assert [m[u]["mask/correct"] for u in range(2)] == [0.0, 1.0] and corrected[1] == 0.0, (layout, m)
     assert len(m0) == 2 and m0[0]["m2po/mask_frac"] > 0, m0  # the test data does mask tokens
     assert sum(not k for k in mask0.values()) > 0
     assert any(s.length % 2 for s in lib.make_samples(8, seed=5)), "some sequence must need SP padding"
@@ -207,8 +224,10 @@ def _grad_scale_and_onpolicy(rank, world_size, root):
     actor = MegatronActor.from_config(ActorConfig.from_config(cfg, total_updates=100))
     samples = lib.make_samples(6, seed=8)
     batch = _stale_batch(actor, samples, noise=0.5, seed=3)
+    rec = lib.Recorder(actor)
     metrics = actor.train_step(batch, 1)[0]
-    keep = dict(zip(*[t.tolist() for t in actor._last_mask]))
+    keep = rec.mask(0)
+    assert rec.strategy(0) == "prepass" and len(keep) == sum(len(s.response_ids) for s in samples)
     # HF reference
     hf = tr.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
     n = float(sum(int(s.loss_mask.sum()) for s in samples))

@@ -21,19 +21,35 @@ TAU = 0.02
 LR = 1e-3  # actor_testlib's default
 
 
-def _hf_dir(root):
-    d = os.path.join(root, "qwen3_mask")
+def _hf_dir(root, layers=2):
+    d = os.path.join(root, f"qwen3_mask_{layers}")
     if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
-        lib.make_tiny_hf("qwen3", d, seed=21)
+        lib.make_tiny_hf("qwen3", d, seed=21, layers=layers)
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
     return d
 
 
+def _grad(actor, p):
+    """The update's gradient of ``p``: its grad buffer; with the distributed optimizer that holds
+    the data-parallel sum only on the part this rank owns (the rest is the local partial sum), so
+    the owners' parts are summed over the data-parallel group."""
+    g = p.main_grad.detach().clone()
+    if not actor.cfg.parallel.use_distributed_optimizer:
+        return g.numpy()
+    full = torch.zeros_like(g).view(-1)
+    for opt in getattr(actor.optimizer, "chained_optimizers", [actor.optimizer]):
+        if p in opt.model_param_gbuf_map:  # this rank owns part of p
+            r = opt._get_model_param_range_map(p)["param"]
+            full[r.start:r.end] = g.view(-1)[r.start:r.end]
+    torch.distributed.all_reduce(full, group=actor.dp_group)
+    return full.view_as(g).numpy()
+
+
 def _state(actor):
     """{local parameter name: (weights after the step, the update's gradient)} of this rank (both
     strategies run the same layout, so each rank compares its own shard)."""
-    return {f"{c}.{name}": (p.detach().float().clone().numpy(), p.main_grad.detach().clone().numpy())
+    return {f"{c}.{name}": (p.detach().float().clone().numpy(), _grad(actor, p))
             for c, chunk in enumerate(actor.model) for name, p in chunk.named_parameters()}
 
 
@@ -66,13 +82,25 @@ def _run(rank, world_size, root, layouts):
     """Per layout and update: the pre-pass update, then the same update from the same state
     (``actor_testlib.snapshot``) with the correction strategy and the provisional mask of
     ``GUESSES``; the trajectory goes on from the corrected update."""
+    from megatron_m2po.actor import mask_correction
     from megatron_m2po.actor.actor import ActorConfig, MegatronActor
     from megatron_m2po.actor.batch import RolloutBatch
 
-    d = _hf_dir(root)
+    pad = mask_correction.pad_for_schedule
+    fills = []  # filler micro-batches the interleaved schedule needed per correction run
+
+    def counted(groups, weights, multiple, *args):
+        fills.append(-len(groups) % multiple)
+        return pad(groups, weights, multiple, *args)
+
+    mask_correction.pad_for_schedule = counted
     out = []
     for tp, pp, o in layouts:
+        d = _hf_dir(root, layers=pp * o["vp"] if o.get("vp") else 2)
+        fills.clear()
         cfg = lib.actor_config(d, tp=tp, pp=pp, mbs=o.get("mbs", 2))
+        cfg.parallel.virtual_pipeline_parallel = o.get("vp")
+        cfg.parallel.use_distributed_optimizer = o.get("dist_opt", False)
         cfg.parallel.sequence_parallel = o.get("sp", False)
         cfg.parallel.packing = o.get("packing", False)
         cfg.parallel.max_tokens_per_microbatch = o.get("max_tokens")
@@ -85,51 +113,57 @@ def _run(rank, world_size, root, layouts):
         rng = np.random.default_rng(3)
         for s, lp in zip(samples, lps):
             s.behav_logprobs = (lp + 0.5 * rng.standard_normal(lp.shape)).astype(np.float32)
-        tokens: list = []
-
-        def hook(mb, logp, ent, keep, tokens=tokens, actor=actor):
-            if actor.tp_rank == 0:
-                tokens.append((mb.token_index.tolist(), logp.float().tolist(), ent.float().tolist(),
-                               mb.behav_logprobs.tolist(), mb.advantages.tolist(), mb.loss_mask.tolist(),
-                               keep.tolist()))
-
-        actor.token_hook = hook
         updates = []
         m2 = actor.cfg.algo.m2po
         for u, mini in enumerate(RolloutBatch(samples).split(len(GUESSES))):
             m2.threshold = 100.0 if u == len(GUESSES) - 1 else TAU  # last: M2 under the threshold, nothing masked
             snap = lib.snapshot(actor)
-            pair = {}
+            pair, exact = {}, {}
             for strategy in ("prepass", "correct"):
                 if strategy == "correct":
                     lib.restore(actor, snap)
                     if GUESSES[u] != "running":  # the actor's guess, replaced for this update
-                        exact = dict(zip(*[t.tolist() for t in actor._last_mask])) if actor._last_mask else {}
-                        actor._guess = _forced_guess(GUESSES[u], exact)
+                        actor.global_mask.guess = _forced_guess(GUESSES[u], exact)
                 m2.mask_strategy = strategy
-                tokens.clear()
+                rec = lib.Recorder(actor)
                 m = actor.train_update(mini)
-                pair[strategy] = (m, actor._last_strategy, _state(actor), sum(_gather(list(tokens)), []))
-                actor.__dict__.pop("_guess", None)
+                if strategy == "prepass":
+                    exact = rec.mask(u)  # of this rank's tokens: the mask the forced guesses are built from
+                tokens = [(r.mb.token_index.tolist(), r.logp.float().tolist(), r.entropy.float().tolist(),
+                           r.mb.behav_logprobs.tolist(), r.mb.advantages.tolist(), r.mb.loss_mask.tolist(),
+                           r.keep.tolist()) for r in rec.updates.get(u, []) if actor.tp_rank == 0]
+                strategies = set().union(*_gather({r.strategy for r in rec.updates.get(u, [])}))  # last stage's
+                # micro-batches holding a token the exact mask removes (what keep-all gets wrong)
+                hits = sum(_gather([bool((r.mb.loss_mask.bool() & ~r.keep).any()) for r in rec.updates.get(u, [])
+                                    if actor.tp_rank == 0]), [])
+                pair[strategy] = (m, strategies, _state(actor), sum(_gather(tokens), []), hits)
+                actor.global_mask.__dict__.pop("guess", None)
             updates.append((pair["prepass"], pair["correct"]))
         actor.close()
-        out.append(((tp, pp, tuple(sorted(o.items()))), updates))
+        out.append(((tp, pp, tuple(sorted(o.items())) + (("fills", sum(fills)),)), updates))
+    mask_correction.pad_for_schedule = pad
     return out
 
 
 def _check(results):
     for layout, updates in results:
-        fp32 = dict(layout[2]).get("dtype", "float32") == "float32"
+        opts = dict(layout[2])
+        fp32 = opts.get("dtype", "float32") == "float32"
+        if opts.get("vp"):  # some correction ran fewer micro-batches than the interleaved schedule takes
+            assert opts["fills"] > 0, layout
         tol = dict(rel=1e-5, abs=1e-7) if fp32 else dict(rel=2e-2, abs=1e-4)
-        for u, ((ma, sa, ga, ta), (mb, sb, gb, tb)) in enumerate(updates):
-            assert (sa, sb) == ("prepass", "correct"), (layout, u)
+        for u, ((ma, sa, ga, ta, hits), (mb, sb, gb, tb, _)) in enumerate(updates):
+            assert (sa, sb) == ({"prepass"}, {"correct"}), (layout, u)  # the records' strategies
             # mask/*: what the guess cost (the pre-pass measures it only for auto)
             assert set(ma) == {k for k in mb if not k.startswith("mask/")}, (layout, u, set(ma) ^ set(mb))
             for k in ma:
                 assert mb[k] == pytest.approx(ma[k], **tol), (layout, u, k, ma[k], mb[k])
             assert mb["mask/correct"] == 1.0
             frac = mb["mask/corrected_microbatch_frac"]
-            if GUESSES[u] in ("keep_all", "inverted"):
+            if GUESSES[u] == "keep_all":  # wrong in every micro-batch where the exact mask removes a token
+                assert ma["m2po/mask_frac"] > 0 and frac == pytest.approx(np.mean(hits)) and frac > 0.5, \
+                    (layout, u, ma["m2po/mask_frac"], frac, hits)
+            elif GUESSES[u] == "inverted":  # wrong on every token
                 assert ma["m2po/mask_frac"] > 0 and frac == 1.0, (layout, u, ma["m2po/mask_frac"], frac)
             elif GUESSES[u] == "exact" or u == len(GUESSES) - 1:  # a right guess, or nothing masked
                 assert mb["mask/correction_token_frac"] == 0.0, (layout, u, mb)
@@ -187,10 +221,12 @@ def _auto(rank, world_size, root):
     out = []
     for u, mini in enumerate(RolloutBatch(samples).split(4)):
         if u == 1:
-            actor._guess = lambda spec, settings, mb, delta, earlier: torch.zeros_like(mb.loss_mask, dtype=torch.bool)
+            actor.global_mask.guess = lambda spec, settings, mb, delta, earlier: torch.zeros_like(
+                mb.loss_mask, dtype=torch.bool)
+        rec = lib.Recorder(actor)
         m = actor.train_update(mini)
-        actor.__dict__.pop("_guess", None)
-        out.append((actor._last_strategy, m))
+        actor.global_mask.__dict__.pop("guess", None)
+        out.append((rec.strategy(u), m))
     actor.close()
     return out
 
@@ -224,8 +260,20 @@ def test_correct_equals_prepass_at_every_layout(tmp_path):
         _check(rank_res)
 
 
+@pytest.mark.multiproc
+def test_correct_equals_prepass_interleaved_distributed_optimizer_and_recompute(tmp_path):
+    """PP=2 x VP=2 (Megatron's interleaved schedule; corrections of one micro-batch are filled up
+    with zero-weight ones, ``mask_correction.pad_for_schedule``), the distributed optimizer at
+    DP=2, and selective recompute at TP=2 + SP."""
+    res = run_distributed(_run, 2, args=(str(tmp_path), [
+        (1, 2, {"vp": 2, "mbs": 1}), (1, 1, {"dist_opt": True}), (2, 1, {"sp": True, "recompute": "selective"})]),
+        timeout_s=480)
+    for rank_res in res:
+        _check(rank_res)
+
+
 def test_auto_takes_the_cheaper_way_and_bad_settings_are_refused():
-    from megatron_m2po.actor.mask_correction import FORWARD_SHARE, check_dropout, check_layout, choose_strategy
+    from megatron_m2po.actor.mask_correction import FORWARD_SHARE, check_dropout, choose_strategy, pad_for_schedule
     from megatron_m2po.config import load_config
 
     # auto: a pre-pass first (it measures what a correction would have cost), then whichever costs less
@@ -239,11 +287,13 @@ def test_auto_takes_the_cheaper_way_and_bad_settings_are_refused():
     with pytest.raises(ValueError, match="model.attention_dropout=0 and model.hidden_dropout=0"):
         check_dropout("correct", 0.0, 0.1)
     check_dropout("auto", 0.1, 0.1)  # auto falls back to the pre-pass instead
-    assert choose_strategy("auto", {"mask/correction_token_frac": 0.0}, recompute="none", dropout=False,
-                           interleaved=True) == "prepass"
-    with pytest.raises(ValueError, match="virtual_pipeline_parallel=2"):
-        check_layout("correct", 2)
-    check_layout("correct", None)
+    # interleaved pipelining: a correction run filled up to whole groups of PP zero-weight micro-batches
+    w = [torch.tensor([1, 0, -1], dtype=torch.int8), torch.tensor([1], dtype=torch.int8)]
+    lengths = [9, 7, 4, 30]
+    groups, weights = pad_for_schedule([[0, 1], [2]], w, 4, lengths, {0: 2, 1: 1, 2: 1})
+    assert groups == [[0, 1], [2], [2], [2]] and [x.tolist() for x in weights] == [[1, 0, -1], [1], [0], [0]]
+    assert pad_for_schedule([[0], [2]], w, 2, lengths, {0: 2, 2: 1}) == ([[0], [2]], w)
+    assert pad_for_schedule([[0]], [None], 2, lengths, {0: 2}) == ([[0], [0]], [None, None])  # not the last stage
     with pytest.raises(ValueError, match="mask_strategy='correct'.*scope='microbatch'"):
         load_config(None, ["algo.m2po.mask_strategy=correct", "algo.m2po.scope=microbatch", "algo.m2po.rule=cap"])
     with pytest.raises(ValueError, match="mask_strategy"):

@@ -70,18 +70,21 @@ def _train_with_plugin_loss(rank, world_size, root):
             s.behav_logprobs = (lp + 0.3 * np.random.default_rng(0).standard_normal(lp.shape)).astype(np.float32)
         before = {k: v.clone() for k, v in actor.iter_hf_weights()}
         calls = len(loss_plugin_example.CALLS)
+        rec = lib.Recorder(actor)
         (m,) = actor.train_step(RolloutBatch(samples), 1)
         moved = max(float((v - before[k]).abs().max()) for k, v in actor.iter_hf_weights())
-        out[scale] = (m, moved, len(loss_plugin_example.CALLS) - calls, actor._last_mask is None)
+        out[scale] = (m, moved, len(loss_plugin_example.CALLS) - calls,
+                      [r.strategy for r in rec.updates[0]])
         actor.close()
     return out
 
 
 def test_plugin_loss_trains_one_step_through_the_actor(tmp_path):
     (out,) = run_distributed(_train_with_plugin_loss, 1, args=(str(tmp_path),), timeout_s=180)
-    for scale, (m, moved, calls, no_prepass) in out.items():
+    for scale, (m, moved, calls, strategies) in out.items():
         assert calls == 2, (scale, calls)  # 4 samples, micro-batch 2: the plugin ran on both micro-batches
-        assert moved > 0 and no_prepass  # weights changed; no M2 pre-pass for a loss that needs none
+        # weights changed; no global mask (no pre-pass) for a loss that needs none, in both micro-batches
+        assert moved > 0 and strategies == [None, None], (moved, strategies)
         assert m["example/scale"] == scale and not any(k.startswith("m2po/") for k in m)
     # the loss read its own setting: same data and weights, twice the scale -> twice the loss
     assert out[2.0][0]["loss/policy"] == pytest.approx(2 * out[1.0][0]["loss/policy"], rel=1e-5)

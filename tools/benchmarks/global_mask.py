@@ -7,20 +7,21 @@ Three ways to take M2PO's mask in one optimizer update, timed side by side on th
   no pre-pass, no correction -- the cost floor;
 * (b) ``prepass``: the global mask (Algorithm 1 over the mini-batch) after a forward-only pre-pass
   (``mask_strategy=prepass``);
-* (c) ``correct``: the same global mask with the previous update's cut as provisional mask and a
+* (c) ``correct``: the same global mask with a running estimate as provisional mask and a
   forward-backward of the difference on only the changed sequences (``mask_strategy=correct``,
-  ``actor/mask_correction.py``).
+  ``actor/mask_correction.py``; what ``auto`` takes while it is the cheaper).
 
-Data: the staleness_tiny regime (``examples/staleness_tiny.yaml``: the tiny base model, synthetic
-arithmetic prompts, 16 prompts x 8 samples of at most 12 new tokens per update, packed micro-
-batches of 2048 tokens, lr 2e-4, grad clip 1, tau = 0.04), replayed at staleness ``s``: one M2PO
-trajectory trains update after update, and the mini-batch of update ``u`` carries the behaviour
-log-probs of the weights of update ``u - s`` (the base model's for ``u < s``), as
-``trainer.mode=stale_k`` hands them over. Responses are sampled once from the base model (HF
-``generate``, temperature 1); rewards are 1 for the boxed right answer, GRPO advantages per prompt.
-After ``s`` warm-up updates, each of ``--rounds`` rounds snapshots the actor (weights, Adam state,
-LR schedule, version, the previous update's metrics), times (a), restores, times (b), restores,
-times (c) and keeps (c) as the trajectory's update. Ratios are medians of the per-round ratios.
+Data: mini-batches of the staleness experiment, replayed. ``--record`` runs the M2PO arm of
+``m2po experiment staleness`` (``examples/staleness_tiny.yaml``: the tiny base model, synthetic
+arithmetic prompts on the CPU engine behind the router, 16 prompts x 8 samples per update,
+``trainer.mode=stale_k``) at each staleness ``s`` in-process, and saves the first ``--rounds``
+mini-batches the actor trains after its ``s`` warm-up updates -- as the trainer hands them over
+(global plan and samples with their behaviour log-probs from the weights of ``s`` updates
+before), each with the actor's weights at that update -- to ``--fixture`` (``s<S>_r<R>.pt``).
+Without ``--record`` the levels missing from the fixture are recorded first (one subprocess
+each). The replay loads each update's weights, then times (a), (b) and (c) from the same state
+(weights, fresh Adam, LR schedule) in interleaved order; ratios are medians of the per-update
+ratios to (a). Config overrides apply to the replay only (the mini-batches are the experiment's).
 
     python tools/benchmarks/global_mask.py                    # s = 0, 8, 32
     python tools/benchmarks/global_mask.py --staleness 0,4,16,32 --rounds 8
@@ -34,52 +35,55 @@ from __future__ import annotations
 import argparse
 import copy
 import os
-import random
+import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
 
+HERE = os.path.dirname(os.path.abspath(__file__))
 
-def _sample_minibatches(hf_dir: str, n: int, args, seed: int):
-    """``n`` mini-batches of ``Sample`` (versions 0, behaviour log-probs filled in later)."""
+
+def _fixture_path(args, s: int) -> str:
+    return os.path.join(os.path.expanduser(args.fixture), f"s{s}_r{args.rounds}.pt")
+
+
+def _record(args, s: int) -> None:
+    """Run the staleness experiment's M2PO arm at staleness ``s`` just long enough and save the
+    mini-batches of updates ``s .. s + rounds - 1`` with the weights each was trained from."""
     import torch
-    import transformers as tr
 
-    from megatron_m2po.actor.batch import Sample
-    from megatron_m2po.algo.advantages import grpo_advantages
-    from megatron_m2po.data.synthetic import SyntheticTask
-    from megatron_m2po.data.templates import render_prompt, tokenize_prompts
+    from megatron_m2po.config import load_config
+    from megatron_m2po.trainer.loop import Trainer
 
-    tok = tr.AutoTokenizer.from_pretrained(hf_dir)
-    model = tr.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
-    rows = SyntheticTask().generate(n * args.prompts, seed=seed)
-    torch.manual_seed(seed)
-    eos = tok.eos_token_id
-    out = []
-    for b in range(n):
-        part = rows[b * args.prompts:(b + 1) * args.prompts]
-        prompts = tokenize_prompts([render_prompt(r["problem"], "synthetic", tok) for r in part], "synthetic", tok)
-        samples, rewards, groups = [], [], []
-        for j, (row, ids) in enumerate(zip(part, prompts)):
-            x = torch.tensor([ids] * args.per_prompt)
-            with torch.no_grad():
-                gen = model.generate(x, attention_mask=torch.ones_like(x), do_sample=True, temperature=1.0, top_k=0,
-                                     top_p=1.0, max_new_tokens=args.max_new_tokens, eos_token_id=eos,
-                                     pad_token_id=tok.pad_token_id)
-            for k in range(args.per_prompt):
-                resp = gen[k, len(ids):].tolist()
-                if eos in resp:
-                    resp = resp[:resp.index(eos) + 1]
-                text = tok.decode(resp, skip_special_tokens=True)
-                rewards.append(float(f"\\boxed{{{row['answer']}}}" in text))
-                groups.append(j)
-                samples.append((ids, resp))
-        adv = grpo_advantages(np.asarray(rewards), groups)
-        out.append([Sample(uid=f"b{b}s{i}", prompt_ids=p, response_ids=r, behav_logprobs=np.zeros(len(r), np.float32),
-                           advantages=np.float32(a), loss_mask=np.ones(len(r), np.uint8), versions=np.zeros(len(r)))
-                    for i, ((p, r), a) in enumerate(zip(samples, adv))])
-    return out
+    base = load_config(args.config)
+    per_step = base.trainer.num_updates_per_step
+    steps = -(-(s + args.rounds) // per_step)
+    with tempfile.TemporaryDirectory() as run_dir:
+        # the overrides m2po experiment staleness gives its M2PO arm (experiment/runner.py), and a short run
+        cfg = load_config(args.config, [
+            "trainer.mode=stale_k", f"trainer.stale_k={s}", "algo.loss=m2po",
+            f"store.max_staleness={max(base.store.max_staleness, s + per_step - 1)}", f"trainer.run_dir={run_dir}",
+            "logging.progress=false", f"trainer.num_steps={steps}", "trainer.eval_every_steps=0",
+            "checkpoint.save_every_steps=0", "checkpoint.export_hf_at_end=false"])
+        trainer = Trainer(cfg)
+        actor, out = trainer.actor, []
+        train_update = actor.train_update
+
+        def recording(mini):
+            if actor.version >= s and len(out) < args.rounds:
+                out.append((copy.deepcopy(mini), [p.detach().clone() for m in actor.model for p in m.parameters()]))
+            return train_update(mini)
+
+        actor.train_update = recording
+        trainer.run()
+    if len(out) < args.rounds:
+        raise RuntimeError(f"staleness {s}: recorded {len(out)} of {args.rounds} updates")
+    path = _fixture_path(args, s)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    torch.save({"config": args.config, "staleness": s, "updates": out}, path + ".tmp")
+    os.replace(path + ".tmp", path)
 
 
 STRATEGIES = ("cap", "prepass", "correct")
@@ -94,89 +98,78 @@ def _set_strategy(actor, name: str) -> None:
 def _bench(rank, world_size, args):
     import torch
 
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests", "actor"))
+    sys.path.insert(0, os.path.join(HERE, "..", "..", "tests", "actor"))
     import actor_testlib as lib  # snapshot / restore of the actor's training state
 
     from megatron_m2po.actor.actor import ActorConfig, MegatronActor
-    from megatron_m2po.actor.batch import RolloutBatch
     from megatron_m2po.config import load_config
-    from megatron_m2po.utils.hf_dir import resolve_model_path
 
     torch.set_num_threads(args.threads)
     cfg = load_config(args.config, args.overrides)
-    hf_dir = resolve_model_path(cfg.model)
-    levels = sorted(args.staleness)
-    pool = _sample_minibatches(hf_dir, max(levels) + args.rounds, args, seed=args.seed)
     results = {}
-    for s in levels:
+    for s in sorted(args.staleness):
+        fixture = torch.load(_fixture_path(args, s), weights_only=False)
         actor = MegatronActor.from_config(ActorConfig.from_config(cfg, total_updates=1000))
-        minis = copy.deepcopy(pool[:s + args.rounds])
-
-        def set_behav(i):
-            for smp, lp in zip(minis[i], actor.compute_logprobs(RolloutBatch(minis[i]))):
-                smp.behav_logprobs = lp.astype(np.float32)
-
-        for i in range(min(s + 1, len(minis))):  # the first s + 1 updates train on base-model rollouts
-            set_behav(i)
         times = {k: [] for k in STRATEGIES}
-        metrics = []
-        for u in range(len(minis)):
-            if u > 0 and u + s < len(minis) and s > 0:
-                set_behav(u + s)  # sampled from the weights before update u, trained at update u + s
-            if s == 0 and u > 0:
-                set_behav(u)
-            batch = RolloutBatch(minis[u])
-            if u < s:  # warm-up along the exact trajectory, untimed
-                _set_strategy(actor, "correct")
-                actor.train_update(batch)
-                continue
+        metrics, tokens, n_mb = [], [], []
+        for mini, weights in fixture["updates"]:
+            with torch.no_grad():
+                for p, w in zip((p for m in actor.model for p in m.parameters()), weights):
+                    p.copy_(w)
             snap = lib.snapshot(actor)
             for name in STRATEGIES:
-                if name != STRATEGIES[0]:
-                    lib.restore(actor, snap)
+                lib.restore(actor, snap)
                 _set_strategy(actor, name)
                 t0 = time.process_time()  # CPU time of this process: other load moves it least
-                m = actor.train_update(batch)
+                m = actor.train_update(mini)
                 times[name].append(time.process_time() - t0)
-            metrics.append(m)  # the kept update is (c)'s
-        tokens = float(np.mean([sum(x.length for x in mb) for mb in minis[s:]]))
-        results["micro_batches"] = float(np.mean([len(actor._microbatches(mb, list(range(len(mb))))) for mb in minis]))
+                if name == "correct":
+                    metrics.append(m)
+            tokens.append(float(mini.plan.lengths.sum()))
+            n_mb.append(len(actor._microbatches(mini.samples, actor.shards(mini.plan)[0], mini.plan)))
         actor.close()
-        results[s] = (times, metrics, tokens)
+        results[s] = (times, metrics, float(np.mean(tokens)), float(np.mean(n_mb)))
     return results
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default="examples/staleness_tiny.yaml")
-    ap.add_argument("overrides", nargs="*", help="config overrides, e.g. parallel.max_tokens_per_microbatch=256")
+    ap.add_argument("overrides", nargs="*", help="config overrides of the replay, e.g. "
+                    "parallel.max_tokens_per_microbatch=256")
     ap.add_argument("--staleness", type=lambda v: [int(x) for x in v.split(",")], default=[0, 8, 32])
-    ap.add_argument("--rounds", type=int, default=6, help="timed updates per staleness level")
-    ap.add_argument("--prompts", type=int, default=16, help="prompts per update (staleness_tiny: 16)")
-    ap.add_argument("--per-prompt", type=int, default=8, help="samples per prompt (staleness_tiny: 8)")
-    ap.add_argument("--max-new-tokens", type=int, default=12)
+    ap.add_argument("--rounds", type=int, default=6, help="recorded (and timed) updates per staleness level")
+    ap.add_argument("--fixture", default="~/.cache/megatron_m2po/global_mask_fixture",
+                    help="directory of the recorded mini-batches")
+    ap.add_argument("--record", type=int, default=None, metavar="S", help="only record staleness S, then exit")
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--seed", type=int, default=1234)
     args = ap.parse_args()
-    random.seed(args.seed)
+    if args.record is not None:
+        _record(args, args.record)
+        return
+    for s in args.staleness:
+        if not os.path.isfile(_fixture_path(args, s)):
+            print(f"# recording staleness {s} (the experiment's M2PO arm, {args.config}) ...", flush=True)
+            subprocess.run([sys.executable, os.path.abspath(__file__), "--config", args.config, "--rounds",
+                            str(args.rounds), "--fixture", args.fixture, "--record", str(s)], check=True)
     from megatron_m2po.standins.dist_testing import run_distributed
 
     (res,) = run_distributed(_bench, 1, args=(args,), timeout_s=7200)
-    print(f"# tiny actor, {args.config} {' '.join(args.overrides)}: {args.prompts} x {args.per_prompt} "
-          f"trajectories per update, {res['micro_batches']:.1f} micro-batches per update, "
-          f"{args.threads} thread(s); CPU seconds per update, median of {args.rounds} interleaved rounds; "
-          "ratios = median of per-round ratios to cap")
-    print(f"{'s':>3}{'tokens':>8}{'mask frac':>11}{'cap s':>8}{'prepass s':>11}{'correct s':>11}"
+    print(f"# tiny actor, {args.config} {' '.join(args.overrides)}: mini-batches of the staleness experiment's "
+          f"M2PO arm, {args.threads} thread(s); CPU seconds per update, median of {args.rounds} updates, each timed "
+          "(a), (b), (c) from the same state; ratios = median of per-update ratios to cap")
+    print(f"{'s':>3}{'tokens':>8}{'mb/upd':>8}{'mask frac':>11}{'cap s':>8}{'prepass s':>11}{'correct s':>11}"
           f"{'prepass/cap':>13}{'new/cap':>9}{'corr. mb':>10}{'corr. seq':>11}{'corr. tok':>11}")
     last = None
-    for s, (times, metrics, tokens) in sorted((k, v) for k, v in res.items() if k != "micro_batches"):
+    for s, (times, metrics, tokens, n_mb) in sorted(res.items()):
         med = {k: float(np.median(v)) for k, v in times.items()}
         pre = float(np.median([b / a for a, b in zip(times["cap"], times["prepass"])]))
         new = float(np.median([c / a for a, c in zip(times["cap"], times["correct"])]))
         mean = lambda k: float(np.mean([m.get(k, 0.0) for m in metrics]))  # noqa: E731
-        print(f"{s:>3}{tokens:>8.0f}{mean('m2po/mask_frac'):>10.3%}{med['cap']:>8.3f}{med['prepass']:>11.3f}"
-              f"{med['correct']:>11.3f}{pre:>13.2f}{new:>9.2f}{mean('mask/corrected_microbatch_frac'):>10.1%}"
-              f"{mean('mask/corrected_sequence_frac'):>11.2%}{mean('mask/correction_token_frac'):>11.2%}")
+        print(f"{s:>3}{tokens:>8.0f}{n_mb:>8.1f}{mean('m2po/mask_frac'):>10.3%}{med['cap']:>8.3f}"
+              f"{med['prepass']:>11.3f}{med['correct']:>11.3f}{pre:>13.2f}{new:>9.2f}"
+              f"{mean('mask/corrected_microbatch_frac'):>10.1%}{mean('mask/corrected_sequence_frac'):>11.2%}"
+              f"{mean('mask/correction_token_frac'):>11.2%}")
         last = (new, pre)
     print("# corr. mb: micro-batches holding a token whose keep changed; corr. seq / tok: sequences and tokens "
           "(prefixes up to the last changed token) the correction re-ran")

@@ -1,0 +1,212 @@
+"""The actor's global-mask steps and the per-micro-batch record of what an update's loss used.
+
+:class:`TokenRecord` is the observer API of a training update: when ``MegatronActor.token_hook``
+is set, the actor calls it with one record per training micro-batch (last pipeline stage, every
+tensor-parallel rank, this rank's data-parallel shard), carrying the mask the loss *finally* used
+-- with ``mask_strategy=correct`` the exact global mask, after the correction, never the
+provisional one. The token dump (``trainer/token_dump.py``) and the tests read updates through it.
+
+:class:`GlobalMask` runs the steps of docs/design.md §3 that take M2PO's global mask for one
+update (``algo.m2po.mask_strategy``): which strategy (``choose``), the forward-only pre-pass
+(``prepass``), or the provisional guess per micro-batch (``guess``) followed by the exact
+selection and the correction forward-backward (``correct``, ``actor/mask_correction.py`` says why it
+is exact). It uses the actor's schedules and process groups; the layout-free parts live in
+``actor/mask_correction.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_m2po.actor.batch import BatchPlan, MicroBatch, group_microbatches, make_microbatches
+
+__all__ = ["TokenRecord", "GlobalMask"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TokenRecord:
+    """One training micro-batch of an update, as its loss used it (detached tensors on the actor's device).
+
+    Attributes:
+        update: the actor's weight version the update trained from (``actor.version`` before it).
+        strategy: how the update took its global mask: ``"prepass"``, ``"correct"``
+            (``algo.m2po.mask_strategy``; ``auto`` records the one it chose), or None when the loss
+            takes no global mask (another loss, or M2PO with ``scope=microbatch``).
+        mb: the micro-batch; its ``token_index`` (canonical index of each response token in the
+            mini-batch), ``behav_logprobs``, ``advantages`` and ``loss_mask`` align with the tensors below.
+        logp, entropy: float [T] log-probs and entropies at the update's weights.
+        keep: bool [T] the mask the loss used (exact; per micro-batch for ``scope=microbatch``), or
+            None when the loss takes none.
+    """
+
+    update: int
+    strategy: Optional[str]
+    mb: MicroBatch
+    logp: torch.Tensor
+    entropy: torch.Tensor
+    keep: Optional[torch.Tensor]
+
+
+class GlobalMask:
+    """The global-mask steps of one actor's updates. Collective where the actor's passes are:
+    every rank of the job calls the same methods in the same order."""
+
+    def __init__(self, actor) -> None:
+        self.actor = actor
+
+    def choose(self, spec, settings) -> Optional[str]:
+        """How this update takes the global mask: None (the loss takes none), "prepass" or
+        "correct" (``algo.m2po.mask_strategy``; ``mask_correction.choose_strategy``). The same on
+        every rank (a function of config and the previous update's reduced metrics)."""
+        from megatron_m2po.actor.mask_correction import choose_strategy
+
+        if not spec.needs_global_mask_prepass(settings):
+            return None
+        configured = getattr(settings, "mask_strategy", "prepass")
+        if spec.provisional_keep is None:
+            if configured == "correct":
+                raise ValueError(f"mask_strategy='correct' needs a loss whose objective is linear in the mask "
+                                 f"(a LossSpec with provisional_keep); loss {spec.name!r} has none: use prepass")
+            return "prepass"
+        a = self.actor
+        m = a.cfg.model
+        return choose_strategy(configured, a._mask_hint, recompute=a.cfg.parallel.recompute,
+                               dropout=m.attention_dropout > 0 or m.hidden_dropout > 0)
+
+    def prepass(self, mbs: list[MicroBatch], spec, settings, plan: BatchPlan, records: list[dict], *,
+                measure: bool = False) -> tuple[list[Optional[torch.Tensor]], dict]:
+        """Forward-only pre-pass at the current weights and the loss's global token mask.
+
+        Runs on the last stage's DP x CP group (it spans last-stage ranks only). Returns one keep
+        tensor per micro-batch and the mask's metrics, which are already global (not reduced
+        again). With ``measure`` (``mask_strategy=auto``), also records what the correction
+        strategy would have recomputed (``mask/*``, from the same log-ratios), which ``auto`` reads.
+        """
+        a = self.actor
+        outs = a._forward_logprobs(mbs, with_entropy=False)
+        if not a.is_last_stage:
+            return [None] * len(mbs), {}
+        c = a.cfg.algo.logratio_clamp
+        deltas = [(o["logp"] - mb.behav_logprobs.to(o["logp"].dtype)).clamp(-c, c) for o, mb in zip(outs, mbs)]
+        keeps, metrics = self.select(mbs, deltas, spec, settings)
+        if measure and spec.provisional_keep is not None:
+            seen: list[dict] = []
+            for d, mb in zip(deltas, mbs):
+                seen.append({"mb": mb, "delta": d, "guess": self.guess(spec, settings, mb, d, seen)})
+            self.stats(mbs, [p["guess"] for p in seen], keeps, plan, records, strategy="prepass")
+        return keeps, metrics
+
+    def guess(self, spec, settings, mb: MicroBatch, delta: torch.Tensor, earlier: list[dict]) -> torch.Tensor:
+        """The provisional keep mask of ``mb`` (the spec's ``provisional_keep``) from its clamped
+        log-ratios and those of this rank's ``earlier`` micro-batches of the update."""
+        seen = [(p["delta"], p["mb"].advantages, p["mb"].loss_mask, p["mb"].token_index) for p in earlier]
+        return spec.provisional_keep(delta, mb.advantages, mb.loss_mask, order_key=mb.token_index, seen=seen,
+                                     settings=settings)
+
+    def select(self, mbs: list[MicroBatch], deltas: list[torch.Tensor], spec, settings
+               ) -> tuple[list[torch.Tensor], dict]:
+        """The spec's ``token_mask`` over the whole mini-batch from the clamped log-ratios of this
+        rank's micro-batches (last stage; global over its DP x CP group, canonical token order)."""
+        a = self.actor
+        order = torch.cat([mb.token_index for mb in mbs])
+        keep, metrics = spec.token_mask(
+            torch.cat(deltas), torch.cat([mb.advantages for mb in mbs]), torch.cat([mb.loss_mask for mb in mbs]),
+            order_key=order, group=a.dp_group if a.dp_size > 1 else None, settings=settings)
+        return list(torch.split(keep, [mb.num_tokens for mb in mbs])), {k: float(m.value) for k, m in metrics.items()}
+
+    def stats(self, mbs: list[MicroBatch], guess: list[torch.Tensor], keeps: list[torch.Tensor], plan: BatchPlan,
+              records: list[dict], *, strategy: str) -> dict[int, torch.Tensor]:
+        """Per-sample differences ``keep - guess`` and their cost as metric records (this rank's
+        share, reduced with the others): ``mask/correction_token_frac`` (tokens a correction re-runs /
+        tokens of the update, what ``auto`` compares with a pre-pass), ``mask/corrected_sequence_frac``,
+        ``mask/corrected_microbatch_frac`` (micro-batches holding a changed token), ``mask/correct``
+        (1 when this update used the correction strategy, 0 for a measuring pre-pass)."""
+        from megatron_m2po.actor.mask_correction import changed_lengths, diff_by_sample
+        from megatron_m2po.algo.metrics import Metric
+
+        diffs = diff_by_sample(mbs, guess, keeps)
+        cut = changed_lengths(diffs)
+        tokens = float(sum(int(plan.lengths[i]) for mb in mbs for i in mb.sample_index))
+        n_seq = float(sum(len(mb.sample_index) for mb in mbs))
+        redo = float(sum(int(plan.lengths[i]) - int(plan.response_lengths[i]) + r for i, r in cut.items()))
+        hit = float(sum(any(i in diffs for i in mb.sample_index) for mb in mbs))
+        records.append({"mask/correction_token_frac": Metric(redo / max(tokens, 1.0), "mean", tokens),
+                        "mask/corrected_sequence_frac": Metric(len(cut) / max(n_seq, 1.0), "mean", n_seq),
+                        "mask/corrected_microbatch_frac": Metric(hit / max(len(mbs), 1), "mean", float(len(mbs))),
+                        "mask/correct": Metric(float(strategy == "correct"), "max")})
+        return diffs
+
+    def correct(self, mbs: list[MicroBatch], provisional: list[dict], plan: BatchPlan, samples, mine: list[int],
+                spec, settings, denom: float, records: list[dict]) -> dict:
+        """Steps 2-3 of actor/mask_correction.py after the provisional forward-backward: the exact
+        global mask from the recorded log-ratios (last stage), the deferred token records with it,
+        and one forward-backward of ``keep - guess`` over the changed sequences, cut after their
+        last changed token. Every stage of the replica learns those cuts by one broadcast over the
+        pipeline group. Returns the mask's (global) metrics."""
+        from megatron_m2po.actor.mask_correction import changed_lengths, pad_for_schedule, truncate
+        from megatron_m2po.parallel.devices import collective_device
+
+        a = self.actor
+        metrics: dict = {}
+        diffs: dict[int, torch.Tensor] = {}
+        if a.is_last_stage:
+            keeps, metrics = self.select(mbs, [p["delta"] for p in provisional], spec, settings)
+            diffs = self.stats(mbs, [p["guess"] for p in provisional], keeps, plan, records, strategy="correct")
+            if a.token_hook is not None:  # deferred from the provisional pass: the record holds the exact mask
+                for mb, p, k in zip(mbs, provisional, keeps):
+                    a.token_hook(TokenRecord(a.version, "correct", mb, p["logp"], p["entropy"], k))
+        cut = changed_lengths(diffs)
+        if a.pp_size > 1:  # the cuts of this replica's shard, to every stage (0 = unchanged)
+            t = torch.tensor([cut.get(i, 0) for i in mine], dtype=torch.int64, device=collective_device(a.pp_group))
+            dist.broadcast(t, src=a.last_stage_rank, group=a.pp_group)
+            cut = {i: int(r) for i, r in zip(mine, t.tolist()) if r > 0}
+        if not cut:
+            return metrics
+        p = a.cfg.parallel
+        pad = p.tensor_parallel if p.sequence_parallel else 1
+        short = {i: truncate(samples[i], r) for i, r in cut.items()}
+        lengths = plan.lengths.tolist()
+        for i, sm in short.items():
+            lengths[i] = sm.length
+        groups = group_microbatches(lengths, [i for i in mine if i in cut], micro_batch_size=p.micro_batch_size,
+                                    max_tokens=p.max_tokens_per_microbatch, packing=p.packing, pad_multiple=pad)
+        # (diffs: last stage only; other stages never compute a loss)
+        weights = [torch.cat([diffs[i][:cut[i]] for i in g]) if diffs else None for g in groups]
+        groups, weights = pad_for_schedule(groups, weights, a.pp_size if len(a.model) > 1 else 1, lengths,
+                                           cut)
+        fix = a._to_device(make_microbatches(short, groups, pad_multiple=pad, packing=p.packing,
+                                             response_lengths=plan.response_lengths))
+        it = iter([None if w is None else w.to(a.device) for w in weights])
+        a._run(fix, lambda mb, model, hidden: self.correction_loss(
+            mb, model, hidden, next(it), spec=spec, denom=denom, records=records), forward_only=False)
+        return metrics
+
+    def correction_loss(self, mb: MicroBatch, model, hidden: torch.Tensor, weight: Optional[torch.Tensor], *,
+                        spec, denom: float, records: list[dict]):
+        """Megatron loss function of a correction micro-batch: the loss of ``keep - guess``, i.e. the
+        loss with the tokens the exact mask adds minus the loss with those it removes (the objective
+        is linear in keep; entropy and every other term do not depend on the mask and are already in
+        the provisional pass). Its value goes to ``loss/policy`` and ``loss/total`` (sums). A
+        zero ``weight`` (a filler micro-batch) adds exactly 0 to every gradient."""
+        from megatron_m2po.algo.losses import compute_policy_loss, tis_weights
+        from megatron_m2po.algo.metrics import Metric
+
+        a = self.actor
+        algo = a.cfg.algo
+        logp, _ = a._token_logprobs(mb, model, hidden, with_entropy=False)
+        behav, adv = mb.behav_logprobs.to(logp.dtype), mb.advantages.to(logp.dtype)
+        tis = None
+        if algo.tis and mb.engine_logprobs is not None:
+            tis = tis_weights(behav, mb.engine_logprobs.to(logp.dtype), algo.tis_cap)
+        loss = None
+        for sign, keep in ((1.0, weight > 0), (-1.0, weight < 0)):
+            part, _ = compute_policy_loss(spec.name, logp, behav, adv, mb.loss_mask, denominator=denom, algo_cfg=algo,
+                                          keep=keep, seq_index=mb.seq_index, tis_weight=tis)
+            loss = sign * part if loss is None else loss + sign * part
+        value = float(loss.detach())
+        records.append({"loss/policy": Metric(value, "sum"), "loss/total": Metric(value, "sum")})
+        return loss, torch.tensor(mb.num_tokens, dtype=torch.int), None
