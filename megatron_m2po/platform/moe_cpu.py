@@ -24,6 +24,15 @@ after the collective audit, so that the audit still checks every call made here.
    raises ``NameError`` at the first routed token. The name is bound to ``None``, which selects
    that function's own ``torch.mm`` branch (the router logits in ``moe_router_dtype``). On GPUs TE
    is installed and its GEMM runs.
+3. **Device-to-host moves of the dispatcher's split sizes.** ``MoEAlltoAllTokenDispatcher``
+   moves its token counts off the GPU with ``moe_utils.maybe_move_tensor_to_cpu(t,
+   as_numpy=True)`` (``_maybe_dtoh_and_synchronize``), which acts only ``if tensor.is_cuda``: on a
+   GPU the all-to-all then gets numpy split sizes; on the CPU platform ``is_cuda`` is False, the
+   counts stay tensors, and ``all_to_all_single`` refuses tensor split sizes (``TypeError:
+   incompatible function arguments``). The function is replaced (in ``moe_utils`` and in
+   ``token_dispatcher``, which imported it by name) by one that treats every tensor that would
+   live on the GPU in production (not host-born, ``platform/collective_audit.py``) as
+   ``is_cuda``: the same values, as numpy when asked, as on a GPU.
 """
 
 from __future__ import annotations
@@ -31,7 +40,10 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+import torch
 import torch.distributed as dist
+
+from megatron_m2po.platform import collective_audit
 
 __all__ = ["install"]
 
@@ -68,8 +80,18 @@ class _Done:
         return True
 
 
+def _maybe_move_tensor_to_cpu(tensor, as_numpy: bool = False, record_stream: bool = False):
+    """``moe_utils.maybe_move_tensor_to_cpu`` with "on the accelerator" as the platform tracks it."""
+    if torch.is_tensor(tensor) and not collective_audit.is_host_born(tensor):
+        tensor = tensor.detach().to("cpu", copy=True)
+        collective_audit.track(torch.Tensor.cpu, (), {}, tensor)  # host memory now, as after a D2H copy
+        if as_numpy:
+            tensor = tensor.numpy()
+    return tensor
+
+
 def install() -> None:
-    """Install both changes (idempotent); called by ``platform.cpu.enable``."""
+    """Install the three changes (idempotent); called by ``platform.cpu.enable``."""
     global _INSTALLED
     if _INSTALLED:
         return
@@ -79,6 +101,11 @@ def install() -> None:
         from megatron.core.transformer.moe import moe_utils
     except ImportError:  # megatron not installed: nothing of its MoE layer to fix
         moe_utils = None
-    if moe_utils is not None and not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
+    if moe_utils is not None:
+        from megatron.core.transformer.moe import token_dispatcher
+
+        if not hasattr(moe_utils, "te_general_gemm"):
+            moe_utils.te_general_gemm = None
+        moe_utils.maybe_move_tensor_to_cpu = _maybe_move_tensor_to_cpu
+        token_dispatcher.maybe_move_tensor_to_cpu = _maybe_move_tensor_to_cpu
     _INSTALLED = True
