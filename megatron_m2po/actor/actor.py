@@ -310,6 +310,10 @@ class MegatronActor:
         lengths = plan.lengths.tolist() if plan is not None else [s.length for s in samples]
         groups = group_microbatches(lengths, indices, micro_batch_size=p.micro_batch_size,
                                     max_tokens=p.max_tokens_per_microbatch, packing=p.packing, pad_multiple=pad)
+        if p.expert_parallel > 1:  # MoE all-to-alls: the same micro-batch count on every data-parallel rank
+            from megatron_m2po.actor.moe_plan import same_microbatch_count
+
+            groups = same_microbatch_count(groups, lengths, len(indices), self.dp_group, self.device)
         if self.pp_size > 1:
             # Every stage of a replica computes the same plan from the same data; the schedule
             # deadlocks if they ever disagree, so check it (one tiny collective per pass).
@@ -515,7 +519,8 @@ class MegatronActor:
         m = self.cfg.model
         return choose_strategy(configured, self._mask_hint, recompute=self.cfg.parallel.recompute,
                                dropout=m.attention_dropout > 0 or m.hidden_dropout > 0,
-                               interleaved=self.cfg.parallel.virtual_pipeline_parallel is not None)
+                               interleaved=self.cfg.parallel.virtual_pipeline_parallel is not None
+                               or self.cfg.parallel.expert_parallel > 1)  # EP: corrections run on some ranks only
 
     def _mask_prepass(self, mbs: list[MicroBatch], spec, settings, plan: BatchPlan, records: list[dict], *,
                       measure: bool = False) -> tuple[list[Optional[torch.Tensor]], dict]:

@@ -62,3 +62,70 @@ def test_moe_logprobs_match_hf(tmp_path, world_size, layouts):
         for layout, err in rank_res:
             print(f"EP, TP, PP = {layout}: max |logp - HF| = {err:.2e}")
             assert err < 1e-5, (layout, err)
+
+
+def _train_layouts(rank, world_size, root, layouts):
+    """One update pair per ``(ep, tp, pp, options)`` on the tiny MoE; what test_actor's dense
+    layout-invariance test records (log-probs, entropies, M2 mask, metrics, norm gradients,
+    weights after the step), plus the gradients of the router and expert weights of layer 0."""
+    from test_actor import _gathered_mask, _norm_grads, _stale_batch
+
+    from megatron_m2po.actor.actor import ActorConfig, MegatronActor
+    from megatron_m2po.actor.batch import group_microbatches
+
+    d = _moe_dir(root, seed=4)
+    res = []
+    for ep, tp, pp, o in layouts:
+        cfg = _moe_config(d, ep, tp, pp, mbs=o.get("mbs", 2))
+        cfg.parallel.max_tokens_per_microbatch = o.get("max_tokens")
+        cfg.algo.m2po.threshold = 0.02
+        actor = MegatronActor.from_config(ActorConfig.from_config(cfg, total_updates=100))
+        batch = _stale_batch(actor, lib.make_samples(8, seed=5), noise=0.5)
+        logps, ents = actor.compute_logprobs(batch, with_entropy=True)
+        sub = batch.samples[:4]  # the first mini-batch: the micro-batch counts each shard plans
+        planned = len(group_microbatches([s.length for s in sub], actor._shards(sub)[actor.dp_rank],
+                                         micro_batch_size=cfg.parallel.micro_batch_size,
+                                         max_tokens=cfg.parallel.max_tokens_per_microbatch, packing=False))
+        counts = [None] * world_size
+        torch.distributed.all_gather_object(counts, planned)
+        metrics = actor.train_step(batch, num_minibatches=2)
+        mask = _gathered_mask(actor)
+        grads = _norm_grads(actor)
+        weights = {k: v.numpy().copy() for k, v in actor.iter_hf_weights()}
+        actor.close()
+        res.append(((ep, tp, pp, tuple(sorted(o.items()))), (logps, ents), metrics, mask, grads, weights, counts))
+    return res
+
+
+def test_moe_train_step_layout_invariance_under_expert_parallelism(tmp_path):
+    """Same data and initial weights: identical log-probs, entropies, M2 mask, metrics, gradients
+    of the replicated norm weights and weights after two updates (router and every expert
+    included) at (EP, TP, PP) = (1,1,1) and (2,1,1) (DP=2; each rank holds 2 of the 4 experts),
+    and at EP=2 with token-budget micro-batches, where the two data-parallel shards plan different
+    micro-batch counts that the expert all-to-alls need equal."""
+    (single,) = run_distributed(_train_layouts, 1, args=(str(tmp_path), [(1, 1, 1, {})]), timeout_s=240)
+    double = run_distributed(_train_layouts, 2, args=(str(tmp_path), [
+        (2, 1, 1, {}), (2, 1, 1, {"mbs": 1, "max_tokens": 20})]), timeout_s=420, pg_timeout_s=90)[0]
+    (_, (lp0, ent0), m0, mask0, g0, w0, _), *others = single + double
+    assert len(set(double[1][6])) > 1, double[1][6]  # the shards do plan different micro-batch counts
+    assert len(m0) == 2 and m0[0]["m2po/mask_frac"] > 0, m0
+    (g0,) = g0
+    assert any("pre_mlp_layernorm" in k for k in g0), sorted(g0)
+    assert any(".mlp.experts.3.down_proj" in k for k in w0) and any(".mlp.gate." in k for k in w0), sorted(w0)
+    for layout, (lp, ent), m, mask, grads, w, _ in others:
+        for a, b in zip(lp, lp0):
+            np.testing.assert_allclose(a, b, rtol=0, atol=1e-5, err_msg=str(layout))
+        for a, b in zip(ent, ent0):
+            np.testing.assert_allclose(a, b, rtol=0, atol=1e-5, err_msg=str(layout))
+        assert mask == mask0, layout
+        for u in range(2):
+            for key in ("m2po/mask_frac", "m2po/m2_before", "m2po/m2_after", "loss/policy", "policy/kl_k3",
+                        "policy/entropy", "optim/grad_norm"):
+                assert m[u][key] == pytest.approx(m0[u][key], rel=1e-5, abs=1e-7), (layout, u, key)
+        for g in grads:
+            assert set(g) == set(g0), layout
+            for name in g:
+                np.testing.assert_allclose(g[name], g0[name], rtol=1e-4, atol=1e-6, err_msg=f"{layout} {name}")
+        assert set(w) == set(w0), layout
+        for name in w0:
+            np.testing.assert_allclose(w[name], w0[name], rtol=0, atol=5e-5, err_msg=f"{layout} {name}")
