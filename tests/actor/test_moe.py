@@ -129,3 +129,84 @@ def test_moe_train_step_layout_invariance_under_expert_parallelism(tmp_path):
         assert set(w) == set(w0), layout
         for name in w0:
             np.testing.assert_allclose(w[name], w0[name], rtol=0, atol=5e-5, err_msg=f"{layout} {name}")
+
+
+def _uneven_all_gather(rank, world_size):
+    from megatron_m2po.platform import cpu
+
+    cpu.enable()
+    x = torch.arange(3 * (rank + 1), dtype=torch.float32).reshape(rank + 1, 3).cuda() + 100 * rank
+    outs = [torch.empty(r + 1, 3).cuda() for r in range(world_size)]
+    torch.distributed.all_gather(outs, x)
+    equal = [torch.empty(2).cuda() for _ in range(world_size)]
+    torch.distributed.all_gather(equal, torch.full((2,), float(rank)).cuda())
+    return [o.tolist() for o in outs], [e.tolist() for e in equal]
+
+
+def test_uneven_all_gather_on_the_cpu_platform():
+    """Megatron's ``_gather_along_first_dim(output_split_sizes=...)`` (the alltoall dispatcher under
+    expert TP) all-gathers tensors of different lengths: NCCL takes it, gloo refuses it; the CPU
+    platform (``platform/moe_cpu.py``) gives every rank each rank's rows, and equal sizes still
+    go straight to gloo."""
+    res = run_distributed(_uneven_all_gather, 2)
+    expect = [[[0.0, 1.0, 2.0]], [[100.0, 101.0, 102.0], [103.0, 104.0, 105.0]]]
+    for outs, equal in res:
+        assert outs == expect
+        assert equal == [[0.0, 0.0], [1.0, 1.0]]
+
+
+class _FakeBridge:
+    def __init__(self, hf):
+        self.hf_config = hf
+        self.extra = None
+
+    def set_extra_args(self, **kw):
+        self.extra = kw
+
+    @property
+    def config(self):
+        return self.extra
+
+
+def test_expert_layout_checks():
+    """Config and model-build checks name the offending values: EP x TP without sequence
+    parallelism, mask_strategy=correct under EP, experts or MoE width not divisible by EP / ETP,
+    EP on a dense model; the router settings reach Megatron's flags (RL defaults: no aux / z loss,
+    no token dropping, fp32 router)."""
+    import types
+
+    from megatron_m2po.actor import model as M
+    from megatron_m2po.config import Config, ConfigError
+
+    cfg = Config()
+    cfg.parallel.expert_parallel, cfg.parallel.tensor_parallel = 2, 2
+    with pytest.raises(ConfigError, match="expert_parallel=2 with parallel.tensor_parallel=2 needs parallel.sequence"):
+        cfg.validate()
+    cfg = Config()
+    cfg.parallel.expert_parallel, cfg.algo.m2po.mask_strategy = 2, "correct"
+    with pytest.raises(ConfigError, match="mask_strategy='correct' with parallel.expert_parallel=2"):
+        cfg.validate()
+
+    moe = types.SimpleNamespace(model_type="qwen3_moe", num_experts=4, moe_intermediate_size=32, norm_topk_prob=True)
+    cfg = Config()
+    cfg.parallel.expert_parallel = 2
+    args = M._moe_args(cfg, moe, fused=False)
+    assert args["moe_router_load_balancing_type"] == "none" and args["moe_aux_loss_coeff"] == 0.0
+    assert args["moe_z_loss_coeff"] is None and args["moe_expert_capacity_factor"] is None
+    assert args["moe_router_dtype"] == "fp32" and args["moe_router_pre_softmax"] is False
+    assert args["moe_token_dispatcher_type"] == "alltoall"
+    cfg.model.moe.aux_loss_coeff, cfg.model.moe.capacity_factor, cfg.model.moe.router_dtype = 1e-3, 1.5, "model"
+    args = M._moe_args(cfg, moe, fused=False)
+    assert args["moe_router_load_balancing_type"] == "aux_loss" and args["moe_expert_capacity_factor"] == 1.5
+    assert args["moe_router_dtype"] is None
+    cfg.parallel.expert_parallel = 3
+    with pytest.raises(ValueError, match="num_experts=4 .* not divisible by parallel.expert_parallel=3"):
+        M._moe_args(cfg, moe, fused=False)
+    cfg.parallel.expert_parallel, cfg.parallel.expert_tensor_parallel = 1, 3
+    with pytest.raises(ValueError, match="moe_intermediate_size=32 .* not divisible by the expert tensor parallel size 3"):
+        M._moe_args(cfg, moe, fused=False)
+    cfg = Config()
+    cfg.parallel.expert_parallel = 2
+    dense = types.SimpleNamespace(model_type="qwen3")
+    with pytest.raises(ValueError, match="expert_parallel=2, expert_tensor_parallel=1: the model .* has no experts"):
+        M.build_transformer_config(cfg, _FakeBridge(dense))
