@@ -210,3 +210,39 @@ def test_expert_layout_checks():
     dense = types.SimpleNamespace(model_type="qwen3")
     with pytest.raises(ValueError, match="expert_parallel=2, expert_tensor_parallel=1: the model .* has no experts"):
         M.build_transformer_config(cfg, _FakeBridge(dense))
+
+
+def _export_job(rank, world_size, root, layouts):
+    from megatron_m2po.actor.actor import ActorConfig, MegatronActor
+
+    d = _moe_dir(root, seed=7)
+    src = lib.read_safetensors_dir(d)
+    out = []
+    for ep, tp, pp in layouts:
+        actor = MegatronActor.from_config(ActorConfig.from_config(_moe_config(d, ep, tp, pp), total_updates=10))
+        layout = actor.stage_layout()
+        names = [n for n, _ in actor.iter_stage_hf_weights()]
+        exp = os.path.join(root, f"export_ep{ep}_tp{tp}_pp{pp}")
+        actor.export_hf(exp)  # every stage writes its own shards
+        torch.distributed.barrier()
+        actor.close()
+        got = lib.read_safetensors_dir(exp)
+        senders = [None] * world_size
+        torch.distributed.all_gather_object(senders, (layout.stage, layout.sender, len(names), len(set(names))))
+        out.append(((ep, tp, pp), sorted(set(src) ^ set(got)), all(torch.equal(src[k], got[k]) for k in src if k in got),
+                    senders))
+    return out
+
+
+@pytest.mark.parametrize("world_size,layouts", [(2, [(2, 1, 1)]), (4, [(2, 1, 2), (2, 2, 1)])])
+def test_moe_hf_export_from_every_stage_and_expert_rank(tmp_path, world_size, layouts):
+    """The per-stage HF export (the weight push's iterator) under expert parallelism: every
+    expert of every EP rank, merged over expert TP, under the HF checkpoint's names (which SGLang
+    0.5.23's Qwen3-MoE load_weights maps), bit-equal to the source model; one sender per stage,
+    and no tensor yielded twice."""
+    res = run_distributed(_export_job, world_size, args=(str(tmp_path), layouts), timeout_s=300)
+    for layout, diff, equal, senders in res[0]:
+        assert diff == [] and equal, (layout, diff)
+        pp = layout[2]
+        assert sorted(s for s, is_sender, _, _ in senders if is_sender) == list(range(pp)), (layout, senders)
+        assert all(n == unique and n > 0 for _, _, n, unique in senders), (layout, senders)
