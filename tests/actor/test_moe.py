@@ -246,3 +246,27 @@ def test_moe_hf_export_from_every_stage_and_expert_rank(tmp_path, world_size, la
         pp = layout[2]
         assert sorted(s for s, is_sender, _, _ in senders if is_sender) == list(range(pp)), (layout, senders)
         assert all(n == unique and n > 0 for _, _, n, unique in senders), (layout, senders)
+
+
+def test_upcycled_tiny_moe_computes_the_dense_function(tmp_path):
+    """``utils/tiny_moe.py``: a dense Qwen3 upcycled into a Qwen3-MoE (identical experts,
+    renormalised top-2 of 4) gives HF transformers the dense model's logits; with expert noise
+    the experts differ and so do the logits; the checkpoint uses per-expert HF names."""
+    import transformers as tr
+
+    from megatron_m2po.utils.tiny_moe import upcycle_to_qwen3_moe
+
+    dense = lib.make_tiny_hf("qwen3", str(tmp_path / "dense"), seed=3)
+    same = upcycle_to_qwen3_moe(dense, str(tmp_path / "moe"), num_experts=4, top_k=2, seed=1)
+    noisy = upcycle_to_qwen3_moe(dense, str(tmp_path / "moe_noisy"), expert_noise=0.05, seed=1)
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = tr.AutoModelForCausalLM.from_pretrained(dense, dtype=torch.float32).eval()(ids).logits
+        moe_model = tr.AutoModelForCausalLM.from_pretrained(same, dtype=torch.float32).eval()
+        got = moe_model(ids).logits
+        other = tr.AutoModelForCausalLM.from_pretrained(noisy, dtype=torch.float32).eval()(ids).logits
+    assert type(moe_model).__name__ == "Qwen3MoeForCausalLM"
+    assert float((got - ref).abs().max()) < 1e-5
+    assert float((other - ref).abs().max()) > 1e-3
+    names = lib.read_safetensors_dir(same)
+    assert "model.layers.1.mlp.experts.3.down_proj.weight" in names and "model.layers.0.mlp.gate.weight" in names
