@@ -36,6 +36,7 @@ from megatron_m2po.algo.loss_settings import CISPOConfig, GRPOConfig, GSPOConfig
 __all__ = [
     "ConfigError",
     "ModelConfig",
+    "MoEConfig",
     "ParallelConfig",
     "AlgoConfig",
     "OptimConfig",
@@ -80,6 +81,32 @@ def _f(default: Any = dataclasses.MISSING, *, help: str, ge: float | None = None
 
 
 @dataclass
+class MoEConfig:
+    """Router and expert settings of a Mixture-of-Experts policy (``model.moe.*``; read only for MoE
+    models such as Qwen3-MoE, ``actor/model.py``). The defaults suit RL fine-tuning of a pretrained
+    MoE: the policy gradient alone moves the router, and every token reaches the experts it chose,
+    so that the trainer computes the same function the rollout engine sampled from."""
+
+    aux_loss_coeff: float = _f(
+        0.0, ge=0.0, help="Load-balancing auxiliary loss coefficient (Megatron moe_aux_loss_coeff; 0 = off, "
+        "moe_router_load_balancing_type=none). Off for RL: the pretrained router is already balanced, and the aux "
+        "loss adds a gradient that is not the policy's, moving routing away from what generated the rollouts "
+        "(mbridge's Qwen3-MoE bridge also turns it off for RL). > 0 uses Megatron's aux_loss balancing.")
+    z_loss_coeff: float = _f(
+        0.0, ge=0.0, help="Router z-loss coefficient (Megatron moe_z_loss_coeff; 0 = off). Off for RL for the "
+        "same reason as the aux loss; a small value (1e-3) can tame growing router logits in long runs.")
+    capacity_factor: Optional[float] = _f(
+        None, gt=0.0, help="Expert capacity factor (Megatron moe_expert_capacity_factor). null (default) = no "
+        "capacity limit and no token dropping: a dropped token gets a different function in the trainer than "
+        "in the engine (SGLang never drops), which biases log-probs and the importance ratios. A value turns "
+        "dropping on (tokens over capacity skip the expert).")
+    router_dtype: Literal["float32", "float64", "model"] = _f(
+        "float32", help="Dtype of the router's logits and softmax (Megatron moe_router_dtype). float32 (default): "
+        "with bf16 weights, near-ties between experts otherwise flip with rounding, so the trainer would route "
+        "tokens to other experts than the engine; 'model' = the parameter dtype.")
+
+
+@dataclass
 class ModelConfig:
     """The policy model."""
 
@@ -91,6 +118,7 @@ class ModelConfig:
                              help="Where the tiny base model is built and cached.")
     attention_dropout: float = _f(0.0, ge=0.0, lt=1.0, help="Attention dropout (0 for RL).")
     hidden_dropout: float = _f(0.0, ge=0.0, lt=1.0, help="Hidden dropout (0 for RL).")
+    moe: MoEConfig = field(default_factory=MoEConfig)
 
 
 @dataclass
@@ -101,6 +129,16 @@ class ParallelConfig:
     pipeline_parallel: int = _f(1, ge=1, help="Pipeline parallel size.")
     context_parallel: int = _f(1, ge=1, help="Context parallel size (only 1 for now: the actor does not split "
                                "sequences across CP ranks yet).")
+    expert_parallel: int = _f(1, ge=1, help="Expert (model) parallel size, Megatron's expert_model_parallel_size: "
+                              "each MoE layer's experts are split over this many ranks of the data-parallel "
+                              "dimension (needs an MoE model; the expert count must be a multiple). world size must be "
+                              "a multiple of expert_tensor_parallel x expert_parallel x pipeline_parallel.")
+    expert_tensor_parallel: Optional[int] = _f(
+        None, ge=1, help="Tensor parallel size inside each expert, Megatron's expert_tensor_parallel_size. null "
+        "(default) = tensor_parallel, as Megatron defines it; the MoE intermediate size must be a multiple.")
+    moe_token_dispatcher: Literal["alltoall", "allgather"] = _f(
+        "alltoall", help="Megatron's MoE token dispatcher (moe_token_dispatcher_type): alltoall sends each token "
+        "to the ranks of its experts only (the choice with expert parallelism); allgather gathers all tokens.")
     virtual_pipeline_parallel: Optional[int] = _f(None, ge=1, help="Interleaved pipeline chunks per rank.")
     sequence_parallel: bool = _f(False, help="Megatron sequence parallelism (needs TP > 1; micro-batch "
                                  "lengths are padded to a multiple of TP).")
@@ -374,6 +412,17 @@ class Config:
             raise ConfigError(f"parallel.context_parallel={p.context_parallel}: context parallelism is not "
                               "implemented in the actor yet; use 1 (long sequences: parallel.recompute, "
                               "parallel.sequence_parallel with tensor_parallel > 1, fewer sequences per micro-batch)")
+        if p.expert_parallel > 1 and p.tensor_parallel > 1 and not p.sequence_parallel:
+            # Megatron's MoELayer.forward refuses to train MoE with TP > 1 without SP, and its
+            # ModelParallelConfig warns that EP x TP needs SP.
+            raise ConfigError(f"parallel.expert_parallel={p.expert_parallel} with parallel.tensor_parallel="
+                              f"{p.tensor_parallel} needs parallel.sequence_parallel=true (Megatron-Core trains MoE "
+                              "layers with tensor parallelism only under sequence parallelism)")
+        if p.expert_parallel > 1 and a.m2po.mask_strategy == "correct":
+            raise ConfigError(f"algo.m2po.mask_strategy='correct' with parallel.expert_parallel={p.expert_parallel}: "
+                              "its correction pass runs on the ranks whose mask changed only, and every rank of an "
+                              "expert-parallel group must join each MoE all-to-all; use mask_strategy=auto (which "
+                              "then takes the pre-pass) or prepass")
         if p.virtual_pipeline_parallel is not None and p.pipeline_parallel == 1:
             raise ConfigError("parallel.virtual_pipeline_parallel needs parallel.pipeline_parallel > 1")
         block = self.rollout.fp8_block_size

@@ -123,16 +123,22 @@ def init_parallel(p: ParallelConfig, seed: int) -> bool:
     if world % mp:
         raise ValueError(f"world size {world} is not a multiple of tensor_parallel x pipeline_parallel x "
                          f"context_parallel = {p.tensor_parallel} x {p.pipeline_parallel} x {p.context_parallel}")
+    etp = p.expert_tensor_parallel or p.tensor_parallel  # Megatron's default: ETP = TP
+    if world % (etp * p.expert_parallel * p.pipeline_parallel):
+        raise ValueError(f"world size {world} is not a multiple of expert_tensor_parallel x expert_parallel x "
+                         f"pipeline_parallel = {etp} x {p.expert_parallel} x {p.pipeline_parallel}")
     if not ps.model_parallel_is_initialized():
         ps.initialize_model_parallel(
             tensor_model_parallel_size=p.tensor_parallel, pipeline_model_parallel_size=p.pipeline_parallel,
             virtual_pipeline_model_parallel_size=p.virtual_pipeline_parallel,
-            context_parallel_size=p.context_parallel,
-            distributed_timeout_minutes=max(1, int(p.timeout_s // 60)))
-    elif (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()) != \
-            (p.tensor_parallel, p.pipeline_parallel):
+            context_parallel_size=p.context_parallel, expert_model_parallel_size=p.expert_parallel,
+            expert_tensor_parallel_size=etp, distributed_timeout_minutes=max(1, int(p.timeout_s // 60)))
+    elif (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
+          ps.get_expert_model_parallel_world_size(), ps.get_expert_tensor_parallel_world_size()) != \
+            (p.tensor_parallel, p.pipeline_parallel, p.expert_parallel, etp):
         raise ValueError("Megatron parallel state is already initialised with a different layout than "
-                         f"parallel.tensor_parallel={p.tensor_parallel}, pipeline_parallel={p.pipeline_parallel}")
+                         f"parallel.tensor_parallel={p.tensor_parallel}, pipeline_parallel={p.pipeline_parallel}, "
+                         f"expert_parallel={p.expert_parallel}, expert_tensor_parallel={etp}")
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     return created
 
@@ -303,6 +309,10 @@ class MegatronActor:
         lengths = plan.lengths.tolist() if plan is not None else [s.length for s in samples]
         groups = group_microbatches(lengths, indices, micro_batch_size=p.micro_batch_size,
                                     max_tokens=p.max_tokens_per_microbatch, packing=p.packing, pad_multiple=pad)
+        if p.expert_parallel > 1:  # MoE all-to-alls: the same micro-batch count on every data-parallel rank
+            from megatron_m2po.actor.moe_plan import same_microbatch_count
+
+            groups = same_microbatch_count(groups, lengths, len(indices), self.dp_group, self.device)
         if self.pp_size > 1:
             # Every stage of a replica computes the same plan from the same data; the schedule
             # deadlocks if they ever disagree, so check it (one tiny collective per pass).

@@ -73,6 +73,8 @@ class GlobalMask:
                                  f"(a LossSpec with provisional_keep); loss {spec.name!r} has none: use prepass")
             return "prepass"
         a = self.actor
+        if a.cfg.parallel.expert_parallel > 1:  # a correction runs on some data-parallel ranks only, and
+            return "prepass"                     # every MoE forward is an all-to-all over all of them
         m = a.cfg.model
         return choose_strategy(configured, a._mask_hint, recompute=a.cfg.parallel.recompute,
                                dropout=m.attention_dropout > 0 or m.hidden_dropout > 0)

@@ -11,7 +11,16 @@ who sends.
 
 A tied output weight lives on the first stage (``model.embed_tokens.weight``); the last stage's
 copy of it (``output_layer.weight`` when ``share_embeddings_and_output_weights``) is not exported.
-Expert parallelism (EP > 1) is not supported here: expert shards span data-parallel ranks.
+MoE experts (``mlp.experts.linear_fc1.weight{i}``, :mod:`megatron_m2po.actor.experts` / TE's
+``TEGroupedMLP``) are gathered as mbridge's exporter gathers them: over the expert-parallel group
+(every EP rank's local experts, renumbered ``ep_rank * local + i``), then over the expert
+tensor-parallel group, and named as the HF checkpoint names them
+(``model.layers.{l}.mlp.experts.{e}.gate_proj / up_proj / down_proj.weight``), which is what
+SGLang 0.5.23's ``Qwen3MoeForCausalLM.load_weights`` maps onto its fused experts
+(``srt/models/qwen3_moe.py``, ``FusedMoE.make_expert_params_mapping``: ``experts.{e}.gate_proj.``
+-> ``experts.w13_`` shard w1, ``up_proj`` -> w3, ``down_proj`` -> ``experts.w2_``). Expert-parallel
+groups span data-parallel ranks, so with EP > 1 every rank iterates (the expert gathers need each
+EP rank) and data-parallel rank 0's tensor-parallel rank 0 of each stage sends.
 """
 
 from __future__ import annotations
@@ -37,11 +46,10 @@ class StageLayout:
 def stage_layout() -> StageLayout:
     from megatron.core import parallel_state as ps
 
-    if ps.get_expert_model_parallel_world_size() > 1:
-        raise NotImplementedError("weight push from every stage with expert parallelism > 1")
-    exports = ps.get_data_parallel_rank(with_context_parallel=True) == 0
+    first = ps.get_data_parallel_rank(with_context_parallel=True) == 0
+    exports = first or ps.get_expert_model_parallel_world_size() > 1
     return StageLayout(ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size(),
-                       exports, exports and ps.get_tensor_model_parallel_rank() == 0)
+                       exports, first and ps.get_tensor_model_parallel_rank() == 0)
 
 
 def _unwrap(module):
@@ -72,6 +80,9 @@ def iter_stage_hf_weights(chunks, bridge) -> Iterator[tuple[str, torch.Tensor]]:
             if tied_copy and local == "output_layer.weight":
                 continue  # the first stage exports the tied embedding
             name = local_to_global[local]
+            if ".mlp.experts.linear_fc" in name:
+                yield from _expert_hf_weights(bridge, name, param, seen)
+                continue
             # Grad mode is thread-global: switched off around each step, never across a yield.
             with torch.no_grad():
                 if getattr(param, "tensor_model_parallel", False) and tp_size > 1:
@@ -86,6 +97,49 @@ def iter_stage_hf_weights(chunks, bridge) -> Iterator[tuple[str, torch.Tensor]]:
                     continue
                 seen.add(hf_name)
                 yield hf_name, t.detach()
+
+
+def _expert_hf_weights(bridge, name: str, param, seen: set) -> Iterator[tuple[str, torch.Tensor]]:
+    """HF tensors of local expert ``name`` (``...linear_fc{1,2}.weight{i}``) of every EP rank, each
+    merged over the expert tensor-parallel group. Collective over the EP and expert-TP groups."""
+    from megatron.core import parallel_state as ps
+
+    ep, etp = ps.get_expert_model_parallel_world_size(), ps.get_expert_tensor_parallel_world_size()
+    prefix, local_id = name.split(".weight")
+    n_local = bridge.config.num_moe_experts // ep
+    with torch.no_grad():
+        if ep > 1:
+            per_ep = [torch.empty_like(param) for _ in range(ep)]
+            torch.distributed.all_gather(per_ep, param.contiguous(), group=ps.get_expert_model_parallel_group())
+        else:
+            per_ep = [param]
+    for r, shard in enumerate(per_ep):
+        global_name = f"{prefix}.weight{r * n_local + int(local_id)}"
+        with torch.no_grad():
+            if etp > 1:
+                parts = [torch.empty_like(shard) for _ in range(etp)]
+                torch.distributed.all_gather(parts, shard.contiguous(), group=ps.get_expert_tensor_parallel_group())
+                full = _merge_expert_tp(global_name, parts, bridge.config.gated_linear_unit)
+            else:
+                full = shard
+            hf_names, hf_params = bridge._weight_to_hf_format(global_name, full)
+        for hf_name, t in zip(hf_names, hf_params):
+            if hf_name not in seen:
+                seen.add(hf_name)
+                yield hf_name, t.detach()
+
+
+def _merge_expert_tp(name: str, parts: list[torch.Tensor], gated: bool) -> torch.Tensor:
+    """Expert-TP shards -> the whole expert weight: fc1 rows are ``[gate_r; up_r]`` per rank (as
+    mbridge's ``_weight_split_across_tp`` loads them), fc2 is split along its input columns.
+    (mbridge's ``_weight_merge_across_tp`` does the same but returns the first shard when the
+    dense TP size is 1, which an ETP > TP layout needs.)"""
+    if "linear_fc1" in name and not gated:
+        return torch.cat(parts, dim=0)
+    if "linear_fc1" in name:
+        gates, ups = zip(*(p.chunk(2) for p in parts))
+        return torch.cat([*gates, *ups], dim=0)
+    return torch.cat(parts, dim=1)
 
 
 def export_hf_stages(chunks, bridge, out_dir: str, *, tokenizer_src: Optional[str] = None,

@@ -1,11 +1,13 @@
 """Build Megatron-Core GPT models from local Hugging Face directories (through mbridge).
 
-Supported families: Qwen2 / Qwen2.5 (``qwen2``), Qwen3 (``qwen3``, qk-norm) and Llama 3
-(``llama``). mbridge supplies the HF -> Megatron name mapping, QKV / gate-up fusion and TP
+Supported families: Qwen2 / Qwen2.5 (``qwen2``), Qwen3 (``qwen3``, qk-norm), Llama 3
+(``llama``) and Qwen3-MoE (``qwen3_moe``: Megatron's MoE layer, expert and expert-tensor parallel,
+router settings from ``model.moe``). mbridge supplies the HF -> Megatron name mapping, QKV / gate-up fusion and TP
 splitting; this module adds what it lacks:
 
 * the layer spec: Transformer Engine when it is importable (GPU), Megatron's local spec
-  otherwise. The local spec keeps the two pre-norms as separate modules
+  otherwise (MoE: the local spec's experts are :class:`~megatron_m2po.actor.experts.LocalGroupedMLP`,
+  named and sharded as ``TEGroupedMLP`` so that mbridge's expert mapping applies). The local spec keeps the two pre-norms as separate modules
   (``input_layernorm`` / ``pre_mlp_layernorm``) instead of TE's fused
   ``linear_qkv.layer_norm_weight`` / ``linear_fc1.layer_norm_weight``, so two name mappings are
   added for it;
@@ -35,6 +37,8 @@ from megatron_m2po.config import Config
 
 __all__ = [
     "SUPPORTED_MODEL_TYPES",
+    "MOE_MODEL_TYPES",
+    "is_moe",
     "HIDDEN_STATES_OUTPUT",
     "have_transformer_engine",
     "load_hf_config",
@@ -47,7 +51,9 @@ __all__ = [
     "TOKENIZER_FILES",
 ]
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "qwen3_moe")
+MOE_MODEL_TYPES = ("qwen3_moe",)
+_ROUTER_DTYPES = {"float32": "fp32", "float64": "fp64", "model": None}
 HIDDEN_STATES_OUTPUT = "hidden_states"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
                    "merges.txt", "tokenizer.model", "generation_config.json", "chat_template.jinja",
@@ -73,10 +79,26 @@ def load_hf_config(hf_path: str):
     rope = getattr(hf_config, "rope_parameters", None) or {}
     if getattr(hf_config, "rope_theta", None) is None and "rope_theta" in rope:
         hf_config.rope_theta = rope["rope_theta"]
+    if hf_config.model_type in MOE_MODEL_TYPES:
+        _check_moe_hf_config(hf_config, hf_path)
     rope_type = rope.get("rope_type", "default")
     if rope_type not in ("default", "llama3"):
         raise ValueError(f"rope_type={rope_type!r} of {hf_path} is not supported (default, llama3)")
     return hf_config
+
+
+def _check_moe_hf_config(hf_config, hf_path: str) -> None:
+    """What mbridge's Qwen3-MoE bridge builds: every layer MoE (``decoder_sparse_step=1``, no
+    ``mlp_only_layers``), no shared experts."""
+    dense = list(getattr(hf_config, "mlp_only_layers", None) or [])
+    step = int(getattr(hf_config, "decoder_sparse_step", 1) or 1)
+    if dense or step != 1:
+        raise ValueError(f"{hf_path}: mlp_only_layers={dense}, decoder_sparse_step={step}: only models whose "
+                         "every layer is MoE are supported (mbridge's qwen3_moe bridge builds no dense layers)")
+
+
+def is_moe(hf_config) -> bool:
+    return hf_config.model_type in MOE_MODEL_TYPES
 
 
 def _bridge_class(base: type) -> type:
@@ -149,8 +171,48 @@ def build_transformer_config(cfg: Config, bridge=None):
         extra.update(recompute_granularity="selective")
     elif p.recompute == "full":
         extra.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    hf = bridge.hf_config
+    etp = p.expert_tensor_parallel or p.tensor_parallel
+    if is_moe(hf):
+        extra.update(_moe_args(cfg, hf, fused))
+    elif p.expert_parallel > 1 or etp != p.tensor_parallel:
+        raise ValueError(f"parallel.expert_parallel={p.expert_parallel}, expert_tensor_parallel={etp}: the model "
+                         f"{cfg.model.hf_path} ({hf.model_type}) has no experts; use 1 and leave "
+                         "expert_tensor_parallel unset")
     bridge.set_extra_args(**extra)
     return bridge.config
+
+
+def _moe_args(cfg: Config, hf, fused: bool) -> dict:
+    """Megatron MoE flags from ``model.moe`` and the parallel layout, after checking the layout fits
+    the model (expert count over EP, MoE intermediate size over ETP, SP under TP)."""
+    p, moe = cfg.parallel, cfg.model.moe
+    etp = p.expert_tensor_parallel or p.tensor_parallel
+    if hf.num_experts % p.expert_parallel:
+        raise ValueError(f"num_experts={hf.num_experts} of {cfg.model.hf_path} is not divisible by "
+                         f"parallel.expert_parallel={p.expert_parallel}; choose a divisor")
+    if hf.moe_intermediate_size % etp:
+        raise ValueError(f"moe_intermediate_size={hf.moe_intermediate_size} of {cfg.model.hf_path} is not divisible "
+                         f"by the expert tensor parallel size {etp} (parallel.expert_tensor_parallel, default "
+                         "tensor_parallel); choose a divisor")
+    if p.tensor_parallel > 1 and not p.sequence_parallel:
+        # MoELayer.forward raises in training otherwise (megatron/core/transformer/moe/moe_layer.py)
+        raise ValueError(f"MoE model {cfg.model.hf_path} with parallel.tensor_parallel={p.tensor_parallel} needs "
+                         "parallel.sequence_parallel=true (Megatron-Core trains MoE layers under TP only with SP)")
+    return dict(
+        moe_token_dispatcher_type=p.moe_token_dispatcher,
+        moe_router_load_balancing_type="aux_loss" if moe.aux_loss_coeff > 0 else "none",
+        moe_aux_loss_coeff=moe.aux_loss_coeff,
+        moe_z_loss_coeff=moe.z_loss_coeff or None,
+        moe_expert_capacity_factor=moe.capacity_factor,
+        moe_router_dtype=_ROUTER_DTYPES[moe.router_dtype],
+        # Qwen3-MoE: softmax over all experts, top-k, renormalised when norm_topk_prob (HF
+        # Qwen3MoeSparseMoeBlock) = Megatron's top-k of the logits then softmax (pre_softmax=False);
+        # without renormalisation it is softmax first (pre_softmax=True).
+        moe_router_pre_softmax=not bool(getattr(hf, "norm_topk_prob", True)),
+        moe_grouped_gemm=fused,  # TEGroupedMLP on GPU; the local spec's experts are set in _layer_spec
+        moe_permute_fusion=False,
+    )
 
 
 def _layer_spec(config, vp_stage=None):
@@ -163,6 +225,9 @@ def _layer_spec(config, vp_stage=None):
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
     if have_transformer_engine():
+        if config.num_moe_experts:
+            # what mbridge's LLMBridge._get_transformer_layer_spec builds: TE layers with TEGroupedMLP experts
+            return specs.get_gpt_decoder_block_spec(config, use_transformer_engine=True, vp_stage=vp_stage)
         return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
@@ -171,7 +236,14 @@ def _layer_spec(config, vp_stage=None):
 
     install_thd_rope()  # packed RoPE in one gather, as TE's fused THD kernel (actor/attention.py)
 
-    layer = specs.get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization=config.normalization)
+    layer = specs.get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False,
+                                           qk_layernorm=config.qk_layernorm, normalization=config.normalization)
+    if config.num_moe_experts:
+        from megatron.core.transformer.spec_utils import ModuleSpec
+
+        from megatron_m2po.actor.experts import LocalGroupedMLP
+
+        layer.submodules.mlp.submodules.experts = ModuleSpec(module=LocalGroupedMLP)
     layer.submodules.input_layernorm = SequenceParallelTorchNorm
     layer.submodules.pre_mlp_layernorm = SequenceParallelTorchNorm
     attn = layer.submodules.self_attention.submodules

@@ -62,7 +62,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from megatron_m2po.standins import collective_audit
+from megatron_m2po.standins import collective_audit, moe_cpu
 
 __all__ = ["enable", "is_enabled"]
 
@@ -217,6 +217,7 @@ def enable() -> None:
 
     # 8. collectives refuse host tensors on groups that are NCCL in production
     collective_audit.install()
+    moe_cpu.install()  # 9. what Megatron's MoE layer needs that gloo / a TE-less install lack (standins/moe_cpu.py)
 
     # 7. the same rewriting inside custom autograd Functions' backward
     from torch.autograd import function as autograd_function

@@ -6,12 +6,13 @@ import os
 
 import torch
 
-KINDS = ("qwen2", "qwen3", "llama")
+KINDS = ("qwen2", "qwen3", "llama", "qwen3_moe")
 
 
 def make_tiny_hf(kind: str, out_dir: str, *, seed: int = 0, tie: bool = False, vocab: int = 128,
                  layers: int = 2) -> str:
-    """Save a ``layers``-layer, hidden-64, GQA (4 heads / 2 kv heads) random model of ``kind`` in ``out_dir``."""
+    """Save a ``layers``-layer, hidden-64, GQA (4 heads / 2 kv heads) random model of ``kind`` in ``out_dir``
+    (``qwen3_moe``: 4 experts, top-2, expert intermediate size 32)."""
     import transformers as tr
 
     if os.path.isfile(os.path.join(out_dir, "config.json")):
@@ -25,6 +26,10 @@ def make_tiny_hf(kind: str, out_dir: str, *, seed: int = 0, tie: bool = False, v
         cfg, cls = tr.Qwen3Config(head_dim=16, **common), tr.Qwen3ForCausalLM
     elif kind == "llama":
         cfg, cls = tr.LlamaConfig(**common), tr.LlamaForCausalLM
+    elif kind == "qwen3_moe":  # every layer MoE: 4 experts of intermediate 32, top-2, renormalised
+        cfg = tr.Qwen3MoeConfig(head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], **common)
+        cls = tr.Qwen3MoeForCausalLM
     else:
         raise ValueError(kind)
     torch.manual_seed(seed)
