@@ -57,6 +57,7 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
+from megatron_m2po.config import AgenticConfig
 from megatron_m2po.rollout.group_ids import trajectory_uid
 from megatron_m2po.rollout.producer import ProducerContext, _sample, request_seed
 from megatron_m2po.store.types import Group, Trajectory
@@ -136,8 +137,11 @@ class EpisodeSettings:
     format: str = "auto"
 
     @classmethod
-    def from_config(cls, cfg: Any) -> "EpisodeSettings":
-        return cls(**{k: getattr(cfg, k) for k in cls.__dataclass_fields__})
+    def from_config(cls, cfg: AgenticConfig) -> "EpisodeSettings":
+        return cls(max_turns=cfg.max_turns, max_episode_tokens=cfg.max_episode_tokens,
+                   max_context_tokens=cfg.max_context_tokens, step_timeout_s=cfg.step_timeout_s,
+                   episode_timeout_s=cfg.episode_timeout_s, reset_timeout_s=cfg.reset_timeout_s,
+                   timeout_reward=cfg.timeout_reward, format=cfg.format)
 
 
 def load_environment(spec: str, env_args: Optional[dict] = None) -> Callable[[], Environment]:
@@ -337,7 +341,7 @@ def _turn_versions(out: Any, floor: int) -> list[int]:
     return [int(floor)] * n
 
 
-def make_episode_producer(cfg: Any) -> Callable:
+def make_episode_producer(cfg: AgenticConfig) -> Callable:
     """The ``rollout.producer=agentic`` producer for ``cfg`` (a ``rollout.agentic`` section)."""
     make_env = load_environment(cfg.env, cfg.env_args)
     settings = EpisodeSettings.from_config(cfg)

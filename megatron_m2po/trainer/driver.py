@@ -29,7 +29,7 @@ import threading
 from pathlib import Path
 from typing import Any, Optional
 
-from megatron_m2po.config import Config
+from megatron_m2po.config import Config, RolloutConfig
 from megatron_m2po.data.dataset import build_eval_sets, build_prompt_dataset
 from megatron_m2po.rewards import get_reward_fn
 from megatron_m2po.rollout.client import SGLangClient
@@ -237,7 +237,7 @@ class RolloutDriver:
                 log.warning("shutdown: %s failed: %s", getattr(closer, "__qualname__", closer), e)
 
 
-def build_producer(rollout: Any) -> Any:
+def build_producer(rollout: RolloutConfig) -> Any:
     """The producer ``rollout.producer`` names: ``agentic`` (multi-turn episodes with
     ``rollout.agentic.env``, rollout/episodes.py) or a ``module:function``."""
     if rollout.producer == "agentic":
