@@ -40,6 +40,7 @@ __all__ = [
     "ParallelConfig",
     "AlgoConfig",
     "OptimConfig",
+    "AgenticConfig",
     "RolloutConfig",
     "StoreConfig",
     "DataConfig",
@@ -204,6 +205,39 @@ class OptimConfig:
 
 
 @dataclass
+class AgenticConfig:
+    """Multi-turn episodes (``rollout.producer=agentic``; megatron_m2po/rollout/episodes.py, docs/agentic.md).
+
+    Each sample is one episode: the model's turns are generated through the engines (the whole
+    conversation so far sent as input_ids, so the engine's prefix cache reuses it), the
+    environment's observations are appended with loss_mask 0, and the whole episode is stored
+    as one trajectory.
+    """
+
+    env: str = _f("", help="Environment class or factory, 'package.module:Name', called as Name(**env_args) once per "
+                  "episode; it implements megatron_m2po.rollout.episodes.Environment (async reset / step / close).")
+    env_args: dict[str, Any] = _f(factory=dict, help="Keyword arguments of the environment factory.")
+    format: Literal["auto", "chat", "raw"] = _f(
+        "auto", help="How turns become tokens: 'chat' renders the first prompt and every observation with the "
+        "tokenizer's own chat template (apply_chat_template with the environment's tools); 'raw' uses the dataset's "
+        "prompt and the observation text as is; 'auto' = chat when the tokenizer has a chat template, else raw.")
+    max_turns: int = _f(4, ge=1, help="Model turns per episode; an episode still running after them ends "
+                        "(finish_reason 'length', metrics rollout/episode_end/max_turns).")
+    max_episode_tokens: int = _f(4096, ge=1, help="Response tokens per episode (model turns + observations); a turn "
+                                 "gets at most what is left (and at most rollout.max_new_tokens).")
+    max_context_tokens: int = _f(32768, ge=2, help="Prompt + response tokens an episode may reach (the engine's "
+                                 "context length); the episode ends when the next turn would not fit.")
+    step_timeout_s: float = _f(60.0, gt=0, help="Timeout of one environment step (a tool call); on expiry the step "
+                               "is cancelled, the environment closed (its processes killed) and the episode ends "
+                               "with timeout_reward.")
+    episode_timeout_s: float = _f(3600.0, gt=0, help="Wall-clock limit of a whole episode (generation and steps); "
+                                  "on expiry the episode ends with timeout_reward, keeping the tokens so far.")
+    reset_timeout_s: float = _f(60.0, gt=0, help="Timeout of the environment's reset (an expired reset is an error).")
+    timeout_reward: float = _f(0.0, help="Reward of an episode that hit step_timeout_s or episode_timeout_s "
+                               "(counted: rollout/episode_end/step_timeout, .../episode_timeout).")
+
+
+@dataclass
 class RolloutConfig:
     """Rollout engines and sampling."""
 
@@ -244,7 +278,9 @@ class RolloutConfig:
     weight_sync_bucket_mb: float = _f(512.0, gt=0, help="Bucket size of the distributed weight broadcast.")
     weight_sync_timeout_s: float = _f(300.0, gt=0, help="Timeout of a weight update (a dead engine cannot hang training).")
     producer: str = _f("megatron_m2po.rollout.producer:default_producer",
-                       help="Rollout producer, 'module:function' (slime-style custom rollout functions allowed).")
+                       help="Rollout producer, 'module:function' (slime-style custom rollout functions allowed), or "
+                            "'agentic': multi-turn episodes with the environment of rollout.agentic.")
+    agentic: AgenticConfig = field(default_factory=AgenticConfig)
     fp8_weights: bool = _f(False, help="Serve FP8: engines start from a block-FP8 export of the base model and every push "
                            "exports block FP8 (SGLang 0.5.23 hot-reloads only block FP8; rollout/fp8.py). Pair with "
                            "algo.recompute_behav_logprobs=true and algo.tis=true.")
@@ -437,6 +473,13 @@ class Config:
         if t.mode == "async" and a.recompute_behav_logprobs:
             raise ConfigError("algo.recompute_behav_logprobs=true needs trainer.mode=sync or stale_k: in async mode the "
                               "trainer's weights are not the ones that generated the data")
+        ag = self.rollout.agentic
+        if self.rollout.producer == "agentic" and ":" not in ag.env:
+            raise ConfigError(f"rollout.producer=agentic needs rollout.agentic.env='package.module:Name' (got "
+                              f"rollout.agentic.env={ag.env!r}); see docs/agentic.md")
+        if ag.env and self.rollout.producer != "agentic":
+            raise ConfigError(f"rollout.agentic.env={ag.env!r} is only used with rollout.producer=agentic (got "
+                              f"rollout.producer={self.rollout.producer!r})")
         rw = self.reward
         if rw.fn.strip() == "http" and not rw.url.startswith(("http://", "https://")):
             raise ConfigError(f"reward.fn=http needs reward.url=http://host:port/path of the reward server (got "

@@ -81,7 +81,8 @@ class GenerateOutput:
     distribution it was sampled from (SGLang convention); ``finish_reason`` is SGLang's dict
     (``type`` in stop / length / abort); ``weight_version`` is the engine's version string when
     the request finished; ``token_weight_versions`` gives the version per token, expanded from
-    SGLang 0.5.23's ``meta_info["weight_versions"]`` spans (None when the engine sends no spans).
+    SGLang 0.5.23's ``meta_info["weight_versions"]`` spans (None when the engine sends no spans);
+    ``cached_tokens`` is ``meta_info["cached_tokens"]``: prompt tokens served by the prefix cache.
     """
 
     output_ids: list[int]
@@ -92,6 +93,7 @@ class GenerateOutput:
     rid: str = ""
     prompt_tokens: int = 0
     token_weight_versions: Optional[list[str]] = None
+    cached_tokens: int = 0  # prompt tokens the engine's prefix cache supplied (meta_info.cached_tokens)
 
     @property
     def finish_type(self) -> str:
@@ -121,6 +123,7 @@ class GenerateOutput:
                    finish_reason=meta.get("finish_reason") or {}, weight_version=str(meta.get("weight_version")),
                    text=d.get("text", ""), rid=str(meta.get("id", "")),
                    prompt_tokens=int(meta.get("prompt_tokens", 0)),
+                   cached_tokens=int(meta.get("cached_tokens") or 0),
                    token_weight_versions=expand_weight_version_spans(meta.get("weight_versions"),
                                                                      len(ids or [])))
 

@@ -17,9 +17,12 @@ What it follows from SGLang (page size 1):
   else invalidates an entry: a weight update that does not flush leaves the KV the old weights
   computed in the tree, and later requests sharing the prefix reuse it, as in SGLang.
 
-Departures: outputs of finished requests are not inserted (SGLang's ``cache_finished_req`` does;
-only multi-turn prompts that extend an earlier output would notice), and the budget is in bytes of
-KV rather than a fraction of GPU memory.
+- A finished request's prompt and output (all but the last sampled token, whose KV was never
+  computed) are inserted when it finishes (``mem_cache/common.py`` ``release_kv_cache`` with
+  ``checkpoint``), so a multi-turn request that re-sends the conversation so far finds the previous
+  turn cached (``cpu_worker.py`` ``_cache_finished``); aborted requests are not kept.
+
+Departure: the budget is in bytes of KV rather than a fraction of GPU memory.
 """
 
 from __future__ import annotations

@@ -331,10 +331,29 @@ class Engine:
             self.prefilling = []
         finished = [i for i, s in enumerate(self.batch.seqs) if s.finish is not None]
         if finished:
+            self._cache_finished(finished)
             done = [self.batch.seqs[i] for i in finished]
             self.batch.keep([i for i in range(len(self.batch)) if self.batch.seqs[i].finish is None])
             for s in done:
                 self._resolve(s)
+
+    def _cache_finished(self, rows: list[int]) -> None:
+        """Keep the KV of finished requests in the prefix cache: SGLang 0.5.23 releases a finished
+        request's KV into the radix tree (``mem_cache/common.py`` ``release_kv_cache(...,
+        checkpoint=True)`` -> ``tree_cache.checkpoint(req, up_to=owned_kv_len)``): its prompt and
+        every output token whose KV was computed (all but the last sampled one), so a multi-turn
+        request that extends the conversation finds it cached. Aborted requests are not kept."""
+        b = self.batch
+        for i in rows:
+            s = b.seqs[i]
+            if str((s.finish or {}).get("type")) == "abort" or not s.output:
+                continue
+            ctx = s.prompt + s.output[:-1]
+            cols = torch.nonzero(b.mask[i], as_tuple=False)[:, 0]
+            if cols.numel() != len(ctx):  # the row's KV does not cover exactly this context
+                continue
+            self.prefix_cache.insert(ctx, [(k[i][:, cols], v[i][:, cols]) for k, v in b.kv], 0)
+        self.prefix_cache.evict()
 
     def _retract_all(self) -> None:
         """pause_generation(mode="retract") (scheduler.py pause_generation): running requests go

@@ -11,6 +11,7 @@ import numpy as np
 
 from megatron_m2po.actor.batch import RolloutBatch, Sample
 from megatron_m2po.algo.advantages import grpo_advantages
+from megatron_m2po.rollout.episodes import END_REASONS
 from megatron_m2po.store.types import Group, Trajectory
 
 
@@ -69,4 +70,21 @@ def rollout_metrics(groups: list[Group], *, correct_reward: float) -> dict[str, 
         "rollout/groups_all_correct": float(solved_all),
         "rollout/groups_all_wrong": float(solved_none),
         "rollout/num_trajectories": float(len(trajs)),
+        **episode_metrics(trajs),
     }
+
+
+def episode_metrics(trajs: list[Trajectory]) -> dict[str, float]:
+    """Multi-turn episodes (``metadata["episode"]``, rollout/episodes.py): turns, how episodes ended
+    (a count per reason: timeouts are never silent), environment time, prefix-cache reuse."""
+    eps = [t.metadata.get("episode") for t in trajs if isinstance(t.metadata.get("episode"), dict)]
+    if not eps:
+        return {}
+    sent = sum(int(e.get("sent_tokens", 0)) for e in eps)
+    out = {"rollout/episode_turns": float(np.mean([e.get("turns", 0) for e in eps])),
+           "rollout/episode_env_s": float(np.mean([e.get("env_s", 0.0) for e in eps])),
+           "rollout/episode_wall_s": float(np.mean([e.get("wall_s", 0.0) for e in eps])),
+           "rollout/episode_cached_frac": float(sum(int(e.get("cached_tokens", 0)) for e in eps) / max(sent, 1))}
+    for reason in END_REASONS:
+        out[f"rollout/episode_end/{reason}"] = float(sum(e.get("end") == reason for e in eps))
+    return out

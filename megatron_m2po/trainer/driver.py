@@ -29,12 +29,13 @@ import threading
 from pathlib import Path
 from typing import Any, Optional
 
-from megatron_m2po.config import Config
+from megatron_m2po.config import Config, RolloutConfig
 from megatron_m2po.data.dataset import build_eval_sets, build_prompt_dataset
 from megatron_m2po.rewards import get_reward_fn
 from megatron_m2po.rollout.client import SGLangClient
 from megatron_m2po.rollout.engines import EngineFleet
 from megatron_m2po.rollout.placement import cuda_count, node_gpus, placement
+from megatron_m2po.rollout.episodes import make_episode_producer
 from megatron_m2po.rollout.producer import load_producer
 from megatron_m2po.rollout.weight_sync import export_fp8_dir
 from megatron_m2po.store.store import RolloutStore
@@ -76,7 +77,7 @@ class RolloutDriver:
                                   base_model_dir=model_path, external=self.external),
                 fleet=self.fleet, store=self.store, bg=self._bg, drain=lambda: self.generator.wait_generation())
             maker = GroupMaker(cfg.rollout, seed=cfg.trainer.seed, tokenizer=tokenizer, reward=self.reward,
-                               producer=load_producer(cfg.rollout.producer), client=self.client, store=self.store,
+                               producer=build_producer(cfg.rollout), client=self.client, store=self.store,
                                engine_version=lambda: self.weights.version)
             self.generator = StepGenerator(cfg.trainer, maker=maker, dataset=self.dataset, store=self.store,
                                            bg=self._bg, stop_event=self.stop_event)
@@ -234,3 +235,11 @@ class RolloutDriver:
                 closer()
             except Exception as e:  # noqa: BLE001
                 log.warning("shutdown: %s failed: %s", getattr(closer, "__qualname__", closer), e)
+
+
+def build_producer(rollout: RolloutConfig) -> Any:
+    """The producer ``rollout.producer`` names: ``agentic`` (multi-turn episodes with
+    ``rollout.agentic.env``, rollout/episodes.py) or a ``module:function``."""
+    if rollout.producer == "agentic":
+        return make_episode_producer(rollout.agentic)
+    return load_producer(rollout.producer)

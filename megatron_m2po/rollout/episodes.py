@@ -1,0 +1,359 @@
+"""Multi-turn episodes: an environment interface and the episode loop (``rollout.producer=agentic``).
+
+An episode alternates model turns and environment steps::
+
+    prompt = env.reset(row)                 # first observation (the task)
+    repeat: turn  = engine.generate(prompt + response so far)   # loss_mask 1, behaviour log-probs, versions
+            obs, reward, done = env.step(turn text)            # observation tokens: loss_mask 0
+    until done, max_turns, max_episode_tokens, the context limit, or a timeout
+
+and is stored as ONE trajectory (docs/agentic.md): ``prompt_ids`` = the first prompt,
+``response_ids`` = every model turn and every observation after it, in order; ``loss_mask`` is 1 on
+the model's tokens and 0 on the observations; ``behav_logprobs`` are the engine's sampling log-probs
+on the model's tokens (0 on observations, never trained on); ``versions`` are the weight version of
+each model token as the engine reports it (SGLang 0.5.23 ``meta_info["weight_versions"]`` spans), so
+an episode that lived through weight pushes carries several versions; an observation token carries
+the version of the model token before it (the sequence stays non-decreasing, which the store
+checks). The reward is the sum of the rewards of the environment's steps, or ``timeout_reward``
+when a step or the episode ran out of time.
+
+Prefix cache. Every turn sends the whole conversation so far as ``input_ids``; the engine's radix
+cache (SGLang 0.5.23 ``mem_cache/radix_cache.py``; the CPU worker's
+``standins/cpu_prefix_cache.py``) finds the previous turn's prompt + output already computed and
+prefills only the new observation. The engines report it as ``meta_info.cached_tokens``, summed per
+episode into ``metadata["episode"]["cached_tokens"]`` (metric ``rollout/episode_cached_frac``). A
+weight push flushes the cache, so a turn after a push recomputes its prefix under the new weights.
+
+Chat templates. ``format=chat`` renders the first prompt with the tokenizer's own chat template
+(``apply_chat_template(messages, tools=env.tools, add_generation_prompt=True)``) and each
+observation as a ``tool`` message: the tokens the template puts between a finished assistant turn
+and the next generation prompt (rendered on a fixed two-message conversation, the prefix checked to
+be unchanged). The model's own tokens are never re-rendered: what it sampled is what is trained on.
+``format=raw`` uses the dataset's prompt and the observation text as is (tokenizers without a chat
+template, base models). A tokenizer without a chat template and ``format=chat`` is refused with
+what to set.
+
+Timeouts. Each environment step runs under ``step_timeout_s`` and the whole episode under
+``episode_timeout_s`` (both also bound a model turn: a generate cut by the episode deadline is
+aborted on the engine). On expiry the pending step is cancelled, ``env.close()`` runs (an
+environment kills its processes there; it is also called after every episode), and the episode ends
+with ``timeout_reward``, keeping the tokens so far; the ending is counted
+(``metadata["episode"]["end"]``, metrics ``rollout/episode_end/<reason>``). An episode cut before
+its first token holds one masked end-of-sequence token (a group keeps its ``n`` samples).
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import importlib
+import importlib.util
+import inspect
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+from megatron_m2po.config import AgenticConfig
+from megatron_m2po.rollout.group_ids import trajectory_uid
+from megatron_m2po.rollout.producer import ProducerContext, _sample, request_seed
+from megatron_m2po.store.types import Group, Trajectory
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Environment", "StepResult", "EpisodeSettings", "EpisodeTimeout", "load_environment",
+           "make_episode_producer", "run_episode", "END_REASONS"]
+
+# Why an episode ended (metadata["episode"]["end"]; metrics rollout/episode_end/<reason>).
+END_REASONS = ("done", "max_turns", "max_tokens", "context", "stop", "step_timeout", "episode_timeout")
+
+
+@dataclass
+class StepResult:
+    """What an environment answers to one model turn.
+
+    ``observation``: text appended after the turn (loss_mask 0; may be empty when ``done``);
+    ``reward``: this step's reward (the episode's reward is the sum); ``done``: the episode ends;
+    ``info``: JSON-serialisable details kept in the trajectory's ``metadata["episode"]["steps"]``.
+    """
+
+    observation: str = ""
+    reward: float = 0.0
+    done: bool = False
+    info: dict = field(default_factory=dict)
+
+
+class Environment(abc.ABC):
+    """One episode's environment. A new instance is made for every episode.
+
+    Contract: ``reset(row)`` returns the first user message (text, rendered by the chat template
+    with ``format=chat``) or None to use the dataset's rendered prompt as is; ``step(text)`` gets
+    the model's turn as text and returns a :class:`StepResult`; ``close()`` releases what the
+    environment holds (kills tool processes) and is called once after every episode, also after a
+    timeout cancelled a step. All three are coroutines; a step that blocks must block in
+    ``await`` (a subprocess, a socket), never in a busy loop, so that its timeout can cancel it.
+    ``tools``: OpenAI-style function schemas handed to the chat template (``apply_chat_template(...,
+    tools=...)``); ``stop``: extra stop strings of a model turn (SGLang ``sampling_params.stop``).
+    """
+
+    tools: Optional[list[dict]] = None
+    stop: Optional[list[str]] = None
+
+    @abc.abstractmethod
+    async def reset(self, row: Any) -> Optional[str]:
+        """Start an episode for ``row`` (a :class:`~megatron_m2po.data.dataset.PromptItem`)."""
+
+    @abc.abstractmethod
+    async def step(self, action: str) -> StepResult:
+        """Act on the model's turn ``action``."""
+
+    async def close(self) -> None:
+        """Release what the episode holds; the default holds nothing."""
+        return None
+
+
+class EpisodeTimeout(Exception):
+    """A step or the episode ran past its limit (internal: ends the episode with timeout_reward)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+@dataclass
+class EpisodeSettings:
+    """The episode loop's limits (``rollout.agentic``; fields as in :class:`~megatron_m2po.config.AgenticConfig`)."""
+
+    max_turns: int = 4
+    max_episode_tokens: int = 4096
+    max_context_tokens: int = 32768
+    step_timeout_s: float = 60.0
+    episode_timeout_s: float = 3600.0
+    reset_timeout_s: float = 60.0
+    timeout_reward: float = 0.0
+    format: str = "auto"
+
+    @classmethod
+    def from_config(cls, cfg: AgenticConfig) -> "EpisodeSettings":
+        return cls(max_turns=cfg.max_turns, max_episode_tokens=cfg.max_episode_tokens,
+                   max_context_tokens=cfg.max_context_tokens, step_timeout_s=cfg.step_timeout_s,
+                   episode_timeout_s=cfg.episode_timeout_s, reset_timeout_s=cfg.reset_timeout_s,
+                   timeout_reward=cfg.timeout_reward, format=cfg.format)
+
+
+def load_environment(spec: str, env_args: Optional[dict] = None) -> Callable[[], Environment]:
+    """Import ``module:Name`` (or ``path/to/file.py:Name``) and return a factory of fresh
+    environments (one is made here to check the interface)."""
+    if ":" not in spec:
+        raise ValueError(f"rollout.agentic.env={spec!r} must look like 'package.module:Name'")
+    mod_name, name = spec.rsplit(":", 1)
+    try:
+        if mod_name.endswith(".py"):  # a file (examples/agentic_tool_env.py:CalculatorEnv)
+            path = os.path.abspath(os.path.expanduser(mod_name))
+            if not os.path.isfile(path):
+                raise ImportError(f"no such file {path}")
+            mod_spec = importlib.util.spec_from_file_location(f"m2po_env_{abs(hash(path))}", path)
+            mod = importlib.util.module_from_spec(mod_spec)
+            mod_spec.loader.exec_module(mod)
+        else:
+            mod = importlib.import_module(mod_name)
+    except ImportError as e:
+        raise ValueError(f"rollout.agentic.env={spec!r}: cannot import {mod_name!r}: {e}") from e
+    factory = getattr(mod, name, None)
+    if factory is None or not callable(factory):
+        raise ValueError(f"rollout.agentic.env={spec!r}: module {mod_name!r} has no callable {name!r}")
+    args = dict(env_args or {})
+    try:
+        probe = factory(**args)
+    except TypeError as e:
+        raise ValueError(f"rollout.agentic.env={spec!r} refused rollout.agentic.env_args={args!r}: {e}") from e
+    missing = [m for m in ("reset", "step", "close") if not inspect.iscoroutinefunction(getattr(probe, m, None))]
+    if missing:
+        raise ValueError(f"rollout.agentic.env={spec!r}: {type(probe).__name__} must have async {missing} "
+                         "(megatron_m2po.rollout.episodes.Environment)")
+    return lambda: factory(**args)
+
+
+# ------------------------------------------------------------------------------------------- tokens
+class _Renderer:
+    """Turns the first prompt and observations into token ids (``raw`` or the model's chat template)."""
+
+    def __init__(self, tokenizer: Any, fmt: str, tools: Optional[list[dict]]) -> None:
+        has_template = bool(getattr(tokenizer, "chat_template", None))
+        if fmt == "auto":
+            fmt = "chat" if has_template else "raw"
+        if fmt == "chat" and not has_template:
+            raise ValueError(f"rollout.agentic.format=chat but the tokenizer ({type(tokenizer).__name__}) has no chat "
+                             "template; set rollout.agentic.format=raw (observations appended as plain text) or use "
+                             "a model whose tokenizer_config.json carries a chat_template")
+        if fmt not in ("chat", "raw"):
+            raise ValueError(f"rollout.agentic.format={fmt!r}: use 'auto', 'chat' or 'raw'")
+        self.tok, self.format, self.tools = tokenizer, fmt, tools
+
+    def _chat(self, messages: list[dict], generation_prompt: bool) -> list[int]:
+        kw = {"tools": self.tools} if self.tools else {}
+        text = self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt, **kw)
+        return list(self.tok.encode(text, add_special_tokens=False))
+
+    def prompt(self, first: Optional[str], row: Any) -> list[int]:
+        if first is None:
+            return [int(t) for t in row.prompt_ids]
+        if self.format == "raw":
+            return list(self.tok.encode(first, add_special_tokens=False))
+        return self._chat([{"role": "user", "content": first}], True)
+
+    def observation(self, text: str) -> list[int]:
+        if self.format == "raw":
+            return list(self.tok.encode(text, add_special_tokens=False)) if text else []
+        # The template's tokens between a finished assistant turn and the next generation prompt,
+        # rendered on a fixed conversation (the model's own turn is never re-rendered).
+        base = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]
+        before = self._chat(base, False)
+        after = self._chat(base + [{"role": "tool", "content": text}], True)
+        if after[:len(before)] != before:
+            raise ValueError("the chat template renders a conversation differently once a tool message follows it; "
+                             "it cannot extend an episode turn by turn: set rollout.agentic.format=raw")
+        return after[len(before):]
+
+
+# --------------------------------------------------------------------------------------------- loop
+def _remaining(deadline: float) -> float:
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise EpisodeTimeout("episode_timeout")
+    return left
+
+
+async def _bounded(coro: Any, limit: float, deadline: float, reason: str) -> Any:
+    """``await coro`` within ``limit`` s and the episode deadline; EpisodeTimeout names which ran out."""
+    left = _remaining(deadline)
+    try:
+        return await asyncio.wait_for(coro, min(limit, left))
+    except asyncio.TimeoutError:
+        raise EpisodeTimeout(reason if limit < left else "episode_timeout") from None
+
+
+async def run_episode(ctx: ProducerContext, make_env: Callable[[], Environment], row: Any, *, group: str, j: int,
+                      settings: EpisodeSettings) -> Trajectory:
+    """One episode of ``row`` as one trajectory (sample ``j`` of group ``group``)."""
+    s = settings
+    env = make_env()
+    t0 = time.monotonic()
+    deadline = t0 + s.episode_timeout_s
+    tok = ctx.tokenizer
+    eos = tok.eos_token_id if tok.eos_token_id is not None else 0
+    resp: list[int] = []
+    logps: list[float] = []
+    versions: list[int] = []
+    mask: list[int] = []
+    steps: list[dict] = []
+    reward, end, turns, cached, sent = 0.0, "max_turns", 0, 0, 0
+    tool_s = 0.0
+    prompt: list[int] = []
+    per_turn_cached: list[int] = []
+    try:
+        first = await _bounded(env.reset(row), s.reset_timeout_s, deadline, "reset_timeout")
+        render = _Renderer(tok, s.format, getattr(env, "tools", None))
+        prompt = render.prompt(first, row)
+        if not prompt:
+            raise ValueError(f"{type(env).__name__}.reset gave an empty first prompt for row {getattr(row, 'index', '?')}")
+        while turns < s.max_turns:
+            room = min(s.max_episode_tokens - len(resp), s.max_context_tokens - len(prompt) - len(resp))
+            if room <= 0:
+                end = "max_tokens" if s.max_episode_tokens - len(resp) <= 0 else "context"
+                break
+            params = dict(ctx.sampling_params_for(group, j))
+            params["max_new_tokens"] = int(min(room, params.get("max_new_tokens", room)))
+            if ctx.seed is not None:  # a distinct, reproducible seed per turn
+                params["sampling_seed"] = request_seed(ctx.seed, f"{group}/turn{turns}", j)
+            if getattr(env, "stop", None):
+                params["stop"] = list(env.stop)
+            out = await _bounded(_sample(ctx, prompt + resp, params), float("inf"), deadline, "episode_timeout")
+            turns += 1
+            sent += len(prompt) + len(resp)
+            per_turn_cached.append(int(getattr(out, "cached_tokens", 0) or 0))
+            cached += per_turn_cached[-1]
+            floor = versions[-1] if versions else ctx.version
+            resp.extend(int(t) for t in out.output_ids)
+            logps.extend(float(x) for x in out.output_logprobs)
+            versions.extend(_turn_versions(out, floor))
+            mask.extend([1] * len(out.output_ids))
+            text = tok.decode(out.output_ids, skip_special_tokens=True)
+            t_step = time.monotonic()
+            try:
+                res = await _bounded(env.step(text), s.step_timeout_s, deadline, "step_timeout")
+            finally:
+                tool_s += time.monotonic() - t_step
+            if not isinstance(res, StepResult):
+                raise TypeError(f"{type(env).__name__}.step returned {type(res).__name__}; return a StepResult")
+            reward += float(res.reward)
+            steps.append({"reward": float(res.reward), **(res.info or {})})
+            if res.done:
+                end = "done"
+                break
+            if turns >= s.max_turns:  # no model turn follows: the last observation is not kept
+                break
+            obs = render.observation(res.observation)
+            room = min(s.max_episode_tokens - len(resp), s.max_context_tokens - len(prompt) - len(resp))
+            if len(obs) > room:  # an observation that does not fit ends the episode (never truncated)
+                end = "max_tokens" if s.max_episode_tokens - len(resp) < len(obs) else "context"
+                break
+            resp.extend(obs)
+            logps.extend([0.0] * len(obs))
+            versions.extend([versions[-1] if versions else ctx.version] * len(obs))
+            mask.extend([0] * len(obs))
+    except EpisodeTimeout as e:
+        end, reward = e.reason, float(s.timeout_reward)
+        log.warning("episode %s/%d ended by %s after %d turn(s); reward %s", group, j, e.reason, turns, reward)
+        if e.reason == "reset_timeout":
+            raise RuntimeError(f"{type(env).__name__}.reset did not answer within rollout.agentic.reset_timeout_s="
+                               f"{s.reset_timeout_s}") from None
+    finally:
+        try:
+            await asyncio.wait_for(env.close(), max(s.step_timeout_s, 1.0))
+        except asyncio.TimeoutError:
+            log.warning("%s.close did not finish within %.0f s", type(env).__name__, max(s.step_timeout_s, 1.0))
+    if not resp:  # cut before its first token: one masked token keeps the group whole
+        resp, logps, versions, mask = [int(eos)], [0.0], [ctx.version], [0]
+    finish = {"done": "stop", "max_turns": "length", "max_tokens": "length", "context": "length"}.get(end, "abort")
+    meta = {"prompt_index": int(getattr(row, "index", -1)), "answer": getattr(row, "answer", None), **ctx.metadata,
+            "episode": {"turns": turns, "end": end, "env_s": round(tool_s, 4),
+                        "wall_s": round(time.monotonic() - t0, 4), "cached_tokens": cached, "sent_tokens": sent,
+                        "cached_per_turn": per_turn_cached,
+                        "format": render.format if "render" in locals() else s.format, "steps": steps}}
+    return Trajectory(uid=trajectory_uid(group, j), group_id=group, prompt_ids=np.asarray(prompt),
+                      response_ids=np.asarray(resp), behav_logprobs=np.asarray(logps, dtype=np.float32),
+                      versions=np.asarray(versions, dtype=np.int64), reward=float(reward),
+                      loss_mask=np.asarray(mask, dtype=np.uint8), finish_reason=finish, metadata=meta)
+
+
+def _turn_versions(out: Any, floor: int) -> list[int]:
+    """Per-token versions of one turn: the engine's spans; without spans, ``floor`` (the version of
+    the conversation's previous token, or the batch's submission version): the oldest the turn's
+    tokens may come from, so measured staleness is an upper bound (as rollout/producer.py does)."""
+    n = len(out.output_ids)
+    tv = out.token_weight_versions
+    if tv is not None and len(tv) == n:
+        return [int(v) for v in tv]
+    return [int(floor)] * n
+
+
+def make_episode_producer(cfg: AgenticConfig) -> Callable:
+    """The ``rollout.producer=agentic`` producer for ``cfg`` (a ``rollout.agentic`` section)."""
+    make_env = load_environment(cfg.env, cfg.env_args)
+    settings = EpisodeSettings.from_config(cfg)
+
+    async def episode_producer(ctx: ProducerContext, prompts: list) -> list[Group]:
+        """``ctx.n_samples`` concurrent episodes per prompt, one group per prompt."""
+        gids = [ctx.group_id(p) for p in range(len(prompts))]
+        jobs = [run_episode(ctx, make_env, item, group=gids[p], j=j, settings=settings)
+                for p, item in enumerate(prompts) for j in range(ctx.n_samples)]
+        trajs = await asyncio.gather(*jobs)
+        n = ctx.n_samples
+        return [Group(gids[p], list(trajs[p * n:(p + 1) * n])) for p in range(len(prompts))]
+
+    episode_producer.settings = settings  # for inspection in tests and logs
+    return episode_producer
