@@ -214,7 +214,7 @@ class RolloutConfig:
         "none", help="Dynamic sampling (DAPO): 'zero_variance' drops groups whose rewards are all equal (zero GRPO "
         "advantage: no gradient) before they reach the store's training queue, counted in rollout/filtered_groups, "
         "and generates more prompts so every step still trains on trainer.prompts_per_step groups "
-        "(docs/design.md section 3c). External producers: dropped at ingestion (acknowledged, not stored).")
+        "(docs/design.md §3a). External producers: dropped at ingestion (acknowledged, not stored).")
     filter_max_rounds: int = _f(
         8, ge=0, help="rollout.filter: a step generates its own prompts and at most this many over-sampling rounds "
         "(each at most trainer.prompts_per_step prompts) before the run stops with an error naming the step; "

@@ -13,6 +13,8 @@ server says so at start-up:
                          (by ``Content-Type``). Answers ``200 {"stored": [...],
                          "duplicates": [...], "pending": [...]}`` only after the SQLite
                          commit, so an acknowledged group is durable. Idempotent by id.
+                         With a group filter (the trainer's ``rollout.filter``) also
+                         ``"filtered": [...]``: acknowledged, never stored.
 ``GET  /v1/stats``       :meth:`RolloutStore.metrics`.
 ``GET  /v1/version``     ``{"version": v}``: the trainer's current weight version (null until set).
 ``POST /v1/version``     ``{"version": v}``: the trainer publishes its version.

@@ -231,3 +231,16 @@ def test_external_pushes_are_filtered_at_ingestion_acknowledged_and_counted(tmp_
         assert counters.take()["rollout/filtered_groups"] == len(flat)
     finally:
         server.close()
+
+
+def test_filter_settings_are_checked_at_start():
+    from megatron_m2po.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="rollout.filter=zero_variance with rollout.n_samples_per_prompt=1: a group "
+                                          "of one sample always has equal rewards"):
+        load_config(None, ["rollout.filter=zero_variance", "rollout.n_samples_per_prompt=1"])
+    with pytest.raises(ConfigError, match="rollout.filter"):
+        load_config(None, ["rollout.filter=sometimes"])
+    with pytest.raises(ConfigError, match="rollout.filter_max_rounds"):
+        load_config(None, ["rollout.filter_max_rounds=-1"])
+    assert load_config(None, ["rollout.filter=zero_variance"]).rollout.filter_max_rounds == 8
