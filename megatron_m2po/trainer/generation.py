@@ -12,6 +12,11 @@ generation overlaps training whenever the schedule allows:
 * :class:`AsyncProducerLoop` generates continuously, admitting no more unconsumed data than the
   trainer can use before it is too stale.
 
+With ``rollout.filter`` (dynamic sampling, docs/design.md §3a) groups whose rewards are all equal
+never reach the store: a scheduled step over-samples (:meth:`GroupMaker.generate_step`, prompts
+from :func:`oversample_prompts`) until it has ``prompts_per_step`` informative groups, at its own
+scheduled version; continuous generation simply generates more.
+
 Both generators answer :meth:`raise_failed` and :meth:`idle`, which the leaser
 (:mod:`.leaser`) asks while it waits for data.
 """
