@@ -32,6 +32,7 @@ import time
 from typing import Any, Callable, Optional
 
 import numpy as np
+
 from megatron_m2po.config import RolloutConfig, StoreConfig, TrainerConfig
 from megatron_m2po.rollout import group_ids
 from megatron_m2po.rollout.filters import FilterCounters, split_groups
@@ -299,7 +300,7 @@ class AsyncProducerLoop:
         self._stop = threading.Event()
         self._future: Optional[concurrent.futures.Future] = None
         # rollout.filter's cap: groups generated / kept since the trainer last leased a step.
-        self._window = {"step": 0, "made": 0, "kept": 0}
+        self._window: dict[str, Any] = {"step": None, "made": 0, "kept": 0}  # step: None before the first lease
         self._window_lock = threading.Lock()
 
     @property
@@ -349,7 +350,7 @@ class AsyncProducerLoop:
         if counts["available"] + counts["pending"] >= n:
             return  # the trainer is not starved: groups kept before the last lease still serve a step
         raise RuntimeError(
-            f"step {step}: rollout.filter={r.filter} kept {kept_all} of the {n} informative groups (rewards not "
+            f"{'the first step' if step is None else f'step {step}'}: rollout.filter={r.filter} kept {kept_all} of the {n} informative groups (rewards not "
             f"all equal) the step needs in {made_all} groups generated since the previous step was leased "
             f"(the cap is (1 + rollout.filter_max_rounds={r.filter_max_rounds}) x trainer.prompts_per_step): the "
             "task gives too few informative groups at this policy. Raise rollout.filter_max_rounds, give more "

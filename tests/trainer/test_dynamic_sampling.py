@@ -198,7 +198,7 @@ def test_async_generation_stores_only_informative_groups_and_caps_over_sampling(
                     on_leased=loop.leased)
     loop.start()
     try:
-        with pytest.raises(RuntimeError, match=r"step 0: rollout.filter=zero_variance kept 0 of the 4 informative "
+        with pytest.raises(RuntimeError, match=r"the first step: rollout.filter=zero_variance kept 0 of the 4 informative "
                                                r"groups .* in 12 groups generated .*rollout.filter_max_rounds=1"):
             leaser.take_async(0, version=0)
     finally:
