@@ -147,3 +147,17 @@ def test_filtered_stale_k_is_exact_and_a_killed_run_resumes_to_the_same_groups(t
     # compared: at an on-policy update its sign test is rounding, tests/test_reproducibility.py).
     for u in range(1, steps * U + 1):
         assert ups[u]["loss/policy"] == pytest.approx(after[u]["loss/policy"], rel=1e-4, abs=1e-6), u
+
+
+def test_too_few_informative_groups_stop_the_run_with_what_to_set(tmp_path, record):
+    """No over-sampling allowed (``filter_max_rounds=0``): step 0's own prompts include groups with
+    equal rewards on the tiny task, so the run stops, naming the step and the setting."""
+    run = tmp_path / "cap"
+    with pytest.raises(AssertionError) as e:
+        _train(run, "trainer.num_steps=1", "trainer.mode=sync", "rollout.filter_max_rounds=0", *FILTER)
+    assert "step 0: rollout.filter=zero_variance found" in str(e.value), str(e.value)[-3000:]
+    assert "Raise rollout.filter_max_rounds" in str(e.value)
+    made = _made(record)
+    assert len(made) == N and any(_flat(g) for g in made)  # one batch generated, not stored
+    con = sqlite3.connect(run / "rollouts.sqlite")
+    assert con.execute("SELECT COUNT(*) FROM groups").fetchone() == (0,)
