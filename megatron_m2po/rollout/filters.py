@@ -9,9 +9,12 @@ groups are counted, never silent: :class:`FilterCounters` feeds ``rollout/filter
 Groups with an unscored trajectory (reward ``None``, scored later through the store) are kept:
 their variance is not known yet.
 
-DAPO's reference recipe (verl ``recipe/dapo``) keeps a group when the std of its rewards is
-non-zero and re-generates whole batches up to ``max_num_gen_batches``; here a group is dropped
-when its rewards are all *exactly* equal, and the cap is ``rollout.filter_max_rounds``.
+verl's DAPO recipe (``docs/algo/dapo.md``, ``FilterGroupsConfig`` in
+``verl/trainer/config/algorithm.py``: ``enable``, ``metric``, ``max_num_gen_batches``, <= 0
+unlimited) keeps a group whose metric has non-zero std and generates further batches of
+``gen_batch_size`` prompts until the train batch is full; here a group is dropped when its
+rewards are all *exactly* equal, rounds are sized to the shortfall, and the cap
+(``rollout.filter_max_rounds``) always holds.
 """
 
 from __future__ import annotations
