@@ -284,6 +284,15 @@ class RolloutConfig:
     fp8_weights: bool = _f(False, help="Serve FP8: engines start from a block-FP8 export of the base model and every push "
                            "exports block FP8 (SGLang 0.5.23 hot-reloads only block FP8; rollout/fp8.py). Pair with "
                            "algo.recompute_behav_logprobs=true and algo.tis=true.")
+    filter: Literal["none", "zero_variance"] = _f(
+        "none", help="Dynamic sampling (DAPO): 'zero_variance' drops groups whose rewards are all equal (zero GRPO "
+        "advantage: no gradient) before they reach the store's training queue, counted in rollout/filtered_groups, "
+        "and generates more prompts so every step still trains on trainer.prompts_per_step groups "
+        "(docs/design.md §3a). External producers: dropped at ingestion (acknowledged, not stored).")
+    filter_max_rounds: int = _f(
+        8, ge=0, help="rollout.filter: a step generates its own prompts and at most this many over-sampling rounds "
+        "(each at most trainer.prompts_per_step prompts) before the run stops with an error naming the step; "
+        "async: at most (1 + this) x prompts_per_step groups generated per step leased.")
     fp8_block_size: list[int] = _f(factory=lambda: [128, 128],
                                    help="FP8 weight_block_size [block_n, block_k]; both sizes of every decoder linear must "
                                         "be multiples (SGLang refuses fused / tensor-parallel partitions that are not).")
@@ -486,6 +495,10 @@ class Config:
                               f"reward.url={rw.url!r})")
         if rw.url and rw.fn.strip() != "http":
             raise ConfigError(f"reward.url={rw.url!r} is only read with reward.fn=http (got reward.fn={rw.fn!r})")
+        if self.rollout.filter != "none" and self.rollout.n_samples_per_prompt < 2:
+            raise ConfigError(f"rollout.filter={self.rollout.filter} with rollout.n_samples_per_prompt="
+                              f"{self.rollout.n_samples_per_prompt}: a group of one sample always has equal rewards, "
+                              "so every group would be dropped; use n_samples_per_prompt >= 2 or rollout.filter=none")
         if self.rollout.n_samples_per_prompt == 1 and a.advantage.startswith("grpo"):
             raise ConfigError("rollout.n_samples_per_prompt=1 gives GRPO groups of one sample (all advantages 0); use >= 2")
         return self

@@ -13,6 +13,8 @@ server says so at start-up:
                          (by ``Content-Type``). Answers ``200 {"stored": [...],
                          "duplicates": [...], "pending": [...]}`` only after the SQLite
                          commit, so an acknowledged group is durable. Idempotent by id.
+                         With a group filter (the trainer's ``rollout.filter``) also
+                         ``"filtered": [...]``: acknowledged, never stored.
 ``GET  /v1/stats``       :meth:`RolloutStore.metrics`.
 ``GET  /v1/version``     ``{"version": v}``: the trainer's current weight version (null until set).
 ``POST /v1/version``     ``{"version": v}``: the trainer publishes its version.
@@ -85,7 +87,8 @@ TRAINER_ROUTES = {("POST", "/v1/version")}
 
 def build_app(store: RolloutStore, *, token: Optional[str], max_request_bytes: int,
               trainer_token: Optional[str] = None, body_timeout_s: float = 60.0,
-              max_inflight_bytes: Optional[int] = None) -> web.Application:
+              max_inflight_bytes: Optional[int] = None,
+              group_filter: Optional[Callable[[list], tuple[list, list]]] = None) -> web.Application:
     """The aiohttp application; store calls run on one worker thread (SQLite is blocking).
 
     Memory: at most ``max_inflight_bytes`` (default twice ``max_request_bytes``) of request
@@ -94,13 +97,17 @@ def build_app(store: RolloutStore, *, token: Optional[str], max_request_bytes: i
 
     Roles: ``token`` is the *producer* credential (push groups, read the version, stats);
     ``trainer_token`` the *trainer* credential (everything, including ``POST /v1/version``).
-    Without ``trainer_token`` there is no role separation: ``token`` serves both roles."""
+    Without ``trainer_token`` there is no role separation: ``token`` serves both roles.
+
+    ``group_filter(groups) -> (kept, dropped)`` (the trainer's ``rollout.filter``): only the kept
+    groups of a push are stored; the dropped ones are acknowledged in the answer's ``filtered``
+    list (a producer must not resend them) and never reach the store."""
     if trainer_token is not None and token is not None and hmac.compare_digest(trainer_token.encode(), token.encode()):
         raise ValueError("the trainer token equals the producer token: role separation needs two different tokens")
     if max_inflight_bytes is None:
         max_inflight_bytes = 2 * max_request_bytes
     srv = _Ingestion(store, token=token, trainer_token=trainer_token, max_request_bytes=max_request_bytes,
-                     max_inflight_bytes=max_inflight_bytes, body_timeout_s=body_timeout_s)
+                     max_inflight_bytes=max_inflight_bytes, body_timeout_s=body_timeout_s, group_filter=group_filter)
     app = web.Application(middlewares=[srv.count, srv.auth], client_max_size=max_request_bytes)
     app.add_routes([web.get("/health", srv.health), web.post("/v1/groups", srv.post_groups),
                     web.get("/v1/stats", srv.stats), web.get("/v1/version", srv.get_version),
@@ -114,8 +121,10 @@ class _Ingestion:
     control thread and its read-only connection, the request bytes in flight, the request count."""
 
     def __init__(self, store: RolloutStore, *, token: Optional[str], trainer_token: Optional[str],
-                 max_request_bytes: int, max_inflight_bytes: int, body_timeout_s: float):
+                 max_request_bytes: int, max_inflight_bytes: int, body_timeout_s: float,
+                 group_filter: Optional[Callable[[list], tuple[list, list]]] = None):
         self.store, self.token, self.trainer_token = store, token, trainer_token
+        self.group_filter = group_filter
         self.max_request_bytes, self.max_inflight_bytes = max_request_bytes, max_inflight_bytes
         self.body_timeout_s = body_timeout_s
         self.inflight = 0
@@ -212,6 +221,9 @@ class _Ingestion:
             return _err(400, f"request body not received: {type(e).__name__}: {e}", Connection="close")
         try:
             groups = await self._in_pool(decode_payload, body, request.headers.get("Content-Type", ""))
+            dropped: list = []
+            if self.group_filter is not None:  # after decoding: only valid groups are judged (and counted)
+                groups, dropped = self.group_filter(groups)
             # Versions must lie in the store's known range [0, current version]; before the trainer
             # published a version only the initial weights (version 0) exist.
             res = await self._in_pool(lambda: store.put_groups(groups, received_at=t0,
@@ -229,7 +241,10 @@ class _Ingestion:
         except Exception as e:  # the store failed: the producer retries
             log.exception("ingestion failed")
             return _err(500, f"store error: {type(e).__name__}: {e}")
-        return web.json_response(res.to_dict())
+        out = res.to_dict()
+        if self.group_filter is not None:
+            out["filtered"] = [g.group_id for g in dropped]
+        return web.json_response(out)
 
     async def stats(self, _: web.Request) -> web.Response:
         return web.json_response({**await self._in_pool(self.store.metrics), "server/requests": self.served})

@@ -79,11 +79,14 @@ class RolloutDriver:
             maker = GroupMaker(cfg.rollout, seed=cfg.trainer.seed, tokenizer=tokenizer, reward=self.reward,
                                producer=build_producer(cfg.rollout), client=self.client, store=self.store,
                                engine_version=lambda: self.weights.version)
+            self.filter_counters = maker.counters
             self.generator = StepGenerator(cfg.trainer, maker=maker, dataset=self.dataset, store=self.store,
                                            bg=self._bg, stop_event=self.stop_event)
             producers = None
             if self.external:
-                self.ingestion = IngestionServer(cfg.store, self.store, self._bg)
+                # rollout.filter applies at ingestion: dropped groups are acknowledged, not stored.
+                self.ingestion = IngestionServer(cfg.store, self.store, self._bg, group_filter=cfg.rollout.filter,
+                                                 counters=maker.counters)
                 producers = f"external producers push to {self.ingestion.start(str(self.sync_dir))}/v1/groups"
                 if self.store.current_version is None:
                     self.store.set_version(0)
@@ -93,7 +96,8 @@ class RolloutDriver:
                                                        stop_timeout_s=cfg.rollout.request_timeout_s)
             self.leaser = Leaser(cfg.trainer, cfg.store, self.store, stop_event=self.stop_event,
                                  sources=[self.generator] + ([self.producer_loop] if self.producer_loop else []),
-                                 producers=producers)
+                                 producers=producers,
+                                 on_leased=self.producer_loop.leased if self.producer_loop else None)
             self.evaluator = Evaluator(eval_sets, samples=cfg.trainer.eval_samples, correct=cfg.reward.correct,
                                        maker=maker, bg=self._bg, drain=self.generator.wait_generation,
                                        wait=lambda fut, what: self.generator.wait(fut, what, interruptible=True))
@@ -175,6 +179,13 @@ class RolloutDriver:
                                   ("used_tokens", "num_used_tokens"))}
 
     # ------------------------------------------------------------------ generation
+    def filter_metrics(self) -> dict[str, float]:
+        """``rollout.filter``'s counts since the previous call (one step's log line; sums):
+        ``rollout/{generated,filtered,surplus}_groups``, ``rollout/oversample_rounds``. Counted
+        where groups are made (or ingested), so in stale_k they belong to the steps generated since
+        the previous log line, not only to the step logged. {} without a filter."""
+        return self.filter_counters.take() if self.cfg.rollout.filter != "none" else {}
+
     def start_continuous(self) -> None:
         """Async mode: generate continuously (bounded by the store's admission control) until
         :meth:`close`; external producers push on their own."""

@@ -12,6 +12,11 @@ generation overlaps training whenever the schedule allows:
 * :class:`AsyncProducerLoop` generates continuously, admitting no more unconsumed data than the
   trainer can use before it is too stale.
 
+With ``rollout.filter`` (dynamic sampling, docs/design.md §3a) groups whose rewards are all equal
+never reach the store: a scheduled step over-samples (:meth:`GroupMaker.generate_step`, prompts
+from :func:`oversample_prompts`) until it has ``prompts_per_step`` informative groups, at its own
+scheduled version; continuous generation simply generates more.
+
 Both generators answer :meth:`raise_failed` and :meth:`idle`, which the leaser
 (:mod:`.leaser`) asks while it waits for data.
 """
@@ -21,12 +26,16 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import math
 import threading
 import time
 from typing import Any, Callable, Optional
 
+import numpy as np
+
 from megatron_m2po.config import RolloutConfig, StoreConfig, TrainerConfig
 from megatron_m2po.rollout import group_ids
+from megatron_m2po.rollout.filters import FilterCounters, split_groups
 from megatron_m2po.rollout.producer import Producer, ProducerContext
 from megatron_m2po.store.store import RolloutStore
 from megatron_m2po.store.types import Group
@@ -50,6 +59,7 @@ class GroupMaker:
         self.tokenizer, self.reward, self.producer, self.client = tokenizer, reward, producer, client
         self.store, self.engine_version = store, engine_version
         self._lock: Optional[asyncio.Lock] = None  # batches are generated one after another
+        self.counters = FilterCounters()  # rollout.filter: what was generated, dropped, over-sampled
 
     def context(self, prefix: str, n_samples: Optional[int] = None, **meta) -> ProducerContext:
         """The producer's context for a batch whose groups are named ``group_id(prefix, position)``."""
@@ -76,17 +86,83 @@ class GroupMaker:
             fixed.append(Group(gid, g.trajectories))
         return fixed
 
-    async def generate_and_store(self, ctx: ProducerContext, prompts: list, positions: list[int]) -> int:
-        """Generate and store one batch; returns the number of groups stored."""
+    async def generate_filtered(self, ctx: ProducerContext, prompts: list, positions: list[int]) -> list[Group]:
+        """:meth:`generate` with ``rollout.filter`` applied: the kept groups (counted)."""
+        groups = await self.generate(ctx, prompts, positions)
+        kept, dropped = split_groups(groups, self.rollout.filter)
+        self.counters.add(generated_groups=len(groups), filtered_groups=len(dropped))
+        return kept
+
+    async def generate_step(self, ctx: ProducerContext, prompts: list, positions: list[int], *, step: int,
+                            need: int, more: Callable[[int, int], list]) -> list[Group]:
+        """The ``need`` groups of scheduled step ``step`` (unstored), over-sampled under ``rollout.filter``.
+
+        Round 0 generates the step's own ``prompts`` (at ``positions``); while fewer than ``need``
+        groups survive the filter, an over-sampling round generates ``more(start, n)`` prompts at
+        positions ``start .. start+n-1`` (after every position used so far), with the same context:
+        same weight version, same id prefix, sampling seeds from the ids. The first ``need`` kept
+        groups by position are the step's; informative ones beyond them are counted as surplus.
+        Everything depends on the outcomes of earlier rounds only, so a re-run of the step (a
+        resume) generates the same rounds where the engines sample reproducibly. More than
+        ``rollout.filter_max_rounds`` rounds: RuntimeError naming the step and what to set."""
+        r = self.rollout
+        kept: list[Group] = []
+        made, rounds, next_pos = 0, 0, 0
+        while True:
+            ctx.positions = list(positions)
+            kept += await self.generate_filtered(ctx, prompts, positions)
+            made += len(positions)
+            next_pos = max(next_pos, max(positions, default=-1) + 1)
+            if len(kept) >= need:
+                break
+            if rounds >= r.filter_max_rounds:
+                raise RuntimeError(
+                    f"step {step}: rollout.filter={r.filter} found {len(kept)} of the {need} informative groups "
+                    f"(rewards not all equal) the step needs in {made} groups generated ({rounds} over-sampling "
+                    f"round(s) after the step's own prompts, rollout.filter_max_rounds={r.filter_max_rounds}): the "
+                    "task gives too few informative groups at this policy. Raise rollout.filter_max_rounds, give "
+                    "more samples per prompt (rollout.n_samples_per_prompt), use prompts of a difficulty the "
+                    "policy solves sometimes, or set rollout.filter=none")
+            rounds += 1
+            missing = need - len(kept)
+            # Sized by the informative fraction seen so far, one step's prompts at most per round.
+            size = min(need, max(missing, math.ceil(missing * made / max(len(kept), 1))))
+            prompts, positions = more(next_pos, size), list(range(next_pos, next_pos + size))
+        # ``kept`` is in position order: each round's groups come in position order, after the last round's.
+        self.counters.add(oversample_rounds=rounds, surplus_groups=len(kept) - need)
+        return kept[:need]
+
+    async def store_batch(self, make: Callable[[], Any]) -> int:
+        """Store the groups ``await make()`` returns, one batch at a time; returns how many."""
         # One batch at a time: a step's groups are committed in one transaction, so the store's
         # arrival order keeps steps that share a generation version (base-model steps) apart.
         if self._lock is None:
             self._lock = asyncio.Lock()
         async with self._lock:
             with TIMER.phase("generation"):  # the driver's thread: overlaps the trainer in stale_k / async
-                fixed = await self.generate(ctx, prompts, positions)
-            await asyncio.get_running_loop().run_in_executor(None, lambda: self.store.put_groups(fixed))
+                fixed = await make()
+            if fixed:
+                await asyncio.get_running_loop().run_in_executor(None, lambda: self.store.put_groups(fixed))
             return len(fixed)
+
+    async def generate_and_store(self, ctx: ProducerContext, prompts: list, positions: list[int]) -> int:
+        """Generate and store one batch (``rollout.filter`` applied); returns the number of groups stored."""
+        return await self.store_batch(lambda: self.generate_filtered(ctx, prompts, positions))
+
+
+def oversample_prompts(dataset: Any, seed: int, step: int, start: int, n: int) -> list:
+    """The over-sampling prompts of scheduled step ``step`` at positions ``start .. start+n-1``.
+
+    Drawn from a stream of the step's own (a permutation of the dataset seeded by the run seed and
+    the step, cycled), not from the main prompt stream: how many a step needs is known only after
+    its rollouts are scored, in the background, while the main thread draws later steps' prompts.
+    So the main stream (and the dataset position a checkpoint records) never depends on filter
+    outcomes, and a resumed step draws the same over-sampling prompts for the same positions.
+    ``start`` counts from the step's first position (``prompts_per_step`` for the first round)."""
+    items = dataset.items
+    order = np.random.default_rng(np.random.SeedSequence([int(seed) % (1 << 64), 0x0D4A90, int(step)])
+                                  ).permutation(len(items))
+    return [items[int(order[p % len(order)])] for p in range(start, start + n)]
 
 
 class StepGenerator:
@@ -102,9 +178,27 @@ class StepGenerator:
         self.bg, self.stop_event = bg, stop_event
         self._inflight: list[concurrent.futures.Future] = []
 
+    @property
+    def filtering(self) -> bool:
+        return self.maker.rollout.filter != "none"
+
+    def _step_ids(self, step: int) -> list[str]:
+        """Every id a group of ``step`` may have: its own positions, and under ``rollout.filter``
+        those of its over-sampling rounds (at most ``filter_max_rounds`` x ``prompts_per_step`` more)."""
+        n = self.trainer.prompts_per_step
+        return group_ids.step_group_ids(step, n * (1 + self.maker.rollout.filter_max_rounds if self.filtering else 1))
+
     def _plan(self, step: int) -> Optional[tuple[ProducerContext, list, list[int]]]:
         """Draw this step's prompts now (deterministic order); the groups still to generate, or None."""
         prompts = self.dataset.next_prompts(self.trainer.prompts_per_step)
+        if self.filtering:
+            # The kept ids are known only after generation: the step is complete or regenerated whole
+            # (deterministically; :meth:`_make` stores only the ids the store lacks).
+            have = self.store.existing_group_ids(self._step_ids(step))
+            if len(have) >= len(prompts):
+                return None
+            ctx = self.maker.context(group_ids.step_prefix(step), step=step, generated_at=self.maker.engine_version())
+            return ctx, prompts, list(range(len(prompts)))
         gids = group_ids.step_group_ids(step, len(prompts))
         have = self.store.existing_group_ids(gids)
         todo = [p for p, g in zip(prompts, gids) if g not in have]
@@ -121,7 +215,19 @@ class StepGenerator:
     def missing_steps(self, steps: list[int]) -> list[int]:
         """Those of ``steps`` whose groups the store does not hold completely (never generated)."""
         n = self.trainer.prompts_per_step
-        return [s for s in steps if len(self.store.existing_group_ids(group_ids.step_group_ids(s, n))) < n]
+        return [s for s in steps if len(self.store.existing_group_ids(self._step_ids(s))) < n]
+
+    async def _make(self, step: int, ctx: ProducerContext, prompts: list, positions: list[int]) -> list[Group]:
+        """The step's groups still to store (unstored): as planned, or over-sampled under ``rollout.filter``."""
+        if not self.filtering:
+            return await self.maker.generate(ctx, prompts, positions)
+        seed = self.trainer.seed
+        groups = await self.maker.generate_step(
+            ctx, prompts, positions, step=step, need=self.trainer.prompts_per_step,
+            more=lambda start, k: oversample_prompts(self.dataset, seed, step, start, k))
+        have = await asyncio.get_running_loop().run_in_executor(
+            None, lambda: self.store.existing_group_ids([g.group_id for g in groups]))
+        return [g for g in groups if g.group_id not in have]
 
     def generate_for_step(self, step: int, *, background: bool = True) -> concurrent.futures.Future:
         """Generate and store the step's missing groups (in the background unless ``background=False``)."""
@@ -130,7 +236,7 @@ class StepGenerator:
             done: concurrent.futures.Future = concurrent.futures.Future()
             done.set_result(0)
             return done
-        fut = self.bg.submit(self.maker.generate_and_store(*plan))
+        fut = self.bg.submit(self.maker.store_batch(lambda: self._make(step, *plan)))
         self._inflight.append(fut)
         if not background:
             self.wait(fut, f"the on-policy rollouts of step {step}", interruptible=True)
@@ -145,7 +251,7 @@ class StepGenerator:
         plan = self._plan(step)
         if plan is None:
             return []
-        return self.wait(self.bg.submit(self.maker.generate(*plan)), f"the rollouts of step {step}",
+        return self.wait(self.bg.submit(self._make(step, *plan)), f"the rollouts of step {step}",
                          interruptible=True)
 
     def put_groups(self, groups: list[Group]) -> None:
@@ -193,6 +299,9 @@ class AsyncProducerLoop:
         self.store, self.bg, self.stop_timeout_s = store, bg, stop_timeout_s
         self._stop = threading.Event()
         self._future: Optional[concurrent.futures.Future] = None
+        # rollout.filter's cap: groups generated / kept since the trainer last leased a step.
+        self._window: dict[str, Any] = {"step": None, "made": 0, "kept": 0}  # step: None before the first lease
+        self._window_lock = threading.Lock()
 
     @property
     def capacity(self) -> int:
@@ -217,7 +326,36 @@ class AsyncProducerLoop:
             version = self.maker.engine_version()
             ctx = self.maker.context(group_ids.async_prefix(int(time.time() * 1e3), seq), generated_at=version)
             seq += 1
-            await self.maker.generate_and_store(ctx, prompts, list(range(len(prompts))))
+            kept = await self.maker.generate_and_store(ctx, prompts, list(range(len(prompts))))
+            self._check_yield(len(prompts), kept)
+
+    def leased(self, step: int) -> None:
+        """The trainer leased ``step``'s groups: the over-sampling window restarts for the next step."""
+        with self._window_lock:
+            self._window = {"step": step + 1, "made": 0, "kept": 0}
+
+    def _check_yield(self, made: int, kept: int) -> None:
+        """``rollout.filter``'s cap in async mode: more than ``(1 + filter_max_rounds) x
+        prompts_per_step`` groups generated since the last lease and fewer than one step's worth
+        kept: the task gives too few informative groups (the leaser re-raises this)."""
+        r, n = self.maker.rollout, self.trainer.prompts_per_step
+        with self._window_lock:
+            w = self._window
+            w["made"] += made
+            w["kept"] += kept
+            if r.filter == "none" or w["kept"] >= n or w["made"] <= (1 + r.filter_max_rounds) * n:
+                return
+            step, made_all, kept_all = w["step"], w["made"], w["kept"]
+        counts = self.store.counts()
+        if counts["available"] + counts["pending"] >= n:
+            return  # the trainer is not starved: groups kept before the last lease still serve a step
+        raise RuntimeError(
+            f"{'the first step' if step is None else f'step {step}'}: rollout.filter={r.filter} kept {kept_all} of the {n} informative groups (rewards not "
+            f"all equal) the step needs in {made_all} groups generated since the previous step was leased "
+            f"(the cap is (1 + rollout.filter_max_rounds={r.filter_max_rounds}) x trainer.prompts_per_step): the "
+            "task gives too few informative groups at this policy. Raise rollout.filter_max_rounds, give more "
+            "samples per prompt (rollout.n_samples_per_prompt), use prompts of a difficulty the policy solves "
+            "sometimes, or set rollout.filter=none")
 
     def stop(self) -> None:
         """Stop generating (a batch in flight finishes first, within ``stop_timeout_s``)."""

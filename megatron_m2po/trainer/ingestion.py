@@ -12,6 +12,7 @@ import secrets
 from typing import Optional
 
 from megatron_m2po.config import StoreConfig
+from megatron_m2po.rollout.filters import FilterCounters, split_groups
 from megatron_m2po.store.store import RolloutStore
 from megatron_m2po.utils.background_loop import BackgroundLoop
 
@@ -21,8 +22,12 @@ log = logging.getLogger(__name__)
 class IngestionServer:
     """Serves ``store`` over HTTP on ``bg`` from :meth:`start` until :meth:`close`."""
 
-    def __init__(self, store_cfg: StoreConfig, store: RolloutStore, bg: BackgroundLoop):
+    def __init__(self, store_cfg: StoreConfig, store: RolloutStore, bg: BackgroundLoop, *,
+                 group_filter: str = "none", counters: Optional[FilterCounters] = None):
+        """``group_filter``: ``rollout.filter``, applied to every pushed group (dropped ones are
+        acknowledged in the answer's ``filtered`` list and counted in ``counters``, never stored)."""
         self.cfg, self.store, self.bg = store_cfg, store, bg
+        self.group_filter, self.counters = group_filter, counters
         self.url: Optional[str] = None
         self._runner = None
 
@@ -44,13 +49,20 @@ class IngestionServer:
             raise ValueError(f"rollout.source=external: set the ingestion token in ${s.token_env} (or "
                              "store.token_file); producers send it as 'Authorization: Bearer <token>'")
         app = build_app(self.store, token=token, max_request_bytes=int(s.max_request_mb * 2**20),
-                        trainer_token=secrets.token_hex(32))
+                        trainer_token=secrets.token_hex(32),
+                        group_filter=self._filter if self.group_filter != "none" else None)
         self._runner = web.AppRunner(app)
         await self._runner.setup()
         site = web.TCPSite(self._runner, s.serve_host, s.serve_port)
         await site.start()
         port = self._runner.addresses[0][1]
         self.url = f"http://{s.serve_host}:{port}"
+
+    def _filter(self, groups: list) -> tuple[list, list]:
+        kept, dropped = split_groups(groups, self.group_filter)
+        if self.counters is not None:
+            self.counters.add(generated_groups=len(groups), filtered_groups=len(dropped))
+        return kept, dropped
 
     def close(self) -> None:
         """Stop serving (best effort at shutdown)."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Optional, Protocol, Sequence
+from typing import Any, Callable, Optional, Protocol, Sequence
 
 from megatron_m2po.config import StoreConfig, TrainerConfig
 from megatron_m2po.rollout import group_ids
@@ -37,13 +37,16 @@ class Leaser:
     ``trainer``: ``prompts_per_step``, ``wait_timeout_s``, ``run_dir``; ``store_cfg``: the async
     policy (``max_staleness``, ``order``, ``retire_overage``). ``stop_event`` ends a wait.
     ``sources``: the generators feeding the store (none: the store holds all there will be).
-    ``producers``: who makes the data, for the wait messages (default: the engines)."""
+    ``producers``: who makes the data, for the wait messages (default: the engines).
+    ``on_leased(step)``: called after :meth:`take_async` leased a step (the async generator's
+    over-sampling cap counts from there)."""
 
     def __init__(self, trainer: TrainerConfig, store_cfg: StoreConfig, store: RolloutStore, *,
                  stop_event: threading.Event, sources: Sequence[GenerationSource] = (),
-                 producers: Optional[str] = None):
+                 producers: Optional[str] = None, on_leased: Optional[Callable[[int], None]] = None):
         self.trainer, self.store_cfg, self.store = trainer, store_cfg, store
         self.stop_event, self.sources = stop_event, tuple(sources)
+        self.on_leased = on_leased
         self.producers = producers or f"the engines generate them (logs in {trainer.run_dir}/engines)"
 
     def take_step(self, step: int, version: int, generated_at: int, *,
@@ -95,6 +98,8 @@ class Leaser:
             self._raise_failed()
             try:
                 lease = self.store.lease(policy, n_groups=n, current_version=version, step=step, timeout_s=1.0)
+                if self.on_leased is not None:
+                    self.on_leased(step)
                 return lease.groups, lease
             except NotReadyError as e:
                 if self.stop_event.is_set():
