@@ -139,7 +139,7 @@ class GroupMaker:
         if self._lock is None:
             self._lock = asyncio.Lock()
         async with self._lock:
-            with TIMER.phase("generation"):  # the driver's thread: overlaps the trainer in stale_k / async
+            with TIMER.union("generation"):  # the driver's thread: overlaps the trainer in stale_k / async
                 fixed = await make()
             if fixed:
                 await asyncio.get_running_loop().run_in_executor(None, lambda: self.store.put_groups(fixed))

@@ -68,6 +68,8 @@ class PhaseTimer:
             self.trace = trace
             self.pid = pid
             self.events: list[dict] = []
+            self._open: dict[str, int] = defaultdict(int)  # union(): blocks of each name running now
+            self._open_t0: dict[str, float] = {}  # union(): when the running stretch of a name began
             self._threads: dict[int, str] = {}  # trace tid (an int, as Chrome wants) -> thread name
             self._t0 = time.perf_counter()
             self._t0_us = time.time() * 1e6  # the trace's clock: wall time, so that ranks' events line up
@@ -84,15 +86,37 @@ class PhaseTimer:
         finally:
             self.add(name, time.perf_counter() - t0, start=t0)
 
+    @contextmanager
+    def union(self, name: str) -> Iterator[None]:
+        """Time the block as phase ``name`` where blocks of that name run concurrently (the async
+        producer's batches in flight together): the phase counts the time at least one of them
+        runs, not the sum, so ``time/engine_idle_frac`` stays a share of the wall time. A step
+        boundary (:meth:`take_step`) splits a running stretch between the two steps."""
+        with self._lock:
+            if self._open[name] == 0:
+                self._open_t0[name] = time.perf_counter()
+            self._open[name] += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._open[name] -= 1
+                if self._open[name] == 0:
+                    t0 = self._open_t0.pop(name)
+                    self._add_locked(name, time.perf_counter() - t0, t0)
+
     def add(self, name: str, seconds: float, *, start: float | None = None) -> None:
         """Add ``seconds`` to phase ``name`` (``start``: its perf_counter start, for the trace)."""
         with self._lock:
-            self._step[name] += seconds
-            if self.trace:
-                start = time.perf_counter() - seconds if start is None else start
-                self.events.append({"name": name, "ph": "X", "ts": self._ts(start), "dur": seconds * 1e6,
-                                    "pid": self.pid, "tid": threading.get_native_id()})
-                self._threads[threading.get_native_id()] = threading.current_thread().name
+            self._add_locked(name, seconds, start)
+
+    def _add_locked(self, name: str, seconds: float, start: float | None) -> None:
+        self._step[name] += seconds
+        if self.trace:
+            start = time.perf_counter() - seconds if start is None else start
+            self.events.append({"name": name, "ph": "X", "ts": self._ts(start), "dur": seconds * 1e6,
+                                "pid": self.pid, "tid": threading.get_native_id()})
+            self._threads[threading.get_native_id()] = threading.current_thread().name
 
     def counters(self, values: dict[str, float]) -> dict[str, float]:
         """Keep ``values`` (e.g. the engines' ``engine/*`` load) as counter events of the trace's
@@ -108,6 +132,10 @@ class PhaseTimer:
         """The step's metrics (``time/<phase>_s``, ``time/wall_s``, ``time/trainer_idle_frac``)
         for a step of ``wall_s`` seconds; its totals join the run's and the next step starts."""
         with self._lock:
+            now = time.perf_counter()
+            for name, t0 in self._open_t0.items():  # a union stretch still running: its part so far
+                self._add_locked(name, now - t0, t0)
+                self._open_t0[name] = now
             step, self._step = dict(self._step), defaultdict(float)
             for k, v in step.items():
                 self._run[k] += v
@@ -117,8 +145,8 @@ class PhaseTimer:
         out["time/wall_s"] = wall_s
         out["time/trainer_idle_frac"] = sum(step.get(p, 0.0) for p in IDLE_PHASES) / wall_s if wall_s > 0 else 0.0
         if "generation" in step and wall_s > 0:
-            # The driver generates one step at a time (its generation lock): while it does, the
-            # engines are busy; the rest of the wall time they wait (for weights or for work).
+            # "generation" is the time at least one batch is being generated (TIMER.union): while
+            # it is, the engines have work; the rest of the wall time they wait (for weights or work).
             out["time/engine_idle_frac"] = max(0.0, 1.0 - step["generation"] / wall_s)
         return out
 

@@ -117,3 +117,31 @@ def test_trace_names_a_rank_that_never_wrote(tmp_path, caplog):
         {"name": "push", "ph": "X", "ts": 0.0, "dur": 1.0, "pid": 1, "tid": 7}]}))
     merged = json.loads(merge_traces(tmp_path).read_text())  # the later merge the warning names
     assert {e["pid"] for e in merged["traceEvents"]} == {0, 1}
+
+
+def test_union_counts_concurrent_blocks_once_and_splits_at_a_step(monkeypatch):
+    """``TIMER.union``: batches generated together count the time at least one runs (the
+    engines are busy), not the sum; a stretch running across a step boundary is split."""
+    import megatron_m2po.utils.timing as timing
+
+    clock = [100.0]
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: clock[0])
+    t = PhaseTimer()
+    t.reset()
+    a, b = t.union("generation"), t.union("generation")
+    a.__enter__()              # t=100: batch a starts
+    clock[0] = 101.0
+    b.__enter__()              # t=101: batch b starts, a still runs
+    clock[0] = 103.0
+    a.__exit__(None, None, None)  # t=103: a ends, b still runs
+    clock[0] = 104.0
+    m = t.take_step(4.0)       # step boundary at t=104 while b runs: 100..104 so far
+    assert m["time/generation_s"] == 4.0 and m["time/engine_idle_frac"] == 0.0
+    clock[0] = 105.0
+    b.__exit__(None, None, None)  # t=105: b ends; 104..105 belongs to the next step
+    clock[0] = 106.0
+    with t.union("generation"):  # t=106..108: a batch alone
+        clock[0] = 108.0
+    m = t.take_step(4.0)
+    assert m["time/generation_s"] == 3.0 and m["time/engine_idle_frac"] == 0.25
+    assert t.totals()[0]["generation"] == 7.0
