@@ -187,8 +187,11 @@ class PackedDotProductAttention(DotProductAttention):
         import copy
 
         cp = config.context_parallel_size
-        # the parent's CP assert is about its own kernel; CP attention is this class's job
-        super().__init__(copy.copy(config) if cp > 1 else config, layer_number, attn_mask_type, attention_type,
+        parent_config = config
+        if cp > 1:  # the parent's CP assert is about its own kernel; CP attention is this class's job
+            parent_config = copy.copy(config)
+            parent_config.context_parallel_size = 1
+        super().__init__(parent_config, layer_number, attn_mask_type, attention_type,
                          attention_dropout=attention_dropout, softmax_scale=softmax_scale,
                          cp_comm_type=cp_comm_type, pg_collection=pg_collection)
         self.config = config

@@ -135,6 +135,7 @@ def test_train_step_at_cp2_equals_one_rank(tmp_path):
     assert m0[0]["m2po/mask_frac"] > 0 and sum(not k for k in mask0.values()) > 0
     for layout, (lp, ent), m, mask, grads, w, plan in others:
         assert [m[u]["mask/correct"] for u in range(2)] == [0.0, 0.0], (layout, m)  # CP: always the pre-pass
+        assert all(packed == dict(layout[2]).get("packing", False) for _, _, packed in plan), (layout, plan)
         for a, b in zip(lp, lp0):
             np.testing.assert_allclose(a, b, rtol=0, atol=1e-5, err_msg=str(layout))
         for a, b in zip(ent, ent0):
