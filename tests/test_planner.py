@@ -323,16 +323,19 @@ def test_cli_ok_and_rejected(capsys):
     assert "llama-3-8b" in capsys.readouterr().out
 
 
-def test_planner_refuses_what_the_actor_refuses(capsys):
-    """Context parallel is not implemented in the actor: the config (and so `m2po plan`) says so."""
+def test_planner_takes_context_parallel_and_refuses_what_te_refuses(capsys):
+    """Context parallelism runs in the actor: the config and `m2po plan` take it (optimizer states
+    sharded over dp x cp); packed micro-batches with CP need cp_comm_type=p2p, as TE does."""
     from megatron_m2po.config import ConfigError
 
-    with pytest.raises(ConfigError, match="context_parallel=2: context parallelism is not implemented"):
-        load_config(str(EX / "qwen2.5-32b.yaml"), ["parallel.context_parallel=2"])
+    cfg = load_config(str(EX / "qwen2.5-32b.yaml"), ["parallel.context_parallel=2"])
+    assert cfg.parallel.context_parallel == 2 and cfg.parallel.cp_comm_type == "p2p"
+    with pytest.raises(ConfigError, match="packing=true with parallel.context_parallel=2 needs parallel.cp_comm_type='p2p'"):
+        load_config(str(EX / "qwen2.5-32b.yaml"), ["parallel.context_parallel=2", "parallel.cp_comm_type=all_gather"])
     rc = main(["plan", "--nnodes", "4", "--gpus-per-node", "8", str(EX / "qwen2.5-32b.yaml"),
                "parallel.context_parallel=2"])
     captured = capsys.readouterr()
-    assert rc != 0 and "context parallelism is not implemented" in captured.out + captured.err
+    assert rc == 0 and "dp*cp=4" in captured.out, captured.out + captured.err
 
 
 # ---------------------------------------------------------------------------------------------
