@@ -207,6 +207,7 @@ class MegatronActor:
         # each sequence. Token-level reductions (loss metrics, the global mask) run over DP x CP.
         self.dp_size = ps.get_data_parallel_world_size()
         self.dp_rank = ps.get_data_parallel_rank()
+        self.dp_group = ps.get_data_parallel_group()
         self.dpcp_size = ps.get_data_parallel_world_size(with_context_parallel=True)
         self.dpcp_group = ps.get_data_parallel_group(with_context_parallel=True)
         self.is_last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)
