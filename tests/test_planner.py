@@ -387,6 +387,25 @@ def test_step_time_by_hand_single_gpu():
         assert S.step_time(TOY, P.Layout(), w, 1, cm)[1]["mask"] == pytest.approx(want), (frac, strategy)
 
 
+def test_context_parallel_by_hand():
+    """CP=2 splits each micro-batch's tokens over two GPUs: per-GPU compute equals DP=2's on the
+    same GPUs (same sequences per GPU-pair, half the tokens each), plus the K/V ring: 3 passes
+    (forward, backward K/V and dK/dV) of (cp-1)/cp of the micro-batch's K and V, bf16, per layer;
+    gradients are reduced and optimizer states sharded over dp x cp; the mask is always a pre-pass."""
+    work = S.Workload(sequences=4, seq_len=2048)
+    n_cp, cp = S.step_time(TOY, P.Layout(cp=2, dp=1, distributed_optimizer=True), work, 1, FLAT)
+    n_dp, dp = S.step_time(TOY, P.Layout(cp=1, dp=2, distributed_optimizer=True), work, 1, FLAT)
+    assert (n_cp, n_dp) == (4, 2)
+    assert cp["compute"] == pytest.approx(dp["compute"], rel=1e-12)
+    kv = 2 * TOY.kv_size * 2048 * 2  # K and V of one micro-batch, bf16 bytes
+    assert cp["cp_comm"] == pytest.approx(4 * 3 * 8 * 0.5 * kv / 100e9)
+    assert dp["cp_comm"] == 0 and cp["dp_comm"] == pytest.approx(dp["dp_comm"])
+    assert cp["optimizer"] == pytest.approx(dp["optimizer"])
+    w = dataclasses_replace(work, prepass=True, mask_strategy="auto")
+    cm = dataclasses_replace(FLAT, mask_correction_frac=0.0)
+    assert S.step_time(TOY, P.Layout(cp=2), w, 1, cm)[1]["mask"] > 0 == S.step_time(TOY, P.Layout(), w, 1, cm)[1]["mask"]
+
+
 def test_comm_by_hand_and_tp_beyond_a_node_is_penalised():
     work = S.Workload(sequences=8, seq_len=2048)
     inside = P.Layout(tp=8, dp=2, gpus_per_node=8, sequence_parallel=True, distributed_optimizer=True)
