@@ -128,8 +128,14 @@ class ParallelConfig:
 
     tensor_parallel: int = _f(1, ge=1, help="Tensor (model) parallel size.")
     pipeline_parallel: int = _f(1, ge=1, help="Pipeline parallel size.")
-    context_parallel: int = _f(1, ge=1, help="Context parallel size (only 1 for now: the actor does not split "
-                               "sequences across CP ranks yet).")
+    context_parallel: int = _f(1, ge=1, help="Context parallel size: every sequence is cut into 2 x CP chunks, "
+                               "rank r holding chunks r and 2CP-1-r (Megatron's load-balanced split; sequences are "
+                               "padded to a multiple of 2 x CP, x TP with sequence parallelism).")
+    cp_comm_type: Literal["p2p", "all_gather", "a2a"] = _f(
+        "p2p", help="How Transformer Engine's attention exchanges K/V over the context-parallel group on GPU "
+        "(Megatron's TransformerConfig.cp_comm_type): p2p ring (overlaps compute), all_gather, or a2a "
+        "(Ulysses-style head scatter, needs heads divisible by CP). Packed micro-batches need p2p. The CPU "
+        "layer spec computes the same attention with an all-gather.")
     expert_parallel: int = _f(1, ge=1, help="Expert (model) parallel size, Megatron's expert_model_parallel_size: "
                               "each MoE layer's experts are split over this many ranks of the data-parallel "
                               "dimension (needs an MoE model; the expert count must be a multiple). world size must be "
@@ -451,12 +457,17 @@ class Config:
                 f"(trainer.stale_k + updates per step - 1 = {t.stale_k + t.num_updates_per_step - 1}); raise it")
         if p.sequence_parallel and p.tensor_parallel == 1:
             raise ConfigError("parallel.sequence_parallel=true needs parallel.tensor_parallel > 1")
-        if p.context_parallel > 1:
-            # One rule for config, planner and actor: the M2 mask already reduces over a DP x CP
-            # group, but the actor does not split sequences across CP ranks yet.
-            raise ConfigError(f"parallel.context_parallel={p.context_parallel}: context parallelism is not "
-                              "implemented in the actor yet; use 1 (long sequences: parallel.recompute, "
-                              "parallel.sequence_parallel with tensor_parallel > 1, fewer sequences per micro-batch)")
+        if p.context_parallel > 1 and p.packing and p.cp_comm_type != "p2p":
+            # TE 2.x runs THD (packed) attention with CP on the KV-P2P path only (its
+            # tests/pytorch/attention/test_attention_with_cp.py skips THD for all_gather and a2a).
+            raise ConfigError(f"parallel.packing=true with parallel.context_parallel={p.context_parallel} needs "
+                              f"parallel.cp_comm_type='p2p' (Transformer Engine's packed attention with CP), "
+                              f"got {p.cp_comm_type!r}")
+        if p.expert_parallel > 1 and p.context_parallel > 1:
+            # Neither is tested with the other: the equal micro-batch count MoE needs
+            # (actor/moe_plan.py) is planned over data-parallel replicas, not over DP x CP.
+            raise ConfigError(f"parallel.expert_parallel={p.expert_parallel} with parallel.context_parallel="
+                              f"{p.context_parallel} is not supported yet; use one of the two")
         if p.expert_parallel > 1 and p.tensor_parallel > 1 and not p.sequence_parallel:
             # Megatron's MoELayer.forward refuses to train MoE with TP > 1 without SP, and its
             # ModelParallelConfig warns that EP x TP needs SP.

@@ -11,8 +11,9 @@ CPU cannot hold substituted (each substitution is printed with its reason):
 * the data: the synthetic task instead of the recipe's parquet file (not on this machine), in
   the recipe's prompt template, graded by the recipe's reward;
 * sizes: a few prompts per step with the recipe's number of updates per step, short responses;
-* parallelism: TP=2 x PP=2 over 4 processes, keeping every feature the recipe turns on
-  (sequence parallel, its recompute mode, the distributed optimizer);
+* parallelism: TP=2 x PP=2 over 4 processes (a recipe with context parallelism, or a
+  ``parallel.context_parallel`` given on the command line: TP=2 x CP=2), keeping every feature
+  the recipe turns on (sequence parallel, its recompute mode, the distributed optimizer);
 * staleness: ``stale_k`` scaled to the same number of updates per step but a lag of
   ``LAG_STEPS`` steps instead of ``stale_k / U`` (64 for the 32B recipes), so that staleness
   is actually seen within the rehearsal's steps;
@@ -90,7 +91,7 @@ def find_scripts(config: Path, env: Optional[dict] = None, cwd: Optional[Path] =
                          "set M2PO_SCRIPTS_DIR to the repository's scripts/ directory")
 
 NODES, PROCS_PER_NODE = 2, 2
-TP, PP = 2, 2
+TP, PP, CP = 2, 2, 2
 LAG_STEPS = 2                 # rehearsal stale_k = LAG_STEPS x updates per step
 PROMPTS_PER_UPDATE = 1
 SAMPLES_PER_PROMPT = 4
@@ -151,7 +152,12 @@ def plan(config_path: Path, *, shared: Path, model_dir: str, family: str, steps:
     put("rollout.n_samples_per_prompt", SAMPLES_PER_PROMPT, f"small batch ({cfg.rollout.n_samples_per_prompt})")
     put("rollout.max_new_tokens", MAX_NEW_TOKENS, f"short responses ({cfg.rollout.max_new_tokens})")
     n = NODES * PROCS_PER_NODE
-    pp = PP if p.pipeline_parallel > 1 else 1
+    # context parallelism from the recipe or the command line: TP x CP fills the 4 processes
+    wants_cp = config_from_dict(apply_overrides(config_to_dict(cfg), extra)).parallel.context_parallel > 1
+    extra = [x for x in extra if not x.startswith("parallel.context_parallel=")] if wants_cp else extra
+    if wants_cp:
+        put("parallel.context_parallel", CP, f"{n} processes ({p.context_parallel} in the recipe)")
+    pp = PP if p.pipeline_parallel > 1 and not wants_cp else 1
     if p.tensor_parallel != TP:
         put("parallel.tensor_parallel", TP, f"{n} processes ({p.tensor_parallel} in the recipe)")
     if p.pipeline_parallel != pp:
@@ -539,7 +545,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             print(f"  {x}  # given on the command line")
         print(f"  staleness: {p.stale_k_note}")
         pc = p.cfg.parallel
-        kept = (f"TP={pc.tensor_parallel} PP={pc.pipeline_parallel} sequence_parallel={pc.sequence_parallel} "
+        kept = (f"TP={pc.tensor_parallel} PP={pc.pipeline_parallel}{f' CP={pc.context_parallel}' if pc.context_parallel > 1 else ''} "
+                f"sequence_parallel={pc.sequence_parallel} "
                 f"recompute={pc.recompute} distributed_optimizer={pc.use_distributed_optimizer} "
                 f"packing={pc.packing} max_tokens_per_microbatch={pc.max_tokens_per_microbatch} "
                 f"dtype={p.cfg.model.dtype} loss={p.cfg.algo.loss} launcher={p.cfg.rollout.launcher} "

@@ -66,6 +66,11 @@ def test_cpu_smoke_prints_the_table_and_passes(tmp_path):
     assert [row["check"].split(": ")[1] for row in packed] == ["log-probs", "entropies", "M2PO grad norm"]
     assert all(row["verdict"] == "PASS" for row in packed), packed
     assert "4 seqs in 2 packs of 3/1 seqs (2 padded to a multiple of TP)" in packed[0]["shape"]
+    # row 5: the same at context parallel 2 (sequences padded to 2 x CP, load-balanced chunks)
+    cp = [row for row in rows if row["check"].startswith("actor cpu gloo bf16 CP=2 (load-balanced chunks) packed")]
+    assert [row["check"].split(": ")[1] for row in cp] == ["log-probs", "entropies", "M2PO grad norm"]
+    assert all(row["verdict"] == "PASS" for row in cp), cp
+    assert "padded to a multiple of 2 x CP" in cp[0]["shape"], cp[0]
     assert r.stdout.splitlines()[0].startswith("gpu_check --cpu-smoke: device=cpu")
     # the JSON holds the same rows, with the measured values behind them
     d = json.loads(out_json.read_text())
@@ -232,18 +237,19 @@ def test_cpu_reference_never_loads_the_images_gpu_packages(tmp_path, monkeypatch
 
 
 def test_packed_row_is_refused_by_name_without_two_gpus(monkeypatch, capsys):
-    """On a one-GPU machine row 4 is a SKIP row that says why, and the exit status is 2."""
+    """On a one-GPU machine rows 4 and 5 (CP=2) are SKIP rows that say why, and the exit status is 2."""
     gc = _module()
     assert gc.gpus_refusal(4, "x", 2, 2) is None
     monkeypatch.setattr(gc.torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(gc.torch.cuda, "get_device_name", lambda *a: "NVIDIA H100 80GB HBM3")
-    for found in (1, 0):
-        monkeypatch.setattr(gc.torch.cuda, "device_count", lambda: found)
-        rc = gc.main(["--only", "packed"])
-        rows = gc.parse_table(capsys.readouterr().out)
-        assert rc == 2
-        assert [(r["check"], r["verdict"]) for r in rows] == [("actor packed TP=2+SP vs CPU fp32", "SKIP")]
-        assert rows[0]["result"].startswith(f"refused: row 4 needs 2 GPUs, found {found}"), rows[0]
+    for only, row, check in (("packed", 4, "actor packed TP=2+SP vs CPU fp32"), ("cp", 5, "actor packed CP=2 vs CPU fp32")):
+        for found in (1, 0):
+            monkeypatch.setattr(gc.torch.cuda, "device_count", lambda: found)
+            rc = gc.main(["--only", only])
+            rows = gc.parse_table(capsys.readouterr().out)
+            assert rc == 2
+            assert [(r["check"], r["verdict"]) for r in rows] == [(check, "SKIP")]
+            assert rows[0]["result"].startswith(f"refused: row {row} needs 2 GPUs, found {found}"), rows[0]
 
 
 def test_a_failed_packed_rank_is_reported_with_its_log(tmp_path):

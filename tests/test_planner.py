@@ -323,16 +323,19 @@ def test_cli_ok_and_rejected(capsys):
     assert "llama-3-8b" in capsys.readouterr().out
 
 
-def test_planner_refuses_what_the_actor_refuses(capsys):
-    """Context parallel is not implemented in the actor: the config (and so `m2po plan`) says so."""
+def test_planner_takes_context_parallel_and_refuses_what_te_refuses(capsys):
+    """Context parallelism runs in the actor: the config and `m2po plan` take it (optimizer states
+    sharded over dp x cp); packed micro-batches with CP need cp_comm_type=p2p, as TE does."""
     from megatron_m2po.config import ConfigError
 
-    with pytest.raises(ConfigError, match="context_parallel=2: context parallelism is not implemented"):
-        load_config(str(EX / "qwen2.5-32b.yaml"), ["parallel.context_parallel=2"])
+    cfg = load_config(str(EX / "qwen2.5-32b.yaml"), ["parallel.context_parallel=2"])
+    assert cfg.parallel.context_parallel == 2 and cfg.parallel.cp_comm_type == "p2p"
+    with pytest.raises(ConfigError, match="packing=true with parallel.context_parallel=2 needs parallel.cp_comm_type='p2p'"):
+        load_config(str(EX / "qwen2.5-32b.yaml"), ["parallel.context_parallel=2", "parallel.cp_comm_type=all_gather"])
     rc = main(["plan", "--nnodes", "4", "--gpus-per-node", "8", str(EX / "qwen2.5-32b.yaml"),
                "parallel.context_parallel=2"])
     captured = capsys.readouterr()
-    assert rc != 0 and "context parallelism is not implemented" in captured.out + captured.err
+    assert rc == 0 and "dp*cp=4" in captured.out, captured.out + captured.err
 
 
 # ---------------------------------------------------------------------------------------------
@@ -382,6 +385,25 @@ def test_step_time_by_hand_single_gpu():
         cm = dataclasses_replace(FLAT, mask_correction_frac=frac)
         w = dataclasses_replace(work, prepass=True, response_frac=0.25, mask_strategy=strategy)
         assert S.step_time(TOY, P.Layout(), w, 1, cm)[1]["mask"] == pytest.approx(want), (frac, strategy)
+
+
+def test_context_parallel_by_hand():
+    """CP=2 splits each micro-batch's tokens over two GPUs: per-GPU compute equals DP=2's on the
+    same GPUs (same sequences per GPU-pair, half the tokens each), plus the K/V ring: 3 passes
+    (forward, backward K/V and dK/dV) of (cp-1)/cp of the micro-batch's K and V, bf16, per layer;
+    gradients are reduced and optimizer states sharded over dp x cp; the mask is always a pre-pass."""
+    work = S.Workload(sequences=4, seq_len=2048)
+    n_cp, cp = S.step_time(TOY, P.Layout(cp=2, dp=1, distributed_optimizer=True), work, 1, FLAT)
+    n_dp, dp = S.step_time(TOY, P.Layout(cp=1, dp=2, distributed_optimizer=True), work, 1, FLAT)
+    assert (n_cp, n_dp) == (4, 2)
+    assert cp["compute"] == pytest.approx(dp["compute"], rel=1e-12)
+    kv = 2 * TOY.kv_size * 2048 * 2  # K and V of one micro-batch, bf16 bytes
+    assert cp["cp_comm"] == pytest.approx(4 * 3 * 8 * 0.5 * kv / 100e9)
+    assert dp["cp_comm"] == 0 and cp["dp_comm"] == pytest.approx(dp["dp_comm"])
+    assert cp["optimizer"] == pytest.approx(dp["optimizer"])
+    w = dataclasses_replace(work, prepass=True, mask_strategy="auto")
+    cm = dataclasses_replace(FLAT, mask_correction_frac=0.0)
+    assert S.step_time(TOY, P.Layout(cp=2), w, 1, cm)[1]["mask"] > 0 == S.step_time(TOY, P.Layout(), w, 1, cm)[1]["mask"]
 
 
 def test_comm_by_hand_and_tp_beyond_a_node_is_penalised():

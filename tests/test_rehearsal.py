@@ -95,3 +95,17 @@ def test_rehearsal_plan_keeps_the_recipe_and_names_each_substitution(tmp_path):
         assert c.store.max_staleness == 3 * U - 1
         assert Path(c.trainer.run_dir).is_absolute() and Path(c.trainer.run_dir).parent == tmp_path / "shared"
         assert all(why for _, why in p.overrides.values())
+
+
+def test_rehearsal_plan_with_context_parallel(tmp_path):
+    """A recipe rehearsed with context parallelism runs TP=2 x CP=2 over the 4 processes (PP=1),
+    the recipe's other features kept; the CP size is named as a substitution."""
+    path = ROOT / "examples" / "qwen2.5-32b.yaml"
+    recipe = load_config(path)
+    p = plan(path, shared=tmp_path / "shared", model_dir="/tiny", family="qwen2", steps=8, kill_after=4,
+             extra=["parallel.context_parallel=4"], router_addr="http://127.0.0.1:1")
+    c = p.cfg.parallel
+    assert (c.tensor_parallel, c.pipeline_parallel, c.context_parallel) == (2, 1, 2)
+    assert (c.sequence_parallel, c.packing, c.cp_comm_type) == (recipe.parallel.sequence_parallel,
+                                                                recipe.parallel.packing, "p2p")
+    assert "parallel.context_parallel" in p.overrides and p.overrides["parallel.context_parallel"][1]

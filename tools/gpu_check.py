@@ -61,11 +61,18 @@ It prints one table, a row per claim:
    and the M2PO gradient norm. Needs 2 GPUs: with fewer the row is refused by name
    ("row 4 needs 2 GPUs, found K") and the exit status is 2.
 
+5. **context parallel 2** -- row 4's machinery at ``parallel.context_parallel=2`` (TP=1): every
+   packed sequence padded to a multiple of 2 x CP and split into Megatron's load-balanced chunks
+   (rank r holds chunks r and 3 - r), Transformer Engine's CP attention over the pair with
+   ``cp_comm_type=p2p`` (on CPU: ``actor/attention.py`` ``cp_causal_attention``), RoPE at the
+   chunks' original positions, log-probs and loss on each rank's own tokens; against row 1's
+   CPU fp32 reference with row 1's tolerance. Needs 2 GPUs, refused by name otherwise.
+
 ``--cpu-smoke`` runs the same code at tiny shapes on CPU (CUDA hidden and the GPU-only packages
 blocked in every process, so it runs the same in the NGC image): row 1 compares CPU bf16 with the
 CPU fp32 reference (same tolerance), row 2 checks agreement and time (the memory column needs the
 CUDA allocator: skipped, with the reason), row 3 measures tokens/s (no MFU: no CPU peak), row 4
-runs its two ranks on gloo with Megatron's local layer spec and the actor's packed attention
+runs its two ranks on gloo with Megatron's local layer spec and the actor's packed attention (row 5: its CP attention)
 (``actor/attention.py``). It proves that the table, the comparisons and the two-rank launch run,
 not any GPU claim.
 
@@ -101,12 +108,12 @@ from gpu_checks.logprobs import LOGPROB_AGREE, measure_logprob, row_logprobs  # 
 from gpu_checks.models import actor_outputs, make_batch, make_random_qwen2  # noqa: E402,F401
 from gpu_checks.numerics import (GRAD_NORM_TOL, MAX_TOL, RMS_TOL, _reference_worker, compare,  # noqa: E402,F401
                                  comparison_rows, row_actor_numerics, start_reference)
-from gpu_checks.packed import (PACKED_CHECK, _packed_rank_worker, gpus_refusal, row_packed_tp_sp,  # noqa: E402,F401
-                               run_packed_ranks)
+from gpu_checks.packed import (CP_CHECK, PACKED_CHECK, _packed_rank_worker, gpus_refusal, row_cp,  # noqa: E402,F401
+                               row_packed_tp_sp, run_packed_ranks)
 from gpu_checks.report import COLUMNS, Row, format_table, guarded, parse_table  # noqa: E402,F401
 from gpu_checks.throughput import row_throughput, train_flops  # noqa: E402,F401
 
-ROWS = {"numerics": 1, "logprobs": 2, "throughput": 3, "packed": 4}  # --only names -> row numbers (docstring)
+ROWS = {"numerics": 1, "logprobs": 2, "throughput": 3, "packed": 4, "cp": 5}  # --only names -> row numbers (docstring)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -120,7 +127,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--only", nargs="+", choices=list(ROWS), default=list(ROWS),
                     help="run only these rows (" + ", ".join(f"{k}: row {v}" for k, v in ROWS.items()) + ")")
     ap.add_argument("--_reference", nargs=3, metavar=("HF_DIR", "BATCH_JSON", "OUT_NPZ"), help=argparse.SUPPRESS)
-    ap.add_argument("--_packed_rank", nargs=4, metavar=("HF_DIR", "BATCH_JSON", "OUT_NPZ", "SMOKE"),
+    ap.add_argument("--_packed_rank", nargs=5, metavar=("HF_DIR", "BATCH_JSON", "OUT_NPZ", "SMOKE", "WHICH"),
                     help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a._reference:
@@ -169,6 +176,11 @@ def main(argv: Optional[list[str]] = None) -> int:
                 rows.append(Row(PACKED_CHECK, "-", f"skipped: {', '.join(missing)} missing", "-", "SKIP"))
             else:
                 rows += guarded(PACKED_CHECK, row_packed_tp_sp, a.cpu_smoke, work)
+        if "cp" in a.only:
+            if missing:
+                rows.append(Row(CP_CHECK, "-", f"skipped: {', '.join(missing)} missing", "-", "SKIP"))
+            else:
+                rows += guarded(CP_CHECK, row_cp, a.cpu_smoke, work)
     print(format_table(rows, header), flush=True)
     if missing:
         print("\n" + install_message(missing), file=sys.stderr)

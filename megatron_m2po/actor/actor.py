@@ -38,8 +38,15 @@ One optimizer update (``_update``), docs/design.md §3:
 3. Megatron's optimizer step (Adam, grad clipping, optional distributed optimizer), the LR
    scheduler, ``version += 1``.
 
-Context parallelism is not implemented in the actor yet (``ValueError``); the local layer spec
-has no CP attention either.
+Context parallelism (``parallel.context_parallel``, docs/design.md): every micro-batch is built
+whole, padded to ``batch.cp_pad_multiple``, then cut with Megatron's load-balanced split
+(``batch.cp_split``: each sequence in ``2 x CP`` chunks, rank ``r`` holding chunks ``r`` and
+``2 CP - 1 - r``). Each CP rank computes log-probs, entropy, mask inputs and loss terms of the
+response tokens whose predicting row it holds, each token keeping its canonical ``token_index``;
+the loss denominator is the global count, metrics and the M2 mask reduce over DP x CP, and
+Megatron's DDP sums gradients over DP x CP, so results equal CP=1. Attention: TE with the CP group
+and ``parallel.cp_comm_type`` on GPU, ``attention.cp_causal_attention`` (TE's all-gather
+algorithm over gloo) on the CPU layer spec.
 """
 
 from __future__ import annotations
@@ -54,8 +61,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_m2po.actor.batch import (BatchPlan, MicroBatch, RolloutBatch, ShardedBatch, balanced_shards, dp_shard,
-                                       group_microbatches, make_microbatches)
+from megatron_m2po.actor.batch import (BatchPlan, MicroBatch, RolloutBatch, ShardedBatch, balanced_shards, cp_pad_multiple,
+                                       cp_split, dp_shard, group_microbatches, make_microbatches)
 from megatron_m2po.actor.global_mask import GlobalMask, TokenRecord
 from megatron_m2po.config import AlgoConfig, Config, ModelConfig, OptimConfig, ParallelConfig
 from megatron_m2po.utils.timing import TIMER
@@ -103,9 +110,6 @@ def init_parallel(p: ParallelConfig, seed: int) -> bool:
         from megatron_m2po.utils.standin import load_standin
 
         load_standin("cpu_platform").enable()
-    if p.context_parallel > 1:
-        raise ValueError(f"parallel.context_parallel={p.context_parallel}: context parallelism is not implemented "
-                         "in the actor yet; use tensor / pipeline / data parallelism")
     backend = p.backend if p.backend != "auto" else ("nccl" if cuda else "gloo")
     created = False
     if not dist.is_initialized():
@@ -203,9 +207,15 @@ class MegatronActor:
         self.tp_group = ps.get_tensor_model_parallel_group()
         self.pp_size = ps.get_pipeline_model_parallel_world_size()
         self.pp_group = ps.get_pipeline_model_parallel_group()
-        self.dp_size = ps.get_data_parallel_world_size(with_context_parallel=True)
-        self.dp_rank = ps.get_data_parallel_rank(with_context_parallel=True)
-        self.dp_group = ps.get_data_parallel_group(with_context_parallel=True)
+        self.cp_size = ps.get_context_parallel_world_size()
+        self.cp_rank = ps.get_context_parallel_rank()
+        # Samples are sharded over data-parallel replicas (dp_*); the CP ranks of a replica split
+        # each sequence. Token-level reductions (loss metrics, the global mask) run over DP x CP.
+        self.dp_size = ps.get_data_parallel_world_size()
+        self.dp_rank = ps.get_data_parallel_rank()
+        self.dp_group = ps.get_data_parallel_group()
+        self.dpcp_size = ps.get_data_parallel_world_size(with_context_parallel=True)
+        self.dpcp_group = ps.get_data_parallel_group(with_context_parallel=True)
         self.is_last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)
         self.last_stage_rank = ps.get_pipeline_model_parallel_last_rank()
         self.vocab_size = int(bridge.hf_config.vocab_size)
@@ -301,14 +311,11 @@ class MegatronActor:
         """This rank's micro-batches of ``samples[i] for i in indices`` (packed or padded; by count
         or by token budget, ``parallel.max_tokens_per_microbatch``)."""
         p = self.cfg.parallel
-        # Sequence parallelism scatters the sequence dimension over TP ranks (Megatron asserts it
-        # divides evenly): pad rows to a multiple of TP. Padding sits right of every sequence
-        # (packed: one pseudo-sequence at the end) and is never a predicting row, so it reaches no
-        # log-prob, mask, loss or token count.
-        pad = p.tensor_parallel if p.sequence_parallel else 1
+        pad, seq_pad = self.pad_multiples()
         lengths = plan.lengths.tolist() if plan is not None else [s.length for s in samples]
         groups = group_microbatches(lengths, indices, micro_batch_size=p.micro_batch_size,
-                                    max_tokens=p.max_tokens_per_microbatch, packing=p.packing, pad_multiple=pad)
+                                    max_tokens=p.max_tokens_per_microbatch, packing=p.packing, pad_multiple=pad,
+                                    seq_multiple=seq_pad)
         if p.expert_parallel > 1:  # MoE all-to-alls: the same micro-batch count on every data-parallel rank
             from megatron_m2po.actor.moe_plan import same_microbatch_count
 
@@ -319,9 +326,31 @@ class MegatronActor:
             n = torch.tensor([len(groups), -len(groups)], dtype=torch.int64, device=self.device)
             dist.all_reduce(n, op=dist.ReduceOp.MAX, group=self.pp_group)
             assert int(n[0]) == -int(n[1]) == len(groups), "pipeline stages disagree on the micro-batch count"
-        mbs = make_microbatches(samples, groups, pad_multiple=pad, packing=p.packing,
-                                response_lengths=None if plan is None else plan.response_lengths)
-        return self._to_device(mbs)
+        return self.make_microbatches(samples, groups, None if plan is None else plan.response_lengths)
+
+    def pad_multiples(self) -> tuple[int, int]:
+        """``(pad_multiple, seq_multiple)`` for ``batch.make_microbatches``.
+
+        Sequence parallelism scatters the sequence dimension over TP ranks (Megatron asserts it
+        divides evenly): rows are padded to a multiple of TP. Context parallelism cuts every
+        sequence into ``2 CP`` chunks (``batch.cp_pad_multiple``): a padded row, or each packed
+        sequence, is padded to a multiple of ``2 CP`` (``x TP`` with SP). Padding sits right of
+        every sequence (packed without CP: one pseudo-sequence at the end) and is never a
+        predicting row, so it reaches no log-prob, mask, loss or token count."""
+        p = self.cfg.parallel
+        tp = p.tensor_parallel if p.sequence_parallel else 1
+        cp = cp_pad_multiple(self.cp_size, p.tensor_parallel, p.sequence_parallel)
+        if p.packing:
+            return tp, cp
+        return (cp if self.cp_size > 1 else tp), 1
+
+    def make_microbatches(self, samples, groups: list[list[int]], response_lengths=None) -> list[MicroBatch]:
+        """``batch.make_microbatches`` with this layout's padding, cut to this CP rank's part
+        (``batch.cp_split``), on the device."""
+        pad, seq_pad = self.pad_multiples()
+        mbs = make_microbatches(samples, groups, pad_multiple=pad, packing=self.cfg.parallel.packing,
+                                response_lengths=response_lengths, seq_multiple=seq_pad)
+        return self._to_device([cp_split(mb, self.cp_size, self.cp_rank) for mb in mbs])
 
     def _to_device(self, mbs: list[MicroBatch]) -> list[MicroBatch]:
         for mb in mbs:
@@ -371,7 +400,8 @@ class MegatronActor:
         return get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=iters,
             model=self.model if len(self.model) > 1 else self.model[0], num_microbatches=len(mbs),
-            seq_length=max(mb.tokens.shape[1] for mb in mbs), micro_batch_size=max(mb.tokens.shape[0] for mb in mbs),
+            # the whole sequence length: Megatron divides it by CP (schedules.get_tensor_shapes)
+            seq_length=max(mb.tokens.shape[1] for mb in mbs) * self.cp_size, micro_batch_size=max(mb.tokens.shape[0] for mb in mbs),
             forward_only=forward_only)
 
     def _forward_logprobs(self, mbs: list[MicroBatch], with_entropy: bool) -> list[dict]:
@@ -383,19 +413,18 @@ class MegatronActor:
         with torch.no_grad():
             return self._run(mbs, loss_fn, forward_only=True)
 
-    def _gather_to_all(self, samples: list, shard_values: list[torch.Tensor], order: list[int]) -> torch.Tensor:
+    def _gather_to_all(self, samples: list, shard_values: list[torch.Tensor], mbs: list[MicroBatch]) -> torch.Tensor:
         """Flat per-token values of all samples on every rank: one SUM all-reduce over the world.
 
-        ``shard_values`` are this rank's micro-batch outputs, whose tokens belong to the samples
-        ``order`` (micro-batch order). Exactly one rank (last stage, TP rank 0) writes each
-        value; all other entries are 0.
+        ``shard_values`` are this rank's micro-batch outputs for the tokens of ``mbs`` (with
+        context parallelism, the tokens this CP rank predicts), placed by their canonical
+        ``token_index``. Exactly one rank (last stage, TP rank 0, the token's DP and CP rank)
+        writes each value; all other entries are 0.
         """
-        lengths = [s.response_ids.shape[0] for s in samples]
-        offsets = np.concatenate([[0], np.cumsum(lengths)])
-        buf = torch.zeros(int(offsets[-1]), dtype=torch.float32, device=self.device)
-        if self.is_last_stage and self.tp_rank == 0 and order:
-            where = torch.from_numpy(np.concatenate([np.arange(offsets[i], offsets[i + 1]) for i in order]))
-            buf[where.to(self.device)] = torch.cat(shard_values).float()
+        total = int(sum(s.response_ids.shape[0] for s in samples))
+        buf = torch.zeros(total, dtype=torch.float32, device=self.device)
+        if self.is_last_stage and self.tp_rank == 0 and mbs:
+            buf[torch.cat([mb.token_index for mb in mbs])] = torch.cat(shard_values).float()
         dist.all_reduce(buf)
         return buf
 
@@ -412,9 +441,8 @@ class MegatronActor:
             return ([], []) if with_entropy else []
         mbs = self._microbatches(samples, self._shards(samples)[self.dp_rank])
         outs = self._forward_logprobs(mbs, with_entropy) if mbs else []
-        order = [i for mb in mbs for i in mb.sample_index]
-        lp = self._gather_to_all(samples, [o["logp"] for o in outs], order)
-        ent = self._gather_to_all(samples, [o["entropy"] for o in outs], order) if with_entropy else None
+        lp = self._gather_to_all(samples, [o["logp"] for o in outs], mbs)
+        ent = self._gather_to_all(samples, [o["entropy"] for o in outs], mbs) if with_entropy else None
         lengths = np.cumsum([0] + [s.response_ids.shape[0] for s in samples])
         split = lambda t: [t[lengths[i]:lengths[i + 1]].cpu().numpy() for i in range(len(samples))]  # noqa: E731
         return (split(lp), split(ent)) if with_entropy else split(lp)
@@ -443,6 +471,9 @@ class MegatronActor:
 
         spec = resolve_loss(self.cfg.algo)
         settings = loss_settings(spec, self.cfg.algo)
+        if self.cp_size > 1 and spec.needs_seq_index:
+            raise ValueError(f"algo.loss={spec.name!r} needs whole sequences on one rank, but "
+                             f"parallel.context_parallel={self.cp_size} splits them; use context_parallel=1")
         if len(plan) < self.dp_size:
             raise ValueError(f"an optimizer mini-batch of {len(plan)} samples cannot be split over "
                              f"{self.dp_size} data-parallel ranks; use at least {self.dp_size} samples per update")
@@ -554,7 +585,7 @@ class MegatronActor:
 
         out: dict[str, float] = {}
         if self.is_last_stage:
-            out = reduce_metrics(records, group=self.dp_group if self.dp_size > 1 else None)
+            out = reduce_metrics(records, group=self.dpcp_group if self.dpcp_size > 1 else None)
             out.update(prepass_metrics)
         if self.pp_size > 1:
             obj = [out]

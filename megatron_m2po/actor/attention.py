@@ -35,7 +35,8 @@ import torch
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 
-__all__ = ["PackedDotProductAttention", "block_causal_mask", "install_thd_rope", "length_groups", "thd_to_padded_index"]
+__all__ = ["PackedDotProductAttention", "block_causal_mask", "cp_causal_attention", "install_thd_rope", "length_groups",
+           "thd_to_padded_index"]
 
 
 def block_causal_mask(cu_seqlens: torch.Tensor) -> torch.Tensor:
@@ -112,10 +113,109 @@ class _PackedAttentionPlan:
             self.inverse[cat] = torch.arange(cat.numel(), device=device)
 
 
+class _GatherCP(torch.autograd.Function):
+    """All-gather along a new first dimension over the CP group; backward: the sum of every rank's
+    gradient of the gathered tensor, this rank's slice (TE reduce-scatters dK / dV; gloo has no
+    reduce-scatter, so all-reduce and slice: the same values)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(group.size())]
+        torch.distributed.all_gather(parts, x, group=group)
+        return torch.stack(parts)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        torch.distributed.all_reduce(grad, group=ctx.group)
+        return grad[ctx.group.rank()], None
+
+
+def cp_causal_attention(query, key, value, cu_seqlens: list[int], group, scale: float) -> torch.Tensor:
+    """Causal attention of packed, context-parallel sequences, the algorithm of TE's
+    ``AttnFuncWithCPAndKVAllGather`` (``transformer_engine/pytorch/attention/dot_product_attention/
+    context_parallel.py``): all-gather K and V over the CP group, put each sequence's ``2 CP``
+    chunks back in order, and let each of this rank's two query chunks ``i`` (``r`` and
+    ``2 CP - 1 - r``, :func:`~megatron_m2po.actor.batch.cp_local_rows`) attend to the keys of
+    chunks ``0..i``, causally aligned at the bottom right (query position ``i c + a`` sees key
+    positions ``<= i c + a``). Backward sums dK / dV over the group (TE: reduce-scatter).
+
+    ``query`` ``[t, heads, d]`` and ``key`` / ``value`` ``[t, groups, d]`` hold this rank's rows
+    (its part of every sequence, in order); ``cu_seqlens`` are the *global* padded bounds (each
+    length a multiple of ``2 CP``). Returns ``[t, heads * d]``. The softmax runs over exactly the
+    keys it runs over without CP, so the result equals CP=1 up to summation order. On GPU TE's
+    kernels compute the same with the group's ``cp_comm_type`` (p2p ring, all-gather or a2a)."""
+    cp, r = group.size(), group.rank()
+    rep = query.shape[1] // key.shape[1]
+    k_all, v_all = _GatherCP.apply(key, group), _GatherCP.apply(value, group)  # [cp, t, groups, d]
+    outs = []
+    for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:]):
+        c = (b - a) // (2 * cp)
+        off = a // cp  # this sequence's first local row on every rank
+
+        def whole(x_all):  # [L, groups, d]: chunk j is rank j's first chunk or rank 2cp-1-j's second
+            return torch.cat([x_all[j, off:off + c] if j < cp else x_all[2 * cp - 1 - j, off + c:off + 2 * c]
+                              for j in range(2 * cp)])
+
+        k_s, v_s = whole(k_all), whole(v_all)
+        if rep > 1:
+            k_s, v_s = k_s.repeat_interleave(rep, dim=1), v_s.repeat_interleave(rep, dim=1)
+        for half, i in enumerate((r, 2 * cp - 1 - r)):
+            q = query[off + half * c:off + (half + 1) * c]
+            n_keys = (i + 1) * c
+            allowed = torch.arange(n_keys, device=q.device)[None, :] <= (i * c + torch.arange(c, device=q.device))[:, None]
+            out = torch.nn.functional.scaled_dot_product_attention(
+                q.transpose(0, 1), k_s[:n_keys].transpose(0, 1), v_s[:n_keys].transpose(0, 1), attn_mask=allowed,
+                scale=scale)
+            outs.append(out.transpose(0, 1).reshape(c, -1))
+    return torch.cat(outs)
+
+
 class PackedDotProductAttention(DotProductAttention):
     """``DotProductAttention`` that also accepts ``packed_seq_params`` with ``qkv_format="thd"``
     (module docstring). Query / key / value come as ``[t, heads, head_dim]``; returns
-    ``[t, heads * head_dim]`` like TE's THD attention."""
+    ``[t, heads * head_dim]`` like TE's THD attention.
+
+    With context parallelism (Megatron's local class asserts CP = 1: "only supported by
+    TEDotProductAttention") attention runs :func:`cp_causal_attention` over the CP group of
+    ``pg_collection`` for padded and packed micro-batches alike (a padded row is one sequence)."""
+
+    def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
+                 softmax_scale=None, cp_comm_type=None, pg_collection=None):
+        import copy
+
+        cp = config.context_parallel_size
+        parent_config = config
+        if cp > 1:  # the parent's CP assert is about its own kernel; CP attention is this class's job
+            parent_config = copy.copy(config)
+            parent_config.context_parallel_size = 1
+        super().__init__(parent_config, layer_number, attn_mask_type, attention_type,
+                         attention_dropout=attention_dropout, softmax_scale=softmax_scale,
+                         cp_comm_type=cp_comm_type, pg_collection=pg_collection)
+        self.config = config
+        self.cp_group = None
+        if cp > 1:
+            from megatron.core import parallel_state as ps
+
+            self.cp_group = getattr(pg_collection, "cp", None) or ps.get_context_parallel_group()
+            if self.config.window_size is not None or self.softmax_offset is not None or \
+                    config.apply_query_key_layer_scaling or (attention_dropout or config.attention_dropout) > 0:
+                raise ValueError("context parallelism on the CPU layer spec supports plain causal attention only "
+                                 "(no attention dropout, sliding window, softmax offset or query-key layer scaling)")
+
+    def _cp_forward(self, query, key, value, packed_seq_params):
+        if self.attn_mask_type != AttnMaskType.causal:
+            raise ValueError(f"context parallelism needs causal attention, got {self.attn_mask_type}")
+        if packed_seq_params is not None:
+            return cp_causal_attention(query, key, value, packed_seq_params.cu_seqlens_q.tolist(), self.cp_group,
+                                       self.softmax_scale)
+        s, b = query.shape[0], query.shape[1]  # padded [s, b, heads, d]: every row one sequence of s x CP
+        flat = lambda x: x.transpose(0, 1).reshape(b * s, x.shape[2], x.shape[3])  # noqa: E731
+        cu = [k * s * self.cp_group.size() for k in range(b + 1)]
+        out = cp_causal_attention(flat(query), flat(key), flat(value), cu, self.cp_group, self.softmax_scale)
+        return out.reshape(b, s, -1).transpose(0, 1)
 
     def fused_causal_ok(self, query) -> bool:
         """Whether :meth:`causal_attention` computes exactly what the parent would: causal
@@ -143,6 +243,10 @@ class PackedDotProductAttention(DotProductAttention):
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
+        if self.cp_group is not None and self.cp_group.size() > 1:
+            if attention_mask is not None or attention_bias is not None:
+                raise ValueError("context parallelism on the CPU layer spec takes no attention mask or bias")
+            return self._cp_forward(query, key, value, packed_seq_params)
         fused = attention_mask is None and attention_bias is None and self.fused_causal_ok(query)
         if packed_seq_params is None:
             if fused:

@@ -179,16 +179,18 @@ def dp_shard(n: int, dp_size: int, dp_rank: int) -> range:
     return range(start, start + base + (1 if dp_rank < extra else 0))
 
 
-def _rows(lengths: list[int], packing: bool, pad_multiple: int) -> int:
-    """Token rows a micro-batch of these sequences occupies (packed: the sum; padded: B x longest),
-    rounded up to ``pad_multiple``."""
+def _rows(lengths: list[int], packing: bool, pad_multiple: int, seq_multiple: int = 1) -> int:
+    """Token rows a micro-batch of these sequences occupies (packed: the sum of the lengths, each
+    rounded up to ``seq_multiple``; padded: B x longest), rounded up to ``pad_multiple``."""
     if packing:
-        return -(-sum(lengths) // pad_multiple) * pad_multiple
+        total = sum(-(-n // seq_multiple) * seq_multiple for n in lengths)
+        return -(-total // pad_multiple) * pad_multiple
     return len(lengths) * (-(-max(lengths) // pad_multiple) * pad_multiple)
 
 
 def group_microbatches(lengths: list[int], indices: list[int], *, micro_batch_size: int,
-                       max_tokens: Optional[int], packing: bool, pad_multiple: int = 1) -> list[list[int]]:
+                       max_tokens: Optional[int], packing: bool, pad_multiple: int = 1,
+                       seq_multiple: int = 1) -> list[list[int]]:
     """The micro-batch plan of one shard: lists of indices into ``lengths``.
 
     Without ``max_tokens``: ``micro_batch_size`` consecutive sequences each. With it: token
@@ -206,7 +208,7 @@ def group_microbatches(lengths: list[int], indices: list[int], *, micro_batch_si
     groups: list[list[int]] = []
     for i in order:
         for g in groups:
-            if _rows([lengths[j] for j in g] + [lengths[i]], packing, pad_multiple) <= max_tokens:
+            if _rows([lengths[j] for j in g] + [lengths[i]], packing, pad_multiple, seq_multiple) <= max_tokens:
                 g.append(i)
                 break
         else:
@@ -275,9 +277,11 @@ def _check_sample(s: Sample) -> None:
 
 
 def make_microbatches(samples, groups: list[list[int]], *, pad_multiple: int = 1, packing: bool = False,
-                      response_lengths=None) -> list[MicroBatch]:
+                      response_lengths=None, seq_multiple: int = 1) -> list[MicroBatch]:
     """One :class:`MicroBatch` per group of mini-batch indices (see :func:`group_microbatches`),
-    packed or right-padded, with the length rounded up to ``pad_multiple``.
+    packed or right-padded, with the length rounded up to ``pad_multiple``. Packed, every sequence
+    is also padded on its right to a multiple of ``seq_multiple`` (context parallelism, see
+    :func:`cp_pad_multiple`); the padding belongs to its sequence in ``cu_seqlens``.
 
     ``samples`` is the mini-batch's list of samples, or a mapping from index to sample holding
     at least the grouped ones together with ``response_lengths`` of the whole mini-batch (for the
@@ -293,10 +297,10 @@ def make_microbatches(samples, groups: list[list[int]], *, pad_multiple: int = 1
         row_pos, row_seq, seq_index, tok_index = [], [], [], []
         cu_seqlens, max_seqlen = None, 0
         if packing:
-            total = _rows(lengths, True, pad_multiple)
+            total = _rows(lengths, True, pad_multiple, seq_multiple)
             tokens = np.zeros((1, total), np.int64)
             positions = np.zeros((1, total), np.int64)
-            starts = np.concatenate([[0], np.cumsum(lengths)])
+            starts = np.concatenate([[0], np.cumsum([-(-n // seq_multiple) * seq_multiple for n in lengths])])
             bounds = list(starts) + ([total] if total > starts[-1] else [])
             cu_seqlens = torch.tensor(bounds, dtype=torch.int32)
             max_seqlen = int(max(np.diff(bounds)))
@@ -335,3 +339,78 @@ def make_microbatches(samples, groups: list[list[int]], *, pad_multiple: int = 1
             max_seqlen=max_seqlen,
         ))
     return out
+
+
+# --------------------------------------------------------------------------------------------
+# Context parallelism: Megatron's load-balanced split of each sequence over the CP ranks
+# --------------------------------------------------------------------------------------------
+
+
+def cp_pad_multiple(cp_size: int, tp_size: int, sequence_parallel: bool) -> int:
+    """What each sequence (packed) or the row length (padded) is padded to under context parallelism.
+
+    Every sequence is cut into ``2 x CP`` equal chunks (below), and with sequence parallelism each
+    rank's ``2`` chunks are scattered over the TP ranks again: ``2 CP`` (``x TP`` with SP), the
+    rule of TE's THD kernels (``cu_seqlens_padded`` divisible by ``2 CP``) and of Megatron-LM's
+    packed-sequence batches with CP and SP. ``1`` without CP (no per-sequence padding)."""
+    if cp_size == 1:
+        return 1
+    return 2 * cp_size * (tp_size if sequence_parallel else 1)
+
+
+def cp_local_rows(lengths: np.ndarray, cp_size: int, cp_rank: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(global, position)``: the rows a CP rank holds of sequences of ``lengths`` (each a
+    multiple of ``2 CP``) laid end to end, in its local order, and each row's position within
+    its sequence.
+
+    Megatron's load-balanced split (``megatron/core/utils.py`` ``get_batch_on_this_cp_rank``;
+    for THD, TE's ``thd_get_partitioned_indices``): a sequence of ``L`` tokens is cut into
+    ``2 CP`` chunks of ``L / (2 CP)``; rank ``r`` holds chunk ``r`` then chunk ``2 CP - 1 - r``
+    (causal attention then costs every rank the same). Packed, each sequence is split on its
+    own and rank ``r``'s part of sequence ``s`` starts at local row ``cu_seqlens[s] / CP``."""
+    glob, pos = [], []
+    start = 0
+    for n in (int(x) for x in lengths):
+        if n % (2 * cp_size):
+            raise AssertionError(f"sequence of {n} rows is not padded to a multiple of 2 x CP = {2 * cp_size}")
+        c = n // (2 * cp_size)
+        for k in (cp_rank, 2 * cp_size - 1 - cp_rank):
+            glob.append(start + np.arange(k * c, (k + 1) * c))
+            pos.append(np.arange(k * c, (k + 1) * c))
+        start += n
+    if not glob:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    return np.concatenate(glob).astype(np.int64), np.concatenate(pos).astype(np.int64)
+
+
+def cp_split(mb: MicroBatch, cp_size: int, cp_rank: int) -> MicroBatch:
+    """The part of a whole micro-batch (from :func:`make_microbatches`, padded to
+    :func:`cp_pad_multiple`) that CP rank ``cp_rank`` processes (:func:`cp_local_rows`).
+
+    ``tokens`` / ``position_ids`` keep the rank's rows (padded: ``[B, S / CP]``; packed:
+    ``[1, T / CP]``), ``position_ids`` holding each row's *original* position (RoPE rotates by
+    it: Megatron's ``get_pos_emb_on_this_cp_rank`` / ``_get_thd_freqs_on_this_cp_rank`` pick the
+    same positions). ``cu_seqlens`` / ``max_seqlen`` stay global (the padded whole sequences, as
+    TE and Megatron's THD RoPE expect them under CP). The per-token fields keep only the response
+    tokens whose predicting row is local, with ``row_pos`` made local; ``token_index`` (the
+    canonical order key of the global mask) and ``seq_index`` are those of the whole micro-batch,
+    so every token appears on exactly one CP rank with its original key."""
+    if cp_size == 1:
+        return mb
+    s = mb.tokens.shape[1]
+    # packed: every sequence of the pack is split; padded: every row alike (one "sequence" of S)
+    lengths = np.diff(mb.cu_seqlens.cpu().numpy().astype(np.int64)) if mb.cu_seqlens is not None else np.array([s])
+    glob, _ = cp_local_rows(lengths, cp_size, cp_rank)
+    index = torch.from_numpy(glob).to(mb.tokens.device)
+    tokens, positions = mb.tokens[:, index], mb.position_ids[:, index]
+    local_of = np.full(s, -1, np.int64)  # global row -> local row (-1: another CP rank's)
+    local_of[glob] = np.arange(glob.shape[0])
+    local = torch.from_numpy(local_of)[mb.row_pos.cpu()]
+    keep = local >= 0
+    pick = lambda t: None if t is None else t[keep.to(t.device)]  # noqa: E731
+    return MicroBatch(
+        tokens=tokens, position_ids=positions, row_pos=local[keep].to(mb.row_pos.device), row_seq=pick(mb.row_seq),
+        targets=pick(mb.targets), behav_logprobs=pick(mb.behav_logprobs), advantages=pick(mb.advantages),
+        loss_mask=pick(mb.loss_mask), engine_logprobs=pick(mb.engine_logprobs), seq_index=pick(mb.seq_index),
+        token_index=pick(mb.token_index), sample_index=list(mb.sample_index), cu_seqlens=mb.cu_seqlens,
+        max_seqlen=mb.max_seqlen)

@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megatron_m2po.actor.batch import BatchPlan, MicroBatch, group_microbatches, make_microbatches
+from megatron_m2po.actor.batch import BatchPlan, MicroBatch, group_microbatches
 
 __all__ = ["TokenRecord", "GlobalMask"]
 
@@ -75,6 +75,14 @@ class GlobalMask:
         a = self.actor
         if a.cfg.parallel.expert_parallel > 1:  # a correction runs on some data-parallel ranks only, and
             return "prepass"                     # every MoE forward is an all-to-all over all of them
+        if a.cp_size > 1:
+            # The correction re-runs the changed sequences cut after their last changed token; under
+            # CP that cut must be agreed by the CP ranks, which each see part of a sequence's tokens
+            # (not implemented): the pre-pass takes the same mask.
+            if configured == "correct":
+                raise ValueError(f"algo.m2po.mask_strategy='correct' is not supported with parallel.context_parallel="
+                                 f"{a.cp_size}; use 'prepass' (or 'auto', which then takes the pre-pass)")
+            return "prepass"
         m = a.cfg.model
         return choose_strategy(configured, a._mask_hint, recompute=a.cfg.parallel.recompute,
                                dropout=m.attention_dropout > 0 or m.hidden_dropout > 0)
@@ -117,7 +125,7 @@ class GlobalMask:
         order = torch.cat([mb.token_index for mb in mbs])
         keep, metrics = spec.token_mask(
             torch.cat(deltas), torch.cat([mb.advantages for mb in mbs]), torch.cat([mb.loss_mask for mb in mbs]),
-            order_key=order, group=a.dp_group if a.dp_size > 1 else None, settings=settings)
+            order_key=order, group=a.dpcp_group if a.dpcp_size > 1 else None, settings=settings)
         return list(torch.split(keep, [mb.num_tokens for mb in mbs])), {k: float(m.value) for k, m in metrics.items()}
 
     def stats(self, mbs: list[MicroBatch], guess: list[torch.Tensor], keeps: list[torch.Tensor], plan: BatchPlan,
@@ -169,19 +177,19 @@ class GlobalMask:
         if not cut:
             return metrics
         p = a.cfg.parallel
-        pad = p.tensor_parallel if p.sequence_parallel else 1
+        pad, seq_pad = a.pad_multiples()
         short = {i: truncate(samples[i], r) for i, r in cut.items()}
         lengths = plan.lengths.tolist()
         for i, sm in short.items():
             lengths[i] = sm.length
         groups = group_microbatches(lengths, [i for i in mine if i in cut], micro_batch_size=p.micro_batch_size,
-                                    max_tokens=p.max_tokens_per_microbatch, packing=p.packing, pad_multiple=pad)
+                                    max_tokens=p.max_tokens_per_microbatch, packing=p.packing, pad_multiple=pad,
+                                    seq_multiple=seq_pad)
         # (diffs: last stage only; other stages never compute a loss)
         weights = [torch.cat([diffs[i][:cut[i]] for i in g]) if diffs else None for g in groups]
         groups, weights = pad_for_schedule(groups, weights, a.pp_size if len(a.model) > 1 else 1, lengths,
                                            cut)
-        fix = a._to_device(make_microbatches(short, groups, pad_multiple=pad, packing=p.packing,
-                                             response_lengths=plan.response_lengths))
+        fix = a.make_microbatches(short, groups, plan.response_lengths)
         it = iter([None if w is None else w.to(a.device) for w in weights])
         a._run(fix, lambda mb, model, hidden: self.correction_loss(
             mb, model, hidden, next(it), spec=spec, denom=denom, records=records), forward_only=False)
@@ -212,3 +220,4 @@ class GlobalMask:
         value = float(loss.detach())
         records.append({"loss/policy": Metric(value, "sum"), "loss/total": Metric(value, "sum")})
         return loss, torch.tensor(mb.num_tokens, dtype=torch.int), None
+

@@ -153,6 +153,7 @@ def build_transformer_config(cfg: Config, bridge=None):
     fused = have_transformer_engine()
     extra = dict(
         sequence_parallel=p.sequence_parallel,
+        cp_comm_type=p.cp_comm_type if p.context_parallel > 1 else None,  # TE's K/V exchange (GPU)
         attention_dropout=m.attention_dropout,
         hidden_dropout=m.hidden_dropout,
         masked_softmax_fusion=fused,

@@ -144,7 +144,8 @@ class Candidate:
 
     def label(self) -> str:
         lay = self.layout
-        return (f"tp={lay.tp} pp={lay.pp}{f' vpp={lay.vpp}' if lay.vpp else ''} dp={lay.dp} "
+        return (f"tp={lay.tp} pp={lay.pp}{f' vpp={lay.vpp}' if lay.vpp else ''}{f' cp={lay.cp}' if lay.cp > 1 else ''} "
+                f"dp={lay.dp} "
                 f"recompute={lay.recompute} dist-opt={'on' if lay.distributed_optimizer else 'off'} "
                 f"mb={self.budget_k}x{lay.seq_len}")
 
@@ -176,10 +177,15 @@ def step_time(m: ModelShape, lay: Layout, work: Workload, budget_k: int, cm: Cos
     """Estimated seconds of one training step of ``work`` under ``lay`` (per-component breakdown).
 
     Returns ``(micro-batches per update per DP rank, times)``; ``times`` holds seconds per update
-    for ``compute``, ``recompute``, ``tp_comm``, ``pp_comm``, ``overhead``, ``bubble``,
+    for ``compute``, ``recompute``, ``tp_comm``, ``cp_comm``, ``pp_comm``, ``overhead``, ``bubble``,
     ``dp_comm`` and ``optimizer``, and ``update`` (their sum) and ``step`` (x updates per step).
+
+    Context parallelism (``lay.cp``) splits every micro-batch's tokens over ``cp`` GPUs with
+    Megatron's load-balanced chunks, so each GPU runs ``1 / cp`` of its dense and attention
+    FLOPs; the price is the K/V exchange (``cp_comm``, below) and gradients / optimizer states
+    reduced and sharded over ``dp * cp``.
     """
-    tp, pp, dp, vpp = lay.tp, lay.pp, lay.dp, lay.vpp or 1
+    tp, pp, dp, vpp, cp = lay.tp, lay.pp, lay.dp, lay.vpp or 1, lay.cp
     seqs_rank = work.sequences / dp
     mean, sq, emax = _len_stats(work.seq_len, cm.mean_len_frac, budget_k)
     if work.packing:
@@ -193,6 +199,9 @@ def step_time(m: ModelShape, lay: Layout, work: Workload, budget_k: int, cm: Cos
         attn_sq_mb = budget_k * emax * emax
     layers = m.layers / pp
     h = m.hidden
+    tokens_mb_all = tokens_mb
+    tokens_mb = tokens_mb / cp                      # this GPU's share (2 of 2 cp chunks per sequence)
+    attn_sq_mb = attn_sq_mb / cp                    # causal work is balanced by the chunk pairing
     # forward FLOPs on one GPU for one micro-batch (the last stage also runs the output layer)
     matmul_params = m.layer_params() - 2 * h      # norms are not matmuls
     dense_fwd = 2 * tokens_mb * matmul_params * layers / tp
@@ -215,12 +224,20 @@ def step_time(m: ModelShape, lay: Layout, work: Workload, budget_k: int, cm: Cos
     if tp > 1:
         n_coll = layers * (6 if lay.recompute == "full" else 4)
         tp_comm = n_coll * 2 * (tp - 1) / tp * tokens_mb * h * 2 / _bw(tp, lay.gpus_per_node, cm)
+    # CP: TE's p2p ring passes K and V (2 x kv_size bf16 per token) of the micro-batch around the cp
+    # ranks in forward, again in backward with dK / dV (x3), and once more in a full recompute:
+    # each GPU receives (cp - 1) / cp of the micro-batch's K/V per pass, per layer.
+    cp_comm = 0.0
+    if cp > 1:
+        passes = 4 if lay.recompute == "full" else 3
+        cp_comm = (passes * layers * (cp - 1) / cp * tokens_mb_all * 2 * m.kv_size * 2 / tp
+                   / _bw(tp * cp, lay.gpus_per_node, cm))
     # PP: activations of the micro-batch forward and their gradient backward, per chunk boundary
     pp_comm = 0.0
     if pp > 1:
-        pp_comm = 2 * vpp * tokens_mb * h * 2 / _bw(tp * dp + 1, lay.gpus_per_node, cm)
+        pp_comm = 2 * vpp * tokens_mb * h * 2 / _bw(tp * cp * dp + 1, lay.gpus_per_node, cm)
     overhead = cm.layer_overhead_s * layers
-    t_mb = compute + recompute + tp_comm + pp_comm + overhead
+    t_mb = compute + recompute + tp_comm + cp_comm + pp_comm + overhead
     bubble = t_mb * (pp - 1) / vpp                  # 1F1B: (pp - 1) micro-batch times, / vpp interleaved
     # M2PO's global mask: a forward-only pass over the mini-batch first (its own fill and drain),
     # or a forward-backward of the changed sequences after it (mask_correction_frac of the tokens,
@@ -228,28 +245,32 @@ def step_time(m: ModelShape, lay: Layout, work: Workload, budget_k: int, cm: Cos
     mask = 0.0
     if work.prepass:
         fwd_mb = ((dense_fwd + head_fwd) / (peak * g_eff) + attn_fwd / (peak * cm.attn_eff)
-                  + (tp_comm / 2 if lay.recompute != "full" else tp_comm / 3) + pp_comm / 2 + overhead / 3)
+                  + (tp_comm / 2 if lay.recompute != "full" else tp_comm / 3) + cp_comm / 3 + pp_comm / 2
+                  + overhead / 3)
         prepass = fwd_mb * (n_mb + (pp - 1) / vpp)
         redo = cm.mask_correction_frac * n_mb  # micro-batches' worth of tokens re-run
         correct = t_mb * (redo + min(redo, 1.0) * (pp - 1) / vpp)
-        mask = {"prepass": prepass, "correct": correct, "auto": min(prepass, correct)}[work.mask_strategy]
+        options = {"prepass": prepass, "correct": correct, "auto": min(prepass, correct)}
+        # with context parallelism the actor always takes the pre-pass (actor/global_mask.py)
+        mask = prepass if cp > 1 else options[work.mask_strategy]
     # DP: gradients (fp32) reduced over dp; the distributed optimizer reduce-scatters them and
     # all-gathers the bf16 parameters instead of one all-reduce.
     vocab_p = padded_vocab(m.vocab, tp, lay.vocab_divisible_by)
     params = max(stage_params(m, lay, i, vocab_p) for i in range(pp))
     dp_comm = 0.0
-    if dp > 1:
-        bw = _bw(tp * dp, lay.gpus_per_node, cm)
+    dpcp = dp * cp  # Megatron's DDP reduces gradients over data x context parallel ranks
+    if dpcp > 1:
+        bw = _bw(tp * dpcp, lay.gpus_per_node, cm)
         if lay.distributed_optimizer:
-            dp_comm = (dp - 1) / dp * params * (4 + lay.param_bytes) / bw
+            dp_comm = (dpcp - 1) / dpcp * params * (4 + lay.param_bytes) / bw
         else:
-            dp_comm = 2 * (dp - 1) / dp * params * 4 / bw
+            dp_comm = 2 * (dpcp - 1) / dpcp * params * 4 / bw
     # Adam: read grad, master, m, v (16 B), write master, m, v (12 B) and the bf16 weight
-    shard = dp if lay.distributed_optimizer else 1
+    shard = dpcp if lay.distributed_optimizer else 1
     optimizer = params / shard * (28 + lay.param_bytes) / (cm.hbm_gbs * 1e9)
     if cm.overlap_comm:
-        tp_comm = pp_comm = dp_comm = 0.0
-    t = {"compute": n_mb * compute, "recompute": n_mb * recompute, "tp_comm": n_mb * tp_comm,
+        tp_comm = cp_comm = pp_comm = dp_comm = 0.0
+    t = {"compute": n_mb * compute, "recompute": n_mb * recompute, "tp_comm": n_mb * tp_comm, "cp_comm": n_mb * cp_comm,
          "pp_comm": n_mb * pp_comm, "overhead": n_mb * overhead, "bubble": bubble, "mask": mask,
          "dp_comm": dp_comm, "optimizer": optimizer}
     t["update"] = sum(t.values())
@@ -273,6 +294,7 @@ def model_flops_per_update(m: ModelShape, work: Workload, cm: CostModel = CostMo
 
 BUDGETS = (1, 2, 4, 8)
 RECOMPUTE = ("none", "selective", "full")
+CONTEXT_PARALLEL = (1, 2, 4, 8)
 
 
 @dataclass
@@ -319,8 +341,8 @@ class SearchResult:
 
 def same_layout(a: Candidate, b: Candidate) -> bool:
     la, lb = a.layout, b.layout
-    return ((la.tp, la.pp, la.vpp or None, la.recompute, la.distributed_optimizer, a.budget_k)
-            == (lb.tp, lb.pp, lb.vpp or None, lb.recompute, lb.distributed_optimizer, b.budget_k))
+    return ((la.tp, la.pp, la.cp, la.vpp or None, la.recompute, la.distributed_optimizer, a.budget_k)
+            == (lb.tp, lb.pp, lb.cp, lb.vpp or None, lb.recompute, lb.distributed_optimizer, b.budget_k))
 
 
 def _divisors(n: int) -> list[int]:
@@ -343,8 +365,9 @@ def _config_with(cfg: Config, **parallel: Any) -> Config:
 
 
 def _parallel_fields(tp: int, pp: int, vpp: Optional[int], recompute: str, distopt: bool, k: int,
-                     seq_len: int, packing: bool) -> dict[str, Any]:
-    f: dict[str, Any] = dict(tensor_parallel=tp, pipeline_parallel=pp, virtual_pipeline_parallel=vpp,
+                     seq_len: int, packing: bool, cp: int = 1) -> dict[str, Any]:
+    f: dict[str, Any] = dict(tensor_parallel=tp, pipeline_parallel=pp, context_parallel=cp,
+                             virtual_pipeline_parallel=vpp,
                              sequence_parallel=tp > 1, recompute=recompute, use_distributed_optimizer=distopt)
     if packing:
         f["max_tokens_per_microbatch"] = k * seq_len
@@ -389,12 +412,14 @@ def search_config(cfg: Config, m: ModelShape, *, nnodes: int = 1, gpus_per_node:
     common = dict(nnodes=nnodes, gpus_per_node=gpus_per_node, node_gpus=node_gpus, gpu_mem_gib=gpu_mem_gib)
     ranked: list[Candidate] = []
     rejected: list[Candidate] = []
+    # what the actor refuses with CP (actor.py, actor/global_mask.py): sequence-level losses
+    cp_ok = not spec.needs_seq_index and getattr(loss_settings(spec, cfg.algo), "mask_strategy", None) != "correct"
 
-    def consider(tp: int, pp: int, vpp: Optional[int], rc: str, distopt: bool, k: int) -> Candidate:
-        c = _config_with(cfg, **_parallel_fields(tp, pp, vpp, rc, distopt, k, seq_len, packing))
-        if world % (tp * pp):
-            raise PlanError(f"tp*pp = {tp * pp} does not divide {world} GPUs")
-        dp = world // (tp * pp)
+    def consider(tp: int, pp: int, vpp: Optional[int], rc: str, distopt: bool, k: int, cp: int = 1) -> Candidate:
+        c = _config_with(cfg, **_parallel_fields(tp, pp, vpp, rc, distopt, k, seq_len, packing, cp))
+        if world % (tp * pp * cp):
+            raise PlanError(f"tp*pp*cp = {tp * pp * cp} does not divide {world} GPUs")
+        dp = world // (tp * pp * cp)
         n_mb = _micro_batches(work, dp, k, cost)
         cand = _evaluate(c, m, work, cost, k, num_microbatches=n_mb,
                          micro_batch_tokens=k * seq_len, **common)
@@ -403,10 +428,11 @@ def search_config(cfg: Config, m: ModelShape, *, nnodes: int = 1, gpus_per_node:
     for tp in _divisors(gpus_per_node):
         if m.heads % tp or m.kv_heads % tp or m.ffn % tp or m.vocab % tp:
             continue
-        for pp in _divisors(m.layers):
-            if world % (tp * pp):
+        for pp, cp in [(pp, cp) for pp in _divisors(m.layers) for cp in CONTEXT_PARALLEL]:
+            # CP within a node (its K/V ring is on every layer's critical path), in world
+            if tp * cp > gpus_per_node or world % (tp * pp * cp) or (cp > 1 and not cp_ok):
                 continue
-            dp = world // (tp * pp)
+            dp = world // (tp * pp * cp)
             if work.sequences < dp:
                 continue
             for k in BUDGETS:
@@ -417,7 +443,7 @@ def search_config(cfg: Config, m: ModelShape, *, nnodes: int = 1, gpus_per_node:
                 for vpp in vpps:
                     for rc in RECOMPUTE:
                         for distopt in (False, True):
-                            cand = consider(tp, pp, vpp, rc, distopt, k)
+                            cand = consider(tp, pp, vpp, rc, distopt, k, cp)
                             limit = (1 - headroom) * cand.layout.budget_gib
                             (ranked if cand.fits and cand.memory_gib <= limit else rejected).append(cand)
     ranked.sort(key=lambda c: (c.step_s, c.memory_gib))
@@ -425,7 +451,7 @@ def search_config(cfg: Config, m: ModelShape, *, nnodes: int = 1, gpus_per_node:
     try:
         k_now = max(1, (_budget // seq_len) if packing and _budget else par.micro_batch_size)
         current = consider(par.tensor_parallel, par.pipeline_parallel, par.virtual_pipeline_parallel,
-                           par.recompute, par.use_distributed_optimizer, k_now)
+                           par.recompute, par.use_distributed_optimizer, k_now, par.context_parallel)
     except PlanError:
         current = None
     return SearchResult(model=m, work=work, cost=cost, world=world, headroom=headroom, ranked=ranked,
@@ -443,7 +469,7 @@ def _micro_batches(work: Workload, dp: int, k: int, cost: CostModel) -> int:
 def parallel_section(c: Candidate, packing: bool) -> dict[str, Any]:
     """The ``parallel:`` entries of a recipe that runs ``c``."""
     lay = c.layout
-    out: dict[str, Any] = dict(tensor_parallel=lay.tp, pipeline_parallel=lay.pp)
+    out: dict[str, Any] = dict(tensor_parallel=lay.tp, pipeline_parallel=lay.pp, context_parallel=lay.cp)
     if lay.vpp:
         out["virtual_pipeline_parallel"] = lay.vpp
     out.update(sequence_parallel=lay.sequence_parallel, use_distributed_optimizer=lay.distributed_optimizer,
@@ -507,7 +533,7 @@ def print_search(res: SearchResult, top: int = 5) -> None:
     best = res.best
     t = Table(title=f"{len(res.ranked)} of {len(res.ranked) + len(res.rejected)} layouts fit; fastest first "
                     f"(seconds per step)")
-    cols = ["#", "layout", "GiB", "mb/upd", "step s", "compute", "recomp", "mask", "tp", "pp", "bubble", "dp",
+    cols = ["#", "layout", "GiB", "mb/upd", "step s", "compute", "recomp", "mask", "tp", "cp", "pp", "bubble", "dp",
             "optim", "MFU"]
     for ccol in cols:
         t.add_column(ccol, justify="left" if ccol == "layout" else "right", no_wrap=ccol == "layout")
@@ -522,7 +548,8 @@ def print_search(res: SearchResult, top: int = 5) -> None:
         name = r["layout"] + (" (config)" if res.current is not None and same_layout(c, res.current) else "") \
             + (" (chosen)" if same_layout(c, best) else "")
         t.add_row(str(rank) if rank is not None else "-", name, f"{r['memory_gib']:.1f}", str(r["micro_batches"]), f"{r['step_s']:.1f}",
-                  f"{r['compute']:.1f}", f"{r['recompute']:.1f}", f"{r['mask']:.1f}", f"{r['tp_comm']:.1f}", f"{r['pp_comm']:.1f}",
+                  f"{r['compute']:.1f}", f"{r['recompute']:.1f}", f"{r['mask']:.1f}", f"{r['tp_comm']:.1f}", f"{r['cp_comm']:.1f}",
+                  f"{r['pp_comm']:.1f}",
                   f"{r['bubble']:.1f}", f"{r['dp_comm']:.1f}", f"{r['optimizer']:.2f}", f"{r['mfu']:.2f}")
     con.print(t)
     cur = res.current

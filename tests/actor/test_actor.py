@@ -118,6 +118,7 @@ def _train_layouts(rank, world_size, root, layouts):
         cfg.parallel.packing = o.get("packing", False)
         cfg.parallel.max_tokens_per_microbatch = o.get("max_tokens")
         cfg.parallel.balance_data_parallel = o.get("balance", True)
+        cfg.parallel.context_parallel = o.get("cp", 1)
         cfg.algo.m2po.threshold = 0.02
         if o.get("correct"):
             cfg.algo.m2po.mask_strategy = "correct"
