@@ -149,6 +149,16 @@ class GroupMaker:
         """Generate and store one batch (``rollout.filter`` applied); returns the number of groups stored."""
         return await self.store_batch(lambda: self.generate_filtered(ctx, prompts, positions))
 
+    async def generate_and_store_unordered(self, ctx: ProducerContext, prompts: list, positions: list[int]) -> int:
+        """:meth:`generate_and_store` for batches whose arrival order does not matter (async mode's:
+        leased by age within ``store.max_staleness``, not by step): generated concurrently with
+        other batches, stored in one transaction when done. Returns the number of groups stored."""
+        with TIMER.union("generation"):
+            fixed = await self.generate_filtered(ctx, prompts, positions)
+        if fixed:
+            await asyncio.get_running_loop().run_in_executor(None, lambda: self.store.put_groups(fixed))
+        return len(fixed)
+
 
 def oversample_prompts(dataset: Any, seed: int, step: int, start: int, n: int) -> list:
     """The over-sampling prompts of scheduled step ``step`` at positions ``start .. start+n-1``.
@@ -305,9 +315,18 @@ class AsyncProducerLoop:
 
     @property
     def capacity(self) -> int:
-        """Groups held unconsumed (available + pending) at most."""
+        """Groups held unconsumed (stored available + pending, and in flight) at most.
+
+        A batch started when the trainer is at version ``a`` samples at the engines' version
+        ``e >= a - S`` (``S = trainer.sync_every_updates``); at most ``capacity`` groups are
+        ahead of it, so with ``capacity = m`` steps of data it is leased within the next ``m``
+        leases, each of a step of ``U`` updates, and trained on at staleness at most
+        ``(m + 1) U - 1 + S``. ``m`` is the largest that keeps this within
+        ``store.max_staleness`` (two steps at most, one update's worth at least)."""
         t = self.trainer
-        horizon_updates = max(1, min(self.store_cfg.max_staleness, 2 * t.num_updates_per_step))
+        u = t.num_updates_per_step
+        steps = (self.store_cfg.max_staleness + 1 - t.sync_every_updates) // u - 1
+        horizon_updates = max(1, min(2 * u, steps * u))
         return horizon_updates * t.prompts_per_update
 
     def start(self) -> None:
@@ -315,19 +334,44 @@ class AsyncProducerLoop:
         self._future = self.bg.submit(self._run())
 
     async def _run(self) -> None:
+        """Keep batches of ``prompts_per_update`` prompts in flight while the groups held (stored
+        unconsumed + in flight) stay under :attr:`capacity`. Several batches run at once: one at a
+        time, a slow batch (long episodes, slow rewards) leaves the engines and then the trainer
+        waiting. Each batch is tagged with the engines' version when it starts. Nothing starts
+        while the store holds leases recorded for replay (a resumed run re-trains on their groups
+        first; data made now would only age behind them). The first batch that fails ends the loop
+        with its error after the others are cancelled; a stop lets the batches in flight finish."""
         chunk, cap = self.trainer.prompts_per_update, self.capacity
         seq = 0
-        while not self._stop.is_set():
-            counts = self.store.counts()
-            if counts["available"] + counts["pending"] >= cap:
-                await asyncio.sleep(0.05)
-                continue
-            prompts = self.dataset.next_prompts(chunk)
-            version = self.maker.engine_version()
-            ctx = self.maker.context(group_ids.async_prefix(int(time.time() * 1e3), seq), generated_at=version)
-            seq += 1
-            kept = await self.maker.generate_and_store(ctx, prompts, list(range(len(prompts))))
-            self._check_yield(len(prompts), kept)
+        flying: set[asyncio.Task] = set()
+        try:
+            while not self._stop.is_set():
+                for t in [t for t in flying if t.done()]:
+                    flying.discard(t)
+                    t.result()  # a failed batch ends the loop with its error
+                counts = self.store.counts()
+                if counts["available"] + counts["pending"] + chunk * len(flying) >= cap or self.store.has_replay():
+                    if flying:  # full: wake when a batch finishes, or poll for the trainer's leases
+                        await asyncio.wait(flying, timeout=0.05, return_when=asyncio.FIRST_COMPLETED)
+                    else:
+                        await asyncio.sleep(0.05)
+                    continue
+                prompts = self.dataset.next_prompts(chunk)
+                version = self.maker.engine_version()
+                ctx = self.maker.context(group_ids.async_prefix(int(time.time() * 1e3), seq), generated_at=version)
+                seq += 1
+                flying.add(asyncio.ensure_future(self._batch(ctx, prompts)))
+            if flying:  # stopped: the batches in flight finish (stop() bounds the wait)
+                await asyncio.gather(*flying)
+        except BaseException:
+            for t in flying:
+                t.cancel()
+            await asyncio.gather(*flying, return_exceptions=True)
+            raise
+
+    async def _batch(self, ctx: ProducerContext, prompts: list) -> None:
+        kept = await self.maker.generate_and_store_unordered(ctx, prompts, list(range(len(prompts))))
+        self._check_yield(len(prompts), kept)
 
     def leased(self, step: int) -> None:
         """The trainer leased ``step``'s groups: the over-sampling window restarts for the next step."""
@@ -358,7 +402,7 @@ class AsyncProducerLoop:
             "sometimes, or set rollout.filter=none")
 
     def stop(self) -> None:
-        """Stop generating (a batch in flight finishes first, within ``stop_timeout_s``)."""
+        """Stop generating (the batches in flight finish first, within ``stop_timeout_s``)."""
         self._stop.set()
         if self._future is not None:
             try:

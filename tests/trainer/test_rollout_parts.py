@@ -29,6 +29,7 @@ from megatron_m2po.utils.background_loop import BackgroundLoop
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "data"))
 from m2po_char_tokenizer import build_char_tokenizer  # noqa: E402
+from waiting import wait_until  # noqa: E402
 
 N = 3  # prompts per step
 
@@ -187,3 +188,46 @@ def test_ingestion_server_alone_serves_the_store_to_token_holders_and_no_one_set
     finally:
         bg.close()
         store.close()
+
+
+def test_the_async_loop_keeps_batches_in_flight_up_to_its_capacity(side, tmp_path):
+    """Async mode generates several batches at once (one at a time, a slow batch -- a long
+    episode, a slow reward -- leaves engines and trainer waiting), and never holds more than its
+    capacity: stored unconsumed groups plus the batches in flight. Here a step is two updates of
+    N prompts, pushes follow every update and ``max_staleness`` is 6: two steps of data (3 x 2 - 1
+    + 1 = 6), i.e. 4 batches of N groups."""
+    import asyncio
+
+    from megatron_m2po.trainer.generation import AsyncProducerLoop
+
+    gate, started, running, peak = threading.Event(), [0], [0], [0]
+
+    async def gated_producer(ctx: ProducerContext, prompts: list) -> list[Group]:
+        started[0] += 1
+        running[0] += 1
+        peak[0] = max(peak[0], running[0])
+        while not gate.is_set():  # the batch "generates" until the test lets it finish
+            await asyncio.sleep(0.01)
+        running[0] -= 1
+        return await unnamed_producer(ctx, prompts)
+
+    trainer = TrainerConfig(prompts_per_step=2 * N, prompts_per_update=N, run_dir=str(tmp_path), wait_timeout_s=600)
+    maker = GroupMaker(RolloutConfig(n_samples_per_prompt=2), seed=trainer.seed, tokenizer=side.tok, reward=None,
+                       producer=gated_producer, client=None, store=side.store, engine_version=lambda: side.version[0])
+    loop = AsyncProducerLoop(trainer, StoreConfig(max_staleness=6), maker=maker, dataset=side.dataset(),
+                             store=side.store, bg=side.bg, stop_timeout_s=60)
+    assert loop.capacity == 4 * N
+    # A tighter bound holds less: max_staleness 5 leaves one step of data (2 x 2 - 1 + 1 = 4 <= 5).
+    assert AsyncProducerLoop(trainer, StoreConfig(max_staleness=5), maker=maker, dataset=None, store=side.store,
+                             bg=side.bg, stop_timeout_s=1).capacity == 2 * N
+    loop.start()
+    try:
+        wait_until(lambda: started[0] == 4, what="four batches generating at once (the loop's capacity)",
+                   hopeless=lambda: "the loop ended" if loop._future.done() else None)
+        gate.set()
+        wait_until(lambda: side.store.counts()["available"] == 4 * N, what=f"{4 * N} groups stored")
+        loop.raise_failed()
+    finally:
+        gate.set()
+        loop.stop()
+    assert peak[0] == 4 and started[0] == 4  # full: no fifth batch while 4N groups wait unconsumed
