@@ -117,6 +117,9 @@ class ModelConfig:
         "float32", help="Parameter and compute dtype of the actor (bf16 on GPU).")
     tiny_cache_dir: str = _f("~/.cache/megatron_m2po/tiny_base",
                              help="Where the tiny base model is built and cached.")
+    tiny_family: Literal["qwen2", "qwen3", "qwen3_moe"] = _f(
+        "qwen2", help="Family of the tiny base model (hf_path=tiny): qwen2, qwen3, or qwen3_moe (the qwen3 "
+        "base upcycled into 4 experts, top-2; standins/tiny_moe.py).")
     attention_dropout: float = _f(0.0, ge=0.0, lt=1.0, help="Attention dropout (0 for RL).")
     hidden_dropout: float = _f(0.0, ge=0.0, lt=1.0, help="Hidden dropout (0 for RL).")
     moe: MoEConfig = field(default_factory=MoEConfig)

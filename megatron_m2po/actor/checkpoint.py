@@ -17,6 +17,15 @@ point leaves either the previous complete checkpoint as ``latest`` or the new on
 
 Resuming restores weights, Adam moments and step counts, the LR schedule, RNG streams and
 ``actor.version``, so the next update is the one an uninterrupted run would have made (tested).
+
+Mixture-of-experts models: the experts are saved as one global tensor per expert linear
+(Megatron's ``TEGroupedMLP`` layout, ``actor/experts.py``), so the *weights* load at any expert
+layout (``model_only=True``; tested EP=2 <-> EP=1 at DP=2, ``tests/actor/test_moe_checkpoint.py``).
+A full resume (optimizer included) needs the expert layout it was saved with: Megatron gives the
+experts their own optimizer when expert parallelism is on (``chained_1`` beside the dense
+``chained_0``; one optimizer at EP=1), so the optimizer's keys change with EP, and the
+distributed optimizer's 'dp_reshardable' state is laid out per expert-data-parallel group.
+``load_checkpoint`` refuses that with a ValueError naming both layouts.
 """
 
 from __future__ import annotations
@@ -96,6 +105,9 @@ def save_checkpoint(actor, path: str, extra_state: dict[str, Any]) -> None:
         (tmp / "dist").mkdir(parents=True)
         (tmp / "rng").mkdir()
     dist.barrier()
+    # a never-stepped torch Adam (a run saved before its first update, a converted or weights-only
+    # loaded actor) has no state: the distributed optimizer's state_dict asserts on the missing step
+    _materialise_optimizer_state(actor.optimizer)
     dist_checkpointing.save(_sharded_state(actor, is_loading=False), str(tmp / "dist"))
     torch.save(_rng_state(), tmp / "rng" / f"rank_{rank}.pt")
     if rank == 0:
@@ -103,6 +115,7 @@ def save_checkpoint(actor, path: str, extra_state: dict[str, Any]) -> None:
                 "adam_step": _adam_step(actor.optimizer),
                 "world_size": dist.get_world_size(), "tensor_parallel": actor.tp_size,
                 "pipeline_parallel": actor.pp_size, "hf_path": actor.cfg.model.hf_path,
+                "expert_layout": _expert_layout(actor),
                 # the previous update's metrics: mask_strategy=auto's choice (the same on every rank)
                 "mask_hint": actor._mask_hint}
         (tmp / "actor.json").write_text(json.dumps(meta, indent=1))
@@ -115,6 +128,12 @@ def save_checkpoint(actor, path: str, extra_state: dict[str, Any]) -> None:
         os.replace(tmp, final)
         _write_latest(final.parent, final.name)
     dist.barrier()
+
+
+def _expert_layout(actor) -> list[int]:
+    """[expert parallel, expert tensor parallel] as configured (ETP defaults to TP, as in Megatron)."""
+    p = actor.cfg.parallel
+    return [p.expert_parallel, p.expert_tensor_parallel or p.tensor_parallel]
 
 
 def _write_latest(parent: Path, name: str) -> None:
@@ -207,6 +226,13 @@ def load_checkpoint(actor, path: str, *, model_only: bool = False) -> dict[str, 
     meta = json.loads((ckpt / "actor.json").read_text())
     if meta.get("format") != _FORMAT:
         raise ValueError(f"checkpoint {ckpt} has format {meta.get('format')}, this code reads {_FORMAT}")
+    saved_ep = meta.get("expert_layout", [1, meta.get("tensor_parallel", 1)])
+    if not model_only and saved_ep[0] != _expert_layout(actor)[0]:
+        raise ValueError(
+            f"checkpoint {ckpt} was saved at parallel.expert_parallel={saved_ep[0]}, this run has "
+            f"parallel.expert_parallel={_expert_layout(actor)[0]}: the optimizer state resumes only at the expert "
+            "layout it was saved with: set parallel.expert_parallel={saved_ep[0]}, or start a new run from its "
+            "weights (they load at any layout: `m2po convert mcore-to-hf`, then model.hf_path=<the export>)")
     if model_only:
         sharded = _sharded_state(actor, is_loading=True, with_optimizer=False)
     else:

@@ -23,6 +23,19 @@ communication, the GEMMs here are local. Weights carry ``allreduce=False`` when 
 parallelism is on (Megatron's DDP and optimizer then reduce them over the expert data-parallel
 group) and the tensor-parallel attributes of column / row parallel weights (as ``SequentialMLP``'s
 ``ColumnParallelLinear`` / ``RowParallelLinear`` with ``is_expert=True`` set them).
+
+Distributed checkpoints (``sharded_state_dict``) use ``TEGroupedMLP``'s layout, so a checkpoint
+reshards over expert layouts as Megatron's does (megatron-core 0.16.1
+``transformer/moe/experts.py`` ``TEGroupedMLP.sharded_state_dict`` and
+``extensions/transformer_engine.py`` ``TEGroupedLinear._sharded_state_dict_grouped``): local
+expert ``i`` of EP rank ``r`` is global expert ``r * num_local_experts + i``, saved as the slice
+of one global tensor per linear (``{prefix}experts.linear_fc1.weight`` of shape
+``[num_experts, fc1_out, hidden]``, the expert axis prepended after the layer offsets); fc1 is split
+over expert TP on its rows and fc2 on its columns; the gated fc1 is saved as its gate and up halves
+(``mlp.apply_swiglu_sharded_factory``), so a different expert-TP size re-splits each half; the
+replica id's data-parallel entry is the rank in the *expert* data-parallel group (one writer
+per expert shard). ``TEGroupedLinear``'s ``_extra_state`` entries (FP8 metadata) have no
+counterpart here: a checkpoint written on GPUs has them and this layout loads without them.
 """
 
 from __future__ import annotations
@@ -39,8 +52,11 @@ class _GroupedWeights(torch.nn.Module):
     """``weight0 .. weight{n-1}``: the per-expert weights of one grouped linear."""
 
     def __init__(self, n: int, out_features: int, in_features: int, *, partition_dim: int, config,
-                 init_method, expert_parallel: bool) -> None:
+                 init_method, expert_parallel: bool, groups) -> None:
         super().__init__()
+        # not a submodule / parameter: the process groups the checkpoint layout needs
+        object.__setattr__(self, "_groups", groups)
+        self._partition_dim = partition_dim
         from megatron.core.tensor_parallel import get_cuda_rng_tracker, get_expert_parallel_rng_tracker_name
         from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
@@ -56,6 +72,29 @@ class _GroupedWeights(torch.nn.Module):
 
     def weights(self) -> list[torch.Tensor]:
         return [getattr(self, f"weight{i}") for i in range(len(self._parameters))]
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
+        """``TEGroupedLinear._sharded_state_dict_grouped`` (megatron-core 0.16.1,
+        ``extensions/transformer_engine.py``) without ``_extra_state``: ``weight{i}`` becomes the
+        global-expert slice ``(ep_axis, ep_rank * n + i, ep_size * n)`` of key ``{prefix}weight``,
+        split over the expert-TP group on ``partition_dim``, replica id ``(pp, tp, expert-DP rank)``."""
+        from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint
+
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
+        if metadata.get("singleton_local_shards", False):
+            raise NotImplementedError("singleton_local_shards checkpoints of the local-spec experts")
+        n = len(self._parameters)
+        ep_size, ep_rank = self._groups.ep.size(), self._groups.ep.rank()
+        out = {}
+        for i in range(n):
+            offsets = (*sharded_offsets, (len(sharded_offsets), ep_rank * n + i, ep_size * n))
+            sub = make_sharded_tensors_for_checkpoint(
+                {"weight": getattr(self, f"weight{i}")}, prefix, {"weight": self._partition_dim}, offsets,
+                tp_group=self._groups.expt_tp, dp_cp_group=metadata["dp_cp_group"])
+            sh = sub[f"{prefix}weight"]
+            sh.replica_id = (*sh.replica_id[:2], self._groups.expt_dp.rank())  # replication along DP modulo EP
+            out[f"{prefix}weight{i}"] = sh
+        return out
 
 
 class LocalGroupedMLP(torch.nn.Module):
@@ -77,13 +116,38 @@ class LocalGroupedMLP(torch.nn.Module):
         self.num_local_experts = num_local_experts
         etp = pg_collection.expt_tp.size() if pg_collection is not None else config.expert_tensor_parallel_size
         ep = config.expert_model_parallel_size > 1
+        if pg_collection is None:
+            from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+
+            pg_collection = get_default_pg_collection()
+        self._pg = pg_collection
         ffn = divide(config.moe_ffn_hidden_size, etp)
         fc1_out = 2 * ffn if config.gated_linear_unit else ffn
         self.linear_fc1 = _GroupedWeights(num_local_experts, fc1_out, config.hidden_size, partition_dim=0,
-                                          config=config, init_method=config.init_method, expert_parallel=ep)
+                                          config=config, init_method=config.init_method, expert_parallel=ep, groups=pg_collection)
         self.linear_fc2 = _GroupedWeights(num_local_experts, config.hidden_size, ffn, partition_dim=1,
                                           config=config, init_method=config.output_layer_init_method,
-                                          expert_parallel=ep)
+                                          expert_parallel=ep, groups=pg_collection)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
+        """``TEGroupedMLP.sharded_state_dict`` (megatron-core 0.16.1 ``transformer/moe/experts.py``):
+        the grouped linears' global-expert tensors under ``{prefix}experts.linear_fc{1,2}.weight``
+        (the keys ``SequentialMLP`` also writes), fc1 split into its gate / up halves."""
+        from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
+        from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
+
+        out = {}
+        n = self.num_local_experts
+        ep_size, ep_rank = self._pg.ep.size(), self._pg.ep.rank()
+        for name, module in (("linear_fc1", self.linear_fc1), ("linear_fc2", self.linear_fc2)):
+            sub = module.sharded_state_dict(f"{name}.", sharded_offsets, metadata)
+            if name == "linear_fc1" and self.config.gated_linear_unit:
+                for i in range(n):
+                    offsets = (*sharded_offsets, (len(sharded_offsets), ep_rank * n + i, ep_size * n))
+                    sub[f"{name}.weight{i}"] = apply_swiglu_sharded_factory(sub[f"{name}.weight{i}"], offsets)
+            replace_prefix_for_sharding(sub, f"{name}.", f"{prefix}experts.{name}.")
+            out.update({f"{prefix}{k}": v for k, v in sub.items()})
+        return out
 
     def _activation(self, h: torch.Tensor) -> torch.Tensor:
         # TEGroupedMLP.forward's unfused branch (bias_act_func's ``glu``)

@@ -69,6 +69,7 @@ import torch
 from megatron_m2po.parallel.side_group import broadcast, new_side_group
 from megatron_m2po.standins import sglang_sampling as sampling
 from megatron_m2po.standins.cpu_prefix_cache import PrefixCache
+from megatron_m2po.standins.hf_fused_experts import expert_target, is_fused_expert_name
 from megatron_m2po.standins.cpu_worker_http import _DEFAULT_GROUP, RequestError, WorkerApp
 from megatron_m2po.standins.sglang_sampling import Sampling
 from megatron_m2po.utils.hf_dir import iter_safetensors
@@ -636,6 +637,9 @@ class Engine:
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Copy tensors into the model in place (HF names); unknown names or shapes fail.
 
+        MoE experts come under the checkpoint's per-expert names, as SGLang 0.5.23's Qwen3-MoE
+        loader reads them, and fill transformers' fused expert tensors (``hf_fused_experts.py``).
+
         FP8 engines take FP8 pairs (``.weight`` float8 + ``.weight_scale_inv`` per block, or
         ``.weight_scale`` per tensor) by SGLang 0.5.23's rules for the format (per-tensor FP8 loads
         once); see ``megatron_m2po/rollout/fp8.py``."""
@@ -647,15 +651,20 @@ class Engine:
         bad, n = [], 0
         with torch.no_grad():
             for name, t in named:
-                if name not in params:
+                # MoE experts: per-expert names as SGLang loads them, into transformers' fused tensors
+                dst = params.get(name) if not is_fused_expert_name(name) else None
+                dst = dst if dst is not None else expert_target(params, name)
+                if dst is None:
                     if name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight"):
                         continue
-                    bad.append(f"{name} (unknown)")
+                    bad.append(f"{name} (fused expert tensor: SGLang loads per-expert names, "
+                               "mlp.experts.<e>.gate_proj / up_proj / down_proj.weight)"
+                               if is_fused_expert_name(name) else f"{name} (unknown)")
                     continue
-                if tuple(params[name].shape) != tuple(t.shape):
-                    bad.append(f"{name} (shape {tuple(t.shape)} != {tuple(params[name].shape)})")
+                if tuple(dst.shape) != tuple(t.shape):
+                    bad.append(f"{name} (shape {tuple(t.shape)} != {tuple(dst.shape)})")
                     continue
-                params[name].copy_(t.to(params[name].dtype))
+                dst.copy_(t.to(dst.dtype))
                 n += 1
         if bad:
             raise ValueError(f"{len(bad)} tensors do not fit the model: {bad[:8]}")

@@ -74,7 +74,10 @@ FORMAT_VERSION = 3  # bump when the build procedure changes in a way the paramet
 TinyTask = SyntheticTask
 
 
-FAMILIES = ("qwen2", "qwen3")
+FAMILIES = ("qwen2", "qwen3", "qwen3_moe")
+# The qwen3_moe family: the warmed-up qwen3 base upcycled (standins/tiny_moe.py), no further
+# training. A little expert noise makes the experts (and so the routing) matter from the start.
+MOE_UPCYCLING = {"num_experts": 4, "top_k": 2, "router_std": 0.02, "expert_noise": 0.01, "seed": 0}
 
 
 @dataclass(frozen=True)
@@ -83,7 +86,9 @@ class TinyModelSpec:
 
     ``family``: ``"qwen2"`` (Qwen2 / Qwen2.5: q/k/v biases) or ``"qwen3"`` (Qwen3: no q/k/v
     biases, RMSNorm on queries and keys per head, explicit ``head_dim``); the rest of the shape
-    is shared, so the two differ exactly where the real families differ."""
+    is shared, so the two differ exactly where the real families differ. ``"qwen3_moe"``: the
+    qwen3 base upcycled into a ``Qwen3MoeForCausalLM`` (``MOE_UPCYCLING``; every MLP becomes
+    ``num_experts`` experts of ``intermediate_size``)."""
 
     family: str = "qwen2"
     hidden_size: int = 128
@@ -491,6 +496,8 @@ def ensure_tiny_base(cache_dir: str | os.PathLike, *, seed: int = 0, progress: b
     final = tiny_base_path(cache_dir, spec)
     if is_complete(final):
         return final
+    if spec.model.family == "qwen3_moe":
+        return _ensure_upcycled(cache_dir, spec, final, progress)
     root = final.parent
     try:
         root.mkdir(parents=True, exist_ok=True)
@@ -520,6 +527,30 @@ def ensure_tiny_base(cache_dir: str | os.PathLike, *, seed: int = 0, progress: b
                 raise
             log.info("tiny base model ready: %s (%d parameters, base accuracy %.3f at T=1)",
                      final, meta["num_parameters"], meta["base_accuracy_t1"])
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+    return final
+
+
+def _ensure_upcycled(cache_dir: str | os.PathLike, spec: TinyBaseSpec, final: Path, progress: bool) -> Path:
+    """The qwen3_moe tiny base: the qwen3 one (built first if needed) upcycled into ``final``."""
+    from megatron_m2po.standins.tiny_moe import upcycle_to_qwen3_moe
+
+    dense = ensure_tiny_base(cache_dir, spec=dataclasses.replace(
+        spec, model=dataclasses.replace(spec.model, family="qwen3")), progress=progress)
+    with open(final.parent / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            if not is_complete(final):
+                # upcycle_to_qwen3_moe writes into a sibling and renames; the marker comes last
+                upcycle_to_qwen3_moe(str(dense), str(final), **MOE_UPCYCLING)
+                meta = json.loads((final / META_FILE).read_text())  # the dense base's, copied
+                meta.update(digest=spec.digest(), model=dataclasses.asdict(spec.model), upcycling=MOE_UPCYCLING,
+                            upcycled_from=str(dense), model_sha256=_sha256(final / "model.safetensors"),
+                            accuracy_note="base_accuracy_t1 is the dense qwen3 base's")
+                (final / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+                (final / MARKER_FILE).write_text(spec.digest() + "\n")
+                log.info("tiny Qwen3-MoE base ready: %s (upcycled from %s)", final, dense)
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
     return final

@@ -23,7 +23,7 @@ __all__ = ["resolve_model_path", "iter_safetensors", "write_stage_shards", "asse
 def resolve_model_path(model: "ModelConfig", override: Optional[str] = None, *, progress: bool = False) -> str:
     """The HF model directory of ``override`` or ``model.hf_path``.
 
-    ``"tiny"`` builds the tiny base model into ``model.tiny_cache_dir`` on first use (safe to
+    ``"tiny"`` builds the tiny base model of ``model.tiny_family`` into ``model.tiny_cache_dir`` on first use (safe to
     call from several processes at once). Anything else must be a local directory holding a
     ``config.json``; otherwise ``ValueError`` names the path.
     """
@@ -32,7 +32,8 @@ def resolve_model_path(model: "ModelConfig", override: Optional[str] = None, *, 
         from megatron_m2po.utils.standin import load_standin
 
         tiny_base = load_standin("tiny_base")
-        return str(tiny_base.ensure_tiny_base(os.path.expanduser(model.tiny_cache_dir), progress=progress))
+        spec = tiny_base.TinyBaseSpec(model=tiny_base.TinyModelSpec(family=model.tiny_family))
+        return str(tiny_base.ensure_tiny_base(os.path.expanduser(model.tiny_cache_dir), spec=spec, progress=progress))
     p = Path(path).expanduser()
     if not (p / "config.json").is_file():
         raise ValueError(f"model path {path!r} is not an HF model directory (no config.json); set "

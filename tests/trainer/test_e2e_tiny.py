@@ -103,6 +103,21 @@ def test_stale_k_is_exact_and_starts_on_policy(tmp_path):
     assert states.get("consumed") == steps * 8, states
 
 
+def test_tiny_qwen3_moe_trains_on_policy_from_its_first_update(tmp_path):
+    """``model.tiny_family=qwen3_moe``: the tiny Qwen3 base upcycled into 4 experts (top-2) is
+    built, served by the CPU workers (fused experts in transformers 5, per-expert weight updates)
+    and trained by Megatron's MoE layer at EP=1 for 2 steps; update 1 is exactly on-policy (the
+    engine's log-probs are the trainer's, so KL ~ 0 and nothing is masked)."""
+    run = tmp_path / "moe"
+    _train(run, "model.tiny_family=qwen3_moe", "trainer.num_steps=2", "checkpoint.save_every_steps=0")
+    ups = _updates(run)
+    assert sorted(ups) == [1, 2, 3, 4]
+    first = ups[1]
+    print({k: first[k] for k in ("policy/kl_k3", "m2po/mask_frac", "reward/mean") if k in first})
+    assert first["staleness/max"] == 0 and first["m2po/mask_frac"] == 0.0
+    assert abs(first["policy/kl_k1"]) < 1e-3 and first["policy/kl_k3"] < 1e-4
+
+
 def test_sigkill_and_resume_lose_and_duplicate_nothing(tmp_path):
     run = tmp_path / "resume"
     steps = 6
