@@ -68,8 +68,11 @@ class PhaseTimer:
             self.trace = trace
             self.pid = pid
             self.events: list[dict] = []
-            self._open: dict[str, int] = defaultdict(int)  # union(): blocks of each name running now
-            self._open_t0: dict[str, float] = {}  # union(): when the running stretch of a name began
+            # union(): blocks of each name running now, and when their running stretch began. Blocks
+            # that run across a reset (the driver's producer starts before the trainer's first step)
+            # stay counted; their stretch restarts now.
+            self._open: dict[str, int] = defaultdict(int, {k: n for k, n in getattr(self, "_open", {}).items() if n > 0})
+            self._open_t0: dict[str, float] = {k: time.perf_counter() for k in self._open}
             self._threads: dict[int, str] = {}  # trace tid (an int, as Chrome wants) -> thread name
             self._t0 = time.perf_counter()
             self._t0_us = time.time() * 1e6  # the trace's clock: wall time, so that ranks' events line up

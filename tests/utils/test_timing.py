@@ -145,3 +145,22 @@ def test_union_counts_concurrent_blocks_once_and_splits_at_a_step(monkeypatch):
     m = t.take_step(4.0)
     assert m["time/generation_s"] == 3.0 and m["time/engine_idle_frac"] == 0.25
     assert t.totals()[0]["generation"] == 7.0
+
+
+def test_union_blocks_running_across_a_reset_stay_counted(monkeypatch):
+    """The async producer starts its batches before the trainer resets the timer for its first
+    step: the blocks running then still end their stretch (counted from the reset)."""
+    import megatron_m2po.utils.timing as timing
+
+    clock = [10.0]
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: clock[0])
+    t = PhaseTimer()
+    a = t.union("generation")
+    a.__enter__()
+    clock[0] = 12.0
+    t.reset()                  # the run starts: the batch is running
+    clock[0] = 13.0
+    a.__exit__(None, None, None)
+    with t.union("generation"):  # later batches are timed as ever
+        clock[0] = 14.0
+    assert t.take_step(4.0)["time/generation_s"] == 2.0
