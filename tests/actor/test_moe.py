@@ -88,8 +88,9 @@ def _train_layouts(rank, world_size, root, layouts):
                                          max_tokens=cfg.parallel.max_tokens_per_microbatch, packing=False))
         counts = [None] * world_size
         torch.distributed.all_gather_object(counts, planned)
+        rec = lib.Recorder(actor)
         metrics = actor.train_step(batch, num_minibatches=2)
-        mask = _gathered_mask(actor)
+        mask = _gathered_mask(rec, 1)  # the second update's
         grads = _norm_grads(actor)
         weights = {k: v.numpy().copy() for k, v in actor.iter_hf_weights()}
         actor.close()
@@ -122,6 +123,7 @@ def test_moe_train_step_layout_invariance_under_expert_and_tensor_parallelism(tm
 def _check_same_update(single, others):
     (_, (lp0, ent0), m0, mask0, g0, w0, _), *others = single + others
     assert len(m0) == 2 and m0[0]["m2po/mask_frac"] > 0, m0
+    assert mask0, "the reference recorded no tokens of the second update"
     (g0,) = g0
     assert any("pre_mlp_layernorm" in k for k in g0), sorted(g0)
     assert any(".mlp.experts.3.down_proj" in k for k in w0) and any(".mlp.gate." in k for k in w0), sorted(w0)
