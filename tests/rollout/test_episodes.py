@@ -162,7 +162,7 @@ def test_a_weight_push_between_turns_tags_the_later_turn_with_the_new_version(en
 
 
 def test_a_hung_tool_is_killed_at_the_step_timeout(engine, tiny):
-    hang = [sys.executable, "-I", "-S", "-c", "import time\nwhile True: time.sleep(1)"]
+    hang = [sys.executable, "-I", "-S", "-c", "import time\nwhile True: time.sleep(1)"]  # elapsed time is the behaviour under test (a tool that never answers)
     env = CalculatorEnv(tool_argv=hang, tool_wall_s=600)
     settings = EpisodeSettings(max_turns=3, format="raw", step_timeout_s=1.5, timeout_reward=-1.0)
     t = _episode(engine, tiny[1], env, settings)

@@ -206,8 +206,8 @@ def test_the_async_loop_keeps_batches_in_flight_up_to_its_capacity(side, tmp_pat
         started[0] += 1
         running[0] += 1
         peak[0] = max(peak[0], running[0])
-        while not gate.is_set():  # the batch "generates" until the test lets it finish
-            await asyncio.sleep(0.01)
+        # the batch "generates" until the test lets it finish
+        await asyncio.get_running_loop().run_in_executor(None, gate.wait)
         running[0] -= 1
         return await unnamed_producer(ctx, prompts)
 
