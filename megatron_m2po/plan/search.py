@@ -13,6 +13,9 @@ Candidates (for the config's cluster, ``nnodes x gpus_per_node`` trainer GPUs):
 * ``pp`` dividing the layers, ``tp * pp`` dividing the world; ``vpp`` in 2..4 where the layers
   split into ``pp * vpp`` chunks and there are at least ``pp`` micro-batches (Megatron's
   interleaved schedule needs ``microbatch_group_size_per_vp_stage >= pp``);
+* for an MoE model, expert parallel ``ep`` dividing the expert count with expert tensor parallel
+  ``etp`` in ``{1, tp}`` and ``ep * etp`` dividing ``tp * cp * dp`` (Megatron's rule), no EP with
+  CP (:func:`megatron_m2po.plan.moe.ep_choices`; the MoE terms are in :mod:`megatron_m2po.plan.moe`);
 * recompute ``none`` / ``selective`` / ``full``; distributed optimizer off / on;
 * a micro-batch token budget of ``k x seq_len``, ``k`` in 1, 2, 4, 8. Without packing
   (``parallel.packing=false``) that is ``parallel.micro_batch_size = k`` sequences right-padded
@@ -182,7 +185,8 @@ def step_time(m: ModelShape, lay: Layout, work: Workload, budget_k: int, cm: Cos
     """Estimated seconds of one training step of ``work`` under ``lay`` (per-component breakdown).
 
     Returns ``(micro-batches per update per DP rank, times)``; ``times`` holds seconds per update
-    for ``compute``, ``recompute``, ``tp_comm``, ``cp_comm``, ``pp_comm``, ``overhead``, ``bubble``,
+    for ``compute``, ``recompute``, ``tp_comm``, ``cp_comm``, ``ep_comm`` (MoE all-to-alls and expert-TP
+    gathers, :func:`megatron_m2po.plan.moe.comm_times`), ``pp_comm``, ``overhead``, ``bubble``,
     ``dp_comm`` and ``optimizer``, and ``update`` (their sum) and ``step`` (x updates per step).
 
     Context parallelism (``lay.cp``) splits every micro-batch's tokens over ``cp`` GPUs with
