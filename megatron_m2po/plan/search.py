@@ -212,10 +212,9 @@ def step_time(m: ModelShape, lay: Layout, work: Workload, budget_k: int, cm: Cos
     tokens_mb = tokens_mb / cp                      # this GPU's share (2 of 2 cp chunks per sequence)
     attn_sq_mb = attn_sq_mb / cp                    # causal work is balanced by the chunk pairing
     # forward FLOPs on one GPU for one micro-batch (the last stage also runs the output layer)
-    if m.is_moe:  # attention + router here; the experts' GEMMs in moe.comm_times (their own efficiency)
-        dense_fwd, _ = moe.forward_flops(m, tokens_mb, tp, layers)
-    else:
-        dense_fwd = 2 * tokens_mb * m.matmul_params() * layers / tp  # norms are not matmuls
+    # (norms are not matmuls; an MoE's expert GEMMs are in moe.comm_times, at their own efficiency)
+    dense_fwd = (moe.forward_flops(m, tokens_mb, tp, layers)[0] if m.is_moe
+                 else 2 * tokens_mb * m.matmul_params() * layers / tp)
     # the slowest stage is the last: it runs the output layer, on response rows only
     head_fwd = 2 * tokens_mb * work.response_frac * h * m.vocab / tp
     attn_fwd = 2 * m.q_size * attn_sq_mb * layers / tp   # QK^T and AV, causal half
@@ -230,9 +229,9 @@ def step_time(m: ModelShape, lay: Layout, work: Workload, budget_k: int, cm: Cos
     else:
         recompute = 0.0
     ep_comm = 0.0
+    bw_of = lambda span: _bw(span, lay.gpus_per_node, cm)  # noqa: E731
     if m.is_moe:
-        bw = lambda span: _bw(span, lay.gpus_per_node, cm)  # noqa: E731
-        mt = moe.comm_times(m, lay, tokens_mb, layers, cm, bw)
+        mt = moe.comm_times(m, lay, tokens_mb, layers, cm, bw_of)
         compute += mt["expert_compute"]
         recompute += mt["expert_recompute"]
         ep_comm = mt["ep_comm"]
@@ -271,8 +270,7 @@ def step_time(m: ModelShape, lay: Layout, work: Workload, budget_k: int, cm: Cos
         redo = cm.mask_correction_frac * n_mb  # micro-batches' worth of tokens re-run
         correct = t_mb * (redo + min(redo, 1.0) * (pp - 1) / vpp)
         options = {"prepass": prepass, "correct": correct, "auto": min(prepass, correct)}
-        # with context parallelism the actor always takes the pre-pass (actor/global_mask.py)
-        # and with expert parallelism (every MoE forward is an all-to-all over all data-parallel ranks)
+        # with context or expert parallelism the actor always takes the pre-pass (actor/global_mask.py)
         mask = prepass if cp > 1 or lay.ep > 1 else options[work.mask_strategy]
     # DP: gradients (fp32) reduced over dp; the distributed optimizer reduce-scatters them and
     # all-gathers the bf16 parameters instead of one all-reduce.
@@ -290,7 +288,7 @@ def step_time(m: ModelShape, lay: Layout, work: Workload, budget_k: int, cm: Cos
     shard = dpcp if lay.distributed_optimizer else 1
     optimizer = params / shard * (28 + lay.param_bytes) / (cm.hbm_gbs * 1e9)
     if m.is_moe:  # expert parameters: over the expert data-parallel group
-        e_comm, e_opt = moe.expert_dp_times(m, lay, cm, lambda span: _bw(span, lay.gpus_per_node, cm))
+        e_comm, e_opt = moe.expert_dp_times(m, lay, cm, bw_of)
         dp_comm += e_comm
         optimizer += e_opt
     if cm.overlap_comm:
