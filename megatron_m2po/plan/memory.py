@@ -27,6 +27,9 @@ What is estimated (bytes per GPU, for every pipeline stage; the verdict uses the
   element); the fused vocab-parallel log-prob of :mod:`megatron_m2po.parallel.logprobs` holds only
   ``chunk_rows x V/t`` fp32 logits, their exponentials and gradient (12 bytes per element). The
   product always uses the fused one; the naive number is shown for comparison.
+* **experts** (an MoE model; :mod:`megatron_m2po.plan.moe` gives every term) -- expert weights
+  and gradients over expert parallel x expert tensor parallel, their optimizer states over the
+  expert data-parallel group; the MoE layers' router, dispatched-token and expert activations.
 * **overhead** -- fixed: CUDA context, NCCL communicator buffers, cuBLAS/TE workspaces and
   allocator fragmentation (``--overhead-gib``, 3 GiB by default).
 
@@ -475,7 +478,7 @@ def plan(m: ModelShape, lay: Layout) -> LayoutPlan:
     worst = p.worst
     budget = lay.budget_gib * GiB
     if worst.total > budget:
-        p.errors.append(_memory_message(worst, lay, budget))
+        p.errors.append(_memory_message(worst, lay, budget, experts=m.is_moe))
     return p
 
 
@@ -483,7 +486,7 @@ def _g(x: float) -> str:
     return f"{x / GiB:.1f} GiB"
 
 
-def _memory_message(s: StageMemory, lay: Layout, budget: float) -> str:
+def _memory_message(s: StageMemory, lay: Layout, budget: float, experts: bool = False) -> str:
     head = (f"stage {s.stage} needs {_g(s.total)} > budget {_g(budget)}"
             + (f" ({lay.gpu_mem_gib:g} GiB GPU - {lay.reserved_gib:g} GiB for colocated engines)"
                if lay.reserved_gib else ""))
@@ -491,7 +494,8 @@ def _memory_message(s: StageMemory, lay: Layout, budget: float) -> str:
     shard = lay.dp * lay.cp
     if s.weights + s.gradients + s.overhead > budget:
         fix = (f"weights {_g(s.weights)} + fp32 gradients {_g(s.gradients)} exceed the budget on their own: raise "
-               f"parallel.tensor_parallel or parallel.pipeline_parallel (they scale as 1/(tp*pp))")
+               f"parallel.tensor_parallel or parallel.pipeline_parallel (they scale as 1/(tp*pp))"
+               + ("; the experts' also as 1/(ep*etp): raise parallel.expert_parallel" if experts else ""))
     elif not lay.distributed_optimizer and (s.optimizer > 0.3 * budget or states + s.overhead > budget):
         fix = (f"optimizer states {_g(s.optimizer)} > budget share: enable parallel.use_distributed_optimizer "
                f"(shards them over dp*cp = {shard}: {_g(s.optimizer / shard)}) or raise data parallel")
@@ -595,7 +599,7 @@ def plan_from_config(cfg: Config, m: ModelShape, **kw: Any) -> LayoutPlan:
         if shared:  # colocated: engines hold their memory fraction while training runs
             lay.reserved_gib = r.engine_mem_fraction * lay.gpu_mem_gib
     p = plan(m, lay)
-    if m.is_moe:
+    if m.is_moe and p.stages:  # the layout's shape passed plan()'s own checks (no message twice)
         extra += _trainer_config_errors(cfg, lay)
     p.errors = extra + p.errors
     if eng:
