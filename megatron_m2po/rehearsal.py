@@ -7,12 +7,14 @@ What runs is the recipe's own config through the launch path its users run, with
 CPU cannot hold substituted (each substitution is printed with its reason):
 
 * the model: the tiny base of the recipe's family (:mod:`megatron_m2po.standins.tiny_base`, a
-  Qwen3-shaped one for Qwen3 recipes), in the recipe's dtype;
+  Qwen3-shaped one for Qwen3 recipes, the tiny Qwen3-MoE -- 4 experts, top-2 -- for Qwen3-MoE
+  ones), in the recipe's dtype;
 * the data: the synthetic task instead of the recipe's parquet file (not on this machine), in
   the recipe's prompt template, graded by the recipe's reward;
 * sizes: a few prompts per step with the recipe's number of updates per step, short responses;
 * parallelism: TP=2 x PP=2 over 4 processes (a recipe with context parallelism, or a
-  ``parallel.context_parallel`` given on the command line: TP=2 x CP=2), keeping every feature
+  ``parallel.context_parallel`` given on the command line: TP=2 x CP=2; an MoE recipe: expert
+  parallel EP=2 with TP and PP scaled as in :func:`_expert_layout`), keeping every feature
   the recipe turns on (sequence parallel, its recompute mode, the distributed optimizer);
 * staleness: ``stale_k`` scaled to the same number of updates per step but a lag of
   ``LAG_STEPS`` steps instead of ``stale_k / U`` (64 for the 32B recipes), so that staleness
@@ -48,6 +50,7 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -92,6 +95,7 @@ def find_scripts(config: Path, env: Optional[dict] = None, cwd: Optional[Path] =
 
 NODES, PROCS_PER_NODE = 2, 2
 TP, PP, CP = 2, 2, 2
+EP = 2                        # an MoE recipe's rehearsal: expert parallel over 2 of the 4 processes
 LAG_STEPS = 2                 # rehearsal stale_k = LAG_STEPS x updates per step
 PROMPTS_PER_UPDATE = 1
 SAMPLES_PER_PROMPT = 4
@@ -122,8 +126,11 @@ class RehearsalPlan:
 
 
 def family_of(cfg: Config) -> str:
-    """The tiny base family standing in for the recipe's model (from its HF path's name)."""
+    """The tiny base family standing in for the recipe's model (from its HF path's name; a Qwen3
+    MoE is named ``...-A<active>B``, e.g. Qwen3-30B-A3B, or ``...moe...``)."""
     name = Path(cfg.model.hf_path.rstrip("/")).name.lower()
+    if "qwen3" in name and ("moe" in name or re.search(r"-a\d+(\.\d+)?b\b", name)):
+        return "qwen3_moe"
     if "qwen3" in name:
         return "qwen3"
     if "qwen2" in name:
@@ -158,10 +165,16 @@ def plan(config_path: Path, *, shared: Path, model_dir: str, family: str, steps:
     if wants_cp:
         put("parallel.context_parallel", CP, f"{n} processes ({p.context_parallel} in the recipe)")
     pp = PP if p.pipeline_parallel > 1 and not wants_cp else 1
-    if p.tensor_parallel != TP:
-        put("parallel.tensor_parallel", TP, f"{n} processes ({p.tensor_parallel} in the recipe)")
+    tp = TP
+    if family == "qwen3_moe":
+        tp, pp = _expert_layout(p, n, put)
+    if p.tensor_parallel != tp:
+        put("parallel.tensor_parallel", tp, f"{n} processes ({p.tensor_parallel} in the recipe)")
     if p.pipeline_parallel != pp:
         put("parallel.pipeline_parallel", pp, f"{n} processes ({p.pipeline_parallel} in the recipe)")
+    if p.virtual_pipeline_parallel is not None:
+        put("parallel.virtual_pipeline_parallel", "null", f"{p.virtual_pipeline_parallel} in the recipe: the tiny "
+            "model's 2 layers make no virtual stages")
     local = cfg.rollout.launcher == "local"
     if local:
         put("rollout.engine", "cpu_worker", f"{cfg.rollout.engine} in the recipe: CPU workers, still started by trainer "
@@ -196,6 +209,21 @@ def plan(config_path: Path, *, shared: Path, model_dir: str, family: str, steps:
     final = config_from_dict(data)
     name = config_path.stem
     return RehearsalPlan(name, config_path, final, o, family, note, steps, kill_after, extra)
+
+
+def _expert_layout(p, n: int, put: Callable[..., None]) -> tuple[int, int]:
+    """An MoE recipe's layout scaled to ``n`` processes with expert parallel ``EP``: TP 2 where the
+    recipe has TP (1 otherwise), the recipe's expert-TP choice (whole experts, or split as the
+    attention), and PP 2 where the recipe pipelines and ``etp x EP x pp`` still divides ``n``
+    (Megatron's rule); the rest is data parallel. Returns (tp, pp)."""
+    tp = TP if p.tensor_parallel > 1 else 1
+    recipe_etp = p.expert_tensor_parallel or p.tensor_parallel
+    etp = 1 if recipe_etp == 1 else tp
+    pp = PP if p.pipeline_parallel > 1 and n % (etp * EP * PP) == 0 and n % (tp * PP) == 0 else 1
+    put("parallel.expert_parallel", EP, f"{n} processes ({p.expert_parallel} in the recipe)")
+    put("parallel.expert_tensor_parallel", etp, f"{'whole experts' if etp == 1 else 'experts split as the attention'}"
+        f" as in the recipe (expert_tensor_parallel={recipe_etp})")
+    return tp, pp
 
 
 # ---------------------------------------------------------------------------- processes
@@ -545,7 +573,9 @@ def main(argv: Optional[list[str]] = None) -> int:
             print(f"  {x}  # given on the command line")
         print(f"  staleness: {p.stale_k_note}")
         pc = p.cfg.parallel
-        kept = (f"TP={pc.tensor_parallel} PP={pc.pipeline_parallel}{f' CP={pc.context_parallel}' if pc.context_parallel > 1 else ''} "
+        ep = (f" EP={pc.expert_parallel} ETP={pc.expert_tensor_parallel or pc.tensor_parallel}"
+              if family == "qwen3_moe" else "")
+        kept = (f"TP={pc.tensor_parallel} PP={pc.pipeline_parallel}{f' CP={pc.context_parallel}' if pc.context_parallel > 1 else ''}{ep} "
                 f"sequence_parallel={pc.sequence_parallel} "
                 f"recompute={pc.recompute} distributed_optimizer={pc.use_distributed_optimizer} "
                 f"packing={pc.packing} max_tokens_per_microbatch={pc.max_tokens_per_microbatch} "

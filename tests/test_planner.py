@@ -257,7 +257,8 @@ def test_pipeline_in_flight_1f1b():
 # Recipes and the CLI
 # ---------------------------------------------------------------------------------------------
 
-RECIPES = {"qwen2.5-32b": (4, 8), "qwen3-32b": (4, 8), "qwen2.5-math-7b": (1, 4), "qwen3-8b": (1, 4)}
+RECIPES = {"qwen2.5-32b": (4, 8), "qwen3-32b": (4, 8), "qwen2.5-math-7b": (1, 4), "qwen3-8b": (1, 4),
+           "qwen3-30b-a3b": (2, 8)}
 
 
 @pytest.mark.parametrize("name", sorted(RECIPES))
@@ -517,6 +518,7 @@ def test_search_with_nothing_fitting_says_why(capsys):
     assert rc == 1 and "no layout of qwen2.5-32b fits 1 GPUs" in err and "weights" in err
 
 
+# qwen3-30b-a3b: tests/test_planner_moe.py (one search shared with the MoE constraint checks)
 SEARCH_RECIPES = {"qwen2.5-32b": (4, 8), "qwen3-32b": (4, 8), "qwen2.5-math-7b": (1, 4), "qwen3-8b": (1, 4)}
 
 

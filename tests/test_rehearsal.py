@@ -109,3 +109,51 @@ def test_rehearsal_plan_with_context_parallel(tmp_path):
     assert (c.sequence_parallel, c.packing, c.cp_comm_type) == (recipe.parallel.sequence_parallel,
                                                                 recipe.parallel.packing, "p2p")
     assert "parallel.context_parallel" in p.overrides and p.overrides["parallel.context_parallel"][1]
+
+
+def test_moe_recipe_rehearsal_plan_keeps_expert_parallelism(tmp_path):
+    """The Qwen3-30B-A3B recipe is rehearsed with the tiny Qwen3-MoE at EP=2: TP=2 (the recipe has TP),
+    whole experts (the recipe's expert_tensor_parallel=1), PP=2 (the recipe pipelines; etp x EP x PP
+    = 4 divides the 4 processes), no virtual stages (2 tiny layers); each substitution named."""
+    path = ROOT / "examples" / "qwen3-30b-a3b.yaml"
+    recipe = load_config(path)
+    assert family_of(recipe) == "qwen3_moe"
+    p = plan(path, shared=tmp_path / "shared", model_dir="/tiny", family="qwen3_moe", steps=8, kill_after=4,
+             extra=[], router_addr="http://127.0.0.1:1")
+    c = p.cfg.parallel
+    assert (c.tensor_parallel, c.pipeline_parallel, c.expert_parallel, c.expert_tensor_parallel,
+            c.virtual_pipeline_parallel) == (2, 2, 2, 1, None)
+    for key in ("sequence_parallel", "recompute", "use_distributed_optimizer", "packing", "max_tokens_per_microbatch",
+                "moe_token_dispatcher"):
+        assert getattr(c, key) == getattr(recipe.parallel, key), key
+    for key in ("parallel.expert_parallel", "parallel.expert_tensor_parallel", "parallel.virtual_pipeline_parallel"):
+        assert p.overrides[key][1], key
+    assert p.cfg.model.moe == recipe.model.moe and p.cfg.rollout.launcher == "external"
+    # the names a Qwen3 MoE goes by; dense Qwen3 stays dense
+    for name, fam in (("/m/Qwen3-30B-A3B", "qwen3_moe"), ("/m/Qwen3-235B-A22B-Instruct-2507", "qwen3_moe"),
+                      ("/m/qwen3-moe-tiny", "qwen3_moe"), ("/m/Qwen3-32B", "qwen3"), ("/m/Qwen3-8B-Base", "qwen3")):
+        assert family_of(load_config(None, [f"model.hf_path={name}"])) == fam, name
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_qwen3_30b_a3b_recipe_rehearsal_with_expert_parallelism(tmp_path):
+    """``scripts/run_qwen3_30b_a3b.sh --rehearse`` (shortened to 4 steps, node 1 SIGKILLed after the
+    step-2 checkpoint): the tiny Qwen3-MoE at TP=2 x PP=2 with EP=2 and whole experts (ETP=1) over
+    the 2 x 2 processes, CPU engines from the fleet script; the resume is at the same layout (a
+    full resume needs the EP it was saved with, actor/checkpoint.py)."""
+    work = tmp_path / "rehearsal"
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    for k in ("MODEL_PATH", "DATA_TRAIN", "ROUTER_ADDR", "RUN_DIR"):
+        env.pop(k, None)
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "run_qwen3_30b_a3b.sh"), "--rehearse", "--workdir", str(work),
+                           "--steps", "4", "--kill-after", "2"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=850)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-6000:]
+    last = proc.stdout.strip().splitlines()[-1]
+    assert last.startswith("rehearsal ok qwen3-30b-a3b steps=4 updates=16 nodes=2x2 TP=2 PP=2 EP=2 ETP=1 "
+                           "sequence_parallel=True recompute=full distributed_optimizer=True"), last
+    assert "resumed_from=step_000002" in last and "staleness=0..11" in last, last
+    node0 = (work / "node0" / "train_2.log").read_text(errors="replace")
+    assert f"resumed from {work / 'shared' / 'run' / 'checkpoints' / 'step_000002'}" in node0

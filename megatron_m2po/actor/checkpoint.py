@@ -231,7 +231,7 @@ def load_checkpoint(actor, path: str, *, model_only: bool = False) -> dict[str, 
         raise ValueError(
             f"checkpoint {ckpt} was saved at parallel.expert_parallel={saved_ep[0]}, this run has "
             f"parallel.expert_parallel={_expert_layout(actor)[0]}: the optimizer state resumes only at the expert "
-            "layout it was saved with: set parallel.expert_parallel={saved_ep[0]}, or start a new run from its "
+            f"layout it was saved with: set parallel.expert_parallel={saved_ep[0]}, or start a new run from its "
             "weights (they load at any layout: `m2po convert mcore-to-hf`, then model.hf_path=<the export>)")
     if model_only:
         sharded = _sharded_state(actor, is_loading=True, with_optimizer=False)

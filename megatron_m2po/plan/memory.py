@@ -27,6 +27,9 @@ What is estimated (bytes per GPU, for every pipeline stage; the verdict uses the
   element); the fused vocab-parallel log-prob of :mod:`megatron_m2po.parallel.logprobs` holds only
   ``chunk_rows x V/t`` fp32 logits, their exponentials and gradient (12 bytes per element). The
   product always uses the fused one; the naive number is shown for comparison.
+* **experts** (an MoE model; :mod:`megatron_m2po.plan.moe` gives every term) -- expert weights
+  and gradients over expert parallel x expert tensor parallel, their optimizer states over the
+  expert data-parallel group; the MoE layers' router, dispatched-token and expert activations.
 * **overhead** -- fixed: CUDA context, NCCL communicator buffers, cuBLAS/TE workspaces and
   allocator fragmentation (``--overhead-gib``, 3 GiB by default).
 
@@ -48,7 +51,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from megatron_m2po.config import Config, load_config
+from megatron_m2po.config import Config, ConfigError, load_config
+from megatron_m2po.plan import moe
 
 GiB = 1024 ** 3
 
@@ -82,6 +86,13 @@ class ModelShape:
     qk_norm: bool = False              # Qwen3
     gated: bool = True                 # SwiGLU MLP (gate + up)
     max_positions: Optional[int] = None
+    num_experts: int = 0               # MoE: routed experts per layer (0 = dense); plan/moe.py
+    top_k: int = 0                     # MoE: experts per token (num_experts_per_tok)
+    moe_ffn: int = 0                   # MoE: one expert's MLP width (moe_intermediate_size)
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
     @property
     def kv_channels(self) -> int:
@@ -95,15 +106,32 @@ class ModelShape:
     def kv_size(self) -> int:
         return self.kv_heads * self.kv_channels
 
-    def layer_params(self) -> int:
+    def attention_params(self) -> int:
         h, q, kv = self.hidden, self.q_size, self.kv_size
         attn = h * q + 2 * h * kv + q * h
         if self.qkv_bias:
             attn += q + 2 * kv
         if self.qk_norm:
             attn += 2 * self.kv_channels
-        mlp = (3 if self.gated else 2) * h * self.ffn
-        return attn + mlp + 2 * h  # two RMSNorm weights
+        return attn
+
+    def layer_params(self) -> int:
+        if self.is_moe:  # attention, router, all experts (plan/moe.py)
+            mlp = moe.router_params(self) + moe.expert_layer_params(self)
+        else:
+            mlp = (3 if self.gated else 2) * self.hidden * self.ffn
+        return self.attention_params() + mlp + 2 * self.hidden  # two RMSNorm weights
+
+    def matmul_params(self) -> int:
+        """Matmul parameters one token meets in a layer (the active ones of an MoE: ``top_k`` experts)."""
+        if self.is_moe:
+            return self.attention_params() + moe.router_params(self) + self.top_k * 3 * self.hidden * self.moe_ffn
+        return self.layer_params() - 2 * self.hidden
+
+    def active_params(self) -> int:
+        """Parameters one token meets (all of a dense model)."""
+        emb = self.vocab * self.hidden * (1 if self.tied else 2)
+        return self.layers * (self.matmul_params() + 2 * self.hidden) + self.hidden + emb
 
     def num_params(self, vocab: Optional[int] = None) -> int:
         v = self.vocab if vocab is None else vocab
@@ -126,6 +154,7 @@ class ModelShape:
             raise PlanError(f"HF config lacks {missing}; the planner needs {need}")
         mtype = str(cfg.get("model_type", ""))
         act = str(cfg.get("hidden_act", "silu"))
+        experts = _moe_fields(cfg, name)
         return cls(
             name=name or mtype or "model", hidden=int(cfg["hidden_size"]), layers=int(cfg["num_hidden_layers"]),
             heads=int(cfg["num_attention_heads"]),
@@ -134,7 +163,27 @@ class ModelShape:
             tied=bool(cfg.get("tie_word_embeddings", False)), head_dim=cfg.get("head_dim"),
             qkv_bias=bool(cfg.get("attention_bias", mtype == "qwen2")), qk_norm=mtype.startswith("qwen3"),
             gated=act in ("silu", "swiglu", "gelu_pytorch_tanh_gated"),
-            max_positions=cfg.get("max_position_embeddings"))
+            max_positions=cfg.get("max_position_embeddings"), **experts)
+
+
+def _moe_fields(cfg: dict, name: str) -> dict:
+    """num_experts / top_k / moe_ffn of an HF MoE config (Qwen3-MoE names); {} for a dense one.
+    Refuses what the actor refuses (``actor/model.py`` ``_check_moe_hf_config``): dense layers
+    among the MoE ones, shared experts."""
+    n = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+    if not n:
+        return {}
+    if cfg.get("mlp_only_layers") or int(cfg.get("decoder_sparse_step", 1)) != 1:
+        raise PlanError(f"{name or cfg.get('model_type')}: MoE with dense layers (mlp_only_layers="
+                        f"{cfg.get('mlp_only_layers')}, decoder_sparse_step={cfg.get('decoder_sparse_step')}) is not "
+                        "supported by the actor; only models whose every layer is MoE")
+    if cfg.get("shared_expert_intermediate_size"):
+        raise PlanError(f"{name or cfg.get('model_type')}: shared experts are not supported by the actor")
+    need = ["num_experts_per_tok", "moe_intermediate_size"]
+    missing = [k for k in need if k not in cfg]
+    if missing:
+        raise PlanError(f"MoE HF config lacks {missing}; the planner needs {need}")
+    return dict(num_experts=n, top_k=int(cfg["num_experts_per_tok"]), moe_ffn=int(cfg["moe_intermediate_size"]))
 
 
 def _m(name: str, **kw: Any) -> ModelShape:
@@ -155,6 +204,11 @@ MODELS: dict[str, ModelShape] = {m.name: m for m in [
        head_dim=128, qk_norm=True, max_positions=40960),
     _m("qwen3-32b", hidden=5120, layers=64, heads=64, kv_heads=8, ffn=25600, vocab=151936, tied=False,
        head_dim=128, qk_norm=True, max_positions=40960),
+    # Qwen/Qwen3-30B-A3B config.json (mbridge 0.15.1's qwen3_moe bridge reads the same fields):
+    # 48 layers, hidden 2048, 32 q / 4 kv heads of 128, 128 experts, top-8, moe_intermediate_size
+    # 768, intermediate_size 6144 (unused: no dense layers), no shared experts, untied embeddings.
+    _m("qwen3-30b-a3b", hidden=2048, layers=48, heads=32, kv_heads=4, ffn=6144, vocab=151936, tied=False,
+       head_dim=128, qk_norm=True, max_positions=40960, num_experts=128, top_k=8, moe_ffn=768),
     _m("llama-3-8b", hidden=4096, layers=32, heads=32, kv_heads=8, ffn=14336, vocab=128256, tied=False,
        max_positions=8192),
 ]}
@@ -192,6 +246,8 @@ class Layout:
     dp: int = 1
     cp: int = 1
     vpp: Optional[int] = None
+    ep: int = 1                             # expert parallel (MoE; folds into dp: plan/moe.py)
+    etp: Optional[int] = None               # expert tensor parallel (None = tp, as Megatron)
     sequence_parallel: bool = False
     recompute: str = "none"                 # none | selective | full
     distributed_optimizer: bool = False
@@ -287,7 +343,9 @@ def layer_activation_bytes(m: ModelShape, tokens: float, seq_len: int, tp: int, 
 
 
 def stage_params(m: ModelShape, lay: Layout, stage: int, vocab_p: int) -> float:
-    per_layer = m.layer_params()
+    """Parameters on one GPU of ``stage`` outside the experts (all of a dense model's); an MoE's
+    expert parameters are :func:`megatron_m2po.plan.moe.stage_expert_params`."""
+    per_layer = m.layer_params() if not m.is_moe else moe.tp_split_layer_params(m)
     p = per_layer * m.layers / lay.pp
     emb = vocab_p * m.hidden
     if stage == 0:
@@ -296,7 +354,8 @@ def stage_params(m: ModelShape, lay: Layout, stage: int, vocab_p: int) -> float:
         p += m.hidden  # final norm
         if lay.pp > 1 or not m.tied:
             p += emb      # output layer (a tied embedding is copied to the last stage when pp > 1)
-    return p / lay.tp
+    router = moe.router_params(m) * m.layers / lay.pp if m.is_moe else 0  # replicated over TP
+    return p / lay.tp + router
 
 
 def estimate(m: ModelShape, lay: Layout) -> list[StageMemory]:
@@ -304,11 +363,9 @@ def estimate(m: ModelShape, lay: Layout) -> list[StageMemory]:
     vocab_p = padded_vocab(m.vocab, lay.tp, lay.vocab_divisible_by)
     toks = lay.micro_batch_tokens / lay.cp
     sp = lay.sequence_parallel and lay.tp > 1
-    full_layer = layer_activation_bytes(m, toks, lay.seq_len, lay.tp, sequence_parallel=sp,
-                                        score_term=not lay.flash_attention, dropout=lay.dropout)
+    full_layer = _layer_bytes(m, lay, toks, sp, score_term=not lay.flash_attention)
     if lay.recompute == "selective":
-        per_layer = layer_activation_bytes(m, toks, lay.seq_len, lay.tp, sequence_parallel=sp,
-                                           score_term=False, dropout=lay.dropout)
+        per_layer = _layer_bytes(m, lay, toks, sp, score_term=False)
     elif lay.recompute == "full":
         per_layer = 2 * toks * m.hidden / (lay.tp if sp else 1)
     else:
@@ -319,6 +376,8 @@ def estimate(m: ModelShape, lay: Layout) -> list[StageMemory]:
 
     opt_bytes = 12 if lay.param_bytes < 4 else 8
     opt_shard = lay.dp * lay.cp if lay.distributed_optimizer else 1
+    experts = moe.stage_expert_params(m, lay)          # 0 for a dense model
+    expert_shard = moe.expert_data_parallel(lay) if lay.distributed_optimizer else 1
     n_mb = lay.num_microbatches if lay.num_microbatches is not None else 10 ** 9
     layers_per_stage = m.layers / lay.pp
 
@@ -338,17 +397,30 @@ def estimate(m: ModelShape, lay: Layout) -> list[StageMemory]:
             act += factor * emb_act
         if lay.recompute == "full":
             act += full_layer  # the layer being recomputed during backward
+        if m.is_moe:  # one layer's token dispatch in flight
+            act += moe.dispatch_buffer_bytes(m, toks, lay.tp, lay.etp or lay.tp)
         logits_naive = logits_fused = 0.0
         if i == lay.pp - 1:
             act += 2 * toks * m.hidden / (lay.tp if sp else 1)  # final-norm output, input of the output layer
             logits_naive, logits_fused = naive, fused
         out.append(StageMemory(
-            stage=i, params=params, weights=params * lay.param_bytes, gradients=params * 4,
-            optimizer=params * opt_bytes / opt_shard, activations=act,
+            stage=i, params=params + experts, weights=(params + experts) * lay.param_bytes,
+            gradients=(params + experts) * 4,
+            optimizer=params * opt_bytes / opt_shard + experts * opt_bytes / expert_shard, activations=act,
             logits=logits_fused if lay.fused_logprobs else logits_naive,
             logits_naive=logits_naive, logits_fused=logits_fused, overhead=lay.overhead_gib * GiB,
             in_flight=in_flight))
     return out
+
+
+def _layer_bytes(m: ModelShape, lay: Layout, toks: float, sp: bool, *, score_term: bool) -> float:
+    """Activation bytes of one layer (an MoE layer: the dense formula without its MLP, plus plan/moe.py's terms)."""
+    if not m.is_moe:
+        return layer_activation_bytes(m, toks, lay.seq_len, lay.tp, sequence_parallel=sp, score_term=score_term,
+                                      dropout=lay.dropout)
+    dense = layer_activation_bytes(dataclasses.replace(m, num_experts=0, ffn=0), toks, lay.seq_len, lay.tp,
+                                   sequence_parallel=sp, score_term=score_term, dropout=lay.dropout)
+    return moe.layer_activation_bytes(m, toks, lay.tp, lay.etp or lay.tp, dense_part=dense)
 
 
 def _divisors(n: int, limit: int) -> list[int]:
@@ -371,11 +443,12 @@ def plan(m: ModelShape, lay: Layout) -> LayoutPlan:
     if m.kv_heads % lay.tp:
         errs.append(f"kv heads {m.kv_heads} not divisible by tp {lay.tp}: Megatron splits key/value groups "
                     f"over TP; use tp in {ok_tp}")
-    if m.ffn % lay.tp:
+    if m.ffn % lay.tp and not m.is_moe:
         errs.append(f"intermediate_size {m.ffn} not divisible by tp {lay.tp}: use tp in {ok_tp}")
     if m.vocab % lay.tp:  # the actor refuses it (actor/model.py): padded rows would change the normaliser
         errs.append(f"vocab_size {m.vocab} not divisible by tp {lay.tp}: the actor refuses padded vocabulary rows; "
                     f"use tp in {[d for d in ok_tp if m.vocab % d == 0]}")
+    errs += moe.layout_errors(m, lay)
     stages = lay.pp * (lay.vpp or 1)
     if m.layers % stages:
         what = f"pp*vpp = {lay.pp}*{lay.vpp}" if lay.vpp else f"pp {lay.pp}"
@@ -405,7 +478,7 @@ def plan(m: ModelShape, lay: Layout) -> LayoutPlan:
     worst = p.worst
     budget = lay.budget_gib * GiB
     if worst.total > budget:
-        p.errors.append(_memory_message(worst, lay, budget))
+        p.errors.append(_memory_message(worst, lay, budget, experts=m.is_moe))
     return p
 
 
@@ -413,7 +486,7 @@ def _g(x: float) -> str:
     return f"{x / GiB:.1f} GiB"
 
 
-def _memory_message(s: StageMemory, lay: Layout, budget: float) -> str:
+def _memory_message(s: StageMemory, lay: Layout, budget: float, experts: bool = False) -> str:
     head = (f"stage {s.stage} needs {_g(s.total)} > budget {_g(budget)}"
             + (f" ({lay.gpu_mem_gib:g} GiB GPU - {lay.reserved_gib:g} GiB for colocated engines)"
                if lay.reserved_gib else ""))
@@ -421,7 +494,8 @@ def _memory_message(s: StageMemory, lay: Layout, budget: float) -> str:
     shard = lay.dp * lay.cp
     if s.weights + s.gradients + s.overhead > budget:
         fix = (f"weights {_g(s.weights)} + fp32 gradients {_g(s.gradients)} exceed the budget on their own: raise "
-               f"parallel.tensor_parallel or parallel.pipeline_parallel (they scale as 1/(tp*pp))")
+               f"parallel.tensor_parallel or parallel.pipeline_parallel (they scale as 1/(tp*pp))"
+               + ("; the experts' also as 1/(ep*etp): raise parallel.expert_parallel" if experts else ""))
     elif not lay.distributed_optimizer and (s.optimizer > 0.3 * budget or states + s.overhead > budget):
         fix = (f"optimizer states {_g(s.optimizer)} > budget share: enable parallel.use_distributed_optimizer "
                f"(shards them over dp*cp = {shard}: {_g(s.optimizer / shard)}) or raise data parallel")
@@ -454,9 +528,12 @@ def layout_from_config(cfg: Config, *, nnodes: int = 1, gpus_per_node: int = 8, 
     par = cfg.parallel
     seq = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
     lay = Layout(tp=par.tensor_parallel, pp=par.pipeline_parallel, cp=par.context_parallel,
+                 ep=par.expert_parallel, etp=par.expert_tensor_parallel,
                  vpp=par.virtual_pipeline_parallel, sequence_parallel=par.sequence_parallel,
                  recompute=par.recompute, distributed_optimizer=par.use_distributed_optimizer,
-                 micro_batch_tokens=par.micro_batch_size * seq, seq_len=seq, gpus_per_node=gpus_per_node,
+                 # a token budget groups sequences (packed or padded) up to it; a longer one runs alone
+                 micro_batch_tokens=(max(par.max_tokens_per_microbatch, seq) if par.max_tokens_per_microbatch
+                                     else par.micro_batch_size * seq), seq_len=seq, gpus_per_node=gpus_per_node,
                  node_gpus=node_gpus or max(gpus_per_node, 8), gpu_mem_gib=gpu_mem_gib,
                  param_bytes=4 if cfg.model.dtype == "float32" else 2,
                  dropout=cfg.model.attention_dropout > 0 or cfg.model.hidden_dropout > 0,
@@ -487,6 +564,21 @@ def engine_gpus(cfg: Config, lay: Layout) -> list[int]:
     return list(range(lay.gpus_per_node, lay.gpus_per_node + r.num_engines * r.engine_tp))
 
 
+def _trainer_config_errors(cfg: Config, lay: Layout) -> list[str]:
+    """What ``Config.validate`` (the trainer's start-up checks) says about ``cfg`` run at ``lay``'s
+    layout (the search builds its candidates' configs without validating them; the CLI's --tp / --ep
+    overrides reach the layout only)."""
+    par = dataclasses.replace(cfg.parallel, tensor_parallel=lay.tp, pipeline_parallel=lay.pp,
+                              context_parallel=lay.cp, sequence_parallel=lay.sequence_parallel,
+                              expert_parallel=lay.ep, expert_tensor_parallel=lay.etp,
+                              virtual_pipeline_parallel=lay.vpp)
+    try:
+        dataclasses.replace(cfg, parallel=par).validate()
+    except ConfigError as e:
+        return [str(e)]
+    return []
+
+
 def plan_from_config(cfg: Config, m: ModelShape, **kw: Any) -> LayoutPlan:
     """Plan a run config: layout, engine GPU accounting, memory."""
     lay = layout_from_config(cfg, **kw)
@@ -507,6 +599,8 @@ def plan_from_config(cfg: Config, m: ModelShape, **kw: Any) -> LayoutPlan:
         if shared:  # colocated: engines hold their memory fraction while training runs
             lay.reserved_gib = r.engine_mem_fraction * lay.gpu_mem_gib
     p = plan(m, lay)
+    if m.is_moe and p.stages:  # the layout's shape passed plan()'s own checks (no message twice)
+        extra += _trainer_config_errors(cfg, lay)
     p.errors = extra + p.errors
     if eng:
         how = "colocated with the trainer" if lay.reserved_gib else "disaggregated"
@@ -553,7 +647,7 @@ def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                         "power-of-two count that fits).")
     p.add_argument("--gpus-per-node", type=int, default=8, help="Trainer processes (GPUs) per node.")
     p.add_argument("--node-gpus", type=int, default=None, help="Physical GPUs per node (default max(8, gpus-per-node)).")
-    for k in ("tp", "pp", "dp", "cp", "vpp"):
+    for k in ("tp", "pp", "dp", "cp", "vpp", "ep", "etp"):
         p.add_argument(f"--{k}", type=int, default=None, help=f"Override {k} (dp default: world / (tp*pp*cp)).")
     p.add_argument("--micro-batch-tokens", type=int, default=None,
                    help="Tokens per micro-batch (default micro_batch_size * (max_prompt_tokens + max_new_tokens)).")
@@ -591,12 +685,14 @@ def run(args: argparse.Namespace) -> int:
     if args.list_models:
         for m in MODELS.values():
             print(f"{m.name:16s} {m.num_params() / 1e9:6.2f}B  hidden={m.hidden} layers={m.layers} heads={m.heads} "
-                  f"kv_heads={m.kv_heads} ffn={m.ffn} vocab={m.vocab} tied={m.tied}")
+                  f"kv_heads={m.kv_heads} ffn={m.ffn} vocab={m.vocab} tied={m.tied}"
+                  + (f" experts={m.num_experts} top_k={m.top_k} moe_ffn={m.moe_ffn}" if m.is_moe else ""))
         return 0
     cfg = config_of(args)
     try:
         m = resolve_model(args, cfg)
-        names = {"tp": "tp", "pp": "pp", "dp": "dp", "cp": "cp", "vpp": "vpp", "micro_batch_tokens": "micro_batch_tokens",
+        names = {"tp": "tp", "pp": "pp", "dp": "dp", "cp": "cp", "vpp": "vpp", "ep": "ep", "etp": "etp",
+                 "micro_batch_tokens": "micro_batch_tokens",
                  "seq_len": "seq_len", "num_microbatches": "num_microbatches", "recompute": "recompute",
                  "sequence_parallel": "sequence_parallel", "distributed_optimizer": "distributed_optimizer",
                  "fused_logprobs": "fused_logprobs", "flash_attention": "flash_attention",
@@ -616,7 +712,7 @@ def run(args: argparse.Namespace) -> int:
 
 def plan_to_dict(p: LayoutPlan) -> dict:
     return {"model": dataclasses.asdict(p.model), "layout": dataclasses.asdict(p.layout),
-            "params_b": p.model.num_params() / 1e9,
+            "params_b": p.model.num_params() / 1e9, "active_params_b": p.model.active_params() / 1e9,
             "stages": [dict(dataclasses.asdict(s), total=s.total) for s in p.stages],
             "worst_total_gib": p.worst.total / GiB if p.stages else None,
             "budget_gib": p.layout.budget_gib, "ok": p.ok, "errors": p.errors, "warnings": p.warnings,
@@ -629,8 +725,9 @@ def print_plan(p: LayoutPlan) -> None:
 
     con = Console(width=120)
     m, lay = p.model, p.layout
-    con.print(f"[bold]{m.name}[/]  {m.num_params() / 1e9:.2f}B params  | tp={lay.tp} pp={lay.pp} dp={lay.dp} "
-              f"cp={lay.cp}{f' vpp={lay.vpp}' if lay.vpp else ''}  world={lay.world_size}  sp={lay.sequence_parallel} "
+    ep = f" ep={lay.ep} etp={lay.etp or lay.tp} expert-dp={moe.expert_data_parallel(lay)}" if m.is_moe else ""
+    con.print(f"[bold]{m.name}[/]  {m.num_params() / 1e9:.2f}B params{moe.describe(m)}  | tp={lay.tp} pp={lay.pp} "
+              f"dp={lay.dp} cp={lay.cp}{f' vpp={lay.vpp}' if lay.vpp else ''}{ep}  world={lay.world_size}  sp={lay.sequence_parallel} "
               f"recompute={lay.recompute} dist-opt={lay.distributed_optimizer}  micro-batch {lay.micro_batch_tokens} "
               f"tokens, {lay.num_microbatches} per update per DP rank")
     if p.stages:
@@ -644,7 +741,9 @@ def print_plan(p: LayoutPlan) -> None:
             ("weights", "weights", f"{lay.param_bytes} B/param over tp"),
             ("gradients", "gradients", "fp32 main grads, 4 B/param"),
             ("optimizer states", "optimizer",
-             f"fp32 master+Adam m,v{f' / dp*cp={lay.dp * lay.cp}' if lay.distributed_optimizer else ''}"),
+             f"fp32 master+Adam m,v{f' / dp*cp={lay.dp * lay.cp}' if lay.distributed_optimizer else ''}"
+             + (f", experts' / expert-dp={moe.expert_data_parallel(lay)}" if m.is_moe and lay.distributed_optimizer
+                else "")),
             ("activations", "activations", f"{lay.recompute} recompute, 1F1B in flight: "
                                             + "/".join(str(s.in_flight) for s in shown)),
             ("logits (fused log-prob)", "logits_fused", f"{lay.logprob_chunk_rows} rows x V/tp fp32"),

@@ -13,6 +13,9 @@ Candidates (for the config's cluster, ``nnodes x gpus_per_node`` trainer GPUs):
 * ``pp`` dividing the layers, ``tp * pp`` dividing the world; ``vpp`` in 2..4 where the layers
   split into ``pp * vpp`` chunks and there are at least ``pp`` micro-batches (Megatron's
   interleaved schedule needs ``microbatch_group_size_per_vp_stage >= pp``);
+* for an MoE model, expert parallel ``ep`` dividing the expert count with expert tensor parallel
+  ``etp`` in ``{1, tp}`` and ``ep * etp`` dividing ``tp * cp * dp`` (Megatron's rule), no EP with
+  CP (:func:`megatron_m2po.plan.moe.ep_choices`; the MoE terms are in :mod:`megatron_m2po.plan.moe`);
 * recompute ``none`` / ``selective`` / ``full``; distributed optimizer off / on;
 * a micro-batch token budget of ``k x seq_len``, ``k`` in 1, 2, 4, 8. Without packing
   (``parallel.packing=false``) that is ``parallel.micro_batch_size = k`` sequences right-padded
@@ -38,7 +41,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from megatron_m2po.config import Config
-from megatron_m2po.plan import memory
+from megatron_m2po.plan import memory, moe
 from megatron_m2po.plan.memory import (GiB, Layout, LayoutPlan, ModelShape, PlanError, padded_vocab, plan_from_config,
                                        stage_params)
 
@@ -86,6 +89,10 @@ class CostModel:
     changed sequences up to their last changed token); measured by tools/benchmarks/global_mask.py
     on the staleness_tiny regime at staleness 32 (docs/planner.md). Long responses hold more
     tokens near the cut per sequence, so at 16k contexts it is likely larger: an assumption."""
+
+    alltoall_eff: float = 0.6
+    """MoE all-to-alls (token dispatch and combine) reach this fraction of the bus bandwidth above:
+    many peer-to-peer messages of uneven size instead of one ring (an assumption)."""
 
     def describe(self) -> list[str]:
         doc = _field_docs()
@@ -144,8 +151,9 @@ class Candidate:
 
     def label(self) -> str:
         lay = self.layout
+        ep = f" ep={lay.ep} etp={lay.etp or lay.tp}" if self.plan.model.is_moe else ""
         return (f"tp={lay.tp} pp={lay.pp}{f' vpp={lay.vpp}' if lay.vpp else ''}{f' cp={lay.cp}' if lay.cp > 1 else ''} "
-                f"dp={lay.dp} "
+                f"dp={lay.dp}{ep} "
                 f"recompute={lay.recompute} dist-opt={'on' if lay.distributed_optimizer else 'off'} "
                 f"mb={self.budget_k}x{lay.seq_len}")
 
@@ -177,7 +185,8 @@ def step_time(m: ModelShape, lay: Layout, work: Workload, budget_k: int, cm: Cos
     """Estimated seconds of one training step of ``work`` under ``lay`` (per-component breakdown).
 
     Returns ``(micro-batches per update per DP rank, times)``; ``times`` holds seconds per update
-    for ``compute``, ``recompute``, ``tp_comm``, ``cp_comm``, ``pp_comm``, ``overhead``, ``bubble``,
+    for ``compute``, ``recompute``, ``tp_comm``, ``cp_comm``, ``ep_comm`` (MoE all-to-alls and expert-TP
+    gathers, :func:`megatron_m2po.plan.moe.comm_times`), ``pp_comm``, ``overhead``, ``bubble``,
     ``dp_comm`` and ``optimizer``, and ``update`` (their sum) and ``step`` (x updates per step).
 
     Context parallelism (``lay.cp``) splits every micro-batch's tokens over ``cp`` GPUs with
@@ -203,8 +212,9 @@ def step_time(m: ModelShape, lay: Layout, work: Workload, budget_k: int, cm: Cos
     tokens_mb = tokens_mb / cp                      # this GPU's share (2 of 2 cp chunks per sequence)
     attn_sq_mb = attn_sq_mb / cp                    # causal work is balanced by the chunk pairing
     # forward FLOPs on one GPU for one micro-batch (the last stage also runs the output layer)
-    matmul_params = m.layer_params() - 2 * h      # norms are not matmuls
-    dense_fwd = 2 * tokens_mb * matmul_params * layers / tp
+    # (norms are not matmuls; an MoE's expert GEMMs are in moe.comm_times, at their own efficiency)
+    dense_fwd = (moe.forward_flops(m, tokens_mb, tp, layers)[0] if m.is_moe
+                 else 2 * tokens_mb * m.matmul_params() * layers / tp)
     # the slowest stage is the last: it runs the output layer, on response rows only
     head_fwd = 2 * tokens_mb * work.response_frac * h * m.vocab / tp
     attn_fwd = 2 * m.q_size * attn_sq_mb * layers / tp   # QK^T and AV, causal half
@@ -218,11 +228,18 @@ def step_time(m: ModelShape, lay: Layout, work: Workload, budget_k: int, cm: Cos
         recompute = attn_fwd / (peak * cm.attn_eff)  # Megatron's selective = the core attention again
     else:
         recompute = 0.0
+    ep_comm = 0.0
+    bw_of = lambda span: _bw(span, lay.gpus_per_node, cm)  # noqa: E731
+    if m.is_moe:
+        mt = moe.comm_times(m, lay, tokens_mb, layers, cm, bw_of)
+        compute += mt["expert_compute"]
+        recompute += mt["expert_recompute"]
+        ep_comm = mt["ep_comm"]
     # TP: 2 all-reduces (or all-gather + reduce-scatter with SP, same volume) per layer forward,
     # 2 backward, 2 more in a full recompute; each moves T*h bf16 values.
     tp_comm = 0.0
     if tp > 1:
-        n_coll = layers * (6 if lay.recompute == "full" else 4)
+        n_coll = layers * moe.tp_collectives_per_layer(m, lay.recompute == "full")
         tp_comm = n_coll * 2 * (tp - 1) / tp * tokens_mb * h * 2 / _bw(tp, lay.gpus_per_node, cm)
     # CP: TE's p2p ring passes K and V (2 x kv_size bf16 per token) of the micro-batch around the cp
     # ranks in forward, again in backward with dK / dV (x3), and once more in a full recompute:
@@ -237,7 +254,7 @@ def step_time(m: ModelShape, lay: Layout, work: Workload, budget_k: int, cm: Cos
     if pp > 1:
         pp_comm = 2 * vpp * tokens_mb * h * 2 / _bw(tp * cp * dp + 1, lay.gpus_per_node, cm)
     overhead = cm.layer_overhead_s * layers
-    t_mb = compute + recompute + tp_comm + cp_comm + pp_comm + overhead
+    t_mb = compute + recompute + tp_comm + cp_comm + ep_comm + pp_comm + overhead
     bubble = t_mb * (pp - 1) / vpp                  # 1F1B: (pp - 1) micro-batch times, / vpp interleaved
     # M2PO's global mask: a forward-only pass over the mini-batch first (its own fill and drain),
     # or a forward-backward of the changed sequences after it (mask_correction_frac of the tokens,
@@ -247,12 +264,14 @@ def step_time(m: ModelShape, lay: Layout, work: Workload, budget_k: int, cm: Cos
         fwd_mb = ((dense_fwd + head_fwd) / (peak * g_eff) + attn_fwd / (peak * cm.attn_eff)
                   + (tp_comm / 2 if lay.recompute != "full" else tp_comm / 3) + cp_comm / 3 + pp_comm / 2
                   + overhead / 3)
+        if m.is_moe:  # the experts' forward and the forward all-to-alls
+            fwd_mb += mt["expert_compute"] / 3 + ep_comm / (3 if lay.recompute == "full" else 2)
         prepass = fwd_mb * (n_mb + (pp - 1) / vpp)
         redo = cm.mask_correction_frac * n_mb  # micro-batches' worth of tokens re-run
         correct = t_mb * (redo + min(redo, 1.0) * (pp - 1) / vpp)
         options = {"prepass": prepass, "correct": correct, "auto": min(prepass, correct)}
-        # with context parallelism the actor always takes the pre-pass (actor/global_mask.py)
-        mask = prepass if cp > 1 else options[work.mask_strategy]
+        # with context or expert parallelism the actor always takes the pre-pass (actor/global_mask.py)
+        mask = prepass if cp > 1 or lay.ep > 1 else options[work.mask_strategy]
     # DP: gradients (fp32) reduced over dp; the distributed optimizer reduce-scatters them and
     # all-gathers the bf16 parameters instead of one all-reduce.
     vocab_p = padded_vocab(m.vocab, tp, lay.vocab_divisible_by)
@@ -268,10 +287,14 @@ def step_time(m: ModelShape, lay: Layout, work: Workload, budget_k: int, cm: Cos
     # Adam: read grad, master, m, v (16 B), write master, m, v (12 B) and the bf16 weight
     shard = dpcp if lay.distributed_optimizer else 1
     optimizer = params / shard * (28 + lay.param_bytes) / (cm.hbm_gbs * 1e9)
+    if m.is_moe:  # expert parameters: over the expert data-parallel group
+        e_comm, e_opt = moe.expert_dp_times(m, lay, cm, bw_of)
+        dp_comm += e_comm
+        optimizer += e_opt
     if cm.overlap_comm:
         tp_comm = cp_comm = pp_comm = dp_comm = 0.0
     t = {"compute": n_mb * compute, "recompute": n_mb * recompute, "tp_comm": n_mb * tp_comm, "cp_comm": n_mb * cp_comm,
-         "pp_comm": n_mb * pp_comm, "overhead": n_mb * overhead, "bubble": bubble, "mask": mask,
+         "ep_comm": n_mb * ep_comm, "pp_comm": n_mb * pp_comm, "overhead": n_mb * overhead, "bubble": bubble, "mask": mask,
          "dp_comm": dp_comm, "optimizer": optimizer}
     t["update"] = sum(t.values())
     t["step"] = t["update"] * work.updates_per_step
@@ -283,7 +306,7 @@ def model_flops_per_update(m: ModelShape, work: Workload, cm: CostModel = CostMo
     recompute, no pre-pass), the MFU numerator."""
     mean, sq, _ = _len_stats(work.seq_len, cm.mean_len_frac, 1)
     tokens = work.sequences * mean
-    fwd = 2 * tokens * ((m.layer_params() - 2 * m.hidden) * m.layers + work.response_frac * m.hidden * m.vocab)
+    fwd = 2 * tokens * (m.matmul_params() * m.layers + work.response_frac * m.hidden * m.vocab)
     fwd += 2 * m.q_size * work.sequences * sq * m.layers
     return 3 * fwd
 
@@ -341,8 +364,10 @@ class SearchResult:
 
 def same_layout(a: Candidate, b: Candidate) -> bool:
     la, lb = a.layout, b.layout
-    return ((la.tp, la.pp, la.cp, la.vpp or None, la.recompute, la.distributed_optimizer, a.budget_k)
-            == (lb.tp, lb.pp, lb.cp, lb.vpp or None, lb.recompute, lb.distributed_optimizer, b.budget_k))
+    return ((la.tp, la.pp, la.cp, la.vpp or None, la.ep, la.etp or la.tp, la.recompute, la.distributed_optimizer,
+             a.budget_k)
+            == (lb.tp, lb.pp, lb.cp, lb.vpp or None, lb.ep, lb.etp or lb.tp, lb.recompute, lb.distributed_optimizer,
+                b.budget_k))
 
 
 def _divisors(n: int) -> list[int]:
@@ -365,9 +390,10 @@ def _config_with(cfg: Config, **parallel: Any) -> Config:
 
 
 def _parallel_fields(tp: int, pp: int, vpp: Optional[int], recompute: str, distopt: bool, k: int,
-                     seq_len: int, packing: bool, cp: int = 1) -> dict[str, Any]:
+                     seq_len: int, packing: bool, cp: int = 1, ep: int = 1, etp: Optional[int] = None
+                     ) -> dict[str, Any]:
     f: dict[str, Any] = dict(tensor_parallel=tp, pipeline_parallel=pp, context_parallel=cp,
-                             virtual_pipeline_parallel=vpp,
+                             virtual_pipeline_parallel=vpp, expert_parallel=ep, expert_tensor_parallel=etp,
                              sequence_parallel=tp > 1, recompute=recompute, use_distributed_optimizer=distopt)
     if packing:
         f["max_tokens_per_microbatch"] = k * seq_len
@@ -415,8 +441,9 @@ def search_config(cfg: Config, m: ModelShape, *, nnodes: int = 1, gpus_per_node:
     # what the actor refuses with CP (actor.py, actor/global_mask.py): sequence-level losses
     cp_ok = not spec.needs_seq_index and getattr(loss_settings(spec, cfg.algo), "mask_strategy", None) != "correct"
 
-    def consider(tp: int, pp: int, vpp: Optional[int], rc: str, distopt: bool, k: int, cp: int = 1) -> Candidate:
-        c = _config_with(cfg, **_parallel_fields(tp, pp, vpp, rc, distopt, k, seq_len, packing, cp))
+    def consider(tp: int, pp: int, vpp: Optional[int], rc: str, distopt: bool, k: int, cp: int = 1, ep: int = 1,
+                 etp: Optional[int] = None) -> Candidate:
+        c = _config_with(cfg, **_parallel_fields(tp, pp, vpp, rc, distopt, k, seq_len, packing, cp, ep, etp))
         if world % (tp * pp * cp):
             raise PlanError(f"tp*pp*cp = {tp * pp * cp} does not divide {world} GPUs")
         dp = world // (tp * pp * cp)
@@ -426,7 +453,7 @@ def search_config(cfg: Config, m: ModelShape, *, nnodes: int = 1, gpus_per_node:
         return cand
 
     for tp in _divisors(gpus_per_node):
-        if m.heads % tp or m.kv_heads % tp or m.ffn % tp or m.vocab % tp:
+        if m.heads % tp or m.kv_heads % tp or (m.ffn % tp and not m.is_moe) or m.vocab % tp:
             continue
         for pp, cp in [(pp, cp) for pp in _divisors(m.layers) for cp in CONTEXT_PARALLEL]:
             # CP within a node (its K/V ring is on every layer's critical path), in world
@@ -440,10 +467,10 @@ def search_config(cfg: Config, m: ModelShape, *, nnodes: int = 1, gpus_per_node:
                 vpps: list[Optional[int]] = [None]
                 if pp > 1 and n_mb >= pp:
                     vpps += [v for v in range(2, max_vpp + 1) if m.layers % (pp * v) == 0]
-                for vpp in vpps:
+                for vpp, (ep, etp) in [(v, e) for v in vpps for e in moe.ep_choices(m, tp, cp, dp)]:
                     for rc in RECOMPUTE:
                         for distopt in (False, True):
-                            cand = consider(tp, pp, vpp, rc, distopt, k, cp)
+                            cand = consider(tp, pp, vpp, rc, distopt, k, cp, ep, etp)
                             limit = (1 - headroom) * cand.layout.budget_gib
                             (ranked if cand.fits and cand.memory_gib <= limit else rejected).append(cand)
     ranked.sort(key=lambda c: (c.step_s, c.memory_gib))
@@ -451,7 +478,8 @@ def search_config(cfg: Config, m: ModelShape, *, nnodes: int = 1, gpus_per_node:
     try:
         k_now = max(1, (_budget // seq_len) if packing and _budget else par.micro_batch_size)
         current = consider(par.tensor_parallel, par.pipeline_parallel, par.virtual_pipeline_parallel,
-                           par.recompute, par.use_distributed_optimizer, k_now, par.context_parallel)
+                           par.recompute, par.use_distributed_optimizer, k_now, par.context_parallel,
+                           par.expert_parallel, par.expert_tensor_parallel)
     except PlanError:
         current = None
     return SearchResult(model=m, work=work, cost=cost, world=world, headroom=headroom, ranked=ranked,
@@ -472,6 +500,8 @@ def parallel_section(c: Candidate, packing: bool) -> dict[str, Any]:
     out: dict[str, Any] = dict(tensor_parallel=lay.tp, pipeline_parallel=lay.pp, context_parallel=lay.cp)
     if lay.vpp:
         out["virtual_pipeline_parallel"] = lay.vpp
+    if c.plan.model.is_moe:
+        out.update(expert_parallel=lay.ep, expert_tensor_parallel=lay.etp or lay.tp)
     out.update(sequence_parallel=lay.sequence_parallel, use_distributed_optimizer=lay.distributed_optimizer,
                recompute=lay.recompute)
     if packing:
@@ -533,8 +563,8 @@ def print_search(res: SearchResult, top: int = 5) -> None:
     best = res.best
     t = Table(title=f"{len(res.ranked)} of {len(res.ranked) + len(res.rejected)} layouts fit; fastest first "
                     f"(seconds per step)")
-    cols = ["#", "layout", "GiB", "mb/upd", "step s", "compute", "recomp", "mask", "tp", "cp", "pp", "bubble", "dp",
-            "optim", "MFU"]
+    cols = ["#", "layout", "GiB", "mb/upd", "step s", "compute", "recomp", "mask", "tp", "cp", "ep", "pp", "bubble",
+            "dp", "optim", "MFU"]
     for ccol in cols:
         t.add_column(ccol, justify="left" if ccol == "layout" else "right", no_wrap=ccol == "layout")
     shown = list(res.ranked[:top])
@@ -549,7 +579,7 @@ def print_search(res: SearchResult, top: int = 5) -> None:
             + (" (chosen)" if same_layout(c, best) else "")
         t.add_row(str(rank) if rank is not None else "-", name, f"{r['memory_gib']:.1f}", str(r["micro_batches"]), f"{r['step_s']:.1f}",
                   f"{r['compute']:.1f}", f"{r['recompute']:.1f}", f"{r['mask']:.1f}", f"{r['tp_comm']:.1f}", f"{r['cp_comm']:.1f}",
-                  f"{r['pp_comm']:.1f}",
+                  f"{r['ep_comm']:.1f}", f"{r['pp_comm']:.1f}",
                   f"{r['bubble']:.1f}", f"{r['dp_comm']:.1f}", f"{r['optimizer']:.2f}", f"{r['mfu']:.2f}")
     con.print(t)
     cur = res.current
@@ -594,7 +624,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     if not args.search or args.list_models:
         return memory.run(args)
-    fixed = [k for k in ("tp", "pp", "dp", "cp", "vpp", "micro_batch_tokens", "num_microbatches", "recompute",
+    fixed = [k for k in ("tp", "pp", "dp", "cp", "vpp", "ep", "etp", "micro_batch_tokens", "num_microbatches", "recompute",
                          "sequence_parallel", "distributed_optimizer") if getattr(args, k, None) is not None]
     if fixed:
         print(f"m2po plan --search: --{', --'.join(k.replace('_', '-') for k in fixed)} fix what the search "

@@ -78,6 +78,7 @@ def _train_layouts(rank, world_size, root, layouts):
     for ep, tp, pp, o in layouts:
         cfg = _moe_config(d, ep, tp, pp, mbs=o.get("mbs", 2))
         cfg.parallel.max_tokens_per_microbatch = o.get("max_tokens")
+        cfg.parallel.expert_tensor_parallel = o.get("etp")  # None: = TP, as Megatron
         cfg.algo.m2po.threshold = 0.02
         actor = MegatronActor.from_config(ActorConfig.from_config(cfg, total_updates=100))
         batch = _stale_batch(actor, lib.make_samples(8, seed=5), noise=0.5)
@@ -114,9 +115,13 @@ def test_moe_train_step_layout_invariance_under_expert_parallelism(tmp_path):
 def test_moe_train_step_layout_invariance_under_expert_and_tensor_parallelism(tmp_path):
     """As above at (EP, TP, PP) = (2, 2, 1) with sequence parallelism (world 4): expert TP splits
     every expert over the TP pair, the router's gradient is a sum over the SP halves (both reach the
-    weights after the update, compared like the rest)."""
+    weights after the update, compared like the rest); and with whole experts under TP
+    (expert_tensor_parallel=1, the Qwen3-30B-A3B recipe's choice): each TP rank sends its own
+    sequence-parallel tokens through the all-to-all, expert data parallel = 2."""
     (single,) = run_distributed(_train_layouts, 1, args=(str(tmp_path), [(1, 1, 1, {})]), timeout_s=240)
-    four = run_distributed(_train_layouts, 4, args=(str(tmp_path), [(2, 2, 1, {})]), timeout_s=480)[0]
+    four = run_distributed(_train_layouts, 4, args=(str(tmp_path), [(2, 2, 1, {}), (2, 2, 1, {"etp": 1})]),
+                           timeout_s=600)[0]
+    assert len(four) == 2
     _check_same_update(single, four)
 
 

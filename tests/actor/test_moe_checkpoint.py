@@ -95,5 +95,6 @@ def test_moe_checkpoint_reshards_over_expert_parallel_layouts(tmp_path, dist_opt
         assert diff == [] and same_metrics and version == 4, out
         assert "saved at parallel.expert_parallel=2, this run has parallel.expert_parallel=1" in \
             out["ep2->ep1 full resume"], out
+        assert "set parallel.expert_parallel=2, or start a new run" in out["ep2->ep1 full resume"], out
         assert out["ep2->ep1 weights"] == [], out
         assert out["ep1->ep2 weights"] == [], out
