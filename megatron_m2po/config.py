@@ -118,8 +118,9 @@ class ModelConfig:
     tiny_cache_dir: str = _f("~/.cache/megatron_m2po/tiny_base",
                              help="Where the tiny base model is built and cached.")
     tiny_family: Literal["qwen2", "qwen3", "qwen3_moe", "qwen2_tools"] = _f(
-        "qwen2", help="Family of the tiny base model (hf_path=tiny): qwen2, qwen3, or qwen3_moe (the qwen3 "
-        "base upcycled into 4 experts, top-2; standins/tiny_moe.py).")
+        "qwen2", help="Family of the tiny base model (hf_path=tiny): qwen2, qwen3, qwen3_moe (the qwen3 "
+        "base upcycled into 4 experts, top-2; standins/tiny_moe.py), or qwen2_tools (the qwen2 base fine-tuned to "
+        "call a calculator on products, with a chat template with tools; standins/tiny_tools.py, docs/agentic.md).")
     attention_dropout: float = _f(0.0, ge=0.0, lt=1.0, help="Attention dropout (0 for RL).")
     hidden_dropout: float = _f(0.0, ge=0.0, lt=1.0, help="Hidden dropout (0 for RL).")
     moe: MoEConfig = field(default_factory=MoEConfig)

@@ -40,6 +40,12 @@ environment kills its processes there; it is also called after every episode), a
 with ``timeout_reward``, keeping the tokens so far; the ending is counted
 (``metadata["episode"]["end"]``, metrics ``rollout/episode_end/<reason>``). An episode cut before
 its first token holds one masked end-of-sequence token (a group keeps its ``n`` samples).
+
+Environment errors. An exception from ``env.reset`` / ``env.step`` is a fault of the environment's
+code in one episode: the episode ends with ``error_reward`` (ending ``env_error``, the traceback's
+last line in ``metadata["episode"]["error"]``, logged once per distinct error with the environment's
+name) and the run goes on; ``max_consecutive_env_errors`` such endings in a row stop it
+(:class:`EnvErrors`; docs/agentic.md "Environment errors" compares verl and slime).
 """
 
 from __future__ import annotations

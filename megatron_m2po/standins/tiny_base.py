@@ -74,7 +74,7 @@ FORMAT_VERSION = 3  # bump when the build procedure changes in a way the paramet
 TinyTask = SyntheticTask
 
 
-FAMILIES = ("qwen2", "qwen3", "qwen3_moe")
+FAMILIES = ("qwen2", "qwen3", "qwen3_moe", "qwen2_tools")
 # The qwen3_moe family: the warmed-up qwen3 base upcycled (standins/tiny_moe.py), no further
 # training. A little expert noise makes the experts (and so the routing) matter from the start.
 MOE_UPCYCLING = {"num_experts": 4, "top_k": 2, "router_std": 0.02, "expert_noise": 0.01, "seed": 0}
@@ -126,6 +126,9 @@ class TinyBaseSpec:
         fields = dataclasses.asdict(self)
         if fields["model"]["family"] == "qwen2":  # the Qwen2 base keeps the digest it had before families
             del fields["model"]["family"]
+        if fields["model"].get("family") == "qwen2_tools":
+            from megatron_m2po.standins.tiny_tools import ToolWarmupSpec  # the fine-tune is part of the build
+            fields["tool_warmup"] = dataclasses.asdict(ToolWarmupSpec(seed=self.seed))
         blob = json.dumps({"format": FORMAT_VERSION, **fields}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
@@ -263,10 +266,18 @@ def sample_responses(model, tokenizer, prompts: list[str], *, max_new_tokens: in
     Recomputes the whole (short) sequence each step: simpler than a KV cache and fast for the
     tiny model. Returns the decoded responses up to (not including) ``</s>``.
     """
+    enc = [tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+    out = sample_ids(model, tokenizer, enc, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
+    return [tokenizer.decode([t for t in o if t != tokenizer.eos_token_id], skip_special_tokens=True) for o in out]
+
+
+def sample_ids(model, tokenizer, enc: list[list[int]], *, max_new_tokens: int, temperature: float = 1.0,
+               seed: int = 0) -> list[list[int]]:
+    """:func:`sample_responses` on token ids: the sampled ids of each prompt, ``</s>`` included
+    when sampled (as an engine's ``output_ids`` hold it)."""
     import torch
 
     gen = torch.Generator().manual_seed(seed)
-    enc = [tokenizer.encode(p, add_special_tokens=False) for p in prompts]
     B, L = len(enc), max(map(len, enc))
     ids = torch.full((B, L), tokenizer.pad_token_id, dtype=torch.long)
     attn = torch.zeros((B, L), dtype=torch.long)
@@ -283,15 +294,13 @@ def sample_responses(model, tokenizer, prompts: list[str], *, max_new_tokens: in
             nxt = torch.multinomial(probs, 1, generator=gen).squeeze(-1)
             for i in range(B):
                 if not done[i]:
-                    if nxt[i].item() == tokenizer.eos_token_id:
-                        done[i] = True
-                    else:
-                        out[i].append(int(nxt[i]))
+                    out[i].append(int(nxt[i]))
+                    done[i] = nxt[i].item() == tokenizer.eos_token_id
             if bool(done.all()):
                 break
             ids = torch.cat([ids, nxt[:, None]], dim=1)
             attn = torch.cat([attn, torch.ones((B, 1), dtype=torch.long)], dim=1)
-    return [tokenizer.decode(o, skip_special_tokens=True) for o in out]
+    return out
 
 
 def sampled_accuracy(model, tokenizer, rows: list[dict[str, str]], *, seed: int,
@@ -498,6 +507,9 @@ def ensure_tiny_base(cache_dir: str | os.PathLike, *, seed: int = 0, progress: b
         return final
     if spec.model.family == "qwen3_moe":
         return _ensure_upcycled(cache_dir, spec, final, progress)
+    if spec.model.family == "qwen2_tools":  # the qwen2 base fine-tuned to call a calculator (standins/tiny_tools.py)
+        from megatron_m2po.standins.tiny_tools import ensure_tool_base
+        return ensure_tool_base(cache_dir, spec, final, progress)
     root = final.parent
     try:
         root.mkdir(parents=True, exist_ok=True)
