@@ -508,8 +508,7 @@ def ensure_tiny_base(cache_dir: str | os.PathLike, *, seed: int = 0, progress: b
     if spec.model.family == "qwen3_moe":
         return _ensure_upcycled(cache_dir, spec, final, progress)
     if spec.model.family == "qwen2_tools":  # the qwen2 base fine-tuned to call a calculator (standins/tiny_tools.py)
-        from megatron_m2po.standins.tiny_tools import ensure_tool_base
-        return ensure_tool_base(cache_dir, spec, final, progress)
+        return _ensure_tool_base(cache_dir, spec, final, progress)
     root = final.parent
     try:
         root.mkdir(parents=True, exist_ok=True)
@@ -566,6 +565,72 @@ def _ensure_upcycled(cache_dir: str | os.PathLike, spec: TinyBaseSpec, final: Pa
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
     return final
+
+
+def _ensure_tool_base(cache_dir: str | os.PathLike, spec: TinyBaseSpec, final: Path, progress: bool) -> Path:
+    """The qwen2_tools tiny base: the qwen2 one (built first if needed) fine-tuned into ``final``."""
+    base = ensure_tiny_base(cache_dir, spec=dataclasses.replace(
+        spec, model=dataclasses.replace(spec.model, family="qwen2")), progress=progress)
+    with open(final.parent / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            if not is_complete(final):
+                if final.exists():
+                    shutil.rmtree(final)
+                tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+                try:
+                    meta = _build_tool_base(base, tmp, spec, progress)
+                    (tmp / MARKER_FILE).write_text(meta["digest"] + "\n")
+                    tmp.chmod(0o755)
+                    os.replace(tmp, final)
+                except BaseException:
+                    shutil.rmtree(tmp, ignore_errors=True)
+                    raise
+                log.info("tiny tool base ready: %s (products right with the tool %.3f, withheld %.3f)", final,
+                         meta["eval_with_tool"]["accuracy_hard"], meta["eval_tool_withheld"]["accuracy_hard"])
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+    return final
+
+
+def _build_tool_base(base: Path, out: Path, spec: TinyBaseSpec, progress: bool) -> dict:
+    """Fine-tune the qwen2 base in ``base`` into ``out`` (standins/tiny_tools.py) and measure it."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from megatron_m2po.standins import tiny_tools as tt
+
+    ws = tt.ToolWarmupSpec(seed=spec.seed)
+    with _single_thread(), _quiet_transformers(not progress):
+        tok = build_tokenizer()
+        tok.chat_template = tt.TOOL_CHAT_TEMPLATE
+        model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
+        stats = tt.finetune(model, tok, ws, sample_ids, progress)
+        final_rows = [dict(r) for r in ws.task.generate(ws.final_eval_problems, f"tiny-tools:final:{ws.seed}")]
+        kw = dict(seed=ws.seed + 7, max_new_tokens=ws.max_new_tokens, tool_ops=ws.tool_ops)
+        evals = {f"eval_{name}": tt.tool_episode_accuracy(model, tok, final_rows, sample_ids, tool=mode, **kw)
+                 for name, mode in (("with_tool", "working"), ("tool_withheld", "withheld"))}
+        _save_model(model, out)
+        tok.save_pretrained(out)
+    cfg = json.loads((out / "tokenizer_config.json").read_text())
+    cfg["tokenizer_class"], cfg["chat_template"] = "Qwen2Tokenizer", tt.TOOL_CHAT_TEMPLATE
+    (out / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    if (out / "chat_template.jinja").is_file():
+        (out / "chat_template.jinja").write_text(tt.TOOL_CHAT_TEMPLATE)
+    base_meta = load_tiny_meta(base)
+    meta = {"format_version": FORMAT_VERSION, "digest": spec.digest(), "derived_from": str(base),
+            "base_digest": base_meta["digest"], "model_sha256": _sha256(out / "model.safetensors"),
+            **{k: base_meta[k] for k in ("response_template", "eos_token", "model", "vocab_size", "num_parameters")},
+            "chat_template": tt.TOOL_CHAT_TEMPLATE, "tools": tt.CALCULATOR_TOOLS, "data_template": "synthetic",
+            "data": {"synthetic_ops": ws.task.ops, "synthetic_min_operand": ws.task.min_operand,
+                     "synthetic_max_operand": ws.task.max_operand, "synthetic_num_operands": ws.task.num_operands},
+            "example": {"call": "calculator;12*7=calculator(12*7)</s>[84]=\\boxed{84}</s>",
+                        "direct": "calculator;12+7=\\boxed{19}</s>"},
+            "tool_warmup": dataclasses.asdict(ws), "task": dataclasses.asdict(ws.task), "seed": spec.seed,
+            "base_accuracy_t1": evals["eval_with_tool"]["accuracy"],
+            "base_accuracy_eval_problems": len(final_rows), **evals, **stats}
+    (out / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+    return meta
 
 
 def load_tiny_meta(path: str | os.PathLike) -> dict:

@@ -23,26 +23,23 @@ which is what the episode loop's turn-by-turn rendering needs (rollout/episodes.
 The environment that goes with it is ``examples/agentic_tool_env.py`` (same tool schema, same
 call syntax).
 
-The build is deterministic (fixed seeds, one CPU thread) and cached beside the base it derives
-from, as ``ensure_tiny_base`` caches the base (lock, temporary directory, marker file last).
+The build (``tiny_base.ensure_tiny_base`` with ``family="qwen2_tools"``) is deterministic (fixed
+seeds, one CPU thread) and cached beside the base it derives from, as the base is (lock, temporary
+directory, marker file last). This module does not import ``tiny_base`` (it is given the sampler).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import random
 import re
-import shutil
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from megatron_m2po.data.synthetic import SyntheticTask, evaluate_expression
 from megatron_m2po.rewards.extract import extract_last_boxed
 
-__all__ = ["TOOL_CHAT_TEMPLATE", "CALCULATOR_TOOLS", "ToolWarmupSpec", "parse_tool_call", "build_tool_base",
+__all__ = ["TOOL_CHAT_TEMPLATE", "CALCULATOR_TOOLS", "ToolWarmupSpec", "parse_tool_call", "render_trace", "finetune",
            "tool_episode_accuracy"]
 
 TOOL_CHAT_TEMPLATE = (
@@ -64,6 +61,7 @@ CALCULATOR_TOOLS = [{"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"expression": {"type": "string"}},
                    "required": ["expression"]}}}]
 
+RESPONSE = "\\boxed{{{answer}}}"  # the tiny base's answer format (tiny_base.RESPONSE_TEMPLATE; a test checks)
 _CALL = re.compile(r"^\s*([A-Za-z_]\w*)\((.*)\)\s*$", re.S)
 
 
@@ -104,13 +102,11 @@ def render_trace(tok: Any, problem: str, answer: str, use_tool: bool) -> tuple[l
     """(ids, loss mask) of one trace through the chat template with tools: each assistant message's
     tokens are what the template adds for it (mask 1), everything else is context (mask 0), the
     split the episode loop makes."""
-    from megatron_m2po.standins.tiny_base import format_response
-
     msgs: list[dict] = [{"role": "user", "content": problem}]
     if use_tool:
         call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": problem}}}
         msgs += [{"role": "assistant", "content": "", "tool_calls": [call]}, {"role": "tool", "content": answer}]
-    msgs.append({"role": "assistant", "content": format_response(answer)})
+    msgs.append({"role": "assistant", "content": RESPONSE.format(answer=answer)})
     ids: list[int] = []
     mask: list[int] = []
     for k, m in enumerate(msgs):
@@ -124,15 +120,14 @@ def render_trace(tok: Any, problem: str, answer: str, use_tool: bool) -> tuple[l
     return ids, mask
 
 
-def tool_episode_accuracy(model: Any, tok: Any, rows: list[dict], *, tool: str = "working", seed: int,
-                          max_new_tokens: int = 24, tool_ops: str = "*") -> dict:
+def tool_episode_accuracy(model: Any, tok: Any, rows: list[dict], sample_ids: Callable, *, tool: str = "working",
+                          seed: int, max_new_tokens: int = 24, tool_ops: str = "*") -> dict:
     """Two-turn episodes as the episode loop runs them (sampled at T=1), the tool in-process.
 
     ``tool``: ``"working"`` (the exact value), ``"withheld"`` (the observation carries no result).
     Returns accuracy overall and on the problems with / without ``tool_ops``, the fraction of
-    episodes that call the tool, and how often the call decision matches the traces' rule."""
-    from megatron_m2po.standins.tiny_base import sample_ids
-
+    episodes that call the tool, and how often the call decision matches the traces' rule.
+    ``sample_ids``: the tiny base's sampler (``tiny_base.sample_ids``)."""
     eos = tok.eos_token_id
     prompts = [_chat_ids(tok, [{"role": "user", "content": r["problem"]}], True) for r in rows]
     first = sample_ids(model, tok, prompts, max_new_tokens=max_new_tokens, seed=seed)
@@ -179,7 +174,8 @@ def _calculate(expr: str) -> str:
         return "error: only arithmetic"
 
 
-def _finetune(model: Any, tok: Any, spec: ToolWarmupSpec, progress: bool) -> dict:
+def finetune(model: Any, tok: Any, spec: ToolWarmupSpec, sample_ids: Callable, progress: bool) -> dict:
+    """Supervised fine-tune of ``model`` on the traces until the stopping rule; returns the stats."""
     import torch
 
     torch.manual_seed(spec.seed)
@@ -216,8 +212,8 @@ def _finetune(model: Any, tok: Any, spec: ToolWarmupSpec, progress: bool) -> dic
         opt.step()
         if step % spec.eval_every == 0:
             model.eval()
-            stats = tool_episode_accuracy(model, tok, check, seed=spec.seed + step, max_new_tokens=spec.max_new_tokens,
-                                          tool_ops=spec.tool_ops)
+            stats = tool_episode_accuracy(model, tok, check, sample_ids, seed=spec.seed + step,
+                                          max_new_tokens=spec.max_new_tokens, tool_ops=spec.tool_ops)
             history.append((step, round(loss.item(), 4), stats["accuracy_hard"], stats["call_agreement"]))
             if progress:
                 print(f"tiny tool base: step {step} loss {loss.item():.3f} {stats}", flush=True)
@@ -227,79 +223,3 @@ def _finetune(model: Any, tok: Any, spec: ToolWarmupSpec, progress: bool) -> dic
     reached = bool(stats) and stats["accuracy_hard"] >= spec.target_tool_acc
     return {"steps": step, "history": history, "finetune_seconds": round(time.monotonic() - t0, 1),
             "reached_target": reached}
-
-
-def build_tool_base(base_dir: str | Path, out_dir: str | Path, spec: ToolWarmupSpec, *, progress: bool = False) -> dict:
-    """Fine-tune the qwen2 tiny base in ``base_dir`` into ``out_dir`` (HF layout + ``m2po_tiny.json``)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from megatron_m2po.standins import tiny_base as tb
-
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    with tb._single_thread(), tb._quiet_transformers(not progress):
-        tok = tb.build_tokenizer()
-        tok.chat_template = TOOL_CHAT_TEMPLATE
-        model = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)
-        stats = _finetune(model, tok, spec, progress)
-        final = [dict(r) for r in spec.task.generate(spec.final_eval_problems, f"tiny-tools:final:{spec.seed}")]
-        kw = dict(seed=spec.seed + 7, max_new_tokens=spec.max_new_tokens, tool_ops=spec.tool_ops)
-        with_tool = tool_episode_accuracy(model, tok, final, tool="working", **kw)
-        withheld = tool_episode_accuracy(model, tok, final, tool="withheld", **kw)
-        tb._save_model(model, out)
-        tok.save_pretrained(out)
-    cfg_path = out / "tokenizer_config.json"
-    cfg = json.loads(cfg_path.read_text())
-    cfg["tokenizer_class"], cfg["chat_template"] = "Qwen2Tokenizer", TOOL_CHAT_TEMPLATE
-    cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-    if (out / "chat_template.jinja").is_file():
-        (out / "chat_template.jinja").write_text(TOOL_CHAT_TEMPLATE)
-    base_meta = tb.load_tiny_meta(base_dir)
-    meta = {**{k: base_meta[k] for k in ("format_version", "response_template", "eos_token", "model", "vocab_size",
-                                          "num_parameters")},
-            "derived_from": str(base_dir), "base_digest": base_meta["digest"],
-            "model_sha256": tb._sha256(out / "model.safetensors"), "chat_template": TOOL_CHAT_TEMPLATE,
-            "tools": CALCULATOR_TOOLS, "data_template": "synthetic",
-            "data": {"synthetic_ops": spec.task.ops, "synthetic_min_operand": spec.task.min_operand,
-                     "synthetic_max_operand": spec.task.max_operand,
-                     "synthetic_num_operands": spec.task.num_operands},
-            "example": {"call": "calculator;12*7=calculator(12*7)</s>[84]=\\boxed{84}</s>",
-                        "direct": "calculator;12+7=\\boxed{19}</s>"},
-            "tool_warmup": dataclasses.asdict(spec), "task": dataclasses.asdict(spec.task),
-            "base_accuracy_t1": with_tool["accuracy"], "base_accuracy_eval_problems": len(final),
-            "eval_with_tool": with_tool, "eval_tool_withheld": withheld, **stats}
-    (out / tb.META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
-    return meta
-
-
-def ensure_tool_base(cache_dir: str | Path, spec: Any, final: Path, progress: bool) -> Path:
-    """The qwen2_tools tiny base for the ``TinyBaseSpec`` ``spec``: the qwen2 base (built first if
-    needed) fine-tuned into ``final`` under the cache's lock."""
-    import fcntl
-    import tempfile
-
-    from megatron_m2po.standins import tiny_base as tb
-
-    base = tb.ensure_tiny_base(cache_dir, spec=dataclasses.replace(
-        spec, model=dataclasses.replace(spec.model, family="qwen2")), progress=progress)
-    with open(final.parent / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            if not tb.is_complete(final):
-                if final.exists():
-                    shutil.rmtree(final)
-                tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
-                try:
-                    meta = build_tool_base(base, tmp, ToolWarmupSpec(seed=spec.seed), progress=progress)
-                    meta["digest"] = spec.digest()
-                    (tmp / tb.META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
-                    (tmp / tb.MARKER_FILE).write_text(spec.digest() + "\n")
-                    tmp.chmod(0o755)
-                    tmp.replace(final)
-                except BaseException:
-                    shutil.rmtree(tmp, ignore_errors=True)
-                    raise
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
-    return final

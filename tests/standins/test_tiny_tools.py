@@ -71,3 +71,7 @@ def test_the_built_tool_base_needs_the_tool_and_decides_when_to_call():
     assert 0.2 <= with_tool["call_fraction"] <= 0.5 and with_tool["call_agreement"] >= 0.9, with_tool
     tok_cfg = json.loads((path / "tokenizer_config.json").read_text())
     assert tok_cfg["chat_template"] == tt.TOOL_CHAT_TEMPLATE
+
+
+def test_the_answer_format_is_the_base_s():
+    assert tt.RESPONSE == tb.RESPONSE_TEMPLATE
