@@ -607,9 +607,9 @@ def _build_tool_base(base: Path, out: Path, spec: TinyBaseSpec, progress: bool) 
         model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
         stats = tt.finetune(model, tok, ws, sample_ids, progress)
         final_rows = [dict(r) for r in ws.task.generate(ws.final_eval_problems, f"tiny-tools:final:{ws.seed}")]
-        kw = dict(seed=ws.seed + 7, max_new_tokens=ws.max_new_tokens, tool_ops=ws.tool_ops)
-        evals = {f"eval_{name}": tt.tool_episode_accuracy(model, tok, final_rows, sample_ids, tool=mode, **kw)
-                 for name, mode in (("with_tool", "working"), ("tool_withheld", "withheld"))}
+        ev = tt.tool_episode_accuracy(model, tok, final_rows, sample_ids, tools=("working", "withheld"),
+                                      seed=ws.seed + 7, max_new_tokens=ws.max_new_tokens, tool_ops=ws.tool_ops)
+        evals = {"eval_with_tool": ev["working"], "eval_tool_withheld": ev["withheld"]}
         _save_model(model, out)
         tok.save_pretrained(out)
     cfg = json.loads((out / "tokenizer_config.json").read_text())

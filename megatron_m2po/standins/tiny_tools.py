@@ -80,7 +80,7 @@ class ToolWarmupSpec:
     batch_size: int = 64
     lr: float = 2e-3
     max_steps: int = 1500
-    eval_every: int = 100
+    eval_every: int = 250
     eval_problems: int = 128
     target_tool_acc: float = 0.8    # stop once products are answered this well with the tool ...
     target_call_agreement: float = 0.95  # ... and the call decision follows the traces this often
@@ -120,47 +120,54 @@ def render_trace(tok: Any, problem: str, answer: str, use_tool: bool) -> tuple[l
     return ids, mask
 
 
-def tool_episode_accuracy(model: Any, tok: Any, rows: list[dict], sample_ids: Callable, *, tool: str = "working",
-                          seed: int, max_new_tokens: int = 24, tool_ops: str = "*") -> dict:
+def tool_episode_accuracy(model: Any, tok: Any, rows: list[dict], sample_ids: Callable, *,
+                          tools: tuple[str, ...] = ("working",), seed: int, max_new_tokens: int = 24,
+                          tool_ops: str = "*") -> dict[str, dict]:
     """Two-turn episodes as the episode loop runs them (sampled at T=1), the tool in-process.
 
-    ``tool``: ``"working"`` (the exact value), ``"withheld"`` (the observation carries no result).
-    Returns accuracy overall and on the problems with / without ``tool_ops``, the fraction of
-    episodes that call the tool, and how often the call decision matches the traces' rule.
-    ``sample_ids``: the tiny base's sampler (``tiny_base.sample_ids``)."""
+    ``tools``: the tool's behaviours to measure, ``"working"`` (the exact value) and/or
+    ``"withheld"`` (the observation carries no result); the first turns are sampled once and shared
+    (the same episodes, up to the observation). Returns, per behaviour, accuracy overall and on
+    the problems with / without ``tool_ops``, the fraction of episodes that call the tool, and how
+    often the call decision matches the traces' rule. ``sample_ids``: the tiny base's sampler
+    (``tiny_base.sample_ids``)."""
     eos = tok.eos_token_id
     prompts = [_chat_ids(tok, [{"role": "user", "content": r["problem"]}], True) for r in rows]
     first = sample_ids(model, tok, prompts, max_new_tokens=max_new_tokens, seed=seed)
-    answers: list[Optional[str]] = [None] * len(rows)
-    called = [False] * len(rows)
-    follow, follow_idx = [], []
     # The observation tokens, rendered as the episode loop renders them (rollout/episodes.py _Renderer).
     base = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]
     before = _chat_ids(tok, base, False)
-    for i, out in enumerate(first):
-        text = tok.decode([t for t in out if t != eos], skip_special_tokens=True)
-        call = parse_tool_call(text)
-        if call is None or not out or out[-1] != eos:
-            answers[i] = extract_last_boxed(text)
-            continue
-        called[i] = True
-        value = _calculate(call[1]) if tool == "working" else ""
-        obs = _chat_ids(tok, base + [{"role": "tool", "content": value}], True)[len(before):]
-        follow.append(prompts[i] + out + obs)
-        follow_idx.append(i)
-    if follow:
-        second = sample_ids(model, tok, follow, max_new_tokens=max_new_tokens, seed=seed + 1)
-        for i, out in zip(follow_idx, second):
-            answers[i] = extract_last_boxed(tok.decode([t for t in out if t != eos], skip_special_tokens=True))
-    ok = [a is not None and a.strip() == r["answer"] for a, r in zip(answers, rows)]
     hard = [_is_hard(r["problem"], tool_ops) for r in rows]
 
     def frac(xs: list[bool]) -> float:
         return round(sum(xs) / max(len(xs), 1), 4)
-    return {"accuracy": frac(ok), "accuracy_hard": frac([o for o, h in zip(ok, hard) if h]),
-            "accuracy_easy": frac([o for o, h in zip(ok, hard) if not h]), "call_fraction": frac(called),
-            "call_agreement": frac([c == h for c, h in zip(called, hard)]), "problems": len(rows),
-            "hard_problems": sum(hard)}
+
+    out: dict[str, dict] = {}
+    for tool in tools:
+        answers: list[Optional[str]] = [None] * len(rows)
+        called = [False] * len(rows)
+        follow, follow_idx = [], []
+        for i, turn in enumerate(first):
+            text = tok.decode([t for t in turn if t != eos], skip_special_tokens=True)
+            call = parse_tool_call(text)
+            if call is None or not turn or turn[-1] != eos:
+                answers[i] = extract_last_boxed(text)
+                continue
+            called[i] = True
+            value = _calculate(call[1]) if tool == "working" else ""
+            obs = _chat_ids(tok, base + [{"role": "tool", "content": value}], True)[len(before):]
+            follow.append(prompts[i] + turn + obs)
+            follow_idx.append(i)
+        if follow:
+            second = sample_ids(model, tok, follow, max_new_tokens=max_new_tokens, seed=seed + 1)
+            for i, turn in zip(follow_idx, second):
+                answers[i] = extract_last_boxed(tok.decode([t for t in turn if t != eos], skip_special_tokens=True))
+        ok = [a is not None and a.strip() == r["answer"] for a, r in zip(answers, rows)]
+        out[tool] = {"accuracy": frac(ok), "accuracy_hard": frac([o for o, h in zip(ok, hard) if h]),
+                     "accuracy_easy": frac([o for o, h in zip(ok, hard) if not h]), "call_fraction": frac(called),
+                     "call_agreement": frac([c == h for c, h in zip(called, hard)]), "problems": len(rows),
+                     "hard_problems": sum(hard)}
+    return out
 
 
 def _calculate(expr: str) -> str:
@@ -213,7 +220,7 @@ def finetune(model: Any, tok: Any, spec: ToolWarmupSpec, sample_ids: Callable, p
         if step % spec.eval_every == 0:
             model.eval()
             stats = tool_episode_accuracy(model, tok, check, sample_ids, seed=spec.seed + step,
-                                          max_new_tokens=spec.max_new_tokens, tool_ops=spec.tool_ops)
+                                          max_new_tokens=spec.max_new_tokens, tool_ops=spec.tool_ops)["working"]
             history.append((step, round(loss.item(), 4), stats["accuracy_hard"], stats["call_agreement"]))
             if progress:
                 print(f"tiny tool base: step {step} loss {loss.item():.3f} {stats}", flush=True)
