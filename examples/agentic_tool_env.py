@@ -2,17 +2,18 @@
 
     m2po train examples/agentic_tools.yaml       # rollout.producer=agentic, this environment
 
-Every model turn is a call of the tool: the expression in the turn's last ``\\boxed{...}`` (or the
-whole turn) is evaluated by a Python calculator running in a separate process with CPU, memory,
-file-size, process and wall-time limits (``resource.setrlimit`` in the child) and no network (a
-fresh network namespace, ``unshare -rn``). The tool's value decides the step: equal to the answer
--> reward 1, episode done; otherwise the observation shows the tool's result and asks again
-(``" -> <value>\\n<problem>="``), until ``rollout.agentic.max_turns``.
+The model decides each turn whether to call the tool. A turn that is a call -- ``calculator(12*7)``
+(the syntax of the tiny tool base's chat template, ``standins/tiny_tools.py``) or a Hermes/Qwen-style
+``<tool_call>{"name": "calculator", "arguments": {"expression": "12*7"}}</tool_call>`` -- runs the
+expression in a separate process with CPU, memory, file-size, process and wall-time limits
+(``resource.setrlimit`` in the child) and no network (a fresh network namespace, ``unshare -rn``);
+its output is the next observation (a ``tool`` message of the chat template) and the step's reward
+is 0. A turn that is not a call is the answer: its last ``\\boxed{...}`` is graded (1 when it is the
+problem's answer, else 0) and the episode ends. ``rollout.agentic.max_turns`` bounds the calls.
 
-The tiny base model is not warmed up to emit tool calls: the prompt format makes every turn a call
-(the model writes ``\\boxed{expression}`` as it learned to write answers, and the calculator
-evaluates what it wrote), so the tool's verdict is the reward and its output the next observation.
-A model that writes ``\\boxed{3+4}`` is graded on what the tool computes, not on the text.
+With ``model.tiny_family=qwen2_tools`` the tiny base has been warmed up to call the calculator on
+products and to answer sums and differences itself (docs/agentic.md, "The tiny tool base"); the
+tool matters to the reward because the model cannot multiply on its own.
 
 The calculator accepts only arithmetic (numbers, + - * / // % ** and parentheses, checked on the
 syntax tree) and evaluates with no builtins; the process limits catch what arithmetic alone can do
@@ -23,7 +24,9 @@ episode's ``step_timeout_s``) kills the tool's process group before the cancella
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import re
 import resource
 import shutil
 import signal
@@ -111,8 +114,27 @@ class Sandbox:
             await self._kill(proc)
 
 
+_CALL = re.compile(r"^\s*([A-Za-z_]\w*)\((.*)\)\s*$", re.S)
+_HERMES = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.S)
+
+
+def parse_call(text: str) -> Optional[tuple[str, str]]:
+    """(tool name, expression) when the turn calls a tool, else None (the turn is an answer)."""
+    m = _HERMES.search(text)
+    if m:
+        try:
+            call = json.loads(m.group(1))
+            args = call.get("arguments") or {}
+            args = json.loads(args) if isinstance(args, str) else args
+            return str(call.get("name", "")), str(args.get("expression", ""))
+        except (ValueError, AttributeError):
+            return "", ""  # a malformed call: answered with an error observation
+    m = _CALL.match(text)
+    return (m.group(1), m.group(2)) if m else None
+
+
 class CalculatorEnv(Environment):
-    """The arithmetic task with a sandboxed calculator (module docstring)."""
+    """The arithmetic task with a sandboxed calculator the model may call (module docstring)."""
 
     tools = [{"type": "function", "function": {
         "name": "calculator", "description": "Evaluate an arithmetic expression (+ - * / // % ** and parentheses).",
@@ -126,24 +148,22 @@ class CalculatorEnv(Environment):
         self.problem, self.answer, self.calls = "", "", 0
 
     async def reset(self, row: Any) -> Optional[str]:
-        self.problem, self.answer = row.problem, str(row.answer)
-        return None  # the dataset's prompt ("{problem}=" with data.template=synthetic)
+        self.problem, self.answer = row.problem, str(row.answer).strip()
+        return self.problem  # the user message (the chat template adds the tools and the '=')
 
     async def step(self, action: str) -> StepResult:
-        expr = extract_last_boxed(action)
-        expr = (expr if expr is not None else action).strip()
+        call = parse_call(action)
+        if call is None:  # an answer
+            got = (extract_last_boxed(action) or "").strip()
+            return StepResult("", float(got == self.answer), True, {"tool_calls": 0, "answer": got[:32]})
+        name, expr = call
+        self.calls += 1
+        if name != "calculator":
+            return StepResult(f"error: no tool {name[:32]!r}", 0.0, False, {"tool_calls": 1, "tool_rc": None})
         rc, out = await self.sandbox.run(expr)
         if rc is not None and rc < 0 and not out:
             out = f"error: the tool was killed by signal {-rc} (it exceeded its CPU or memory limit)"
-        self.calls += 1
-        try:
-            correct = rc == 0 and abs(float(out) - float(self.answer)) < 1e-9
-        except ValueError:
-            correct = False
-        info = {"tool_calls": 1, "tool_rc": rc, "tool_out": out, "expr": expr[:64]}
-        if correct:
-            return StepResult("", 1.0, True, info)
-        return StepResult(f" -> {out}\n{self.problem}=", 0.0, False, info)
+        return StepResult(out, 0.0, False, {"tool_calls": 1, "tool_rc": rc, "tool_out": out, "expr": expr[:64]})
 
     async def close(self) -> None:
         await self.sandbox.close()

@@ -117,9 +117,10 @@ class ModelConfig:
         "float32", help="Parameter and compute dtype of the actor (bf16 on GPU).")
     tiny_cache_dir: str = _f("~/.cache/megatron_m2po/tiny_base",
                              help="Where the tiny base model is built and cached.")
-    tiny_family: Literal["qwen2", "qwen3", "qwen3_moe"] = _f(
-        "qwen2", help="Family of the tiny base model (hf_path=tiny): qwen2, qwen3, or qwen3_moe (the qwen3 "
-        "base upcycled into 4 experts, top-2; standins/tiny_moe.py).")
+    tiny_family: Literal["qwen2", "qwen3", "qwen3_moe", "qwen2_tools"] = _f(
+        "qwen2", help="Family of the tiny base model (hf_path=tiny): qwen2, qwen3, qwen3_moe (the qwen3 "
+        "base upcycled into 4 experts, top-2; standins/tiny_moe.py), or qwen2_tools (the qwen2 base fine-tuned to "
+        "call a calculator on products, with a chat template with tools; standins/tiny_tools.py, docs/agentic.md).")
     attention_dropout: float = _f(0.0, ge=0.0, lt=1.0, help="Attention dropout (0 for RL).")
     hidden_dropout: float = _f(0.0, ge=0.0, lt=1.0, help="Hidden dropout (0 for RL).")
     moe: MoEConfig = field(default_factory=MoEConfig)
@@ -244,6 +245,13 @@ class AgenticConfig:
     reset_timeout_s: float = _f(60.0, gt=0, help="Timeout of the environment's reset (an expired reset is an error).")
     timeout_reward: float = _f(0.0, help="Reward of an episode that hit step_timeout_s or episode_timeout_s "
                                "(counted: rollout/episode_end/step_timeout, .../episode_timeout).")
+    error_reward: float = _f(0.0, help="Reward of an episode whose environment raised in reset or step (a fault of the "
+                             "environment's code in one episode: the episode ends keeping its tokens, counted as "
+                             "rollout/episode_end/env_error, the error's last line logged once per distinct error, and "
+                             "the run goes on).")
+    max_consecutive_env_errors: int = _f(64, ge=1, help="Episodes in a row ending in an environment error (none "
+                                         "finishing in between) that stop the run with the environment's name and "
+                                         "error: the environment fails everywhere, not in one episode.")
 
 
 @dataclass

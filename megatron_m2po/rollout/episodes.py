@@ -40,6 +40,12 @@ environment kills its processes there; it is also called after every episode), a
 with ``timeout_reward``, keeping the tokens so far; the ending is counted
 (``metadata["episode"]["end"]``, metrics ``rollout/episode_end/<reason>``). An episode cut before
 its first token holds one masked end-of-sequence token (a group keeps its ``n`` samples).
+
+Environment errors. An exception from ``env.reset`` / ``env.step`` is a fault of the environment's
+code in one episode: the episode ends with ``error_reward`` (ending ``env_error``, the traceback's
+last line in ``metadata["episode"]["error"]``, logged once per distinct error with the environment's
+name) and the run goes on; ``max_consecutive_env_errors`` such endings in a row stop it
+(:class:`EnvErrors`; docs/agentic.md "Environment errors" compares verl and slime).
 """
 
 from __future__ import annotations
@@ -52,6 +58,7 @@ import inspect
 import logging
 import os
 import time
+import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -64,11 +71,11 @@ from megatron_m2po.store.types import Group, Trajectory
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Environment", "StepResult", "EpisodeSettings", "EpisodeTimeout", "load_environment",
+__all__ = ["Environment", "StepResult", "EpisodeSettings", "EpisodeTimeout", "EnvErrors", "load_environment",
            "make_episode_producer", "run_episode", "END_REASONS"]
 
 # Why an episode ended (metadata["episode"]["end"]; metrics rollout/episode_end/<reason>).
-END_REASONS = ("done", "max_turns", "max_tokens", "context", "stop", "step_timeout", "episode_timeout")
+END_REASONS = ("done", "max_turns", "max_tokens", "context", "stop", "step_timeout", "episode_timeout", "env_error")
 
 
 @dataclass
@@ -134,6 +141,8 @@ class EpisodeSettings:
     episode_timeout_s: float = 3600.0
     reset_timeout_s: float = 60.0
     timeout_reward: float = 0.0
+    error_reward: float = 0.0
+    max_consecutive_env_errors: int = 64
     format: str = "auto"
 
     @classmethod
@@ -141,7 +150,8 @@ class EpisodeSettings:
         return cls(max_turns=cfg.max_turns, max_episode_tokens=cfg.max_episode_tokens,
                    max_context_tokens=cfg.max_context_tokens, step_timeout_s=cfg.step_timeout_s,
                    episode_timeout_s=cfg.episode_timeout_s, reset_timeout_s=cfg.reset_timeout_s,
-                   timeout_reward=cfg.timeout_reward, format=cfg.format)
+                   timeout_reward=cfg.timeout_reward, error_reward=cfg.error_reward,
+                   max_consecutive_env_errors=cfg.max_consecutive_env_errors, format=cfg.format)
 
 
 def load_environment(spec: str, env_args: Optional[dict] = None) -> Callable[[], Environment]:
@@ -236,98 +246,200 @@ async def _bounded(coro: Any, limit: float, deadline: float, reason: str) -> Any
         raise EpisodeTimeout(reason if limit < left else "episode_timeout") from None
 
 
+class EnvErrors:
+    """The environment-error policy of one producer (shared by its episodes).
+
+    An exception raised by ``env.reset`` / ``env.step`` (or a step that returns no StepResult) is a
+    fault of the environment's code in one episode: the episode ends with ``error_reward``, counted
+    as ``env_error``, and the run goes on. The traceback's last line is logged once per distinct
+    (environment, error). ``max_consecutive`` episodes ending in a row on an environment error
+    (no episode finishing in between) means the environment fails everywhere: the next one raises
+    RuntimeError naming the environment and the error, which stops the run.
+    """
+
+    def __init__(self, max_consecutive: int) -> None:
+        self.max_consecutive = int(max_consecutive)
+        self.consecutive = 0
+        self.total = 0
+        self.seen: set[tuple[str, str]] = set()
+
+    def ok(self) -> None:
+        self.consecutive = 0
+
+    def failed(self, env_name: str, where: str, exc: BaseException) -> str:
+        """Record one episode's error; returns its last traceback line; raises past the bound."""
+        last = traceback.format_exception_only(type(exc), exc)[-1].strip()
+        self.consecutive += 1
+        self.total += 1
+        if (env_name, last) not in self.seen:
+            self.seen.add((env_name, last))
+            log.warning("environment %s raised in %s: %s (the episode ends with rollout.agentic.error_reward; "
+                        "logged once per distinct error)", env_name, where, last)
+        if self.consecutive >= self.max_consecutive:
+            raise RuntimeError(f"environment {env_name} raised in {self.consecutive} episodes in a row (rollout.agentic."
+                               f"max_consecutive_env_errors={self.max_consecutive}), last in {where}: {last}; fix the "
+                               "environment (rollout.agentic.env) or raise the bound") from exc
+        return last
+
+
+@dataclass
+class _Tape:
+    """The episode so far: the response tokens and their per-token fields, and the counters."""
+
+    resp: list = field(default_factory=list)
+    logps: list = field(default_factory=list)
+    versions: list = field(default_factory=list)
+    mask: list = field(default_factory=list)
+    steps: list = field(default_factory=list)
+    per_turn_cached: list = field(default_factory=list)
+    reward: float = 0.0
+    end: str = "max_turns"
+    turns: int = 0
+    sent: int = 0
+    env_s: float = 0.0
+
+
+class _EnvError(Exception):
+    """An exception of the environment's own code (internal: ends the episode with error_reward)."""
+
+    def __init__(self, where: str, exc: BaseException) -> None:
+        super().__init__(where)
+        self.where, self.exc = where, exc
+
+
+async def _env_call(coro: Any, limit: float, deadline: float, reason: str, where: str) -> Any:
+    """``_bounded`` around an environment coroutine; its exceptions become ``_EnvError``."""
+    try:
+        return await _bounded(coro, limit, deadline, reason)
+    except (EpisodeTimeout, asyncio.CancelledError):
+        raise
+    except Exception as e:
+        raise _EnvError(where, e) from e
+
+
+async def _turns(ctx: ProducerContext, env: Environment, render: "_Renderer", prompt: list[int], tape: _Tape, *,
+                 group: str, j: int, s: EpisodeSettings, deadline: float) -> None:
+    """Model turns and environment steps until the episode ends (``tape.end`` says why)."""
+    tok = ctx.tokenizer
+    while tape.turns < s.max_turns:
+        room = min(s.max_episode_tokens - len(tape.resp), s.max_context_tokens - len(prompt) - len(tape.resp))
+        if room <= 0:
+            tape.end = "max_tokens" if s.max_episode_tokens - len(tape.resp) <= 0 else "context"
+            return
+        params = dict(ctx.sampling_params_for(group, j))
+        params["max_new_tokens"] = int(min(room, params.get("max_new_tokens", room)))
+        if ctx.seed is not None:  # a distinct, reproducible seed per turn
+            params["sampling_seed"] = request_seed(ctx.seed, f"{group}/turn{tape.turns}", j)
+        if getattr(env, "stop", None):
+            params["stop"] = list(env.stop)
+        out = await _bounded(_sample(ctx, prompt + tape.resp, params), float("inf"), deadline, "episode_timeout")
+        tape.turns += 1
+        tape.sent += len(prompt) + len(tape.resp)
+        tape.per_turn_cached.append(int(getattr(out, "cached_tokens", 0) or 0))
+        floor = tape.versions[-1] if tape.versions else ctx.version
+        tape.resp.extend(int(t) for t in out.output_ids)
+        tape.logps.extend(float(x) for x in out.output_logprobs)
+        tape.versions.extend(_turn_versions(out, floor))
+        tape.mask.extend([1] * len(out.output_ids))
+        text = tok.decode(out.output_ids, skip_special_tokens=True)
+        t_step = time.monotonic()
+        try:
+            res = await _env_call(env.step(text), s.step_timeout_s, deadline, "step_timeout", "step")
+        finally:
+            tape.env_s += time.monotonic() - t_step
+        if not isinstance(res, StepResult):
+            raise _EnvError("step", TypeError(f"{type(env).__name__}.step returned {type(res).__name__}; "
+                                              "return a StepResult"))
+        tape.reward += float(res.reward)
+        tape.steps.append({"reward": float(res.reward), **(res.info or {})})
+        if res.done:
+            tape.end = "done"
+            return
+        if tape.turns >= s.max_turns:  # no model turn follows: the last observation is not kept
+            return
+        obs = render.observation(res.observation)
+        room = min(s.max_episode_tokens - len(tape.resp), s.max_context_tokens - len(prompt) - len(tape.resp))
+        if len(obs) > room:  # an observation that does not fit ends the episode (never truncated)
+            tape.end = "max_tokens" if s.max_episode_tokens - len(tape.resp) < len(obs) else "context"
+            return
+        tape.resp.extend(obs)
+        tape.logps.extend([0.0] * len(obs))
+        tape.versions.extend([tape.versions[-1] if tape.versions else ctx.version] * len(obs))
+        tape.mask.extend([0] * len(obs))
+
+
 async def run_episode(ctx: ProducerContext, make_env: Callable[[], Environment], row: Any, *, group: str, j: int,
-                      settings: EpisodeSettings) -> Trajectory:
-    """One episode of ``row`` as one trajectory (sample ``j`` of group ``group``)."""
+                      settings: EpisodeSettings, errors: Optional[EnvErrors] = None) -> Trajectory:
+    """One episode of ``row`` as one trajectory (sample ``j`` of group ``group``); ``errors``: the
+    producer's environment-error policy (a fresh one when not given)."""
     s = settings
+    errors = errors if errors is not None else EnvErrors(s.max_consecutive_env_errors)
     env = make_env()
+    name = type(env).__name__
     t0 = time.monotonic()
     deadline = t0 + s.episode_timeout_s
     tok = ctx.tokenizer
     eos = tok.eos_token_id if tok.eos_token_id is not None else 0
-    resp: list[int] = []
-    logps: list[float] = []
-    versions: list[int] = []
-    mask: list[int] = []
-    steps: list[dict] = []
-    reward, end, turns, cached, sent = 0.0, "max_turns", 0, 0, 0
-    tool_s = 0.0
+    tape = _Tape()
     prompt: list[int] = []
-    per_turn_cached: list[int] = []
+    render: Optional[_Renderer] = None
+    error: Optional[str] = None
     try:
-        first = await _bounded(env.reset(row), s.reset_timeout_s, deadline, "reset_timeout")
+        first = await _env_call(env.reset(row), s.reset_timeout_s, deadline, "reset_timeout", "reset")
         render = _Renderer(tok, s.format, getattr(env, "tools", None))
         prompt = render.prompt(first, row)
         if not prompt:
-            raise ValueError(f"{type(env).__name__}.reset gave an empty first prompt for row {getattr(row, 'index', '?')}")
-        while turns < s.max_turns:
-            room = min(s.max_episode_tokens - len(resp), s.max_context_tokens - len(prompt) - len(resp))
-            if room <= 0:
-                end = "max_tokens" if s.max_episode_tokens - len(resp) <= 0 else "context"
-                break
-            params = dict(ctx.sampling_params_for(group, j))
-            params["max_new_tokens"] = int(min(room, params.get("max_new_tokens", room)))
-            if ctx.seed is not None:  # a distinct, reproducible seed per turn
-                params["sampling_seed"] = request_seed(ctx.seed, f"{group}/turn{turns}", j)
-            if getattr(env, "stop", None):
-                params["stop"] = list(env.stop)
-            out = await _bounded(_sample(ctx, prompt + resp, params), float("inf"), deadline, "episode_timeout")
-            turns += 1
-            sent += len(prompt) + len(resp)
-            per_turn_cached.append(int(getattr(out, "cached_tokens", 0) or 0))
-            cached += per_turn_cached[-1]
-            floor = versions[-1] if versions else ctx.version
-            resp.extend(int(t) for t in out.output_ids)
-            logps.extend(float(x) for x in out.output_logprobs)
-            versions.extend(_turn_versions(out, floor))
-            mask.extend([1] * len(out.output_ids))
-            text = tok.decode(out.output_ids, skip_special_tokens=True)
-            t_step = time.monotonic()
-            try:
-                res = await _bounded(env.step(text), s.step_timeout_s, deadline, "step_timeout")
-            finally:
-                tool_s += time.monotonic() - t_step
-            if not isinstance(res, StepResult):
-                raise TypeError(f"{type(env).__name__}.step returned {type(res).__name__}; return a StepResult")
-            reward += float(res.reward)
-            steps.append({"reward": float(res.reward), **(res.info or {})})
-            if res.done:
-                end = "done"
-                break
-            if turns >= s.max_turns:  # no model turn follows: the last observation is not kept
-                break
-            obs = render.observation(res.observation)
-            room = min(s.max_episode_tokens - len(resp), s.max_context_tokens - len(prompt) - len(resp))
-            if len(obs) > room:  # an observation that does not fit ends the episode (never truncated)
-                end = "max_tokens" if s.max_episode_tokens - len(resp) < len(obs) else "context"
-                break
-            resp.extend(obs)
-            logps.extend([0.0] * len(obs))
-            versions.extend([versions[-1] if versions else ctx.version] * len(obs))
-            mask.extend([0] * len(obs))
+            raise _EnvError("reset", ValueError(f"{name}.reset gave an empty first prompt for row "
+                                                f"{getattr(row, 'index', '?')}"))
+        await _turns(ctx, env, render, prompt, tape, group=group, j=j, s=s, deadline=deadline)
     except EpisodeTimeout as e:
-        end, reward = e.reason, float(s.timeout_reward)
-        log.warning("episode %s/%d ended by %s after %d turn(s); reward %s", group, j, e.reason, turns, reward)
+        tape.end, tape.reward = e.reason, float(s.timeout_reward)
+        log.warning("episode %s/%d ended by %s after %d turn(s); reward %s", group, j, e.reason, tape.turns, tape.reward)
         if e.reason == "reset_timeout":
-            raise RuntimeError(f"{type(env).__name__}.reset did not answer within rollout.agentic.reset_timeout_s="
+            raise RuntimeError(f"{name}.reset did not answer within rollout.agentic.reset_timeout_s="
                                f"{s.reset_timeout_s}") from None
+    except _EnvError as e:
+        tape.end, tape.reward = "env_error", float(s.error_reward)
+        error = errors.failed(name, e.where, e.exc)  # raises once every episode fails
     finally:
-        try:
-            await asyncio.wait_for(env.close(), max(s.step_timeout_s, 1.0))
-        except asyncio.TimeoutError:
-            log.warning("%s.close did not finish within %.0f s", type(env).__name__, max(s.step_timeout_s, 1.0))
-    if not resp:  # cut before its first token: one masked token keeps the group whole
-        resp, logps, versions, mask = [int(eos)], [0.0], [ctx.version], [0]
-    finish = {"done": "stop", "max_turns": "length", "max_tokens": "length", "context": "length"}.get(end, "abort")
+        await _close(env, name, s, errors)
+    if tape.end != "env_error":
+        errors.ok()
+    if not prompt:  # reset failed: the dataset's prompt stands in for the first prompt
+        prompt = [int(t) for t in getattr(row, "prompt_ids", [])] or [int(eos)]
+    return _trajectory(ctx, tape, prompt, row, group=group, j=j, eos=int(eos), error=error, t0=t0,
+                       fmt=render.format if render is not None else s.format)
+
+
+async def _close(env: Environment, name: str, s: EpisodeSettings, errors: EnvErrors) -> None:
+    limit = max(s.step_timeout_s, 1.0)
+    try:
+        await asyncio.wait_for(env.close(), limit)
+    except asyncio.TimeoutError:
+        log.warning("%s.close did not finish within %.0f s", name, limit)
+    except Exception as e:  # the episode is over; a failing close is logged (once per distinct error)
+        last = traceback.format_exception_only(type(e), e)[-1].strip()
+        if (name, "close:" + last) not in errors.seen:
+            errors.seen.add((name, "close:" + last))
+            log.warning("environment %s raised in close: %s (logged once per distinct error)", name, last)
+
+
+def _trajectory(ctx: ProducerContext, tape: _Tape, prompt: list[int], row: Any, *, group: str, j: int, eos: int,
+                error: Optional[str], t0: float, fmt: str) -> Trajectory:
+    if not tape.resp:  # cut before its first token: one masked token keeps the group whole
+        tape.resp, tape.logps, tape.versions, tape.mask = [eos], [0.0], [ctx.version], [0]
+    finish = {"done": "stop", "max_turns": "length", "max_tokens": "length", "context": "length"}.get(tape.end, "abort")
+    episode = {"turns": tape.turns, "end": tape.end, "env_s": round(tape.env_s, 4),
+               "wall_s": round(time.monotonic() - t0, 4), "cached_tokens": sum(tape.per_turn_cached),
+               "sent_tokens": tape.sent, "cached_per_turn": tape.per_turn_cached, "format": fmt, "steps": tape.steps}
+    if error is not None:
+        episode["error"] = error
     meta = {"prompt_index": int(getattr(row, "index", -1)), "answer": getattr(row, "answer", None), **ctx.metadata,
-            "episode": {"turns": turns, "end": end, "env_s": round(tool_s, 4),
-                        "wall_s": round(time.monotonic() - t0, 4), "cached_tokens": cached, "sent_tokens": sent,
-                        "cached_per_turn": per_turn_cached,
-                        "format": render.format if "render" in locals() else s.format, "steps": steps}}
+            "episode": episode}
     return Trajectory(uid=trajectory_uid(group, j), group_id=group, prompt_ids=np.asarray(prompt),
-                      response_ids=np.asarray(resp), behav_logprobs=np.asarray(logps, dtype=np.float32),
-                      versions=np.asarray(versions, dtype=np.int64), reward=float(reward),
-                      loss_mask=np.asarray(mask, dtype=np.uint8), finish_reason=finish, metadata=meta)
+                      response_ids=np.asarray(tape.resp), behav_logprobs=np.asarray(tape.logps, dtype=np.float32),
+                      versions=np.asarray(tape.versions, dtype=np.int64), reward=float(tape.reward),
+                      loss_mask=np.asarray(tape.mask, dtype=np.uint8), finish_reason=finish, metadata=meta)
 
 
 def _turn_versions(out: Any, floor: int) -> list[int]:
@@ -345,15 +457,17 @@ def make_episode_producer(cfg: AgenticConfig) -> Callable:
     """The ``rollout.producer=agentic`` producer for ``cfg`` (a ``rollout.agentic`` section)."""
     make_env = load_environment(cfg.env, cfg.env_args)
     settings = EpisodeSettings.from_config(cfg)
+    errors = EnvErrors(settings.max_consecutive_env_errors)  # counts across batches: a run whose env always fails stops
 
     async def episode_producer(ctx: ProducerContext, prompts: list) -> list[Group]:
         """``ctx.n_samples`` concurrent episodes per prompt, one group per prompt."""
         gids = [ctx.group_id(p) for p in range(len(prompts))]
-        jobs = [run_episode(ctx, make_env, item, group=gids[p], j=j, settings=settings)
+        jobs = [run_episode(ctx, make_env, item, group=gids[p], j=j, settings=settings, errors=errors)
                 for p, item in enumerate(prompts) for j in range(ctx.n_samples)]
         trajs = await asyncio.gather(*jobs)
         n = ctx.n_samples
         return [Group(gids[p], list(trajs[p * n:(p + 1) * n])) for p in range(len(prompts))]
 
     episode_producer.settings = settings  # for inspection in tests and logs
+    episode_producer.errors = errors
     return episode_producer

@@ -74,7 +74,7 @@ FORMAT_VERSION = 3  # bump when the build procedure changes in a way the paramet
 TinyTask = SyntheticTask
 
 
-FAMILIES = ("qwen2", "qwen3", "qwen3_moe")
+FAMILIES = ("qwen2", "qwen3", "qwen3_moe", "qwen2_tools")
 # The qwen3_moe family: the warmed-up qwen3 base upcycled (standins/tiny_moe.py), no further
 # training. A little expert noise makes the experts (and so the routing) matter from the start.
 MOE_UPCYCLING = {"num_experts": 4, "top_k": 2, "router_std": 0.02, "expert_noise": 0.01, "seed": 0}
@@ -126,6 +126,9 @@ class TinyBaseSpec:
         fields = dataclasses.asdict(self)
         if fields["model"]["family"] == "qwen2":  # the Qwen2 base keeps the digest it had before families
             del fields["model"]["family"]
+        if fields["model"].get("family") == "qwen2_tools":
+            from megatron_m2po.standins.tiny_tools import ToolWarmupSpec  # the fine-tune is part of the build
+            fields["tool_warmup"] = dataclasses.asdict(ToolWarmupSpec(seed=self.seed))
         blob = json.dumps({"format": FORMAT_VERSION, **fields}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
@@ -263,10 +266,18 @@ def sample_responses(model, tokenizer, prompts: list[str], *, max_new_tokens: in
     Recomputes the whole (short) sequence each step: simpler than a KV cache and fast for the
     tiny model. Returns the decoded responses up to (not including) ``</s>``.
     """
+    enc = [tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+    out = sample_ids(model, tokenizer, enc, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
+    return [tokenizer.decode([t for t in o if t != tokenizer.eos_token_id], skip_special_tokens=True) for o in out]
+
+
+def sample_ids(model, tokenizer, enc: list[list[int]], *, max_new_tokens: int, temperature: float = 1.0,
+               seed: int = 0) -> list[list[int]]:
+    """:func:`sample_responses` on token ids: the sampled ids of each prompt, ``</s>`` included
+    when sampled (as an engine's ``output_ids`` hold it)."""
     import torch
 
     gen = torch.Generator().manual_seed(seed)
-    enc = [tokenizer.encode(p, add_special_tokens=False) for p in prompts]
     B, L = len(enc), max(map(len, enc))
     ids = torch.full((B, L), tokenizer.pad_token_id, dtype=torch.long)
     attn = torch.zeros((B, L), dtype=torch.long)
@@ -283,15 +294,13 @@ def sample_responses(model, tokenizer, prompts: list[str], *, max_new_tokens: in
             nxt = torch.multinomial(probs, 1, generator=gen).squeeze(-1)
             for i in range(B):
                 if not done[i]:
-                    if nxt[i].item() == tokenizer.eos_token_id:
-                        done[i] = True
-                    else:
-                        out[i].append(int(nxt[i]))
+                    out[i].append(int(nxt[i]))
+                    done[i] = nxt[i].item() == tokenizer.eos_token_id
             if bool(done.all()):
                 break
             ids = torch.cat([ids, nxt[:, None]], dim=1)
             attn = torch.cat([attn, torch.ones((B, 1), dtype=torch.long)], dim=1)
-    return [tokenizer.decode(o, skip_special_tokens=True) for o in out]
+    return out
 
 
 def sampled_accuracy(model, tokenizer, rows: list[dict[str, str]], *, seed: int,
@@ -498,6 +507,8 @@ def ensure_tiny_base(cache_dir: str | os.PathLike, *, seed: int = 0, progress: b
         return final
     if spec.model.family == "qwen3_moe":
         return _ensure_upcycled(cache_dir, spec, final, progress)
+    if spec.model.family == "qwen2_tools":  # the qwen2 base fine-tuned to call a calculator (standins/tiny_tools.py)
+        return _ensure_tool_base(cache_dir, spec, final, progress)
     root = final.parent
     try:
         root.mkdir(parents=True, exist_ok=True)
@@ -554,6 +565,72 @@ def _ensure_upcycled(cache_dir: str | os.PathLike, spec: TinyBaseSpec, final: Pa
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
     return final
+
+
+def _ensure_tool_base(cache_dir: str | os.PathLike, spec: TinyBaseSpec, final: Path, progress: bool) -> Path:
+    """The qwen2_tools tiny base: the qwen2 one (built first if needed) fine-tuned into ``final``."""
+    base = ensure_tiny_base(cache_dir, spec=dataclasses.replace(
+        spec, model=dataclasses.replace(spec.model, family="qwen2")), progress=progress)
+    with open(final.parent / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            if not is_complete(final):
+                if final.exists():
+                    shutil.rmtree(final)
+                tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+                try:
+                    meta = _build_tool_base(base, tmp, spec, progress)
+                    (tmp / MARKER_FILE).write_text(meta["digest"] + "\n")
+                    tmp.chmod(0o755)
+                    os.replace(tmp, final)
+                except BaseException:
+                    shutil.rmtree(tmp, ignore_errors=True)
+                    raise
+                log.info("tiny tool base ready: %s (products right with the tool %.3f, withheld %.3f)", final,
+                         meta["eval_with_tool"]["accuracy_hard"], meta["eval_tool_withheld"]["accuracy_hard"])
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+    return final
+
+
+def _build_tool_base(base: Path, out: Path, spec: TinyBaseSpec, progress: bool) -> dict:
+    """Fine-tune the qwen2 base in ``base`` into ``out`` (standins/tiny_tools.py) and measure it."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from megatron_m2po.standins import tiny_tools as tt
+
+    ws = tt.ToolWarmupSpec(seed=spec.seed)
+    with _single_thread(), _quiet_transformers(not progress):
+        tok = build_tokenizer()
+        tok.chat_template = tt.TOOL_CHAT_TEMPLATE
+        model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
+        stats = tt.finetune(model, tok, ws, sample_ids, progress)
+        final_rows = [dict(r) for r in ws.task.generate(ws.final_eval_problems, f"tiny-tools:final:{ws.seed}")]
+        ev = tt.tool_episode_accuracy(model, tok, final_rows, sample_ids, tools=("working", "withheld"),
+                                      seed=ws.seed + 7, max_new_tokens=ws.max_new_tokens, tool_ops=ws.tool_ops)
+        evals = {"eval_with_tool": ev["working"], "eval_tool_withheld": ev["withheld"]}
+        _save_model(model, out)
+        tok.save_pretrained(out)
+    cfg = json.loads((out / "tokenizer_config.json").read_text())
+    cfg["tokenizer_class"], cfg["chat_template"] = "Qwen2Tokenizer", tt.TOOL_CHAT_TEMPLATE
+    (out / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    if (out / "chat_template.jinja").is_file():
+        (out / "chat_template.jinja").write_text(tt.TOOL_CHAT_TEMPLATE)
+    base_meta = load_tiny_meta(base)
+    meta = {"format_version": FORMAT_VERSION, "digest": spec.digest(), "derived_from": str(base),
+            "base_digest": base_meta["digest"], "model_sha256": _sha256(out / "model.safetensors"),
+            **{k: base_meta[k] for k in ("response_template", "eos_token", "model", "vocab_size", "num_parameters")},
+            "chat_template": tt.TOOL_CHAT_TEMPLATE, "tools": tt.CALCULATOR_TOOLS, "data_template": "synthetic",
+            "data": {"synthetic_ops": ws.task.ops, "synthetic_min_operand": ws.task.min_operand,
+                     "synthetic_max_operand": ws.task.max_operand, "synthetic_num_operands": ws.task.num_operands},
+            "example": {"call": "calculator;12*7=calculator(12*7)</s>[84]=\\boxed{84}</s>",
+                        "direct": "calculator;12+7=\\boxed{19}</s>"},
+            "tool_warmup": dataclasses.asdict(ws), "task": dataclasses.asdict(ws.task), "seed": spec.seed,
+            "base_accuracy_t1": evals["eval_with_tool"]["accuracy"],
+            "base_accuracy_eval_problems": len(final_rows), **evals, **stats}
+    (out / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+    return meta
 
 
 def load_tiny_meta(path: str | os.PathLike) -> dict:

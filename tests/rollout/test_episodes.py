@@ -163,7 +163,11 @@ def test_a_weight_push_between_turns_tags_the_later_turn_with_the_new_version(en
 
 def test_a_hung_tool_is_killed_at_the_step_timeout(engine, tiny):
     hang = [sys.executable, "-I", "-S", "-c", "import time\nwhile True: time.sleep(1)"]  # elapsed time is the behaviour under test (a tool that never answers)
-    env = CalculatorEnv(tool_argv=hang, tool_wall_s=600)
+    class AlwaysCalls(CalculatorEnv):  # the tiny base answers; here every turn is sent to the tool
+        async def step(self, action):
+            return await super().step(f"calculator({action})")
+
+    env = AlwaysCalls(tool_argv=hang, tool_wall_s=600)
     settings = EpisodeSettings(max_turns=3, format="raw", step_timeout_s=1.5, timeout_reward=-1.0)
     t = _episode(engine, tiny[1], env, settings)
     ep = t.metadata["episode"]
@@ -200,19 +204,30 @@ def test_max_turns_and_max_episode_tokens_end_the_episode(engine, tiny):
     t.validate()
 
 
-def test_the_tool_environment_grades_what_the_sandboxed_calculator_computes():
+def test_the_tool_environment_runs_calls_in_the_sandbox_and_grades_answers():
+    from megatron_m2po.standins.tiny_tools import CALCULATOR_TOOLS, parse_tool_call
+
     async def go():
         env = CalculatorEnv()
         await env.reset(_row("3+4", "7"))
-        right = await env.step("\\boxed{3+4}")
-        wrong = await env.step("\\boxed{6}")
-        bomb = await env.step("\\boxed{__import__('os').system('true')}")
+        out = [await env.step(a) for a in (
+            "calculator(3*4)", '<tool_call>{"name": "calculator", "arguments": {"expression": "2**10"}}</tool_call>',
+            "calculator(__import__('os').system('true'))", "search(3+4)", "\\boxed{7}")]
         await env.close()
-        return right, wrong, bomb
-    right, wrong, bomb = asyncio.run(go())
-    assert (right.reward, right.done, right.info["tool_out"]) == (1.0, True, "7")
-    assert (wrong.reward, wrong.done, wrong.observation) == (0.0, False, " -> 6\n3+4=")
+        env = CalculatorEnv()
+        await env.reset(_row("3+4", "7"))
+        out.append(await env.step("\\boxed{6}"))
+        return out
+    call, hermes, bomb, unknown, right, wrong = asyncio.run(go())
+    assert (call.observation, call.reward, call.done, call.info["tool_calls"]) == ("12", 0.0, False, 1)
+    assert hermes.observation == "1024" and not hermes.done
     assert bomb.info["tool_out"] == "error: only arithmetic" and not bomb.done
+    assert unknown.observation == "error: no tool 'search'" and unknown.info["tool_calls"] == 1
+    assert (right.reward, right.done, right.info["tool_calls"]) == (1.0, True, 0)
+    assert (wrong.reward, wrong.done) == (0.0, True)
+    # The environment and the tiny tool base agree on the tool and the call syntax.
+    assert CalculatorEnv.tools == CALCULATOR_TOOLS
+    assert parse_tool_call("calculator(12*7)") == ("calculator", "12*7") and parse_tool_call("\\boxed{84}") is None
 
 
 def test_the_producer_makes_one_group_of_episodes_per_prompt(engine, tiny):
@@ -272,3 +287,83 @@ def test_chat_format_follows_the_model_template_with_tools():
     with pytest.raises(ValueError, match="has no chat template; set rollout.agentic.format=raw"):
         _Renderer(build_char_tokenizer(None), "chat", None)
     assert _Renderer(build_char_tokenizer(None), "auto", None).format == "raw"
+
+
+class Raises(Scripted):
+    """Raises in ``where`` ('reset' or 'step'); a Scripted environment otherwise."""
+
+    def __init__(self, where, message="the simulator crashed"):
+        super().__init__([])
+        self.where, self.message = where, message
+
+    async def reset(self, row):
+        if self.where == "reset":
+            raise ConnectionError(self.message)
+        return await super().reset(row)
+
+    async def step(self, action):
+        self.turns.append(action)
+        if self.where == "step":
+            raise ValueError(self.message)
+        return StepResult("", 1.0, True)
+
+
+def test_an_environment_that_raises_ends_its_episode_with_the_error_reward(engine, tiny, caplog):
+    """verl's tool agent loop turns a tool's exception into an error observation and goes on; slime's
+    examples let it fail the rollout. Here env.reset / env.step are the environment's own code: its
+    exception ends that episode with rollout.agentic.error_reward (tokens kept, counted env_error),
+    logged once per distinct error with the environment's name, and the next episode runs."""
+    from megatron_m2po.rollout.episodes import EnvErrors
+    tok = tiny[1]
+    settings = EpisodeSettings(max_turns=3, format="raw", error_reward=-0.75, max_consecutive_env_errors=3)
+    errors = EnvErrors(settings.max_consecutive_env_errors)
+
+    async def go(env):
+        async with SGLangClient(engine) as c:
+            return await run_episode(_ctx(c, tok), lambda: env, _row(tok=tok), group="s000000-g000000", j=0,
+                                     settings=settings, errors=errors)
+
+    caplog.set_level("WARNING", logger="megatron_m2po.rollout.episodes")
+    on_step = [Raises("step"), Raises("step")]
+    trajs = [asyncio.run(go(env)) for env in on_step]
+    for env, t in zip(on_step, trajs):
+        ep = t.metadata["episode"]
+        assert (ep["end"], t.reward, t.finish_reason, ep["turns"], env.closed) == ("env_error", -0.75, "abort", 1, 1)
+        assert ep["error"] == "ValueError: the simulator crashed"
+        assert t.loss_mask.all() and len(t.response_ids) > 0  # the model's turn is kept
+        t.validate()
+    assert errors.consecutive == 2
+    warned = [r.getMessage() for r in caplog.records if "raised in step" in r.getMessage()]
+    assert len(warned) == 1 and "Raises" in warned[0] and "ValueError: the simulator crashed" in warned[0], warned
+    ok = asyncio.run(go(Scripted([])))  # an episode that finishes resets the count
+    assert ok.metadata["episode"]["end"] == "done" and errors.consecutive == 0
+    env = Raises("reset")
+    t = asyncio.run(go(env))
+    ep = t.metadata["episode"]
+    assert (ep["end"], t.reward, ep["turns"], env.closed, ep["error"]) == (
+        "env_error", -0.75, 0, 1, "ConnectionError: the simulator crashed")
+    assert list(t.prompt_ids) == _row(tok=tok).prompt_ids and t.loss_mask.sum() == 0  # one masked token
+    t.validate()
+    assert errors.total == 3 and errors.consecutive == 1
+
+
+def test_an_environment_that_always_raises_stops_the_run_naming_it(engine, tiny, tmp_path):
+    from megatron_m2po.config import AgenticConfig
+    env_file = tmp_path / "broken_env.py"
+    env_file.write_text(
+        "from megatron_m2po.rollout.episodes import Environment\n"
+        "class BrokenEnv(Environment):\n"
+        "    async def reset(self, row):\n        return None\n"
+        "    async def step(self, action):\n        raise KeyError('no such tool')\n")
+    cfg = AgenticConfig(env=f"{env_file}:BrokenEnv", format="raw", max_turns=2, max_consecutive_env_errors=3)
+    producer = make_episode_producer(cfg)
+    tok = tiny[1]
+    rows = [PromptItem(index=i, problem=p, answer=a, prompt=f"{p}=", prompt_ids=tok.encode(f"{p}=")) for i, (p, a)
+            in enumerate([("1+2", "3"), ("5-1", "4")])]
+
+    async def go():
+        async with SGLangClient(engine) as c:
+            return await producer(_ctx(c, tok), rows)
+    with pytest.raises(RuntimeError, match=r"environment BrokenEnv raised in 3 episodes in a row .*max_consecutive_env"
+                                           r"_errors=3\), last in step: KeyError: 'no such tool'"):
+        asyncio.run(go())
