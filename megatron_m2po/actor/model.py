@@ -174,6 +174,9 @@ def build_transformer_config(cfg: Config, bridge=None):
         extra.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     hf = bridge.hf_config
     etp = p.expert_tensor_parallel or p.tensor_parallel
+    if cfg.algo.routing_replay != "none" and not is_moe(hf):
+        raise ValueError(f"algo.routing_replay={cfg.algo.routing_replay} needs an MoE model; {cfg.model.hf_path} "
+                         f"({hf.model_type}) has no experts: use algo.routing_replay=none")
     if is_moe(hf):
         extra.update(_moe_args(cfg, hf, fused))
     elif p.expert_parallel > 1 or etp != p.tensor_parallel:
@@ -213,6 +216,10 @@ def _moe_args(cfg: Config, hf, fused: bool) -> dict:
         moe_router_pre_softmax=not bool(getattr(hf, "norm_topk_prob", True)),
         moe_grouped_gemm=fused,  # TEGroupedMLP on GPU; the local spec's experts are set in _layer_spec
         moe_permute_fusion=False,
+        # Routing replay (actor/routing_replay.py): one RouterReplay per router (moe/router.py). The
+        # fused TE top-k (moe_router_fusion) bypasses it in moe_utils.topk_routing_with_score_function.
+        moe_enable_routing_replay=cfg.algo.routing_replay == "rollout",
+        moe_router_fusion=False,
     )
 
 

@@ -59,7 +59,7 @@ import numpy as np
 
 from megatron_m2po.config import AgenticConfig
 from megatron_m2po.rollout.group_ids import trajectory_uid
-from megatron_m2po.rollout.producer import ProducerContext, _sample, request_seed
+from megatron_m2po.rollout.producer import ProducerContext, _sample, request_seed, routed_rows
 from megatron_m2po.store.types import Group, Trajectory
 
 log = logging.getLogger(__name__)
@@ -254,6 +254,8 @@ async def run_episode(ctx: ProducerContext, make_env: Callable[[], Environment],
     tool_s = 0.0
     prompt: list[int] = []
     per_turn_cached: list[int] = []
+    routed: list[np.ndarray] = []  # routed experts of positions [0, covered) (rollout.return_routed_experts)
+    covered = 0
     try:
         first = await _bounded(env.reset(row), s.reset_timeout_s, deadline, "reset_timeout")
         render = _Renderer(tok, s.format, getattr(env, "tools", None))
@@ -271,7 +273,12 @@ async def run_episode(ctx: ProducerContext, make_env: Callable[[], Environment],
                 params["sampling_seed"] = request_seed(ctx.seed, f"{group}/turn{turns}", j)
             if getattr(env, "stop", None):
                 params["stop"] = list(env.stop)
-            out = await _bounded(_sample(ctx, prompt + resp, params), float("inf"), deadline, "episode_timeout")
+            out = await _bounded(_sample(ctx, prompt + resp, params, routed_start=covered), float("inf"), deadline,
+                                 "episode_timeout")
+            if ctx.routed_experts is not None:  # this turn's prefill and decode: up to its last token
+                stop = len(prompt) + len(resp) + len(out.output_ids) - 1
+                routed.append(routed_rows(ctx, out, covered, stop))
+                covered = stop
             turns += 1
             sent += len(prompt) + len(resp)
             per_turn_cached.append(int(getattr(out, "cached_tokens", 0) or 0))
@@ -327,7 +334,23 @@ async def run_episode(ctx: ProducerContext, make_env: Callable[[], Environment],
     return Trajectory(uid=trajectory_uid(group, j), group_id=group, prompt_ids=np.asarray(prompt),
                       response_ids=np.asarray(resp), behav_logprobs=np.asarray(logps, dtype=np.float32),
                       versions=np.asarray(versions, dtype=np.int64), reward=float(reward),
-                      loss_mask=np.asarray(mask, dtype=np.uint8), finish_reason=finish, metadata=meta)
+                      loss_mask=np.asarray(mask, dtype=np.uint8), finish_reason=finish, metadata=meta,
+                      routed_experts=_episode_routing(ctx, routed, len(prompt) + len(resp) - 1))
+
+
+def _episode_routing(ctx: Any, routed: list, rows: int) -> Optional[np.ndarray]:
+    """An episode's routed experts ``[rows, layers, top_k]``: each model turn's (asked from where the
+    previous one stopped: the observation before it is run in its prefill, the earlier tokens keep
+    the routing of their first forward, as the engine's cache does). Positions after the last
+    model token (an observation that no turn followed, or the masked token of an episode cut before
+    its first turn) were never run by the engine: they get experts ``0 .. top_k - 1``. Only they and
+    the masked tokens after them see that choice (causal attention), so no trained token does."""
+    if ctx.routed_experts is None:
+        return None
+    layers, k = ctx.routed_experts
+    have = np.concatenate(routed) if routed else np.zeros((0, layers, k), np.int32)
+    fill = np.broadcast_to(np.arange(k, dtype=np.int32), (rows - have.shape[0], layers, k))
+    return np.concatenate([have[:rows], fill])
 
 
 def _turn_versions(out: Any, floor: int) -> list[int]:
