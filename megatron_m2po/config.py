@@ -308,7 +308,8 @@ class RolloutConfig:
         "async: at most (1 + this) x prompts_per_step groups generated per step leased.")
     return_routed_experts: bool = _f(False, help="Ask the engines for the top-k expert ids of every MoE layer per "
                                      "token (SGLang's return_routed_experts; engines are started with "
-                                     "--enable-return-routed-experts) and keep them with each trajectory.")
+                                     "--enable-return-routed-experts) and keep them with each trajectory. Needs "
+                                     "rollout.use_router=false: sglang-router 0.3.2 drops the request field.")
     fp8_block_size: list[int] = _f(factory=lambda: [128, 128],
                                    help="FP8 weight_block_size [block_n, block_k]; both sizes of every decoder linear must "
                                         "be multiples (SGLang refuses fused / tensor-parallel partitions that are not).")
@@ -683,7 +684,13 @@ def settings_from_dict(cls: type, data: dict, prefix: str) -> Any:
 def _check_routing_replay(c: "Config") -> None:
     """``algo.routing_replay=rollout`` needs the engines' routed experts, an MoE model (checked when the model
     is built: ``actor/model.py``) and no full recomputation across pipeline stages."""
-    a, p, m = c.algo, c.parallel, c.model
+    a, p, m, r = c.algo, c.parallel, c.model, c.rollout
+    if r.return_routed_experts and r.source == "engines" and (r.use_router or r.router_addr):
+        # Measured: the pinned sglang-router 0.3.2 re-serialises /generate from a typed request that has no
+        # return_routed_experts, so the engines never see it and answer without meta_info.routed_experts.
+        raise ConfigError("rollout.return_routed_experts=true through sglang-router: the pinned sglang-router 0.3.2 "
+                          "drops return_routed_experts from /generate requests; use rollout.use_router=false (one "
+                          "engine) and no rollout.router_addr")
     if a.routing_replay == "none":
         return
     if not c.rollout.return_routed_experts:
