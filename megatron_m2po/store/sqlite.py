@@ -87,8 +87,8 @@ CREATE TABLE IF NOT EXISTS trajectories (
     metadata TEXT NOT NULL,
     min_version INTEGER NOT NULL,
     prompt BLOB, response BLOB, logp BLOB, vruns BLOB, mask BLOB, recomputed BLOB,
-    checksum TEXT,                       -- row_checksum() of the row, NULL once pruned
-    routed BLOB                          -- routed experts (routed_blob), NULL when absent
+    routed BLOB,
+    checksum TEXT                        -- row_checksum() of the row, NULL once pruned
 );
 CREATE INDEX IF NOT EXISTS trajectories_by_group ON trajectories (group_seq, idx);
 CREATE TABLE IF NOT EXISTS leases (
