@@ -147,6 +147,9 @@ def build_transformer_config(cfg: Config, bridge=None):
     nor average gradients over data parallel ranks: the actor's loss is already normalised by the
     global response-token count (see ``actor.py``).
     """
+    if cfg.algo.routing_replay != "none" and not is_moe(hf0 := load_hf_config(cfg.model.hf_path)):
+        raise ValueError(f"algo.routing_replay={cfg.algo.routing_replay} needs an MoE model; {cfg.model.hf_path} "
+                         f"({hf0.model_type}) has no experts: use algo.routing_replay=none")
     if bridge is None:
         bridge = make_bridge(cfg.model.hf_path, cfg.model.dtype)
     p, m = cfg.parallel, cfg.model
@@ -174,9 +177,6 @@ def build_transformer_config(cfg: Config, bridge=None):
         extra.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     hf = bridge.hf_config
     etp = p.expert_tensor_parallel or p.tensor_parallel
-    if cfg.algo.routing_replay != "none" and not is_moe(hf):
-        raise ValueError(f"algo.routing_replay={cfg.algo.routing_replay} needs an MoE model; {cfg.model.hf_path} "
-                         f"({hf.model_type}) has no experts: use algo.routing_replay=none")
     if is_moe(hf):
         extra.update(_moe_args(cfg, hf, fused))
     elif p.expert_parallel > 1 or etp != p.tensor_parallel:

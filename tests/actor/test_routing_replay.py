@@ -37,31 +37,37 @@ def _dirs(root):
     return d, other
 
 
+_MODELS: dict = {}
+
+
 def _hf_route_and_logprobs(hf_dir, ids, force=None):
     """HF forward of one sequence: (top-k ids [T, layers, k] its routers picked, log-probs [T, V]).
     ``force`` [T, layers, k]: every MoE layer uses these experts instead (the naive reference)."""
-    import transformers as tr
+    if hf_dir not in _MODELS:
+        import transformers as tr
 
-    model = tr.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
-    picked = {}
-    for li, layer in enumerate(model.model.layers):
-        gate = layer.mlp.gate
+        model = tr.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+        state: dict = {}
+        for li, layer in enumerate(model.model.layers):
+            def fwd(h, gate=layer.mlp.gate, li=li):
+                logits = torch.nn.functional.linear(h.reshape(-1, gate.hidden_dim), gate.weight)
+                if state["force"] is None:
+                    probs = torch.softmax(logits, -1, dtype=torch.float)
+                    w, idx = torch.topk(probs, gate.top_k, dim=-1)
+                    w = w / w.sum(-1, keepdim=True)
+                else:
+                    idx = torch.as_tensor(state["force"][:, li]).long()
+                    w = torch.softmax(logits.gather(1, idx), -1, dtype=torch.float)
+                state["picked"][li] = idx
+                return logits, w.to(logits.dtype), idx
 
-        def fwd(h, gate=gate, li=li):
-            logits = torch.nn.functional.linear(h.reshape(-1, gate.hidden_dim), gate.weight)
-            if force is None:
-                probs = torch.softmax(logits, -1, dtype=torch.float)
-                w, idx = torch.topk(probs, gate.top_k, dim=-1)
-                w = w / w.sum(-1, keepdim=True)
-            else:
-                idx = torch.as_tensor(force[:, li]).long()
-                w = torch.softmax(logits.gather(1, idx), -1, dtype=torch.float)
-            picked[li] = idx
-            return logits, w.to(logits.dtype), idx
-
-        gate.forward = fwd
+            layer.mlp.gate.forward = fwd
+        _MODELS[hf_dir] = (model, state)
+    model, state = _MODELS[hf_dir]
+    state.update(force=force, picked={})
     with torch.no_grad():
         lp = torch.log_softmax(model(torch.tensor(ids)[None]).logits[0].double(), -1)
+    picked = state["picked"]
     return torch.stack([picked[i] for i in range(len(picked))], 1).numpy(), lp
 
 
@@ -101,7 +107,7 @@ def _replay_errors(rank, world_size, root, layouts):
         cfg.parallel.expert_parallel = ep
         cfg.parallel.sequence_parallel = tp > 1
         cfg.parallel.packing = packing
-        cfg.rollout.return_routed_experts = True
+        cfg.rollout.return_routed_experts, cfg.rollout.use_router = True, False
         cfg.algo.routing_replay = "rollout"
         actor = MegatronActor.from_config(ActorConfig.from_config(cfg.validate(), total_updates=10))
         lps = actor.compute_logprobs(RolloutBatch(samples))
@@ -118,21 +124,29 @@ def _with_behav(s, lp):
     return dataclasses.replace(s, behav_logprobs=lp)
 
 
-@pytest.mark.parametrize("world_size,layouts", [
-    (1, [(1, 1, 1, False), (1, 1, 1, True)]),
-    (2, [(2, 1, 1, False), (1, 1, 2, True)]),
-    (4, [(2, 2, 1, True)]),
-])
-def test_replayed_logprobs_equal_hf_forced_to_the_recorded_experts(tmp_path, world_size, layouts):
+@pytest.mark.multiproc
+def test_replayed_logprobs_equal_hf_forced_to_the_recorded_experts(tmp_path):
     """With replay the actor's fp32 log-probs equal HF's forced to the recorded experts within 1e-5,
-    at (EP, TP, PP, packing) = (1,1,1) padded and packed, (2,1,1), (1,1,2) packed and (2,2,1)
-    (TP = ETP = 2 with sequence parallelism, packed); forced and natural routing differ by more
+    at (EP, TP, PP, packing) = (2,2,1) (TP = ETP = 2 with sequence parallelism, packed), (2,1,1)
+    padded and (1,1,2) packed, on 4 ranks (DP = 1, 4, 2); forced and natural routing differ by more
     than 1e-2 (the recorded routing matters). The train step on those log-probs is on-policy:
     its training forward replays the same experts (``policy/ratio_max`` = 1 within 1e-5)."""
-    res = run_distributed(_replay_errors, world_size, args=(str(tmp_path), layouts), timeout_s=240)
+    layouts = [(2, 2, 1, True), (2, 1, 1, False), (1, 1, 2, True)]
+    res = run_distributed(_replay_errors, 4, args=(str(tmp_path), layouts), timeout_s=400)
     for rank_res in res:
         for layout, err, gap, metrics in rank_res:
             print(f"EP, TP, PP, packing = {layout}: max |logp - HF forced| = {err:.2e} (forced vs natural {gap:.2e})")
             assert gap > 1e-2, gap
             assert err < 1e-5, (layout, err)
             assert abs(metrics["policy/ratio_max"] - 1.0) < 1e-5, (layout, metrics["policy/ratio_max"])
+
+
+def test_replay_needs_an_moe_model(tmp_path):
+    """``algo.routing_replay=rollout`` on a dense model is refused when the Megatron config is built."""
+    from megatron_m2po.actor.model import build_transformer_config
+
+    d = lib.make_tiny_hf("qwen3", str(tmp_path / "dense"))
+    cfg = lib.actor_config(d)
+    cfg.rollout.return_routed_experts, cfg.rollout.use_router, cfg.algo.routing_replay = True, False, "rollout"
+    with pytest.raises(ValueError, match=r"algo.routing_replay=rollout needs an MoE model; .* \(qwen3\) has no experts"):
+        build_transformer_config(cfg.validate())
