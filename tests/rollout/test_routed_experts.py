@@ -161,3 +161,43 @@ def test_request_fields_and_server_flag_exist_in_sglang():
     assert "enable_return_routed_experts: A[" in exec_  # the --enable-return-routed-experts server arg
     assert "[start_len : seqlen - 1]" in base
     assert 'meta_info["routed_experts"]' in tm
+
+
+class _Chars:
+    """A stand-in tokenizer for the tiny MoE's 64 ids: one id per character."""
+
+    eos_token_id = 1
+
+    def encode(self, text, add_special_tokens=False):
+        return [2 + ord(c) % 60 for c in text]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(ord("a") + i % 26) for i in ids if i != self.eos_token_id)
+
+
+def test_agentic_episode_routing_covers_every_position(workers):
+    """A three-turn episode (observations between turns, each turn asking from where the previous
+    one stopped, the prefix served by the cache) carries routing for every position but the last,
+    equal to one HF forward over the whole episode."""
+    from test_episodes import Scripted
+
+    from megatron_m2po.data.dataset import PromptItem
+    from megatron_m2po.rollout.episodes import EpisodeSettings, run_episode
+    from megatron_m2po.rollout.producer import ProducerContext
+
+    d, url, _ = workers
+    tok = _Chars()
+
+    async def go():
+        async with SGLangClient(url) as c:
+            ctx = ProducerContext(client=c, tokenizer=tok, reward=None, n_samples=1, version=0, group_prefix="s0",
+                                  sampling_params={"temperature": 1.0, "max_new_tokens": 5, "ignore_eos": True},
+                                  seed=1, routed_experts=(LAYERS, TOP_K))
+            row = PromptItem(index=0, problem="3+4", answer="7", prompt="3+4=", prompt_ids=tok.encode("3+4="))
+            return await run_episode(ctx, lambda: Scripted(["xy", "zw"]), row, group="s0-g0", j=0,
+                                     settings=EpisodeSettings(max_turns=5, format="raw"))
+    t = asyncio.run(go())
+    assert t.metadata["episode"]["turns"] == 3 and t.metadata["episode"]["cached_tokens"] > 0
+    ids = list(t.prompt_ids) + list(t.response_ids)
+    assert t.routed_experts.shape == (len(ids) - 1, LAYERS, TOP_K)
+    np.testing.assert_array_equal(t.routed_experts, _reference(d, ids)[:-1])
