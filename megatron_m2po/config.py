@@ -197,6 +197,10 @@ class AlgoConfig:
     advantage: Literal["grpo", "grpo_no_std"] = _f("grpo", help="Advantage estimator: GRPO group normalisation.")
     adv_eps: float = _f(1e-6, gt=0.0, help="Added to the group std in the GRPO advantage.")
     entropy_coef: float = _f(0.0, ge=0.0, help="Entropy bonus coefficient.")
+    routing_replay: Literal["none", "rollout"] = _f(
+        "none", help="MoE routing replay (R3): 'rollout' replays the experts the engine's routers picked for every "
+        "token (rollout.return_routed_experts) in the trainer's forwards that compute log-probs and gradients, "
+        "instead of routing with the trainer's router (docs/moe.md).")
 
 
 @dataclass
@@ -310,6 +314,10 @@ class RolloutConfig:
         8, ge=0, help="rollout.filter: a step generates its own prompts and at most this many over-sampling rounds "
         "(each at most trainer.prompts_per_step prompts) before the run stops with an error naming the step; "
         "async: at most (1 + this) x prompts_per_step groups generated per step leased.")
+    return_routed_experts: bool = _f(False, help="Ask the engines for the top-k expert ids of every MoE layer per "
+                                     "token (SGLang's return_routed_experts; engines are started with "
+                                     "--enable-return-routed-experts) and keep them with each trajectory. Needs "
+                                     "rollout.use_router=false: sglang-router 0.3.2 drops the request field.")
     fp8_block_size: list[int] = _f(factory=lambda: [128, 128],
                                    help="FP8 weight_block_size [block_n, block_k]; both sizes of every decoder linear must "
                                         "be multiples (SGLang refuses fused / tensor-parallel partitions that are not).")
@@ -523,6 +531,7 @@ class Config:
                               "so every group would be dropped; use n_samples_per_prompt >= 2 or rollout.filter=none")
         if self.rollout.n_samples_per_prompt == 1 and a.advantage.startswith("grpo"):
             raise ConfigError("rollout.n_samples_per_prompt=1 gives GRPO groups of one sample (all advantages 0); use >= 2")
+        _check_routing_replay(self)
         return self
 
     # Convenience paths derived from run_dir.
@@ -678,6 +687,32 @@ def settings_from_dict(cls: type, data: dict, prefix: str) -> Any:
     except ValueError as e:
         raise ConfigError(str(e)) from None
     return obj
+
+
+def _check_routing_replay(c: "Config") -> None:
+    """``algo.routing_replay=rollout`` needs the engines' routed experts, an MoE model (checked when the model
+    is built: ``actor/model.py``) and no full recomputation across pipeline stages."""
+    a, p, m, r = c.algo, c.parallel, c.model, c.rollout
+    if r.return_routed_experts and r.source == "engines" and (r.use_router or r.router_addr):
+        # Measured: the pinned sglang-router 0.3.2 re-serialises /generate from a typed request that has no
+        # return_routed_experts, so the engines never see it and answer without meta_info.routed_experts.
+        raise ConfigError("rollout.return_routed_experts=true through sglang-router: the pinned sglang-router 0.3.2 "
+                          "drops return_routed_experts from /generate requests; use rollout.use_router=false (one "
+                          "engine) and no rollout.router_addr")
+    if a.routing_replay == "none":
+        return
+    if not c.rollout.return_routed_experts:
+        raise ConfigError("algo.routing_replay=rollout replays the experts the engines picked: it needs "
+                          "rollout.return_routed_experts=true")
+    if m.hf_path == "tiny" and m.tiny_family != "qwen3_moe":
+        raise ConfigError(f"algo.routing_replay=rollout needs an MoE model; model.hf_path=tiny with "
+                          f"model.tiny_family={m.tiny_family!r} is dense (use model.tiny_family=qwen3_moe)")
+    if p.recompute == "full" and p.pipeline_parallel > 1:
+        # Megatron-Core 0.16.1 never switches RouterReplay to REPLAY_BACKWARD itself: a recomputed layer
+        # replays the routing last set, which under 1F1B belongs to a later micro-batch.
+        raise ConfigError(f"algo.routing_replay=rollout with parallel.recompute=full and parallel.pipeline_parallel="
+                          f"{p.pipeline_parallel}: the recomputed forward would replay another micro-batch's routing; "
+                          "use parallel.recompute=selective or none")
 
 
 def _check_loss(a: AlgoConfig) -> None:

@@ -62,3 +62,21 @@ def test_cross_field_rules():
         load_config(None, ["algo.tis=true"])
     with pytest.raises(ConfigError, match="sequence_parallel"):
         load_config(None, ["parallel.sequence_parallel=true"])
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["algo.routing_replay=rollout", "model.tiny_family=qwen3_moe", "rollout.use_router=false"],
+     "needs rollout.return_routed_experts=true"),
+    (["algo.routing_replay=rollout", "rollout.return_routed_experts=true", "rollout.use_router=false"],
+     "needs an MoE model; model.hf_path=tiny with model.tiny_family='qwen2' is dense"),
+    (["rollout.return_routed_experts=true"], "sglang-router 0.3.2 drops return_routed_experts"),
+    (["algo.routing_replay=rollout", "rollout.return_routed_experts=true", "rollout.use_router=false",
+      "model.tiny_family=qwen3_moe", "parallel.recompute=full", "parallel.pipeline_parallel=2"],
+     "would replay another micro-batch's routing"),
+])
+def test_routing_replay_cross_field_checks(overrides, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(".", r"\.")):
+        load_config(None, overrides)
+    ok = load_config(None, ["algo.routing_replay=rollout", "rollout.return_routed_experts=true",
+                            "rollout.use_router=false", "model.tiny_family=qwen3_moe"])
+    assert ok.algo.routing_replay == "rollout"

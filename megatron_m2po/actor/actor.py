@@ -236,6 +236,13 @@ class MegatronActor:
         from megatron_m2po.actor.mask_correction import check_dropout
 
         check_dropout(cfg.algo.m2po.mask_strategy, cfg.model.attention_dropout, cfg.model.hidden_dropout)
+        self.replay = None  # routing replay (actor/routing_replay.py) with algo.routing_replay=rollout
+        if cfg.algo.routing_replay == "rollout":
+            from megatron_m2po.actor.routing_replay import RoutingReplay
+
+            self.replay = RoutingReplay(chunks, num_layers=int(bridge.hf_config.num_hidden_layers),
+                                        tp_size=self.tp_size, tp_rank=self.tp_rank,
+                                        sequence_parallel=bool(self._tconfig.sequence_parallel))
 
     # ---------------------------------------------------------------------------------- build
 
@@ -320,6 +327,11 @@ class MegatronActor:
             from megatron_m2po.actor.moe_plan import same_microbatch_count
 
             groups = same_microbatch_count(groups, lengths, len(indices), self.dp_group, self.device)
+        if self.replay is not None:
+            for i in indices:
+                if samples[i].routed_experts is None:
+                    raise ValueError(f"sample {samples[i].uid!r} has no routed experts but algo.routing_replay=rollout "
+                                     "replays them for every token (rollout.return_routed_experts=true)")
         if self.pp_size > 1:
             # Every stage of a replica computes the same plan from the same data; the schedule
             # deadlocks if they ever disagree, so check it (one tiny collective per pass).
@@ -355,7 +367,8 @@ class MegatronActor:
     def _to_device(self, mbs: list[MicroBatch]) -> list[MicroBatch]:
         for mb in mbs:
             for name in ("tokens", "position_ids", "row_pos", "row_seq", "targets", "behav_logprobs",
-                         "advantages", "loss_mask", "engine_logprobs", "seq_index", "token_index", "cu_seqlens"):
+                         "advantages", "loss_mask", "engine_logprobs", "seq_index", "token_index", "cu_seqlens",
+                         "routed_experts"):
                 t = getattr(mb, name)
                 if t is not None:
                     setattr(mb, name, t.to(self.device))
@@ -393,16 +406,22 @@ class MegatronActor:
             if mb.cu_seqlens is not None:  # THD: TE attention on GPU, actor/attention.py on CPU
                 packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=mb.cu_seqlens, cu_seqlens_kv=mb.cu_seqlens,
                                          max_seqlen_q=mb.max_seqlen, max_seqlen_kv=mb.max_seqlen)
+            if self.replay is not None:  # this micro-batch's experts for this chunk's routers, just before its forward
+                self.replay.set(mb.routed_experts, next(i for i, m in enumerate(self.model) if m is model))
             out = model(mb.tokens, mb.position_ids, None, packed_seq_params=packed)
             return out, partial(loss_fn, mb, model)
 
         iters: Any = iter(mbs) if len(self.model) == 1 else [iter(mbs) for _ in self.model]
-        return get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=iters,
-            model=self.model if len(self.model) > 1 else self.model[0], num_microbatches=len(mbs),
-            # the whole sequence length: Megatron divides it by CP (schedules.get_tensor_shapes)
-            seq_length=max(mb.tokens.shape[1] for mb in mbs) * self.cp_size, micro_batch_size=max(mb.tokens.shape[0] for mb in mbs),
-            forward_only=forward_only)
+        try:
+            return get_forward_backward_func()(
+                forward_step_func=forward_step, data_iterator=iters,
+                model=self.model if len(self.model) > 1 else self.model[0], num_microbatches=len(mbs),
+                # the whole sequence length: Megatron divides it by CP (schedules.get_tensor_shapes)
+                seq_length=max(mb.tokens.shape[1] for mb in mbs) * self.cp_size,
+                micro_batch_size=max(mb.tokens.shape[0] for mb in mbs), forward_only=forward_only)
+        finally:
+            if self.replay is not None:
+                self.replay.clear()
 
     def _forward_logprobs(self, mbs: list[MicroBatch], with_entropy: bool) -> list[dict]:
         def loss_fn(mb, model, hidden):
@@ -653,5 +672,7 @@ class MegatronActor:
 
     def close(self) -> None:
         """Tear down the parallel state :meth:`from_config` set up (none when the caller did)."""
+        if self.replay is not None:
+            self.replay.close()
         if self._owns_parallel:
             destroy_parallel(self._owns_pg)

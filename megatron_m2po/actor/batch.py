@@ -33,6 +33,9 @@ class Sample:
         versions: int64 [R], weight version that produced each token (for staleness metrics).
         engine_logprobs: optional float32 [R]: the engine's log-probs when ``behav_logprobs`` were
             recomputed by the trainer (TIS weight and the train-vs-engine mismatch KL).
+        routed_experts: optional int [P + R - 1, layers, top_k]: the expert ids the engine's routers
+            picked for every position but the last (``store.types.Trajectory``), replayed by the
+            forward with ``algo.routing_replay=rollout`` (``actor/routing_replay.py``).
     """
 
     uid: str
@@ -43,6 +46,7 @@ class Sample:
     loss_mask: np.ndarray
     versions: np.ndarray
     engine_logprobs: Optional[np.ndarray] = None
+    routed_experts: Optional[np.ndarray] = None
 
     def __post_init__(self) -> None:
         self.prompt_ids = np.asarray(self.prompt_ids, dtype=np.int64).reshape(-1)
@@ -60,6 +64,11 @@ class Sample:
             n = getattr(self, name).shape[0]
             if n != r:
                 raise ValueError(f"sample {self.uid!r}: {name} has {n} entries, response has {r}")
+        if self.routed_experts is not None:
+            self.routed_experts = np.asarray(self.routed_experts, dtype=np.int64)
+            if self.routed_experts.ndim != 3 or self.routed_experts.shape[0] != self.length - 1:
+                raise ValueError(f"sample {self.uid!r}: routed_experts has shape {list(self.routed_experts.shape)}, "
+                                 f"expected [{self.length - 1}, layers, top_k]")
 
     @property
     def length(self) -> int:
@@ -243,6 +252,10 @@ class MicroBatch:
         sample_index: the mini-batch indices of the B samples.
         cu_seqlens: int32 [n + 1] cumulative sequence lengths (packed), else None.
         max_seqlen: the longest (pseudo-)sequence of a packed micro-batch; 0 when padded.
+        routed_experts: int64 [layers, B, S, top_k] (packed: [layers, 1, T, top_k]) expert ids per
+            token row to replay, or None (only when every sample has them). A sequence's last
+            token and padding rows, which no sample records, hold experts ``0 .. top_k - 1``:
+            their outputs reach no predicting row (causal attention, right padding).
     """
 
     tokens: torch.Tensor
@@ -259,6 +272,7 @@ class MicroBatch:
     sample_index: list[int]
     cu_seqlens: Optional[torch.Tensor] = None
     max_seqlen: int = 0
+    routed_experts: Optional[torch.Tensor] = None
 
     @property
     def num_tokens(self) -> int:
@@ -322,6 +336,8 @@ def make_microbatches(samples, groups: list[list[int]], *, pad_multiple: int = 1
             tok_index.append(np.arange(offsets[i], offsets[i] + r))
         cat = lambda name: np.concatenate([getattr(samples[i], name) for i in part])  # noqa: E731
         has_engine = all(samples[i].engine_logprobs is not None for i in part)
+        routed = _routed_rows([samples[i] for i in part], tokens.shape,
+                              [(0, int(starts[b])) if packing else (b, 0) for b in range(len(part))])
         out.append(MicroBatch(
             tokens=torch.from_numpy(tokens),
             position_ids=torch.from_numpy(positions),
@@ -337,8 +353,24 @@ def make_microbatches(samples, groups: list[list[int]], *, pad_multiple: int = 1
             sample_index=list(part),
             cu_seqlens=cu_seqlens,
             max_seqlen=max_seqlen,
+            routed_experts=routed,
         ))
     return out
+
+
+def _routed_rows(samples: list, shape: tuple, origins: list[tuple[int, int]]) -> Optional[torch.Tensor]:
+    """The routed experts of a micro-batch's token rows, ``[layers, *shape, top_k]`` (MicroBatch);
+    None unless every sample has them."""
+    if not samples or any(s.routed_experts is None for s in samples):
+        return None
+    layers, k = samples[0].routed_experts.shape[1:]
+    out = np.broadcast_to(np.arange(k, dtype=np.int64), (*shape, layers, k)).copy()
+    for s, (row, o) in zip(samples, origins):
+        if s.routed_experts.shape[1:] != (layers, k):
+            raise ValueError(f"sample {s.uid!r}: routed_experts has {list(s.routed_experts.shape[1:])} layers x top_k, "
+                             f"other samples {[layers, k]}")
+        out[row, o:o + s.length - 1] = s.routed_experts
+    return torch.from_numpy(np.ascontiguousarray(np.moveaxis(out, 2, 0)))
 
 
 # --------------------------------------------------------------------------------------------
@@ -413,4 +445,5 @@ def cp_split(mb: MicroBatch, cp_size: int, cp_rank: int) -> MicroBatch:
         targets=pick(mb.targets), behav_logprobs=pick(mb.behav_logprobs), advantages=pick(mb.advantages),
         loss_mask=pick(mb.loss_mask), engine_logprobs=pick(mb.engine_logprobs), seq_index=pick(mb.seq_index),
         token_index=pick(mb.token_index), sample_index=list(mb.sample_index), cu_seqlens=mb.cu_seqlens,
-        max_seqlen=mb.max_seqlen)
+        max_seqlen=mb.max_seqlen,
+        routed_experts=None if mb.routed_experts is None else mb.routed_experts[:, :, index.to(mb.routed_experts.device)])

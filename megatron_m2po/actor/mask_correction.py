@@ -96,7 +96,9 @@ def truncate(s: Sample, r: int) -> Sample:
     cut = lambda a: None if a is None else np.ascontiguousarray(a[:r])  # noqa: E731
     return Sample(uid=s.uid, prompt_ids=s.prompt_ids, response_ids=cut(s.response_ids),
                   behav_logprobs=cut(s.behav_logprobs), advantages=cut(s.advantages), loss_mask=cut(s.loss_mask),
-                  versions=cut(s.versions), engine_logprobs=cut(s.engine_logprobs))
+                  versions=cut(s.versions), engine_logprobs=cut(s.engine_logprobs),
+                  routed_experts=None if s.routed_experts is None else
+                  np.ascontiguousarray(s.routed_experts[:s.prompt_ids.shape[0] + r - 1]))
 
 
 def pad_for_schedule(groups: list[list[int]], weights: list, multiple: int, lengths: list[int],

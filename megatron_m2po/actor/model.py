@@ -147,6 +147,9 @@ def build_transformer_config(cfg: Config, bridge=None):
     nor average gradients over data parallel ranks: the actor's loss is already normalised by the
     global response-token count (see ``actor.py``).
     """
+    if cfg.algo.routing_replay != "none" and not is_moe(hf0 := load_hf_config(cfg.model.hf_path)):
+        raise ValueError(f"algo.routing_replay={cfg.algo.routing_replay} needs an MoE model; {cfg.model.hf_path} "
+                         f"({hf0.model_type}) has no experts: use algo.routing_replay=none")
     if bridge is None:
         bridge = make_bridge(cfg.model.hf_path, cfg.model.dtype)
     p, m = cfg.parallel, cfg.model
@@ -213,6 +216,10 @@ def _moe_args(cfg: Config, hf, fused: bool) -> dict:
         moe_router_pre_softmax=not bool(getattr(hf, "norm_topk_prob", True)),
         moe_grouped_gemm=fused,  # TEGroupedMLP on GPU; the local spec's experts are set in _layer_spec
         moe_permute_fusion=False,
+        # Routing replay (actor/routing_replay.py): one RouterReplay per router (moe/router.py). The
+        # fused TE top-k (moe_router_fusion) bypasses it in moe_utils.topk_routing_with_score_function.
+        moe_enable_routing_replay=cfg.algo.routing_replay == "rollout",
+        moe_router_fusion=False,
     )
 
 

@@ -55,6 +55,7 @@ timed out is aborted on the engine (best effort) before the error is raised.
 from __future__ import annotations
 
 import asyncio
+import base64
 import logging
 import random
 import uuid
@@ -62,6 +63,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 import aiohttp
+import numpy as np
 
 log = logging.getLogger("m2po.client")
 
@@ -94,6 +96,26 @@ class GenerateOutput:
     prompt_tokens: int = 0
     token_weight_versions: Optional[list[str]] = None
     cached_tokens: int = 0  # prompt tokens the engine's prefix cache supplied (meta_info.cached_tokens)
+    routed_experts: Optional[str] = None  # meta_info.routed_experts: base64 of int32 ids (routed_experts_array)
+
+    def routed_experts_array(self, num_layers: int, top_k: int, rows: int) -> np.ndarray:
+        """``meta_info["routed_experts"]`` as int32 ``[rows, num_layers, top_k]``.
+
+        SGLang 0.5.23 (``detokenizer_manager.py`` ``_b64_encode_per_request``,
+        ``state_capturer/routed_experts.py`` ``extract_routed_experts_from_meta_info``): base64 of
+        the int32 bytes of a ``[seqlen - 1 - routed_experts_start_len, layers, top_k]`` tensor, one
+        row per position of prompt + output from ``routed_experts_start_len`` on, the last token
+        excluded. An engine started without ``--enable-return-routed-experts`` silently omits the
+        field (``_maybe_collect_routed_experts`` has no capturer): that is an error here."""
+        if self.routed_experts is None:
+            raise EngineError("", "/generate", "the engine returned no meta_info.routed_experts although the request "
+                              "asked for them (return_routed_experts=true): SGLang only captures them when the "
+                              "server is started with --enable-return-routed-experts")
+        flat = np.frombuffer(base64.b64decode(self.routed_experts.encode("utf-8")), dtype=np.int32)
+        if flat.size != rows * num_layers * top_k:
+            raise EngineError("", "/generate", f"meta_info.routed_experts holds {flat.size} expert ids, expected {rows} "
+                              f"positions x {num_layers} layers x top_k={top_k}; is the engine serving the same model?")
+        return flat.reshape(rows, num_layers, top_k)
 
     @property
     def finish_type(self) -> str:
@@ -124,6 +146,7 @@ class GenerateOutput:
                    text=d.get("text", ""), rid=str(meta.get("id", "")),
                    prompt_tokens=int(meta.get("prompt_tokens", 0)),
                    cached_tokens=int(meta.get("cached_tokens") or 0),
+                   routed_experts=meta.get("routed_experts"),
                    token_weight_versions=expand_weight_version_spans(meta.get("weight_versions"),
                                                                      len(ids or [])))
 
@@ -294,14 +317,19 @@ class SGLangClient:
 
     # ------------------------------------------------------------------ generation
     async def generate(self, input_ids: Sequence[int], sampling_params: dict, return_logprob: bool = True,
-                       *, rid: Optional[str] = None) -> GenerateOutput:
-        """POST /generate for one prompt. ``rid`` lets ``abort(rid)`` stop it later."""
+                       *, rid: Optional[str] = None, return_routed_experts: bool = False,
+                       routed_experts_start_len: int = 0) -> GenerateOutput:
+        """POST /generate for one prompt. ``rid`` lets ``abort(rid)`` stop it later.
+        ``return_routed_experts``: ask for every MoE layer's top-k expert ids of the positions from
+        ``routed_experts_start_len`` on (:meth:`GenerateOutput.routed_experts_array`)."""
         if (sampling_params or {}).get("n", 1) not in (None, 1):
             raise ValueError(f"sampling_params.n={sampling_params['n']}: SGLang answers n > 1 with a list of "
                              "n outputs under new rids; send n requests with n=1 instead")
         rid = rid or uuid.uuid4().hex
         payload = {"input_ids": [int(t) for t in input_ids], "sampling_params": dict(sampling_params),
                    "return_logprob": bool(return_logprob), "rid": rid}
+        if return_routed_experts:
+            payload.update(return_routed_experts=True, routed_experts_start_len=int(routed_experts_start_len))
         self._sess()
         async with self._sem:
             try:

@@ -376,6 +376,8 @@ class EngineFleet:
             env = {"CUDA_VISIBLE_DEVICES": ",".join(self.node.physical(g) for g in gpus)} if gpus else {}
         if cfg.engine_max_running_requests is not None:
             cmd += ["--max-running-requests", str(cfg.engine_max_running_requests)]
+        if cfg.return_routed_experts:  # SGLang captures routed experts only with this server flag
+            cmd += ["--enable-return-routed-experts"]
         return EngineSpec(i, cfg.host, port, cmd + list(self.extra_engine_args), env, logp)
 
     def _wait_healthy(self, e: _Engine, what: str = "engine") -> None:
@@ -474,6 +476,10 @@ class EngineFleet:
                                     "--weight-version 0 (scripts/launch_sglang_fleet.sh does)")
                 server_info = _run(_get_json(e.url + "/server_info"))
                 check_sglang_version(e.url, server_info)
+                if self.cfg.return_routed_experts and not server_info.get("enable_return_routed_experts"):
+                    # without it SGLang 0.5.23 silently drops return_routed_experts from every request
+                    problems.append(f"{e.url}: rollout.return_routed_experts=true but the engine was started "
+                                    "without --enable-return-routed-experts")
                 e.max_running = max_running_requests(server_info)
             except (aiohttp.ClientError, EngineError, asyncio.TimeoutError, ValueError) as ex:
                 problems.append(f"{e.url}: {type(ex).__name__}: {ex}")

@@ -66,7 +66,7 @@ import numpy as np
 
 from megatron_m2po.config import AgenticConfig
 from megatron_m2po.rollout.group_ids import trajectory_uid
-from megatron_m2po.rollout.producer import ProducerContext, _sample, request_seed
+from megatron_m2po.rollout.producer import ProducerContext, _sample, request_seed, routed_rows
 from megatron_m2po.store.types import Group, Trajectory
 
 log = logging.getLogger(__name__)
@@ -292,6 +292,8 @@ class _Tape:
     mask: list = field(default_factory=list)
     steps: list = field(default_factory=list)
     per_turn_cached: list = field(default_factory=list)
+    routed: list = field(default_factory=list)  # routed experts of positions [0, covered) (return_routed_experts)
+    covered: int = 0
     reward: float = 0.0
     end: str = "max_turns"
     turns: int = 0
@@ -332,7 +334,12 @@ async def _turns(ctx: ProducerContext, env: Environment, render: "_Renderer", pr
             params["sampling_seed"] = request_seed(ctx.seed, f"{group}/turn{tape.turns}", j)
         if getattr(env, "stop", None):
             params["stop"] = list(env.stop)
-        out = await _bounded(_sample(ctx, prompt + tape.resp, params), float("inf"), deadline, "episode_timeout")
+        out = await _bounded(_sample(ctx, prompt + tape.resp, params, routed_start=tape.covered), float("inf"),
+                             deadline, "episode_timeout")
+        if ctx.routed_experts is not None:  # this turn's prefill and decode: up to its last token
+            stop = len(prompt) + len(tape.resp) + len(out.output_ids) - 1
+            tape.routed.append(routed_rows(ctx, out, tape.covered, stop))
+            tape.covered = stop
         tape.turns += 1
         tape.sent += len(prompt) + len(tape.resp)
         tape.per_turn_cached.append(int(getattr(out, "cached_tokens", 0) or 0))
@@ -439,7 +446,24 @@ def _trajectory(ctx: ProducerContext, tape: _Tape, prompt: list[int], row: Any, 
     return Trajectory(uid=trajectory_uid(group, j), group_id=group, prompt_ids=np.asarray(prompt),
                       response_ids=np.asarray(tape.resp), behav_logprobs=np.asarray(tape.logps, dtype=np.float32),
                       versions=np.asarray(tape.versions, dtype=np.int64), reward=float(tape.reward),
-                      loss_mask=np.asarray(tape.mask, dtype=np.uint8), finish_reason=finish, metadata=meta)
+                      loss_mask=np.asarray(tape.mask, dtype=np.uint8), finish_reason=finish, metadata=meta,
+                      routed_experts=_episode_routing(ctx, tape.routed, len(prompt) + len(tape.resp) - 1))
+
+
+def _episode_routing(ctx: Any, routed: list, rows: int) -> Optional[np.ndarray]:
+    """An episode's routed experts ``[rows, layers, top_k]``: each model turn's (asked from where the
+    previous one stopped: the observation before it is run in its prefill, the earlier tokens keep
+    the routing of their first forward, as the engine's cache does). Positions after the last
+    model token (an observation that no turn followed, the masked token of an episode cut before
+    its first turn, or the dataset prompt standing in after a failed reset) were never run by the
+    engine: they get experts ``0 .. top_k - 1``. Only they and the masked tokens after them see that
+    choice (causal attention), so no trained token does."""
+    if ctx.routed_experts is None:
+        return None
+    layers, k = ctx.routed_experts
+    have = np.concatenate(routed) if routed else np.zeros((0, layers, k), np.int32)
+    fill = np.broadcast_to(np.arange(k, dtype=np.int32), (rows - have.shape[0], layers, k))
+    return np.concatenate([have[:rows], fill])
 
 
 def _turn_versions(out: Any, floor: int) -> list[int]:

@@ -62,6 +62,9 @@ class ProducerContext:
             ``sampling_seed = request_seed(seed, gid, j)``.
         positions: position of each prompt in its step (group ``group_id(group_prefix, pos)``);
             defaults to the prompt's index in the list handed to the producer.
+        routed_experts: ``(num_layers, top_k)`` of the MoE model when the engines' routed experts
+            are kept (``rollout.return_routed_experts``): every request asks for them and every
+            trajectory carries them (:func:`routed_rows`); None otherwise.
     """
 
     client: Any
@@ -75,6 +78,7 @@ class ProducerContext:
     max_attempts: int = 3
     seed: Optional[int] = None
     positions: Optional[list[int]] = None
+    routed_experts: Optional[tuple[int, int]] = None
 
     def group_id(self, p: int) -> str:
         """Deterministic id of the group of the ``p``-th prompt handed to the producer."""
@@ -101,10 +105,24 @@ def _token_versions(out: Any, version: int) -> np.ndarray:
     return np.full(n, version, dtype=np.int64)
 
 
-async def _sample(ctx: ProducerContext, prompt_ids: Sequence[int], params: Optional[dict] = None) -> Any:
-    """One response; an aborted one (engine restarted under it) is sampled again."""
+def routed_rows(ctx: ProducerContext, out: Any, start: int, stop: int) -> Optional[np.ndarray]:
+    """The routed experts of positions ``[start, stop)`` from a response that asked for them from
+    ``start`` on (``stop`` = prompt + output length - 1); None when the context keeps none."""
+    if ctx.routed_experts is None:
+        return None
+    layers, k = ctx.routed_experts
+    return out.routed_experts_array(layers, k, stop - start)
+
+
+async def _sample(ctx: ProducerContext, prompt_ids: Sequence[int], params: Optional[dict] = None,
+                  routed_start: int = 0) -> Any:
+    """One response; an aborted one (engine restarted under it) is sampled again. With
+    ``ctx.routed_experts`` it asks for the routed experts of the positions from ``routed_start`` on."""
+    kw = {}
+    if ctx.routed_experts is not None:
+        kw = {"return_routed_experts": True, "routed_experts_start_len": int(routed_start)}
     for attempt in range(ctx.max_attempts):
-        out = await ctx.client.generate(prompt_ids, params or ctx.sampling_params, return_logprob=True)
+        out = await ctx.client.generate(prompt_ids, params or ctx.sampling_params, return_logprob=True, **kw)
         if not out.aborted:
             if out.output_logprobs is None or len(out.output_logprobs) != len(out.output_ids):
                 raise RuntimeError(f"engine returned {len(out.output_ids)} tokens but "
@@ -138,7 +156,8 @@ async def default_producer(ctx: ProducerContext, prompts: list) -> list[Group]:
                 response_ids=np.asarray(out.output_ids), behav_logprobs=np.asarray(out.output_logprobs),
                 versions=_token_versions(out, ctx.version), reward=float(result.scores[i]),
                 finish_reason=out.finish_type if out.finish_type in ("stop", "length", "abort") else "stop",
-                metadata={"prompt_index": int(item.index), "answer": item.answer, **ctx.metadata}))
+                metadata={"prompt_index": int(item.index), "answer": item.answer, **ctx.metadata},
+                routed_experts=routed_rows(ctx, out, 0, len(item.prompt_ids) + len(out.output_ids) - 1)))
         groups.append(Group(gid, trajs))
     return groups
 

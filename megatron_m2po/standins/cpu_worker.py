@@ -104,6 +104,10 @@ class _Seq:
     abort_sent: bool = False  # tokenizer_manager.py ReqState.abort_sent: later aborts of this rid are ignored
     retractions: int = 0
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (meta_info.cached_tokens)
+    return_routed_experts: bool = False
+    routed_experts_start_len: int = 0
+    # routed experts [rows, layers, top_k] of the positions run so far (routed_capture.py), in pieces
+    routed: list = field(default_factory=list)
 
 
 class _Batch:
@@ -167,7 +171,8 @@ class Engine:
 
     def __init__(self, model_path: str, *, max_running: int = 64, seed: int = 0,
                  weight_version: str = "default", dist_timeout_s: float = 300.0,
-                 quantization: Optional[str] = None, prefix_cache_mb: float = 256.0) -> None:
+                 quantization: Optional[str] = None, prefix_cache_mb: float = 256.0,
+                 enable_return_routed_experts: bool = False) -> None:
         from transformers import AutoConfig, AutoModelForCausalLM
 
         self.model_path = model_path
@@ -192,6 +197,11 @@ class Engine:
             if quantization == "fp8":  # SGLang's online FP8 of a float checkpoint: per tensor here
                 self.fp8 = FP8Linears(self.model, None)
                 self.fp8.quantize_model(self.model)
+        # SGLang's --enable-return-routed-experts (standins/routed_capture.py); None when off.
+        self.routing = None
+        if enable_return_routed_experts:
+            from megatron_m2po.standins.routed_capture import RoutedExpertsCapture
+            self.routing = RoutedExpertsCapture(self.model, self.config)
         self.tokenizer = None
         if glob.glob(os.path.join(model_path, "tokenizer*")):
             from transformers import AutoTokenizer
@@ -317,8 +327,13 @@ class Engine:
             b = self.batch
             mask = torch.cat([b.mask, torch.ones(len(b), 1, dtype=torch.long)], 1)
             cache = self._make_cache(b.kv)
+            if self.routing is not None:
+                self.routing.begin()
             out = self.model(input_ids=b.last[:, None], attention_mask=mask,
                              position_ids=b.pos[:, None], past_key_values=cache, use_cache=True)
+            if self.routing is not None:
+                for s, rows in zip(b.seqs, self.routing.take(len(b), 1)):
+                    s.routed.append(rows)
             b.kv, b.mask = _cache_tensors(out.past_key_values), mask
             b.pos = b.pos + 1
             b.last = self._sample(b.seqs, out.logits[:, -1].float())
@@ -353,7 +368,10 @@ class Engine:
             cols = torch.nonzero(b.mask[i], as_tuple=False)[:, 0]
             if cols.numel() != len(ctx):  # the row's KV does not cover exactly this context
                 continue
-            self.prefix_cache.insert(ctx, [(k[i][:, cols], v[i][:, cols]) for k, v in b.kv], 0)
+            entries = [(k[i][:, cols], v[i][:, cols]) for k, v in b.kv]
+            if self.routing is not None:
+                entries.append(self.routing.cache_entry(torch.cat(s.routed)))
+            self.prefix_cache.insert(ctx, entries, 0)
         self.prefix_cache.evict()
 
     def _retract_all(self) -> None:
@@ -408,8 +426,9 @@ class Engine:
             mask[u, P - n:P] = 1
             mask[u, P + E - e:] = 1
         past = None
+        n_kv = self.config.num_hidden_layers
         if P:
-            layers = next(kv for _, kv in matched if kv is not None)
+            layers = next(kv for _, kv in matched if kv is not None)[:n_kv]  # (+ the routing entry)
             past = []
             for j, (k0, v0) in enumerate(layers):
                 k = k0.new_zeros(U, k0.shape[0], P, k0.shape[2])
@@ -419,13 +438,19 @@ class Engine:
                         k[u, :, P - n:], v[u, :, P - n:] = kv[j]
                 past.append((k, v))
         self.prefill_tokens += sum(len(c) - n for c, n in zip(rctx, plen))
+        if self.routing is not None:
+            self.routing.begin()
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
                          past_key_values=self._make_cache(past) if past else None)
         kv = _cache_tensors(out.past_key_values)
         logits = out.logits.float()
+        routed = self._prefill_routing(matched, rctx, E) if self.routing is not None else None
         for u, (s, c, n) in enumerate(zip(reps, rctx, plen)):
             e = len(c) - n
-            self.prefix_cache.insert(c, [(k[u, :, P + E - e:], v[u, :, P + E - e:]) for k, v in kv], n)
+            entries = [(k[u, :, P + E - e:], v[u, :, P + E - e:]) for k, v in kv]
+            if routed is not None:
+                entries.append(self.routing.cache_entry(routed[u][n:]))
+            self.prefix_cache.insert(c, entries, n)
             if s.return_logprob and s.input_logprobs is None and 0 <= s.logprob_start_len < len(s.prompt):
                 s.input_logprobs = _input_logprobs(s, logits[u, E - e:], n)
         self.prefix_cache.evict()
@@ -433,6 +458,8 @@ class Engine:
             # schedule_batch.py: cached tokens are counted once, never after a retraction.
             if s.retractions == 0:
                 s.cached_tokens += plen[r]
+            if routed is not None:  # a retracted request's KV (and routing) is computed anew
+                s.routed = [routed[r]]
             if s.input_logprobs is None and reps[r].input_logprobs is not None and s is not reps[r]:
                 s.input_logprobs = list(reps[r].input_logprobs)
         idx = torch.tensor(rows, dtype=torch.long)
@@ -442,6 +469,17 @@ class Engine:
         b.pos = torch.tensor([len(c) for c in ctxs], dtype=torch.long)
         b.last = self._sample(seqs, logits[:, -1].index_select(0, idx))
         return b
+
+    def _prefill_routing(self, matched: list, rctx: list, E: int) -> list[torch.Tensor]:
+        """Routed experts ``[len(context), layers, top_k]`` of each unique prefill row: the cached
+        prefix's from the prefix cache (captured when its KV was computed, as SGLang keeps them
+        with the KV slot), the computed tokens' from this forward (left-padded in the last E)."""
+        run = self.routing.take(len(rctx), E)
+        out = []
+        for u, ((n, kv), c) in enumerate(zip(matched, rctx)):
+            fresh = run[u, E - (len(c) - n):]
+            out.append(torch.cat([self.routing.from_cache_entry(kv[-1]), fresh]) if n else fresh)
+        return out
 
     def _sample(self, seqs: list[_Seq], logits: torch.Tensor) -> torch.Tensor:
         """One token per row and its log-prob (``sglang_sampling``), then SGLang's finish checks
@@ -472,7 +510,8 @@ class Engine:
     # ---------------------------------------------------------------- requests
     def make_seq(self, input_ids: list[int], params: Optional[dict], rid: Optional[str], *,
                  return_logprob: bool = False, logprob_start_len: Optional[int] = -1,
-                 return_text_in_logprobs: bool = False) -> _Seq:
+                 return_text_in_logprobs: bool = False, return_routed_experts: bool = False,
+                 routed_experts_start_len: int = 0) -> _Seq:
         """Validate one request as SGLang 0.5.23 does (``sglang_sampling.parse``, then
         ``tokenizer_manager.py`` ``_validate_one_request``, then the scheduler's
         ``logprob_start_len`` check); raises ContractError / ParamError / RequestError."""
@@ -499,11 +538,20 @@ class Engine:
                                "logprob_start_len.")
         if start < -1:
             raise RequestError(f"logprob_start_len={start}: use -1 (output log-probs only) or a prompt position")
+        if return_routed_experts:  # scheduler.py handle_generate_request: an abort naming the value
+            from megatron_m2po.standins.routed_capture import RoutedExpertsCapture
+            if isinstance(routed_experts_start_len, bool) or not isinstance(routed_experts_start_len, int):
+                raise RequestError(f"routed_experts_start_len={routed_experts_start_len!r} must be an integer")
+            msg = RoutedExpertsCapture.check_start(routed_experts_start_len, len(input_ids))
+            if msg is not None:
+                raise RequestError(msg)
         gen = torch.Generator().manual_seed(sp.sampling_seed) if sp.sampling_seed is not None else None
         return _Seq(rid=rid or uuid.uuid4().hex, prompt=list(input_ids), sp=sp,
                     stop_ids=sp.stop_token_ids | self.eos_ids, generator=gen,
                     future=self.loop.create_future(), return_logprob=bool(return_logprob),
-                    logprob_start_len=start, return_text_in_logprobs=bool(return_text_in_logprobs))
+                    logprob_start_len=start, return_text_in_logprobs=bool(return_text_in_logprobs),
+                    return_routed_experts=bool(return_routed_experts),
+                    routed_experts_start_len=int(routed_experts_start_len))
 
     def submit(self, seq: _Seq) -> None:
         """Queue a request (``max_new_tokens == 0``: answered at once, prompt only)."""
@@ -553,6 +601,10 @@ class Engine:
             meta["output_token_logprobs"] = fmt(zip(seq.logprobs[:n], seq.output[:n]))
             meta["output_token_logprobs_length"] = n
         meta["completion_tokens"] = n
+        if finished and seq.return_routed_experts and self.routing is not None and seq.routed:
+            # _maybe_collect_routed_experts at the finish; without the server flag there is no field
+            meta["routed_experts"] = self.routing.encode(torch.cat(seq.routed), len(seq.prompt) + n,
+                                                         seq.routed_experts_start_len)
         return meta
 
     def response(self, seq: _Seq) -> dict:
@@ -814,6 +866,9 @@ def main(argv: Optional[list[str]] = None) -> None:
                    help="Port of the worker's own torch.distributed init (SGLang's flag; default: a free port).")
     p.add_argument("--dist-timeout", type=int, default=None,
                    help="Timeout (s) of that init (SGLang's flag; default: torch's).")
+    p.add_argument("--enable-return-routed-experts", action="store_true",
+                   help="Capture every MoE layer's top-k expert ids per token (SGLang's flag); requests ask "
+                        "for them with return_routed_experts.")
     p.add_argument("--quantization", choices=["fp8"], default=None,
                    help="Serve FP8 (modelopt fake quantisation); an FP8 checkpoint is detected from config.json.")
     args = p.parse_args(argv)
@@ -828,7 +883,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     init_torch_distributed(args.host, args.nccl_port, args.dist_timeout)
     engine = Engine(args.model_path, max_running=args.max_running_requests, seed=args.seed,
                     weight_version=args.weight_version, dist_timeout_s=args.dist_timeout_s,
-                    quantization=args.quantization)
+                    quantization=args.quantization,
+                    enable_return_routed_experts=args.enable_return_routed_experts)
     log.info("serving %s on http://%s:%d", args.model_path, args.host, args.port)
     web.run_app(WorkerApp(engine).build(), host=args.host, port=args.port, print=None, access_log=None,
                 shutdown_timeout=2.0)

@@ -148,7 +148,8 @@ class WorkerApp:
             batch = True
         per = {}
         for key, default in (("return_logprob", False), ("logprob_start_len", -1),
-                             ("return_text_in_logprobs", False)):
+                             ("return_text_in_logprobs", False), ("return_routed_experts", False),
+                             ("routed_experts_start_len", 0)):
             v = req.get(key)
             if isinstance(v, list):
                 if n > 1:
@@ -178,7 +179,9 @@ class WorkerApp:
         for i, item in enumerate(items):
             kw = dict(input_ids=item, params=plist[i] if plist is not None else params,
                       return_logprob=per["return_logprob"][i], logprob_start_len=per["logprob_start_len"][i],
-                      return_text_in_logprobs=per["return_text_in_logprobs"][i])
+                      return_text_in_logprobs=per["return_text_in_logprobs"][i],
+                      return_routed_experts=per["return_routed_experts"][i],
+                      routed_experts_start_len=per["routed_experts_start_len"][i])
             for _ in range(n):
                 out.append(dict(kw, rid=uuid.uuid4().hex if n > 1 else rids[i]))
         return out, batch
@@ -329,7 +332,9 @@ class WorkerApp:
                      # One entry per DP rank, as http_server.py server_info builds it from the
                      # schedulers' get_internal_state (scheduler_components/internal_state.py
                      # _add_topology): what the scheduler runs at once, after memory sizing.
-                     "internal_states": [{"effective_max_running_requests_per_dp": e.max_running}]})
+                     "internal_states": [{"effective_max_running_requests_per_dp": e.max_running}],
+                     # server_args.enable_return_routed_experts (arg_groups/fields/exec_.py)
+                     "enable_return_routed_experts": e.routing is not None})
 
     async def v1_loads(self, request):
         # SGLang 0.5.23 entrypoints/v1_loads.py: per-DP-rank load snapshots.

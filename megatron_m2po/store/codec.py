@@ -10,10 +10,12 @@ API (``POST /v1/groups``), both decoded strictly: any malformed field raises
         {"uid": "g1/0", "group_id": "g1", "prompt_ids": [1, 2], "response_ids": [3, 4],
          "behav_logprobs": [-0.1, -2.3], "versions": [7, 7],     # or 7, or {"runs": [[7, 2]]}
          "reward": 1.0, "loss_mask": [1, 1], "finish_reason": "stop", "metadata": {},
-         "recomputed_behav_logprobs": null}]}]}
+         "recomputed_behav_logprobs": null, "routed_experts": null}]}]}
 
 ``group_id`` inside a trajectory may be omitted (it defaults to the group's); ``reward``,
-``loss_mask``, ``finish_reason``, ``metadata`` and ``recomputed_behav_logprobs`` are optional.
+``loss_mask``, ``finish_reason``, ``metadata``, ``recomputed_behav_logprobs`` and
+``routed_experts`` (MoE routing, a ``[P + R - 1][layers][top_k]`` nested list of expert ids,
+``types.Trajectory``) are optional.
 ``NaN`` / ``Infinity`` literals are rejected.
 
 **Binary** (``Content-Type: application/x-m2po-groups``), for large batches — a JSON header
@@ -23,11 +25,12 @@ followed by raw little-endian arrays, no third-party dependency::
 
 The header is ``{"groups": [{"group_id": ..., "trajectories": [T, ...]}]}`` where each ``T``
 holds the scalar fields of a trajectory (uid, reward, finish_reason, metadata) plus the counts
-``n_prompt``, ``n_response``, ``n_runs`` and the flags ``has_loss_mask``,
-``has_recomputed``. The payload holds, per trajectory in header order: ``prompt_ids`` (<i4 x
+``n_prompt``, ``n_response``, ``n_runs``, the flags ``has_loss_mask``,
+``has_recomputed`` and, with routed experts, ``routed_shape`` ``[layers, top_k]``. The payload holds, per trajectory in header order: ``prompt_ids`` (<i4 x
 n_prompt), ``response_ids`` (<i4 x n_response), ``behav_logprobs`` (<f4 x n_response), the
 version runs (<i8 x 2 x n_runs: version, count pairs), ``loss_mask`` (u1 x n_response, when
-flagged), ``recomputed_behav_logprobs`` (<f4 x n_response, when flagged). The payload length
+flagged), ``recomputed_behav_logprobs`` (<f4 x n_response, when flagged), the routed experts
+(<u2 x (n_prompt + n_response - 1) x layers x top_k, with ``routed_shape``). The payload length
 must match the header exactly.
 
 Versions are run-length encoded everywhere (a response generated at one version is one run).
@@ -233,7 +236,7 @@ def traj_from_dict(d: Any, group_id: str, where: str) -> Trajectory:
     if not isinstance(d, dict):
         raise PayloadError(f"{where} must be an object, got {type(d).__name__}")
     known = {"uid", "group_id", "prompt_ids", "response_ids", "behav_logprobs", "versions", "reward",
-             "loss_mask", "finish_reason", "metadata", "recomputed_behav_logprobs"}
+             "loss_mask", "finish_reason", "metadata", "recomputed_behav_logprobs", "routed_experts"}
     extra = sorted(set(d) - known)
     if extra:
         raise PayloadError(f"{where} has unknown field(s) {extra}; known: {sorted(known)}")
@@ -262,7 +265,35 @@ def traj_from_dict(d: Any, group_id: str, where: str) -> Trajectory:
         loss_mask=None if mask is None else _int_list(f"{w}.loss_mask", mask).clip(-1, 2).astype(np.int16),
         finish_reason=fr, metadata=md,
         recomputed_behav_logprobs=None if rec is None else _float_list(f"{w}.recomputed_behav_logprobs", rec),
+        routed_experts=_routed_from_json(f"{w}.routed_experts", d.get("routed_experts")),
     )
+
+
+_MAX_ROUTED_LAYERS, _MAX_ROUTED_TOPK = 1024, 256
+
+
+def _routed_from_json(where: str, x: Any) -> Optional[np.ndarray]:
+    """A ``[tokens][layers][top_k]`` nested list of integer expert ids (the row count is checked by
+    ``types.RoutingSpec.check`` against the token count); None when absent."""
+    if x is None:
+        return None
+    if not isinstance(x, list):
+        raise PayloadError(f"{where} must be a [tokens][layers][top_k] nested list of expert ids, got {_kind(x)}")
+    _check_len(where, len(x))
+    if x and (not isinstance(x[0], list) or len(x[0]) > _MAX_ROUTED_LAYERS
+              or (x[0] and (not isinstance(x[0][0], list) or len(x[0][0]) > _MAX_ROUTED_TOPK))):
+        raise PayloadError(f"{where} must be a [tokens][layers][top_k] nested list (at most {_MAX_ROUTED_LAYERS} "
+                           f"layers, top_k <= {_MAX_ROUTED_TOPK})")
+    try:
+        a = np.asarray(x)
+    except (ValueError, OverflowError):
+        a = None
+    if a is None or a.ndim != 3 or (a.size and a.dtype.kind not in "iu"):
+        raise PayloadError(f"{where} must be a [tokens][layers][top_k] nested list of integers (the same "
+                           "layers and top_k for every token)")
+    if a.size and (int(a.min()) < 0 or int(a.max()) > 0xFFFF):
+        raise PayloadError(f"{where} holds expert ids outside [0, 65536): min {int(a.min())}, max {int(a.max())}")
+    return a.astype(np.int32)
 
 
 def _groups_list(doc: Any) -> list:
@@ -308,6 +339,7 @@ def _traj_to_dict(t: Trajectory) -> dict:
         "loss_mask": t.loss_mask.tolist(), "finish_reason": t.finish_reason, "metadata": t.metadata,
         "recomputed_behav_logprobs": (None if t.recomputed_behav_logprobs is None
                                       else t.recomputed_behav_logprobs.tolist()),
+        "routed_experts": None if t.routed_experts is None else t.routed_experts.tolist(),
     }
 
 
@@ -378,11 +410,17 @@ def encode_binary(groups: Iterable[Group]) -> bytes:
                        "metadata": t.metadata, "n_prompt": int(t.prompt_ids.size),
                        "n_response": int(t.response_ids.size), "n_runs": int(runs.shape[0]),
                        "has_loss_mask": True, "has_recomputed": t.recomputed_behav_logprobs is not None})
+            if t.routed_experts is not None:
+                tl[-1]["routed_shape"] = [int(t.routed_experts.shape[1]), int(t.routed_experts.shape[2])]
             parts += [t.prompt_ids.astype("<i4").tobytes(), t.response_ids.astype("<i4").tobytes(),
                       t.behav_logprobs.astype("<f4").tobytes(), runs.astype("<i8").tobytes(),
                       t.loss_mask.astype("u1").tobytes()]
             if t.recomputed_behav_logprobs is not None:
                 parts.append(t.recomputed_behav_logprobs.astype("<f4").tobytes())
+            if t.routed_experts is not None:
+                if t.routed_experts.size and (t.routed_experts.min() < 0 or t.routed_experts.max() > 0xFFFF):
+                    raise ValueError(f"trajectory {t.uid!r}: routed experts outside [0, 65536) do not fit uint16")
+                parts.append(t.routed_experts.astype("<u2").tobytes())
         header.append({"group_id": g.group_id, "trajectories": tl})
     hb = json.dumps({"groups": header}, allow_nan=False).encode()
     return b"".join([_PREAMBLE.pack(MAGIC, FORMAT, 0, len(hb)), hb, *parts])
@@ -415,12 +453,26 @@ def _check_binary_length(doc: Any, payload: int) -> None:
                 raise PayloadError(f"group {gid!r} trajectories[{j}] must be an object")
             npr, nr, nrun = _array_counts(f"group {gid!r} trajectories[{j}]", t)
             want += 4 * npr + 8 * nr + 16 * nrun + nr * bool(t.get("has_loss_mask", False)) \
-                + 4 * nr * bool(t.get("has_recomputed", False))
+                + 4 * nr * bool(t.get("has_recomputed", False)) \
+                + 2 * _routed_count(f"group {gid!r} trajectories[{j}]", t, npr + nr - 1)
     if want != payload:
         what = (f"{payload - want} trailing bytes after the last array" if payload > want
                 else f"{want - payload} bytes missing")
         raise PayloadError(f"binary payload has {payload} bytes, the header's counts declare {want}: {what} "
                            "(lengths disagree with the header)")
+
+
+def _routed_count(where: str, t: dict, rows: int) -> int:
+    """Entries of a binary trajectory's routed experts: ``rows x layers x top_k`` (0 without)."""
+    shape = t.get("routed_shape")
+    if shape is None:
+        return 0
+    if (not isinstance(shape, list) or len(shape) != 2
+            or any(isinstance(n, bool) or not isinstance(n, int) for n in shape)
+            or not (1 <= shape[0] <= _MAX_ROUTED_LAYERS and 1 <= shape[1] <= _MAX_ROUTED_TOPK)):
+        raise PayloadError(f"{where}.routed_shape={_short(shape)} must be [layers, top_k] with 1 <= layers <= "
+                           f"{_MAX_ROUTED_LAYERS} and 1 <= top_k <= {_MAX_ROUTED_TOPK}")
+    return max(rows, 0) * shape[0] * shape[1]
 
 
 def decode_binary(body: bytes) -> list[Group]:
@@ -446,7 +498,7 @@ def decode_binary(body: bytes) -> list[Group]:
             if not isinstance(t, dict):
                 raise PayloadError(f"{where} must be an object")
             known = {"uid", "reward", "finish_reason", "metadata", "n_prompt", "n_response", "n_runs",
-                     "has_loss_mask", "has_recomputed"}
+                     "has_loss_mask", "has_recomputed", "routed_shape"}
             if set(t) - known:
                 raise PayloadError(f"{where} has unknown field(s) {sorted(set(t) - known)}")
             uid = _str_field(f"{where}.uid", t.get("uid"))
@@ -458,6 +510,8 @@ def decode_binary(body: bytes) -> list[Group]:
                 sizes.append(("loss_mask", "u1", nr))
             if t.get("has_recomputed", False):
                 sizes.append(("recomputed_behav_logprobs", "<f4", nr))
+            if t.get("routed_shape") is not None:
+                sizes.append(("routed_experts", "<u2", _routed_count(where, t, npr + nr - 1)))
             arrs = {}
             for name, dt, n in sizes:
                 nb = np.dtype(dt).itemsize * n
@@ -479,7 +533,9 @@ def decode_binary(body: bytes) -> list[Group]:
                 behav_logprobs=arrs["behav_logprobs"], versions=versions,
                 reward=_reward(f"{where}.reward", t.get("reward")), loss_mask=arrs.get("loss_mask"),
                 finish_reason=fr, metadata=md,
-                recomputed_behav_logprobs=arrs.get("recomputed_behav_logprobs")))
+                recomputed_behav_logprobs=arrs.get("recomputed_behav_logprobs"),
+                routed_experts=None if "routed_experts" not in arrs else
+                arrs["routed_experts"].reshape(max(npr + nr - 1, 0), *t["routed_shape"])))
         groups.append(Group(gid, trajs))
     if off != len(body):
         raise PayloadError(f"binary body has {len(body) - off} trailing bytes after the last array "
@@ -514,4 +570,6 @@ def group_digest(g: Group) -> str:
                   else np.zeros(0, "<f4")):
             b = a.tobytes()
             h.update(struct.pack("<Q", len(b)) + b)
+        if t.routed_experts is not None:  # absent: the digest of a group without routing is unchanged
+            h.update(b"routed" + struct.pack("<3Q", *t.routed_experts.shape) + t.routed_experts.astype("<i4").tobytes())
     return h.hexdigest()

@@ -31,7 +31,10 @@ lengths and the group's version columns) before decoding; a mismatch raises
 while rewards are scored.
 
 Schema 1 files (before checksums) are migrated when first opened for writing: the rows are
-checksummed as they are then, so damage done before the migration is not detected.
+checksummed as they are then, so damage done before the migration is not detected. Schema 3 adds
+the ``routed`` column (MoE routed experts, :func:`routed_blob`): uint16 ``(layers, top_k)`` then
+the ids as uint16, ``[P + R - 1, layers, top_k]``; a row's checksum covers it when present, so
+rows of schema 2 keep their checksums.
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ from megatron_m2po.store.types import Group, Trajectory
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 SYNC_MODES = ("FULL", "NORMAL", "EXTRA")
 
 _SCHEMA = """
@@ -84,6 +87,7 @@ CREATE TABLE IF NOT EXISTS trajectories (
     metadata TEXT NOT NULL,
     min_version INTEGER NOT NULL,
     prompt BLOB, response BLOB, logp BLOB, vruns BLOB, mask BLOB, recomputed BLOB,
+    routed BLOB,
     checksum TEXT                        -- row_checksum() of the row, NULL once pruned
 );
 CREATE INDEX IF NOT EXISTS trajectories_by_group ON trajectories (group_seq, idx);
@@ -162,8 +166,10 @@ def connect(path: str, *, synchronous: str = "FULL", busy_timeout_s: float = 30.
         if row is None:
             conn.execute("INSERT INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
             conn.execute("INSERT INTO meta VALUES ('store_id', ?)", (uuid.uuid4().hex,))
-        elif int(row[0]) == 1:
-            _migrate_1_to_2(conn, path)
+        elif int(row[0]) in (1, 2):
+            if int(row[0]) == 1:
+                _migrate_1_to_2(conn, path)
+            _migrate_2_to_3(conn, path)
         elif int(row[0]) != SCHEMA_VERSION:
             raise RuntimeError(f"rollout store {path!r} has schema version {row[0]}, this code reads "
                                f"{SCHEMA_VERSION}; use the matching megatron_m2po version")
@@ -219,7 +225,7 @@ def _connect_readonly(path: str, busy_timeout_s: float) -> sqlite3.Connection:
                 "'m2po store backup' copy") from None
         conn = open_(uri + "&immutable=1")
         schema = _schema_of(conn, path)
-    if schema not in (1, SCHEMA_VERSION):  # schema 1 reads fine (no checksums yet)
+    if schema not in (1, 2, SCHEMA_VERSION):  # schema 1 reads fine (no checksums yet), 2 has no routed experts
         conn.close()
         raise RuntimeError(f"rollout store {path!r} has schema version {schema}, this code reads "
                            f"{SCHEMA_VERSION}; use the matching megatron_m2po version")
@@ -239,6 +245,18 @@ def _migrate_1_to_2(conn: sqlite3.Connection, path: str) -> None:
     set_meta(conn, "schema_version", str(SCHEMA_VERSION))
     log.warning("rollout store %s: migrated from schema 1 to %d (checksummed %d stored trajectories as they are "
                 "now; damage older than this migration cannot be detected)", path, SCHEMA_VERSION, n)
+
+
+def _migrate_2_to_3(conn: sqlite3.Connection, path: str) -> None:
+    """Schema 2 -> 3 (inside the caller's transaction): the ``routed`` column (NULL in old rows)."""
+    if not _has_routed(conn):
+        conn.execute("ALTER TABLE trajectories ADD COLUMN routed BLOB")
+    set_meta(conn, "schema_version", str(SCHEMA_VERSION))
+    log.info("rollout store %s: migrated to schema %d (routed experts column)", path, SCHEMA_VERSION)
+
+
+def _has_routed(conn: sqlite3.Connection) -> bool:
+    return any(r[1] == "routed" for r in conn.execute("PRAGMA table_info(trajectories)"))
 
 
 @contextmanager
@@ -265,6 +283,32 @@ def set_meta(conn: sqlite3.Connection, key: str, value: str) -> None:
 
 def _b(a: np.ndarray, dt: str) -> bytes:
     return np.ascontiguousarray(a, dtype=dt).tobytes()
+
+
+def routed_blob(a: Optional[np.ndarray]) -> Optional[bytes]:
+    """Routed experts ``[T, layers, top_k]`` -> ``<u2 layers, <u2 top_k, <u2 ids``; None stays None."""
+    if a is None:
+        return None
+    if a.size and int(a.max()) > 0xFFFF:
+        raise ValueError(f"expert id {int(a.max())} does not fit the store's uint16 routed experts")
+    return struct.pack("<HH", a.shape[1], a.shape[2]) + _b(a, "<u2")
+
+
+def routed_array(b: Optional[bytes], rows: int) -> Optional[np.ndarray]:
+    """Inverse of :func:`routed_blob`; ``ValueError`` when the blob does not hold ``rows`` rows."""
+    if b is None:
+        return None
+    if len(b) < 4:
+        raise ValueError("routed experts blob shorter than its header")
+    layers, k = struct.unpack("<HH", b[:4])
+    if len(b) - 4 != 2 * rows * layers * k:
+        raise ValueError(f"routed experts blob of {len(b) - 4} bytes is not {rows} x {layers} x {k} uint16")
+    return np.frombuffer(b[4:], "<u2").reshape(rows, layers, k).astype(np.int32)
+
+
+def _checksum_blobs(blobs: Sequence[Optional[bytes]], routed: Optional[bytes]) -> tuple:
+    """The blobs row_checksum covers: the routed experts only when present (schema-2 rows hash as before)."""
+    return tuple(blobs) if routed is None else (*blobs, routed)
 
 
 # Columns row_checksum() covers, in its argument order.
@@ -316,15 +360,17 @@ def insert_group(conn: sqlite3.Connection, g: Group, *, digest: str, state: str,
         rec = None if t.recomputed_behav_logprobs is None else _b(t.recomputed_behav_logprobs, "<f4")
         blobs = (_b(t.prompt_ids, "<i4"), _b(t.response_ids, "<i4"), _b(t.behav_logprobs, "<f4"),
                  _b(runs, "<i8"), mask, rec)
-        nbytes += sum(len(x) for x in blobs if x is not None)
+        routed = routed_blob(t.routed_experts)
+        nbytes += sum(len(x) for x in (*blobs, routed) if x is not None)
         n_prompt += t.prompt_ids.size
         n_resp += t.response_ids.size
         scal = (t.uid, i, t.reward, t.finish_reason, json.dumps(t.metadata, allow_nan=False), t.min_version)
         conn.execute("INSERT INTO trajectories (uid, group_seq, idx, reward, finish_reason, metadata, "
-                     "min_version, prompt, response, logp, vruns, mask, recomputed, checksum) "
-                     "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)", (scal[0], seq, *scal[1:], *blobs,
-                                                               row_checksum(*scal, *blobs)))
-        del blobs, mask, rec
+                     "min_version, prompt, response, logp, vruns, mask, recomputed, routed, checksum) "
+                     "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                     (scal[0], seq, *scal[1:], *blobs, routed,
+                      row_checksum(*scal, *_checksum_blobs(blobs, routed))))
+        del blobs, mask, rec, routed
         conn.execute(
             "INSERT INTO version_stats (version, trajectories, prompt_tokens) VALUES (?, 1, ?) "
             "ON CONFLICT(version) DO UPDATE SET trajectories=trajectories+1, "
@@ -356,16 +402,17 @@ def load_group(conn: sqlite3.Connection, seq: int) -> Group:
     def bad(why: str) -> CorruptGroupError:
         return CorruptGroupError(seq, gid, why)
 
-    rows = conn.execute(f"SELECT {_ROW_COLS}, checksum FROM trajectories WHERE group_seq=? ORDER BY idx",
+    routed_col = ", routed" if _has_routed(conn) else ", NULL"
+    rows = conn.execute(f"SELECT {_ROW_COLS}{routed_col}, checksum FROM trajectories WHERE group_seq=? ORDER BY idx",
                         (seq,)).fetchall()
     if len(rows) != n_traj:
         raise bad(f"{len(rows)} stored trajectories, {n_traj} written")
     trajs = []
     for i, r in enumerate(rows):
-        (uid, idx, reward, fr, md, min_v, prompt, resp, logp, vruns, mask, rec), cs = r[:-1], r[-1]
+        (uid, idx, reward, fr, md, min_v, prompt, resp, logp, vruns, mask, rec), routed, cs = r[:-2], r[-2], r[-1]
         if idx != i:
             raise bad(f"trajectory positions are not 0..{n_traj - 1} (found {idx} at {i})")
-        if cs is None or row_checksum(*r[:-1]) != cs:
+        if cs is None or row_checksum(*r[:6], *_checksum_blobs(r[6:12], routed)) != cs:
             raise bad(f"trajectory {uid!r} fails its checksum (stored data changed since it was written)")
         if any(b is None for b in (prompt, resp, logp, vruns)) or len(prompt) % 4 or len(resp) % 4 or len(vruns) % 16:
             raise bad(f"trajectory {uid!r} has arrays of impossible lengths")
@@ -375,13 +422,18 @@ def load_group(conn: sqlite3.Connection, seq: int) -> Group:
         runs = np.frombuffer(vruns, "<i8").reshape(-1, 2)
         if (runs[:, 1] < 0).any() or int(runs[:, 1].sum()) != rl:
             raise bad(f"trajectory {uid!r} has version runs that do not cover its {rl} response tokens")
+        try:
+            routed_ids = routed_array(routed, len(prompt) // 4 + rl - 1)
+        except ValueError as e:
+            raise bad(f"trajectory {uid!r}: {e}") from None
         trajs.append(Trajectory(
             uid=uid, group_id=gid, prompt_ids=np.frombuffer(prompt, "<i4").copy(),
             response_ids=np.frombuffer(resp, "<i4").copy(), behav_logprobs=np.frombuffer(logp, "<f4").copy(),
             versions=rle_decode(runs), reward=reward,
             loss_mask=np.ones(rl, np.uint8) if mask is None else np.frombuffer(mask, "u1").copy(),
             finish_reason=fr, metadata=json.loads(md),
-            recomputed_behav_logprobs=None if rec is None else np.frombuffer(rec, "<f4").copy()))
+            recomputed_behav_logprobs=None if rec is None else np.frombuffer(rec, "<f4").copy(),
+            routed_experts=routed_ids))
         if trajs[-1].min_version != min_v:
             raise bad(f"trajectory {uid!r} has versions from {trajs[-1].min_version}, recorded {min_v}")
     g = Group(gid, trajs)
@@ -410,5 +462,6 @@ def prune_groups(conn: sqlite3.Connection, seqs: Sequence[int]) -> None:
     """Drop the arrays of these groups, keeping their ids (idempotency) and counters (metrics)."""
     for seq in seqs:
         conn.execute("UPDATE trajectories SET prompt=NULL, response=NULL, logp=NULL, vruns=NULL, mask=NULL, "
-                     "recomputed=NULL, checksum=NULL WHERE group_seq=?", (seq,))
+                     f"recomputed=NULL, {'routed=NULL, ' if _has_routed(conn) else ''}checksum=NULL "
+                     "WHERE group_seq=?", (seq,))
         conn.execute("UPDATE groups SET pruned=1, nbytes=0 WHERE seq=?", (seq,))

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Iterable, Literal, Mapping, Optional, Union
 
 from megatron_m2po.store import sqlite as db
 from megatron_m2po.store.codec import group_digest
-from megatron_m2po.store.types import Group
+from megatron_m2po.store.types import Group, RoutingSpec
 from megatron_m2po.utils.faults import fault_point
 
 if TYPE_CHECKING:
@@ -232,7 +232,7 @@ class RolloutStore:
 
     def __init__(self, path: str, *, synchronous: str = "FULL", busy_timeout_s: float = 30.0,
                  capacity_groups: Optional[int] = None, allow_empty: bool = False, create: bool = True,
-                 readonly: bool = False):
+                 readonly: bool = False, routing: Optional[RoutingSpec] = None):
         if capacity_groups is not None and capacity_groups < 1:
             raise ValueError(f"capacity_groups={capacity_groups} must be >= 1 or None")
         self.path = str(path)
@@ -246,6 +246,8 @@ class RolloutStore:
         self._lat: list[float] = []
         self._ingest = {"puts": 0, "groups": 0, "duplicates": 0}
         self.store_id = db.get_meta(self._conn, "store_id")
+        if routing is not None:
+            self.set_routing(routing)
 
     @classmethod
     def from_config(cls, cfg: StoreConfig, run_dir: str = ".", **kw) -> "RolloutStore":
@@ -289,6 +291,23 @@ class RolloutStore:
 
     # -------------------------------------------------------------------- ingest
 
+    def set_routing(self, spec: Optional[RoutingSpec]) -> None:
+        """Record the routed-experts layout every later put is checked against (``types.RoutingSpec``:
+        shape, expert-id range, required or not), in the store file, so a ``m2po store serve``
+        process on the same file checks external producers' groups by the same rule."""
+        with self._lock, db.transaction(self._conn) as c:
+            if spec is None:
+                c.execute("DELETE FROM meta WHERE key='routing_spec'")
+            else:
+                db.set_meta(c, "routing_spec", spec.to_json())
+
+    @property
+    def routing(self) -> Optional[RoutingSpec]:
+        """The recorded routed-experts layout (:meth:`set_routing`), or None."""
+        with self._lock:
+            s = db.get_meta(self._conn, "routing_spec")
+        return None if s is None else RoutingSpec.from_json(s)
+
     def put_groups(self, groups: Iterable[Group], *, current_version: Optional[int] = None,
                    received_at: Optional[float] = None) -> PutResult:
         """Validate and store groups in one transaction; returns once committed (durable).
@@ -302,12 +321,13 @@ class RolloutStore:
         if not groups:
             return PutResult([], [], [])
         cv = self.current_version if current_version is None else current_version
+        routing = self.routing
         digests: dict[str, str] = {}
         uids: dict[str, str] = {}
         for g in groups:
             if not isinstance(g, Group):
                 raise ValueError(f"put_groups takes Group records, got {type(g).__name__}")
-            g.validate(current_version=cv, allow_empty=self.allow_empty)
+            g.validate(current_version=cv, allow_empty=self.allow_empty, routing=routing)
             try:
                 d = group_digest(g)
             except (TypeError, ValueError) as e:
@@ -415,15 +435,17 @@ class RolloutStore:
                     raise ValueError(f"set_rewards: uid {uid!r} belongs to a {row[1]} group; only pending groups "
                                      "are scored (rewards of served data never change)")
                 # The row checksum covers the reward: check the row as written, then rewrite both.
-                cur = c.execute(f"SELECT {db._ROW_COLS}, checksum FROM trajectories WHERE uid=?", (uid,)).fetchone()
-                if db.row_checksum(*cur[:-1]) != cur[-1]:
+                cur = c.execute(f"SELECT {db._ROW_COLS}, routed, checksum FROM trajectories WHERE uid=?",
+                                (uid,)).fetchone()
+                blobs = db._checksum_blobs(cur[6:12], cur[12])
+                if db.row_checksum(*cur[:6], *blobs) != cur[-1]:
                     reason = f"trajectory {uid!r} fails its checksum (stored data changed since it was written)"
                     db.quarantine_group(c, row[0], row[2], reason, time.time())
                     log.error("rollout store %s: group %r quarantined while scoring: %s", self.path, row[2], reason)
                     corrupt.add(row[0])
                     continue
                 c.execute("UPDATE trajectories SET reward=?, checksum=? WHERE uid=?",
-                          (float(r), db.row_checksum(cur[0], cur[1], float(r), *cur[3:-1]), uid))
+                          (float(r), db.row_checksum(cur[0], cur[1], float(r), *cur[3:6], *blobs), uid))
                 seqs.add(row[0])
             for seq in sorted(seqs - corrupt):
                 (n_none,) = c.execute("SELECT COUNT(*) FROM trajectories WHERE group_seq=? AND reward IS NULL",

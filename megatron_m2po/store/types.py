@@ -11,9 +11,10 @@ groups are the unit of storage and consumption because GRPO normalises within a 
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 import numpy as np
 
@@ -41,6 +42,11 @@ class Trajectory:
         finish_reason: "stop", "length" or "abort".
         metadata: free-form JSON-serialisable dict (prompt index, answer, engine, ...).
         recomputed_behav_logprobs: optional trainer-side behaviour log-probs [R] (TIS / mismatch).
+        routed_experts: optional MoE routing the engine used, int32 ``[P + R - 1, layers, top_k]``:
+            row ``i`` holds the top-k expert ids each layer's router picked for the token at
+            position ``i`` of prompt + response (SGLang 0.5.23's ``meta_info["routed_experts"]``
+            with ``routed_experts_start_len=0``: every position but the last, whose forward
+            never ran). Replayed by the trainer with ``algo.routing_replay=rollout``.
     """
 
     uid: str
@@ -54,6 +60,7 @@ class Trajectory:
     finish_reason: str = "stop"
     metadata: dict = field(default_factory=dict)
     recomputed_behav_logprobs: Optional[np.ndarray] = None
+    routed_experts: Optional[np.ndarray] = None
 
     def __post_init__(self) -> None:
         self.prompt_ids = _arr(self.prompt_ids, np.int32)
@@ -69,6 +76,12 @@ class Trajectory:
             self.loss_mask = _arr(self.loss_mask, np.uint8)
         if self.recomputed_behav_logprobs is not None:
             self.recomputed_behav_logprobs = _arr(self.recomputed_behav_logprobs, np.float32)
+        if self.routed_experts is not None:
+            a = np.asarray(self.routed_experts)
+            if a.dtype.kind not in "iu":
+                raise ValueError(f"trajectory {self.uid!r}: routed_experts must hold integer expert ids, "
+                                 f"got dtype {a.dtype}")
+            self.routed_experts = a.astype(np.int32)
 
     @property
     def num_tokens(self) -> int:
@@ -82,8 +95,10 @@ class Trajectory:
     def max_version(self) -> int:
         return int(self.versions.max()) if self.versions.size else -1
 
-    def validate(self, *, current_version: Optional[int] = None, allow_empty: bool = False) -> None:
-        """Raise ValueError naming the offending field and value."""
+    def validate(self, *, current_version: Optional[int] = None, allow_empty: bool = False,
+                 routing: Optional["RoutingSpec"] = None) -> None:
+        """Raise ValueError naming the offending field and value (``routing``: the model's
+        routed-experts shape, checked by :meth:`RoutingSpec.check`)."""
         who = f"trajectory {self.uid!r}"
         if not isinstance(self.uid, str) or not self.uid:
             raise ValueError(f"trajectory uid must be a non-empty string, got {self.uid!r}")
@@ -137,6 +152,8 @@ class Trajectory:
             raise ValueError(f"{who}: finish_reason={self.finish_reason!r} is not one of {list(FINISH_REASONS)}")
         if not isinstance(self.metadata, dict):
             raise ValueError(f"{who}: metadata must be a dict, got {type(self.metadata).__name__}")
+        if self.routed_experts is not None or (routing is not None and routing.required):
+            (routing or RoutingSpec.ANY).check(self)
 
 
 @dataclass(slots=True)
@@ -146,7 +163,8 @@ class Group:
     group_id: str
     trajectories: list[Trajectory]
 
-    def validate(self, *, current_version: Optional[int] = None, allow_empty: bool = False) -> None:
+    def validate(self, *, current_version: Optional[int] = None, allow_empty: bool = False,
+                 routing: Optional["RoutingSpec"] = None) -> None:
         if not self.trajectories:
             raise ValueError(f"group {self.group_id!r} has no trajectories")
         seen = set()
@@ -156,7 +174,7 @@ class Group:
             if t.uid in seen:
                 raise ValueError(f"group {self.group_id!r}: duplicate uid {t.uid!r}")
             seen.add(t.uid)
-            t.validate(current_version=current_version, allow_empty=allow_empty)
+            t.validate(current_version=current_version, allow_empty=allow_empty, routing=routing)
 
     @property
     def min_version(self) -> int:
@@ -169,3 +187,60 @@ class Group:
     @property
     def num_tokens(self) -> int:
         return sum(t.num_tokens for t in self.trajectories)
+
+
+@dataclass(frozen=True)
+class RoutingSpec:
+    """The routed-experts layout a store accepts: ``[P + R - 1, num_layers, top_k]`` ids in
+    ``[0, num_experts)``, distinct within a row (a router picks ``top_k`` different experts).
+
+    ``required``: every trajectory must carry routed experts (``algo.routing_replay=rollout``
+    replays them; a trajectory without them could not be trained on, so it is refused at
+    ingest rather than at the trainer). ``num_layers == 0`` checks only what holds for any model
+    (integer ids, rank 3, the token count, distinct ids)."""
+
+    num_layers: int = 0
+    top_k: int = 0
+    num_experts: int = 0
+    required: bool = False
+
+    ANY: ClassVar["RoutingSpec"]
+
+    def to_json(self) -> str:
+        return json.dumps({"num_layers": self.num_layers, "top_k": self.top_k, "num_experts": self.num_experts,
+                           "required": self.required})
+
+    @classmethod
+    def from_json(cls, s: str) -> "RoutingSpec":
+        d = json.loads(s)
+        return cls(int(d["num_layers"]), int(d["top_k"]), int(d["num_experts"]), bool(d["required"]))
+
+    def check(self, t: Trajectory) -> None:
+        who = f"trajectory {t.uid!r}"
+        a = t.routed_experts
+        if a is None:
+            raise ValueError(f"{who}: routed_experts are missing, and this store replays routing "
+                             "(algo.routing_replay=rollout): request them from SGLang (return_routed_experts=true, "
+                             "engines started with --enable-return-routed-experts) and send them with every trajectory")
+        rows = t.num_tokens - 1
+        if a.ndim != 3 or a.shape[0] != rows:
+            raise ValueError(f"{who}: routed_experts has shape {list(a.shape)}, expected [{rows}, layers, top_k] "
+                             f"(one row per position of the {t.num_tokens} prompt + response tokens but the last)")
+        if self.num_layers and a.shape[1:] != (self.num_layers, self.top_k):
+            raise ValueError(f"{who}: routed_experts has {a.shape[1]} layers x {a.shape[2]} experts per token, the "
+                             f"model has {self.num_layers} layers x top_k={self.top_k}")
+        if a.size:
+            lo, hi = int(a.min()), int(a.max())
+            if lo < 0 or (self.num_experts and hi >= self.num_experts):
+                bad = np.argwhere((a < 0) | (a >= (self.num_experts or np.iinfo(np.int32).max)))[0].tolist()
+                raise ValueError(f"{who}: routed_experts{bad} = {int(a[tuple(bad)])} is not an expert id in "
+                                 f"[0, {self.num_experts or 'num_experts'})")
+            s = np.sort(a, axis=-1)
+            dup = np.argwhere((s[..., 1:] == s[..., :-1]).any(-1))
+            if dup.size:
+                i, layer = dup[0].tolist()
+                raise ValueError(f"{who}: routed_experts of position {i}, layer {layer} repeat an expert "
+                                 f"({a[i, layer].tolist()}); a router picks top_k distinct experts")
+
+
+RoutingSpec.ANY = RoutingSpec()

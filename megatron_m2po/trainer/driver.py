@@ -39,6 +39,7 @@ from megatron_m2po.rollout.episodes import make_episode_producer
 from megatron_m2po.rollout.producer import load_producer
 from megatron_m2po.rollout.weight_sync import export_fp8_dir
 from megatron_m2po.store.store import RolloutStore
+from megatron_m2po.store.types import RoutingSpec
 from megatron_m2po.trainer.evaluation import Evaluator
 from megatron_m2po.trainer.generation import AsyncProducerLoop, GroupMaker, StepGenerator
 from megatron_m2po.trainer.ingestion import IngestionServer
@@ -49,6 +50,18 @@ from megatron_m2po.utils.background_loop import BackgroundLoop
 log = logging.getLogger(__name__)
 
 
+def routing_spec(model_path: str, *, required: bool) -> RoutingSpec:
+    """The routed-experts layout of the HF model in ``model_path`` (``store.types.RoutingSpec``)."""
+    from transformers import AutoConfig
+
+    hf = AutoConfig.from_pretrained(model_path)
+    hf = getattr(hf, "text_config", None) or hf
+    if not getattr(hf, "num_experts_per_tok", None) or not getattr(hf, "num_experts", None):
+        raise ValueError(f"rollout.return_routed_experts=true needs an MoE model; {model_path} ({hf.model_type}) has "
+                         "no experts: set rollout.return_routed_experts=false")
+    return RoutingSpec(int(hf.num_hidden_layers), int(hf.num_experts_per_tok), int(hf.num_experts), required)
+
+
 class RolloutDriver:
     """Rank-0 coordination of rollout generation and the rollout store (the parts above)."""
 
@@ -56,6 +69,8 @@ class RolloutDriver:
         self.cfg, self.model_path = cfg, model_path
         run_dir = Path(cfg.trainer.run_dir)
         self.store = RolloutStore.from_config(cfg.store, run_dir=str(run_dir))
+        if cfg.rollout.return_routed_experts:  # every put (ours and external producers') is checked by it
+            self.store.set_routing(routing_spec(model_path, required=cfg.algo.routing_replay == "rollout"))
         self.dataset = build_prompt_dataset(cfg.data, tokenizer, cfg.trainer.seed)
         eval_sets = build_eval_sets(cfg.data, tokenizer, cfg.trainer.seed) if cfg.trainer.eval_every_steps else {}
         self.reward = get_reward_fn(cfg.reward)

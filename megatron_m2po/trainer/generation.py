@@ -70,7 +70,18 @@ class GroupMaker:
         return ProducerContext(client=self.client, tokenizer=self.tokenizer, reward=self.reward,
                                sampling_params=params, n_samples=n_samples or r.n_samples_per_prompt,
                                version=self.engine_version(), group_prefix=prefix, metadata=meta,
-                               max_attempts=r.max_retries + 1, seed=self.seed)
+                               max_attempts=r.max_retries + 1, seed=self.seed, routed_experts=self._routing())
+
+    def _routing(self) -> Optional[tuple[int, int]]:
+        """``(layers, top_k)`` of the routed experts the engines return (rollout.return_routed_experts),
+        from the layout the trainer recorded in the store (``RolloutStore.set_routing``)."""
+        if not self.rollout.return_routed_experts:
+            return None
+        spec = self.store.routing
+        if spec is None or not spec.num_layers:
+            raise RuntimeError("rollout.return_routed_experts=true but the store has no routed-experts layout; the "
+                               "trainer records it from the model at start-up (RolloutStore.set_routing)")
+        return spec.num_layers, spec.top_k
 
     async def generate(self, ctx: ProducerContext, prompts: list, positions: list[int]) -> list[Group]:
         """The producer's groups for ``prompts``, renamed to their deterministic ids (unstored)."""

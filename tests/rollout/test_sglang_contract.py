@@ -29,7 +29,7 @@ READ_KEYS = {
     "sglang/srt/entrypoints/http_server.py": ["weight_version", "is_generation", "version"],
     "sglang/srt/utils/weight_versions.py": ["weight_versions", "weight_version", "version", "start", "end"],
     "sglang/srt/managers/tokenizer_manager.py": ["output_token_logprobs", "input_token_logprobs",
-                                                 "finish_reason", "prompt_tokens", "id"],
+                                                 "finish_reason", "prompt_tokens", "id", "routed_experts"],
     "sglang/srt/entrypoints/v1_loads.py": ["loads"],
     "sglang/srt/managers/load_snapshot.py": ["num_running_reqs", "num_waiting_reqs", "num_used_tokens"],
 }

@@ -105,17 +105,25 @@ def test_stale_k_is_exact_and_starts_on_policy(tmp_path):
 
 def test_tiny_qwen3_moe_trains_on_policy_from_its_first_update(tmp_path):
     """``model.tiny_family=qwen3_moe``: the tiny Qwen3 base upcycled into 4 experts (top-2) is
-    built, served by the CPU workers (fused experts in transformers 5, per-expert weight updates)
-    and trained by Megatron's MoE layer at EP=1 for 2 steps; update 1 is exactly on-policy (the
-    engine's log-probs are the trainer's, so KL ~ 0 and nothing is masked)."""
+    built, served by a CPU worker (fused experts in transformers 5, per-expert weight updates)
+    and trained by Megatron's MoE layer at EP=1 for 2 steps with routing replay
+    (``algo.routing_replay=rollout``: the worker returns every token's experts, the store keeps
+    them, the actor replays them; one engine, no router: sglang-router 0.3.2 drops the request
+    field); update 1 is exactly on-policy (the engine's log-probs are the trainer's, so KL ~ 0 and
+    nothing is masked), and every stored trajectory carries a routing row per position but the last."""
     run = tmp_path / "moe"
-    _train(run, "model.tiny_family=qwen3_moe", "trainer.num_steps=2", "checkpoint.save_every_steps=0")
+    _train(run, "model.tiny_family=qwen3_moe", "trainer.num_steps=2", "checkpoint.save_every_steps=0",
+           "rollout.use_router=false", "rollout.num_engines=1", "rollout.return_routed_experts=true",
+           "algo.routing_replay=rollout")
     ups = _updates(run)
     assert sorted(ups) == [1, 2, 3, 4]
     first = ups[1]
-    print({k: first[k] for k in ("policy/kl_k3", "m2po/mask_frac", "reward/mean") if k in first})
+    print({k: first[k] for k in ("policy/kl_k1", "policy/kl_k3", "m2po/mask_frac") if k in first})
     assert first["staleness/max"] == 0 and first["m2po/mask_frac"] == 0.0
-    assert abs(first["policy/kl_k1"]) < 1e-3 and first["policy/kl_k3"] < 1e-4
+    assert abs(first["policy/kl_k1"]) < 1e-5 and abs(first["policy/kl_k3"]) < 1e-6
+    con = sqlite3.connect(run / "rollouts.sqlite")
+    rows = con.execute("SELECT length(prompt) / 4 + length(response) / 4 - 1, length(routed) FROM trajectories").fetchall()
+    assert rows and all(r == 4 + 2 * n * 2 * 2 for n, r in rows)  # 2 layers x top-2, uint16, 4-byte header
 
 
 def test_sigkill_and_resume_lose_and_duplicate_nothing(tmp_path):
