@@ -53,6 +53,7 @@ NOT_CALLABLE = 3
 
 
 _arrived: dict[str, int] = {}
+_all_here: dict = {}  # response -> asyncio.Event, set when ``answer`` items of the group are awaited
 
 
 async def together(response, answer):
@@ -62,8 +63,10 @@ async def together(response, answer):
     import asyncio
 
     _arrived[response] = _arrived.get(response, 0) + 1
-    while _arrived[response] < int(answer):
-        await asyncio.sleep(0.01)  # poll for the group's other items, awaited on this same loop
+    here = _all_here.setdefault(response, asyncio.Event())
+    if _arrived[response] >= int(answer):
+        here.set()
+    await here.wait()  # the group's other items, awaited on this same loop
     if response == "hang":
         await asyncio.Event().wait()  # a service that never answers: the item's timeout (behaviour under test)
     return float(answer)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+from typing import Optional
 
 import pytest
 from aiohttp import web
@@ -27,6 +28,9 @@ class RewardServer:
         self.requests: list[list[str]] = []
         self.in_flight = self.max_in_flight = 0
         self.refused_once = False
+        # gather=(n, total): a request waits until n are in flight or ``total`` requests have arrived
+        # (the last, lone one of a batch), so the client's concurrency shows in max_in_flight
+        self.gather: Optional[tuple[int, int]] = None
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}/score"
         self._loop = asyncio.new_event_loop()
@@ -42,7 +46,11 @@ class RewardServer:
         self.in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
         try:
-            await asyncio.sleep(0)  # let the other requests of the batch arrive
+            async with self._changed:
+                self._changed.notify_all()
+                if self.gather is not None:
+                    n, total = self.gather
+                    await self._changed.wait_for(lambda: self.in_flight >= n or len(self.requests) >= total)
             if "hang" in rs:
                 await self._release.wait()  # no answer before the server stops: the client times out
             if "503-once" in rs and not self.refused_once:
@@ -63,6 +71,7 @@ class RewardServer:
     def _serve(self):
         asyncio.set_event_loop(self._loop)
         self._release = asyncio.Event()  # ends the hanging requests when the server stops
+        self._changed = asyncio.Condition()  # a request arrived (gather)
         app = web.Application()
         app.router.add_post("/score", self._score)
         self._runner = web.AppRunner(app, access_log=None)
@@ -96,11 +105,13 @@ def test_scores_in_order_over_batches_within_the_concurrency_bound(server):
     assert isinstance(reward, HttpReward) and server.requests == [[]]  # the start-up check: an empty batch
     rs = [f"r{i}" for i in range(8)]
     ans = [r if i % 2 == 0 else "x" for i, r in enumerate(rs)]
+    server.gather = (2, 1 + 3)  # the first two batches wait for each other; the third comes alone
     res = reward.score_batch(rs, ans)
+    server.gather = None
     assert res.scores == [1.0, 0.0] * 4 and res.statuses == ["ok"] * 8
     assert (res.n_timeouts, res.n_errors) == (0, 0)
     assert sorted(map(len, server.requests[1:])) == [2, 3, 3]  # batch_size 3
-    assert server.max_in_flight <= 2  # max_concurrency
+    assert server.max_in_flight == 2  # max_concurrency, used (a client one request at a time times out above)
     res = asyncio.run(reward.score_batch_async(["503-once", "a"], ["x", "a"]))  # refused once, then answered
     assert res.scores == [0.0, 1.0] and reward.n_requests == 1 + 3 + 2
     reward.close()
