@@ -31,7 +31,7 @@ PEAK_TFLOPS = 989.0  # H100 SXM dense bf16 (CostModel.peak_tflops)
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN = 5120, 40, 8, 128, 27648  # Qwen2.5-32B
 
 
-def _time(fn, warmup: int = 2, iters: int = 5) -> float:
+def _time(fn, warmup: int = 10, iters: int = 20) -> float:
     for _ in range(warmup):
         fn()
     if torch.cuda.is_available():
