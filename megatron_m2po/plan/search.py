@@ -10,7 +10,9 @@ Candidates (for the config's cluster, ``nnodes x gpus_per_node`` trainer GPUs):
 * ``tp`` dividing the attention heads, the KV heads, the FFN width and the vocabulary, at most
   the GPUs of a node (``plan`` refuses more); sequence parallel whenever ``tp > 1`` (it divides
   the replicated activations by ``tp`` at the same communication volume, so it is never worse);
-* ``pp`` dividing the layers, ``tp * pp`` dividing the world; ``vpp`` in 2..4 where the layers
+* ``cp`` in 1, 2, 4, 8 (context parallel; its K/V ring may span nodes, :func:`cp_comm_time`), not with
+  expert parallelism;
+* ``pp`` dividing the layers, ``tp * pp * cp`` dividing the world; ``vpp`` in 2..4 where the layers
   split into ``pp * vpp`` chunks and there are at least ``pp`` micro-batches (Megatron's
   interleaved schedule needs ``microbatch_group_size_per_vp_stage >= pp``);
 * recompute ``none`` / ``selective`` / ``full``; distributed optimizer off / on;
@@ -646,7 +648,7 @@ def print_search(res: SearchResult, top: int = 5) -> None:
 def register(sub: argparse._SubParsersAction) -> None:
     p = memory.register(sub)
     p.add_argument("--search", action="store_true",
-                   help="Enumerate the layouts that fit the cluster (tp, pp, vpp, recompute, micro-batch token "
+                   help="Enumerate the layouts that fit the cluster (tp, pp, vpp, cp, recompute, micro-batch token "
                         "budget, distributed optimizer), rank them by estimated step time (cost model in "
                         "docs/planner.md) and print the fastest and the chosen one.")
     p.add_argument("--top", type=int, default=5, help="With --search: how many layouts to print.")
