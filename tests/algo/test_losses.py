@@ -106,6 +106,37 @@ def test_gspo_sequence_ratio():
         _run("gspo", cfg)
 
 
+def _gspo_split(rank, world_size, held):
+    """This rank's part of test_gspo_sequence_ratio's tokens (the ``held`` indices), sequence ids
+    0..1 shared with the other rank: its loss and the gradient of the summed loss at its tokens."""
+    cfg = AlgoConfig(gspo=GSPOConfig(eps_low=0.2, eps_high=0.2))
+    logp, behav, adv, mask = _inputs([1.0, -0.5, -2.0, 3.0, -1.0])
+    idx = torch.tensor(held[rank])
+    seq = torch.tensor([0, 0, 1, 1, 1, 1])[idx]
+    mine = logp.detach()[idx].clone().requires_grad_()
+    loss, m = compute_policy_loss("gspo", mine, behav[idx], adv[idx], mask[idx], denominator=D, algo_cfg=cfg,
+                                  seq_index=seq, seq_group=torch.distributed.group.WORLD, num_seqs=2)
+    loss.backward()
+    return loss.item(), mine.grad.tolist(), m["gspo/seq_ratio_mean"].value
+
+
+def test_gspo_sums_a_sequence_over_its_context_parallel_parts():
+    """A sequence split over two ranks (as context parallelism splits it) gets the one-rank
+    sequence ratio: the ranks' losses add up to test_gspo_sequence_ratio's, and each token's
+    gradient of the summed loss is the one-rank gradient (the backward sums over the group too).
+    Rank 1 holds no token of sequence 0's loss but the padding row."""
+    from megatron_m2po.standins.dist_testing import run_distributed
+
+    held = [[0, 1, 3], [2, 4, 5]]
+    s0, s1 = 0.75**0.5, 3.96 ** (1 / 3)
+    (l0, g0, r0), (l1, g1, r1) = run_distributed(_gspo_split, 2, args=(held,), timeout_s=60)
+    assert l0 + l1 == pytest.approx(-(s0 - 0.5 * s0 - 2 * s1 + 3.6 - s1) / 10)
+    g = -0.5 * s0 / 20
+    want = [g, g, s1 / 10, s1 / 10, s1 / 10, 0.0]
+    assert g0 + g1 == pytest.approx([want[i] for i in held[0] + held[1]])
+    assert r0 == r1 == pytest.approx((s0 + s1) / 2)
+
+
 def test_cispo():
     cfg = AlgoConfig(cispo=CISPOConfig(eps_high=2.0))
     # sg(min(r, 3)) = [1.5, 0.5, 1.1, 0.9, 3.0]; loss = -sum(rhat A logp) / 10; grad = -rhat A / 10

@@ -78,11 +78,12 @@ def test_stage_senders_follow_megatrons_rank_order():
 
 
 def _colocated_32b(*extra: str):
-    # The documented colocated variant of the 32B recipe, with the NCCL weight sync.
+    # A colocated variant of the 32B recipe (TP=2 x PP=8: eight pipeline senders), with the NCCL weight sync.
     return load_config(EX / "qwen3-32b.yaml", ["rollout.launcher=local", "rollout.router_addr=null",
                                                "rollout.num_engines=2", "rollout.engine_gpu_ids=[0,1,2,3,4,5,6,7]",
                                                "rollout.colocate=true", "rollout.engine_mem_fraction=0.45",
                                                "parallel.tensor_parallel=2", "parallel.pipeline_parallel=8",
+                                               "parallel.context_parallel=1",
                                                "rollout.weight_sync=distributed", *extra])
 
 
