@@ -38,7 +38,8 @@ It prints one table, a row per claim:
    recomputing, never ``[T, V]`` logits) against materialised logits + ``log_softmax`` + entropy,
    forward + backward to the hidden states and the output weight, at one Qwen2.5-1.5B rank
    (T = 8192, H = 1536, V = 151936) and one Qwen2.5-32B TP=8 rank (T = 16384, H = 5120,
-   V/TP = 19008). Peak CUDA memory above the inputs (``max_memory_allocated``), best-of-3 time,
+   V/TP = 19008), at the actor's default 2048 rows a chunk, with TF32 matmuls (the actor's
+   ``parallel.logprob_tf32`` default) and with fp32 ones. Peak CUDA memory above the inputs (``max_memory_allocated``), best-of-3 time,
    and the log-probs of both methods (they must agree to 1e-3). Two naive variants: fp32 matmul
    (what tools/benchmarks/logprob_memory.py measures, same arithmetic as the fused kernel) and
    bf16 logits cast to fp32 (what Megatron RL stacks do).

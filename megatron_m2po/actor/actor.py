@@ -390,7 +390,8 @@ class MegatronActor:
         return fused_logprobs_entropy(
             rows, weight, mb.targets, tp_group=self.tp_group if self.tp_size > 1 else None,
             vocab_start=self.tp_rank * weight.shape[0], chunk_rows=self.cfg.parallel.logprob_chunk_rows,
-            temperature=self.temperature, compute_entropy=with_entropy, vocab_size=self.vocab_size)
+            temperature=self.temperature, compute_entropy=with_entropy, vocab_size=self.vocab_size,
+            tf32=self.cfg.parallel.logprob_tf32)
 
     def _run(self, mbs: list[MicroBatch], loss_fn, *, forward_only: bool) -> list[Any]:
         """Megatron's schedule over ``mbs``; ``loss_fn(mb, model, hidden) -> (loss, n_tokens, payload)``.

@@ -276,3 +276,31 @@ def test_logprobs_tp2_and_tp3_match_naive():
             torch.testing.assert_close(other[2], gh, rtol=0, atol=0)
         gw = torch.cat([r[3] for r in per_rank])
         _check_against_reference(case, (logp, ent, gh, gw), hidden, weight, targets, g_logp, g_ent)
+
+
+def test_tf32_flag_is_exact_on_cpu_and_leaves_the_global_setting_alone():
+    """``tf32=True`` only changes CUDA bf16 / fp16 matmuls (their TF32 numbers are gpu_check row 2's):
+    on CPU the results are bit-identical, and the process-wide TF32 flag is restored after the
+    forward and the backward, also when the forward raises."""
+    from megatron_m2po.parallel.logprobs import _matmul_tf32, _tf32_applies
+
+    g = torch.Generator().manual_seed(3)
+    h = torch.randn(37, 16, generator=g).to(torch.bfloat16)
+    w = (torch.randn(50, 16, generator=g) * 0.3).to(torch.bfloat16)
+    t = torch.randint(0, 50, (37,), generator=g)
+    outs = []
+    for tf32 in (False, True):
+        hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+        lp, ent = fused_logprobs_entropy(hh, ww, t, chunk_rows=8, tf32=tf32)
+        (lp.sum() + ent.sum()).backward()
+        outs.append((lp, ent, hh.grad, ww.grad))
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+    assert not _tf32_applies(True, h, w)  # CPU tensors: never
+    assert not _tf32_applies(True, h.float(), w.float())  # fp32 inputs would be rounded: never
+    before = torch.backends.cuda.matmul.allow_tf32
+    with pytest.raises(RuntimeError, match="inside"):
+        with _matmul_tf32(True):
+            assert torch.backends.cuda.matmul.allow_tf32
+            raise RuntimeError("inside")
+    assert torch.backends.cuda.matmul.allow_tf32 == before

@@ -8,14 +8,18 @@ import torch
 
 from .report import Row
 
+CHUNK = 2048               # row 2's chunk rows: the actor's default (parallel.logprob_chunk_rows)
 LOGPROB_AGREE = 1e-3       # row 2: fused vs naive log-probs / entropies, absolute (fp32 arithmetic)
 
 
 def _logprob_methods():
     from megatron_m2po.parallel.logprobs import fused_logprobs_entropy
 
-    def fused(h, w, t, chunk):
-        return fused_logprobs_entropy(h, w, t, chunk_rows=chunk)
+    def fused(h, w, t, chunk):  # as the actor runs it (parallel.logprob_tf32 defaults to true)
+        return fused_logprobs_entropy(h, w, t, chunk_rows=chunk, tf32=True)
+
+    def fused_fp32(h, w, t, chunk):
+        return fused_logprobs_entropy(h, w, t, chunk_rows=chunk, tf32=False)
 
     def naive_fp32(h, w, t, chunk):
         logsm = torch.log_softmax(h.float() @ w.float().T, dim=-1)
@@ -25,7 +29,8 @@ def _logprob_methods():
         logsm = torch.log_softmax((h @ w.T).float(), dim=-1)
         return logsm.gather(1, t[:, None]).squeeze(1), -(logsm.exp() * logsm).sum(-1)
 
-    return {"fused": fused, "naive fp32 logits": naive_fp32, "naive bf16 logits": naive_bf16}
+    return {"fused": fused, "fused fp32 matmuls": fused_fp32, "naive fp32 logits": naive_fp32,
+            "naive bf16 logits": naive_bf16}
 
 
 def measure_logprob(method, T: int, H: int, V: int, chunk: int, device: torch.device, repeats: int) -> dict:
@@ -63,22 +68,22 @@ def measure_logprob(method, T: int, H: int, V: int, chunk: int, device: torch.de
 def row_logprobs(smoke: bool) -> list[Row]:
     device = torch.device("cuda" if torch.cuda.is_available() and not smoke else "cpu")
     shapes = ([("tiny", 256, 64, 1000, 64)] if smoke else
-              [("Qwen2.5-1.5B, TP=1", 8192, 1536, 151936, 1024), ("Qwen2.5-32B, one TP=8 rank", 16384, 5120, 19008, 1024)])
+              [("Qwen2.5-1.5B, TP=1", 8192, 1536, 151936, CHUNK), ("Qwen2.5-32B, one TP=8 rank", 16384, 5120, 19008, CHUNK)])
     rows = []
     for label, T, H, V, chunk in shapes:
         res = {name: measure_logprob(fn, T, H, V, chunk, device, 1 if smoke else 3)
                for name, fn in _logprob_methods().items()}
-        f = res["fused"]
-        agree = max(float((res[n]["logp"] - f["logp"]).abs().max()) for n in res if n.startswith("naive fp32"))
-        agree_e = max(float((res[n]["entropy"] - f["entropy"]).abs().max()) for n in res if n.startswith("naive fp32"))
+        f, ref = res["fused"], res["naive fp32 logits"]
+        agree = max(float((ref["logp"] - res[n]["logp"]).abs().max()) for n in res if n.startswith("fused"))
+        agree_e = max(float((ref["entropy"] - res[n]["entropy"]).abs().max()) for n in res if n.startswith("fused"))
         shape = f"{label}: T={T} H={H} V/TP={V}, chunk {chunk}"
         ok = agree <= LOGPROB_AGREE and agree_e <= LOGPROB_AGREE
-        rows.append(Row("fused log-prob = naive (fp32 arithmetic)", shape,
+        rows.append(Row("fused log-prob (TF32 and fp32 matmuls) = naive fp32", shape,
                         f"max |dlogp| {agree:.1e}, max |dentropy| {agree_e:.1e}", f"<= {LOGPROB_AGREE:g}",
                         "PASS" if ok else "FAIL", dict(logp=agree, entropy=agree_e)))
         if device.type == "cuda":
             mem = ", ".join(f"{n} {r['peak_bytes'] / 2**30:.2f} GiB" for n, r in res.items())
-            less = min(r["peak_bytes"] for n, r in res.items() if n != "fused") / max(f["peak_bytes"], 1)
+            less = min(r["peak_bytes"] for n, r in res.items() if not n.startswith("fused")) / max(f["peak_bytes"], 1)
             rows.append(Row("fused log-prob memory (fwd+bwd, peak above inputs)", shape,
                             f"{mem} ({less:.1f}x less)", "fused < every naive",
                             "PASS" if less > 1 else "FAIL",
