@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Recipe: Qwen2.5-32B, 4 training nodes x 8 GPUs (TP=4 PP=2 DP=4); engines on their own node(s).
-# Config: examples/qwen2.5-32b.yaml (the paper's hyper-parameters, staleness 256; see its header).
+# Recipe: Qwen2.5-32B, 4 training nodes x 8 GPUs (TP=4 CP=2 PP=2 DP=2); engines on their own node(s).
+# Config: examples/qwen2.5-32b.yaml (the paper's hyper-parameters and 16k context, staleness 256; see its header).
 # First start the engines + router on each rollout node:
 #   MODEL_PATH=/models/X scripts/launch_sglang_fleet.sh
 # then on every training node r = 0..3:

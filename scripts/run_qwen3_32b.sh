@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Recipe: Qwen3-32B, 4 training nodes x 8 GPUs (TP=4 PP=2 DP=4); engines on their own node(s).
+# Recipe: Qwen3-32B, 4 training nodes x 8 GPUs (TP=2 CP=4 PP=4); engines on their own node(s).
 # Config: examples/qwen3-32b.yaml (the paper's hyper-parameters, staleness 256; see its header).
 # First start the engines + router on each rollout node:
 #   MODEL_PATH=/models/X scripts/launch_sglang_fleet.sh

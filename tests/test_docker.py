@@ -251,15 +251,15 @@ def test_readme_layouts_are_the_recipes():
     import yaml
 
     rows = _readme_rows()
-    assert set(rows) == {"qwen2.5-32b", "qwen3-32b", "qwen2.5-math-7b", "qwen3-8b"}, rows
+    assert set(rows) == {"qwen2.5-32b", "qwen2.5-32b-32k", "qwen3-32b", "qwen2.5-math-7b", "qwen3-8b"}, rows
     for recipe, cells in rows.items():
         par = yaml.safe_load((REPO / "examples" / f"{recipe}.yaml").read_text())["parallel"]
         run = (REPO / "scripts" / f"run_{recipe.replace('-', '_')}.sh").read_text()
         nodes, gpus = map(int, re.search(r"NNODES=\$\{NNODES:-(\d+)\} GPUS_PER_NODE=\$\{GPUS_PER_NODE:-(\d+)\}",
                                          run).groups())
-        tp, pp = par.get("tensor_parallel", 1), par.get("pipeline_parallel", 1)
+        tp, pp, cp = par.get("tensor_parallel", 1), par.get("pipeline_parallel", 1), par.get("context_parallel", 1)
         recompute = par.get("recompute", "none")
-        layout = (f"{nodes}x{gpus}, TP{tp} PP{pp} DP{nodes * gpus // (tp * pp)}"
+        layout = (f"{nodes}x{gpus}, TP{tp} PP{pp}{f' CP{cp}' if cp > 1 else ''} DP{nodes * gpus // (tp * pp * cp)}"
                   f"{', SP' if par.get('sequence_parallel') else ''}, "
                   f"{'no recompute' if recompute == 'none' else recompute + ' recompute'}")
         assert cells[0] == layout, (recipe, cells[0], layout)
@@ -275,5 +275,5 @@ def test_readme_layouts_are_the_recipes():
     text = (DOCKER / "README.md").read_text()
     multi = text[text.index("## Multi-node (32B)"):text.index("1. On each rollout node")]
     assert rows["qwen2.5-32b"][0].split(", ", 1)[1].replace("TP", "TP=").replace(" PP", " x PP=").replace(
-        " DP", " x DP=").split(",")[0] in multi, multi
+        " CP", " x CP=").replace(" DP", " x DP=").split(",")[0] in multi, multi
     assert "sequence parallel, no recompute" in multi and "TP=8" not in multi and "full recompute" not in multi

@@ -314,7 +314,7 @@ def test_cli_ok_and_rejected(capsys):
     out = capsys.readouterr().out
     assert "qwen2.5-32b" in out and "OK" in out and "optimizer states" in out
     rc = main(["plan", "--model", "qwen2.5-32b", "--nnodes", "2", "--tp", "16",
-               str(EX / "qwen2.5-32b.yaml"), "parallel.pipeline_parallel=1"])
+               str(EX / "qwen2.5-32b.yaml"), "parallel.pipeline_parallel=1", "parallel.context_parallel=1"])
     out = capsys.readouterr().out
     assert rc == 1 and "tp=16 exceeds GPUs per node 8" in out
     assert main(["plan", "--json", "--gpus-per-node", "4", str(EX / "qwen3-8b.yaml")]) == 0
@@ -362,8 +362,9 @@ def test_step_time_by_hand_single_gpu():
     head = 2 * 2048 * 1024 * 32000                   # 134,217,728,000: output layer
     attn = 2 * 1024 * 2048 ** 2 * 8                  # 68,719,476,736: QK^T + AV over the causal half
     assert (dense, head, attn) == (412_316_860_416, 134_217_728_000, 68_719_476_736)
-    # training = 3 forwards; the fused log-prob recomputes the head's logits once more
-    per_mb = (3 * dense + 4 * head + 3 * attn) / 5e14
+    # training = 3 forwards of the GEMMs; the fused log-prob recomputes the head's logits once more;
+    # flash attention's backward is 2.5 forwards (5 matmuls against 2)
+    per_mb = (3 * dense + 4 * head + 3.5 * attn) / 5e14
     assert t["compute"] == pytest.approx(4 * per_mb, rel=1e-12)
     assert t["recompute"] == t["tp_comm"] == t["pp_comm"] == t["bubble"] == t["dp_comm"] == 0
     # Adam over every parameter: 30 bytes per parameter through HBM
@@ -378,9 +379,9 @@ def test_step_time_by_hand_single_gpu():
     # M2PO's global mask: one more forward over the mini-batch; the head runs on response rows only
     _, pre = S.step_time(TOY, P.Layout(), dataclasses_replace(work, prepass=True, response_frac=0.25), 1, FLAT)
     assert pre["mask"] == pytest.approx(4 * (dense + head / 4 + attn) / 5e14)
-    assert pre["compute"] == pytest.approx(4 * (3 * dense + 4 * head / 4 + 3 * attn) / 5e14)
+    assert pre["compute"] == pytest.approx(4 * (3 * dense + 4 * head / 4 + 3.5 * attn) / 5e14)
     # or a forward-backward of the corrected share of the tokens (no bubble at PP=1); auto: the less
-    t_mb = (3 * dense + 4 * head / 4 + 3 * attn) / 5e14
+    t_mb = (3 * dense + 4 * head / 4 + 3.5 * attn) / 5e14
     for frac, strategy, want in ((0.1, "correct", 0.1 * 4 * t_mb), (0.1, "auto", 0.1 * 4 * t_mb),
                                  (0.5, "auto", pre["mask"]), (0.0, "correct", 0.0)):
         cm = dataclasses_replace(FLAT, mask_correction_frac=frac)
@@ -390,21 +391,76 @@ def test_step_time_by_hand_single_gpu():
 
 def test_context_parallel_by_hand():
     """CP=2 splits each micro-batch's tokens over two GPUs: per-GPU compute equals DP=2's on the
-    same GPUs (same sequences per GPU-pair, half the tokens each), plus the K/V ring: 3 passes
-    (forward, backward K/V and dK/dV) of (cp-1)/cp of the micro-batch's K and V, bf16, per layer;
-    gradients are reduced and optimizer states sharded over dp x cp; the mask is always a pre-pass."""
+    same GPUs (same sequences per GPU-pair, half the tokens each); gradients are reduced and
+    optimizer states sharded over dp x cp. The K/V exchange costs only what attention does not hide
+    (test_cp_comm_by_hand)."""
     work = S.Workload(sequences=4, seq_len=2048)
     n_cp, cp = S.step_time(TOY, P.Layout(cp=2, dp=1, distributed_optimizer=True), work, 1, FLAT)
     n_dp, dp = S.step_time(TOY, P.Layout(cp=1, dp=2, distributed_optimizer=True), work, 1, FLAT)
     assert (n_cp, n_dp) == (4, 2)
     assert cp["compute"] == pytest.approx(dp["compute"], rel=1e-12)
-    kv = 2 * TOY.kv_size * 2048 * 2  # K and V of one micro-batch, bf16 bytes
-    assert cp["cp_comm"] == pytest.approx(4 * 3 * 8 * 0.5 * kv / 100e9)
+    # one p2p ring step: 1024 tokens' K and V (2 x 1024 bf16 each) = 4 MiB at 100 GB/s = 84 us, against a
+    # step's attention forward 2 * 1024 * (2048^2 / 2) * 1 layer / 2 steps = 2.1 GFLOP at 500 TFLOP/s = 4.3 us
+    c = 1024 * 2 * 1024 * 2 / 100e9
+    a = 2 * 1024 * 2048 ** 2 / 2 / 2 / 5e14
+    assert c > 2.5 * a  # exposed: forward (cp-1) steps, backward K/V then dK/dV
+    assert cp["cp_comm"] == pytest.approx(4 * 8 * ((c - a) + 2 * (c - 2.5 * a)))
     assert dp["cp_comm"] == 0 and cp["dp_comm"] == pytest.approx(dp["dp_comm"])
     assert cp["optimizer"] == pytest.approx(dp["optimizer"])
-    w = dataclasses_replace(work, prepass=True, mask_strategy="auto")
+    # the global mask's strategies cost the same under CP (mask_strategy=correct runs with CP)
+    w = dataclasses_replace(work, prepass=True, mask_strategy="correct")
     cm = dataclasses_replace(FLAT, mask_correction_frac=0.0)
-    assert S.step_time(TOY, P.Layout(cp=2), w, 1, cm)[1]["mask"] > 0 == S.step_time(TOY, P.Layout(), w, 1, cm)[1]["mask"]
+    assert S.step_time(TOY, P.Layout(cp=2), w, 1, cm)[1]["mask"] == 0.0
+
+
+def test_cp_comm_by_hand():
+    """The K/V exchange of TE 2.9 per cp_comm_type on a 16-layer GQA model (8 query heads, 2 KV
+    heads of 128), one 32768-token micro-batch, TP=2, PP=2 (8 layers here), by hand:
+    p2p hides each ring step behind that step's attention, all_gather and a2a hide nothing, and
+    recompute repeats the forward exchange."""
+    m = P.ModelShape("gqa", hidden=1024, layers=16, heads=8, kv_heads=2, ffn=4096, vocab=32000, tied=False)
+    cm = FLAT
+    T, tp, cp, layers = 32768, 2, 4, 8
+    chunk = T / cp * 2 * 256 / tp * 2            # this GPU's K and V: 8192 tokens x 2 x 128 values x 2 bytes = 4 MiB
+    c = chunk / 100e9                             # 41.9 us inside a node at 100 GB/s
+    attn_fwd_s = 1e-3 * layers                    # 1 ms of attention forward per layer on this GPU
+    a = 1e-3 / cp                                 # one ring step: 250 us > c: fully hidden
+    lay = P.Layout(tp=tp, pp=2, cp=cp, gpus_per_node=8)
+    assert S.cp_comm_time(m, lay, T, attn_fwd_s, "p2p", cm) == (0.0, 0.0)
+    # short attention (a packed micro-batch of many short sequences): 20 us per layer -> 5 us per step
+    a = 20e-6 / cp
+    fwd = layers * (cp - 1) * (c - a)
+    bwd = layers * (2 * (c - 2.5 * a) + (cp - 2) * (2 * c - 2.5 * a))
+    got = S.cp_comm_time(m, lay, T, 20e-6 * layers, "p2p", cm)
+    assert got == (pytest.approx(fwd), pytest.approx(fwd + bwd))
+    full = S.cp_comm_time(m, dataclasses_replace(lay, recompute="full"), T, 20e-6 * layers, "p2p", cm)
+    sel = S.cp_comm_time(m, dataclasses_replace(lay, recompute="selective"), T, 20e-6 * layers, "p2p", cm)
+    assert full == sel == (pytest.approx(fwd), pytest.approx(2 * fwd + bwd))
+    # all_gather: (cp - 1) chunks gathered forward, again backward, dK/dV reduce-scattered; nothing hidden
+    ag = S.cp_comm_time(m, lay, T, attn_fwd_s, "all_gather", cm)
+    assert ag == (pytest.approx(layers * 3 * c), pytest.approx(layers * 9 * c))
+    # a2a: Q, K, V in and the output back, (cp-1)/cp of each local tensor, forward and backward
+    local = T / cp * 2 * (2 * 1024 + 2 * 256) / tp
+    one = 3 / 4 * local / 100e9
+    assert S.cp_comm_time(m, lay, T, attn_fwd_s, "a2a", cm) == (pytest.approx(layers * one),
+                                                                 pytest.approx(2 * layers * one))
+    # a CP group of tp * cp = 16 ranks spans two 8-GPU nodes: the ring runs at the inter-node bandwidth
+    across = dataclasses_replace(lay, cp=8)
+    c8 = T / 8 * 2 * 256 / tp * 2 / 10e9
+    assert S.cp_comm_time(m, across, T, attn_fwd_s, "all_gather", cm)[0] == pytest.approx(layers * 7 * c8)
+    with pytest.raises(P.PlanError, match="cp_comm_type='ring'"):
+        S.cp_comm_time(m, lay, T, attn_fwd_s, "ring", cm)
+
+
+def test_recompute_time_by_hand():
+    """Full recompute re-runs each layer's forward (dense + attention: ~1/3 of forward + backward),
+    selective the core attention only."""
+    assert S.recompute_time("full", 3.0, 1.0) == 4.0
+    assert S.recompute_time("selective", 3.0, 1.0) == 1.0
+    assert S.recompute_time("none", 3.0, 1.0) == 0.0
+    # with the attention's 3.5 forwards, full recompute adds a third of the dense and 1/3.5 of the
+    # attention's forward + backward
+    assert S.attention_train_s(5e14, FLAT) == pytest.approx(3.5)
 
 
 def test_comm_by_hand_and_tp_beyond_a_node_is_penalised():
@@ -457,7 +513,7 @@ def test_padding_and_packing_micro_batches_by_hand():
     head1 = 64 * 4 * 2 * 500 * 1024 * 32000 / 5e14     # E[max of 1] = mean = 500 tokens per micro-batch
     head4 = 16 * 4 * 2 * (4 * 800) * 1024 * 32000 / 5e14  # E[max of 4] = 800
     dense1 = 64 * 3 * 2 * 500 * 12 * 1024 ** 2 * 8 / 5e14
-    attn1 = 64 * 3 * 2 * 1024 * 500 ** 2 * 8 / 5e14
+    attn1 = 64 * 3.5 * 2 * 1024 * 500 ** 2 * 8 / 5e14
     assert t1["compute"] == pytest.approx(head1 + dense1 + attn1)
     assert t4["compute"] > t1["compute"]                # 1 - 500/800 = 37.5 % of the tokens are padding
     assert head4 == pytest.approx(head1 * 1.6)
@@ -465,7 +521,7 @@ def test_padding_and_packing_micro_batches_by_hand():
     packed = dataclasses_replace(work, packing=True)
     n_p, tp_ = S.step_time(TOY, P.Layout(), packed, 2, cm)
     assert n_p == 16
-    assert tp_["compute"] == pytest.approx(head1 + dense1 + 3 * 2 * 1024 * 8 * 64 * (1000 ** 2 / 3) / 5e14)
+    assert tp_["compute"] == pytest.approx(head1 + dense1 + 3.5 * 2 * 1024 * 8 * 64 * (1000 ** 2 / 3) / 5e14)
 
 
 @pytest.fixture(scope="module")
@@ -519,7 +575,8 @@ def test_search_with_nothing_fitting_says_why(capsys):
 
 
 # qwen3-30b-a3b: tests/test_planner_moe.py (one search shared with the MoE constraint checks)
-SEARCH_RECIPES = {"qwen2.5-32b": (4, 8), "qwen3-32b": (4, 8), "qwen2.5-math-7b": (1, 4), "qwen3-8b": (1, 4)}
+SEARCH_RECIPES = {"qwen2.5-32b": (4, 8), "qwen2.5-32b-32k": (4, 8), "qwen3-32b": (4, 8), "qwen2.5-math-7b": (1, 4),
+                  "qwen3-8b": (1, 4)}
 
 
 @pytest.mark.parametrize("name", sorted(SEARCH_RECIPES))

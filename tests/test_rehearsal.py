@@ -3,7 +3,8 @@
 scripts/train.sh, each node in its own working directory), CPU engines started by
 scripts/launch_sglang_fleet.sh behind the real sglang-router, the trainer attached by
 ``rollout.router_addr`` alone; node 1 is SIGKILLed after the step-4 checkpoint and the run
-resumes from it. The other recipes' rehearsals run by hand (same command, their script)."""
+resumes from it. The recipe runs context parallel, so this rehearses CP=2 (x TP=2). The other
+recipes' rehearsals run by hand (same command, their script)."""
 
 from __future__ import annotations
 
@@ -31,7 +32,8 @@ def test_qwen25_32b_recipe_rehearsal(tmp_path):
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
     last = proc.stdout.strip().splitlines()[-1]
-    assert last.startswith("rehearsal ok qwen2.5-32b steps=8 updates=32 nodes=2x2 TP=2 PP=2"), last
+    # the recipe runs context parallel (TP=4 x CP=2 x PP=2 at 16k): rehearsed as TP=2 x CP=2
+    assert last.startswith("rehearsal ok qwen2.5-32b steps=8 updates=32 nodes=2x2 TP=2 PP=1 CP=2"), last
     par = load_config(ROOT / "examples" / "qwen2.5-32b.yaml").parallel  # the recipe's features, kept
     assert (f"sequence_parallel=True recompute={par.recompute} distributed_optimizer=True packing={par.packing} "
             f"max_tokens_per_microbatch={par.max_tokens_per_microbatch} dtype=bfloat16") in last, last
@@ -69,8 +71,9 @@ def test_torchrun_restarts_the_group_after_a_worker_dies(tmp_path):
 
 
 def test_rehearsal_plan_keeps_the_recipe_and_names_each_substitution(tmp_path):
-    for name, family, pp in (("qwen2.5-32b", "qwen2", 2), ("qwen3-32b", "qwen3", 2), ("qwen3-8b", "qwen3", 1),
-                             ("qwen2.5-math-7b", "qwen2", 1)):
+    # recipes with context parallelism (the 32B ones) are rehearsed at TP=2 x CP=2, PP=1
+    for name, family, pp in (("qwen2.5-32b", "qwen2", 1), ("qwen2.5-32b-32k", "qwen2", 1), ("qwen3-32b", "qwen3", 1),
+                             ("qwen3-8b", "qwen3", 1), ("qwen2.5-math-7b", "qwen2", 1)):
         path = ROOT / "examples" / f"{name}.yaml"
         recipe = load_config(path)
         assert family_of(recipe) == family
@@ -78,6 +81,7 @@ def test_rehearsal_plan_keeps_the_recipe_and_names_each_substitution(tmp_path):
                  extra=[], router_addr="http://127.0.0.1:1")
         c = p.cfg
         assert (c.parallel.tensor_parallel, c.parallel.pipeline_parallel) == (2, pp)
+        assert c.parallel.context_parallel == (2 if recipe.parallel.context_parallel > 1 else 1), name
         for key in ("sequence_parallel", "recompute", "use_distributed_optimizer", "micro_batch_size", "packing",
                     "max_tokens_per_microbatch", "balance_data_parallel"):
             assert getattr(c.parallel, key) == getattr(recipe.parallel, key), (name, key)

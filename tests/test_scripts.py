@@ -39,7 +39,8 @@ def test_shellcheck_clean():
 
 
 @pytest.mark.parametrize("script,nnodes,gpn,model", [
-    ("run_qwen2.5_32b.sh", 4, 8, "qwen2.5-32b"), ("run_qwen3_32b.sh", 4, 8, "qwen3-32b"),
+    ("run_qwen2.5_32b.sh", 4, 8, "qwen2.5-32b"), ("run_qwen2.5_32b_32k.sh", 4, 8, "qwen2.5-32b-32k"),
+    ("run_qwen3_32b.sh", 4, 8, "qwen3-32b"),
     ("run_qwen2.5_math_7b.sh", 1, 4, "qwen2.5-math-7b"), ("run_qwen3_8b.sh", 1, 4, "qwen3-8b"),
     ("run_qwen3_30b_a3b.sh", 2, 8, "qwen3-30b-a3b")])
 def test_recipe_dry_run_prints_config_commands_and_plan(script, nnodes, gpn, model):
@@ -69,12 +70,13 @@ def test_recipe_dry_run_prints_config_commands_and_plan(script, nnodes, gpn, mod
 
 
 def test_dry_run_rejects_impossible_layout_and_bad_keys():
-    r = sh("run_qwen2.5_32b.sh", "--dry-run", "parallel.tensor_parallel=16", MASTER_ADDR="h")
+    r = sh("run_qwen2.5_32b.sh", "--dry-run", "parallel.tensor_parallel=16", "parallel.pipeline_parallel=1",
+           MASTER_ADDR="h")  # tp * pp * cp = 16 * 1 * 2 = the 32 GPUs
     assert r.returncode == 1
     assert "tp=16 exceeds GPUs per node 8" in r.stdout
     r = sh("run_qwen3_8b.sh", "--dry-run", "algo.m2po.treshold=0.1")
     assert r.returncode == 2 and "algo.m2po.threshold" in r.stderr  # "did you mean"
-    r = sh("run_qwen2.5_32b.sh", "--dry-run", GPUS_PER_NODE=5, MASTER_ADDR="h")  # 20 GPUs, tp*pp = 8
+    r = sh("run_qwen2.5_32b.sh", "--dry-run", GPUS_PER_NODE=5, MASTER_ADDR="h")  # 20 GPUs, tp*pp*cp = 16
     assert r.returncode == 1 and "not divisible by tp*pp*cp" in r.stderr
 
 

@@ -209,6 +209,7 @@ class MegatronActor:
         self.pp_group = ps.get_pipeline_model_parallel_group()
         self.cp_size = ps.get_context_parallel_world_size()
         self.cp_rank = ps.get_context_parallel_rank()
+        self.cp_group = ps.get_context_parallel_group()
         # Samples are sharded over data-parallel replicas (dp_*); the CP ranks of a replica split
         # each sequence. Token-level reductions (loss metrics, the global mask) run over DP x CP.
         self.dp_size = ps.get_data_parallel_world_size()
@@ -471,9 +472,6 @@ class MegatronActor:
 
         spec = resolve_loss(self.cfg.algo)
         settings = loss_settings(spec, self.cfg.algo)
-        if self.cp_size > 1 and spec.needs_seq_index:
-            raise ValueError(f"algo.loss={spec.name!r} needs whole sequences on one rank, but "
-                             f"parallel.context_parallel={self.cp_size} splits them; use context_parallel=1")
         if len(plan) < self.dp_size:
             raise ValueError(f"an optimizer mini-batch of {len(plan)} samples cannot be split over "
                              f"{self.dp_size} data-parallel ranks; use at least {self.dp_size} samples per update")
@@ -563,7 +561,9 @@ class MegatronActor:
         if a.tis and mb.engine_logprobs is not None:
             tis = tis_weights(behav, mb.engine_logprobs.to(logp.dtype), a.tis_cap)
         loss, lm = compute_policy_loss(spec.name, logp, behav, adv, mb.loss_mask, denominator=denom, algo_cfg=a,
-                                       keep=keep, seq_index=mb.seq_index, tis_weight=tis)
+                                       keep=keep, seq_index=mb.seq_index, tis_weight=tis,
+                                       seq_group=self.cp_group if self.cp_size > 1 else None,
+                                       num_seqs=len(mb.sample_index))
         metrics.update(lm)
         mask = mb.loss_mask.to(logp.dtype)
         if a.entropy_coef > 0:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -75,14 +76,6 @@ class GlobalMask:
         a = self.actor
         if a.cfg.parallel.expert_parallel > 1:  # a correction runs on some data-parallel ranks only, and
             return "prepass"                     # every MoE forward is an all-to-all over all of them
-        if a.cp_size > 1:
-            # The correction re-runs the changed sequences cut after their last changed token; under
-            # CP that cut must be agreed by the CP ranks, which each see part of a sequence's tokens
-            # (not implemented): the pre-pass takes the same mask.
-            if configured == "correct":
-                raise ValueError(f"algo.m2po.mask_strategy='correct' is not supported with parallel.context_parallel="
-                                 f"{a.cp_size}; use 'prepass' (or 'auto', which then takes the pre-pass)")
-            return "prepass"
         m = a.cfg.model
         return choose_strategy(configured, a._mask_hint, recompute=a.cfg.parallel.recompute,
                                dropout=m.attention_dropout > 0 or m.hidden_dropout > 0)
@@ -135,10 +128,10 @@ class GlobalMask:
         tokens of the update, what ``auto`` compares with a pre-pass), ``mask/corrected_sequence_frac``,
         ``mask/corrected_microbatch_frac`` (micro-batches holding a changed token), ``mask/correct``
         (1 when this update used the correction strategy, 0 for a measuring pre-pass)."""
-        from megatron_m2po.actor.mask_correction import changed_lengths, diff_by_sample
+        from megatron_m2po.actor.mask_correction import changed_lengths
         from megatron_m2po.algo.metrics import Metric
 
-        diffs = diff_by_sample(mbs, guess, keeps)
+        diffs = self.diffs(mbs, guess, keeps, plan)
         cut = changed_lengths(diffs)
         tokens = float(sum(int(plan.lengths[i]) for mb in mbs for i in mb.sample_index))
         n_seq = float(sum(len(mb.sample_index) for mb in mbs))
@@ -149,6 +142,33 @@ class GlobalMask:
                         "mask/corrected_microbatch_frac": Metric(hit / max(len(mbs), 1), "mean", float(len(mbs))),
                         "mask/correct": Metric(float(strategy == "correct"), "max")})
         return diffs
+
+    def diffs(self, mbs: list[MicroBatch], guess: list[torch.Tensor], keeps: list[torch.Tensor], plan: BatchPlan
+              ) -> dict[int, torch.Tensor]:
+        """``{mini-batch index: int8 [R_i] keep - guess}`` in response order for the samples of ``mbs``
+        holding a changed token (``mask_correction.diff_by_sample``). Under context parallelism a rank
+        holds only part of each sequence's tokens: each puts its differences at their response
+        positions (``token_index`` minus the sample's offset) and the CP group sums them (every token
+        is on one CP rank), so every CP rank has whole sequences and cuts them alike."""
+        from megatron_m2po.actor.mask_correction import diff_by_sample
+        from megatron_m2po.parallel.devices import collective_device
+
+        a = self.actor
+        if a.cp_size == 1:
+            return diff_by_sample(mbs, guess, keeps)
+        offsets = np.concatenate([[0], np.cumsum(np.asarray(plan.response_lengths, np.int64))])
+        order = [i for mb in mbs for i in mb.sample_index]  # the same on every CP rank of a replica
+        rlen = np.asarray([int(plan.response_lengths[i]) for i in order], np.int64)
+        base = dict(zip(order, np.concatenate([[0], np.cumsum(rlen)])[:-1].tolist()))
+        flat = torch.zeros(int(rlen.sum()), dtype=torch.int8)
+        for mb, g, k in zip(mbs, guess, keeps):
+            shift = torch.tensor([base[i] - int(offsets[i]) for i in mb.sample_index], dtype=torch.int64)
+            flat[mb.token_index.cpu() + shift[mb.seq_index.cpu()]] = (k.to(torch.int8) - g.to(torch.int8)).cpu()
+        dev = collective_device(a.cp_group)
+        total = flat.to(dev)
+        dist.all_reduce(total, group=a.cp_group)
+        parts = torch.split(total.cpu(), rlen.tolist())
+        return {i: d for i, d in zip(order, parts) if bool(d.any())}
 
     def correct(self, mbs: list[MicroBatch], provisional: list[dict], plan: BatchPlan, samples, mine: list[int],
                 spec, settings, denom: float, records: list[dict]) -> dict:
@@ -190,6 +210,9 @@ class GlobalMask:
         groups, weights = pad_for_schedule(groups, weights, a.pp_size if len(a.model) > 1 else 1, lengths,
                                            cut)
         fix = a.make_microbatches(short, groups, plan.response_lengths)
+        if a.cp_size > 1 and diffs:  # each CP rank weighs the tokens it holds of the cut sequences
+            offsets = np.concatenate([[0], np.cumsum(np.asarray(plan.response_lengths, np.int64))])
+            weights = [_held(w, g, mb, offsets, cut) for w, g, mb in zip(weights, groups, fix)]
         it = iter([None if w is None else w.to(a.device) for w in weights])
         a._run(fix, lambda mb, model, hidden: self.correction_loss(
             mb, model, hidden, next(it), spec=spec, denom=denom, records=records), forward_only=False)
@@ -221,3 +244,17 @@ class GlobalMask:
         records.append({"loss/policy": Metric(value, "sum"), "loss/total": Metric(value, "sum")})
         return loss, torch.tensor(mb.num_tokens, dtype=torch.int), None
 
+
+
+def _held(weight: torch.Tensor, group: list[int], mb: MicroBatch, offsets: np.ndarray, cut: dict[int, int]
+          ) -> torch.Tensor:
+    """The entries of ``weight`` (the group's samples' cut responses, concatenated) for the tokens
+    this CP rank's part ``mb`` holds: sample ``group[seq_index]``, response position ``token_index``
+    minus the sample's offset."""
+    per = dict(zip(group, torch.split(weight, [cut[i] for i in group])))
+    out = torch.zeros(mb.num_tokens, dtype=weight.dtype)
+    seq, tok = mb.seq_index.cpu(), mb.token_index.cpu()
+    for b, i in enumerate(group):
+        sel = seq == b
+        out[sel] = per[i][tok[sel] - int(offsets[i])]
+    return out

@@ -30,9 +30,11 @@ Per-token objectives ``obj_i`` (settings in brackets):
 * ``no_tr``: ``r A`` (no trust region).
 * ``gspo`` [``algo.gspo``]: sequence ratio ``s = exp(mean_{i in seq} delta_i)`` (geometric mean of the token
   ratios over the sequence's loss tokens in this call, gradient through the mean), per token
-  ``min(s A, clip(s, 1 - eps_low, 1 + eps_high) A)``. Needs ``seq_index`` and whole
-  sequences in one call (a context-parallel split of a sequence would need the mean reduced
-  over the CP group first).
+  ``min(s A, clip(s, 1 - eps_low, 1 + eps_high) A)``. Needs ``seq_index``. Under context
+  parallelism a sequence's tokens are split over the CP ranks: with ``seq_group`` (the CP group)
+  and ``num_seqs`` the per-sequence sums and counts are summed over the group first (backward: the
+  gradient of the sums summed over the group as well), so every rank uses the whole sequence's
+  ratio.
 * ``cispo`` [``algo.cispo``]: ``sg(min(r, 1 + eps_high)) * A * logp`` (stop-gradient clipped ratio).
 
 Non-finite ``logp``, ``behav_logp``, ``advantages`` (or TIS weights) on loss tokens raise
@@ -76,6 +78,8 @@ class LossInputs:
     n_tokens: int
     keep: Optional[torch.Tensor]
     seq_index: Optional[torch.Tensor]
+    seq_group: Any = None  # process group over which a sequence's tokens are split (CP), or None
+    num_seqs: Optional[int] = None  # sequences of the call, ids 0..num_seqs-1 (required with seq_group)
 
     def token_mean(self, x: torch.Tensor) -> Metric:
         x = x.detach().to(torch.float64)
@@ -107,7 +111,8 @@ class LossSpec:
     * ``mask_scope(settings)``: ``"global"`` -- the mask is taken over the whole optimizer
       mini-batch on every DP x CP rank, which needs a forward-only pre-pass at the current weights
       before the first backward -- or ``"microbatch"`` (per micro-batch, per rank).
-    * ``needs_seq_index``: the objective needs whole sequences and their ids (GSPO).
+    * ``needs_seq_index``: the objective needs each token's sequence id (GSPO; under context parallelism
+      the actor also passes the CP group its per-sequence sums are reduced over).
     * ``provisional_keep``: optional ``fn(delta, advantages, loss_mask, *, order_key, seen, settings)
       -> keep``, a guess of the global mask for one micro-batch from its log-ratios and ``seen``,
       the ``(delta, advantages, loss_mask, order_key)`` of this rank's earlier micro-batches. A
@@ -307,15 +312,46 @@ def _grpo(x: LossInputs, cfg: GRPOConfig) -> Objective:
     return obj, metrics
 
 
+class _SumOverGroup(torch.autograd.Function):
+    """Sum of a tensor over a process group. Every rank's loss depends on the sum, so the gradient of
+    a rank's part is the sum over the group of every rank's gradient of the sum (backward: the same
+    all-reduce)."""
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, group) -> torch.Tensor:
+        import torch.distributed as dist
+
+        ctx.group = group
+        out = t.detach().clone().contiguous()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        import torch.distributed as dist
+
+        grad = grad.detach().clone().contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
 @register_loss("gspo", settings=GSPOConfig, needs_seq_index=True)
 def _gspo(x: LossInputs, cfg: GSPOConfig) -> Objective:
     if x.seq_index is None:
         raise ValueError("loss 'gspo' needs seq_index= (an integer sequence id per token)")
-    _, inv = torch.unique(x.seq_index, return_inverse=True)
-    n_seq = int(inv.max()) + 1 if inv.numel() else 0
+    if x.seq_group is not None:  # ids shared by the CP ranks: sum each sequence's parts over them
+        if x.num_seqs is None:
+            raise ValueError("loss 'gspo' with seq_group= needs num_seqs= (the same on every rank of the group)")
+        inv, n_seq = x.seq_index.to(torch.int64), int(x.num_seqs)
+    else:
+        _, inv = torch.unique(x.seq_index, return_inverse=True)
+        n_seq = int(inv.max()) + 1 if inv.numel() else 0
     m = x.mask.to(x.delta.dtype)
     sums = torch.zeros(n_seq, dtype=x.delta.dtype, device=x.delta.device).index_add(0, inv, x.delta * m)
     counts = torch.zeros(n_seq, dtype=x.delta.dtype, device=x.delta.device).index_add(0, inv, m)
+    if x.seq_group is not None:
+        sums = _SumOverGroup.apply(sums, x.seq_group)
+        counts = _SumOverGroup.apply(counts, x.seq_group)
     s = torch.exp(sums / counts.clamp_min(1.0))[inv]
     a = x.advantages
     unclipped = s * a
@@ -346,13 +382,16 @@ def _check_finite(name: str, t: torch.Tensor, mask: torch.Tensor) -> None:
 
 def compute_policy_loss(name: str, logp: torch.Tensor, behav_logp: torch.Tensor, advantages: torch.Tensor,
                         loss_mask: torch.Tensor, *, denominator, algo_cfg, keep: Optional[torch.Tensor] = None,
-                        seq_index: Optional[torch.Tensor] = None, tis_weight: Optional[torch.Tensor] = None
-                        ) -> tuple[torch.Tensor, dict[str, Metric]]:
+                        seq_index: Optional[torch.Tensor] = None, tis_weight: Optional[torch.Tensor] = None,
+                        seq_group=None, num_seqs: Optional[int] = None) -> tuple[torch.Tensor, dict[str, Metric]]:
     """Loss ``name`` on one micro-batch; returns ``(loss, metrics)`` (see the module docstring).
 
     ``logp`` carries the gradient; ``behav_logp``, ``advantages``, ``keep``, ``tis_weight`` are
     treated as constants. ``algo_cfg`` is a ``megatron_m2po.config.AlgoConfig``: the loss reads its
-    own settings from it (:func:`loss_settings`) and ``logratio_clamp``.
+    own settings from it (:func:`loss_settings`) and ``logratio_clamp``. ``seq_group`` / ``num_seqs``:
+    the context-parallel group a sequence-level loss (GSPO) reduces its per-sequence sums over, and
+    the number of sequences ``seq_index`` counts (the same on every rank of the group); collective
+    over that group when the loss is sequence-level.
     """
     spec = get_loss(name)
     settings = loss_settings(spec, algo_cfg)
@@ -385,7 +424,7 @@ def compute_policy_loss(name: str, logp: torch.Tensor, behav_logp: torch.Tensor,
     ratio = torch.exp(delta)
     x = LossInputs(logp=lp, behav_logp=blp, advantages=adv, mask=mask, delta=delta, ratio=ratio,
                    n_tokens=int(mask.sum()), keep=None if keep is None else keep.to(torch.bool),
-                   seq_index=seq_index)
+                   seq_index=seq_index, seq_group=seq_group, num_seqs=num_seqs)
     obj, metrics = spec.objective(x, settings)
     w = mask.to(dtype)
     if tis_weight is not None:

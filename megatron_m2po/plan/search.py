@@ -125,6 +125,7 @@ class Workload:
     response_frac: float = 1.0  # fraction of tokens that are response rows (the output layer runs on these)
     prepass: bool = False       # the loss takes a global mask per update (M2PO, scope=global)
     mask_strategy: str = "prepass"  # how (algo.m2po.mask_strategy): prepass, correct or auto
+    cp_comm_type: str = "p2p"   # how TE's attention exchanges K/V under CP (parallel.cp_comm_type)
 
 
 @dataclass
@@ -180,6 +181,82 @@ def _bw(span_gpus: int, gpus_per_node: int, cm: CostModel) -> float:
     return (cm.intra_node_gbs if span_gpus <= gpus_per_node else cm.inter_node_gbs) * 1e9
 
 
+ATTN_BWD_FORWARDS = 2.5
+"""Flash attention's backward in forwards of FLOPs: 5 matmuls (recomputed QK^T, dV, dP, dQ, dK) against
+the forward's 2 (Dao 2023, FlashAttention-2 §3.1; its benchmarks count fwd + bwd as 3.5 forwards, the
+convention ``attn_eff`` is a fraction of)."""
+
+
+def attention_train_s(attn_fwd_flops: float, cm: CostModel) -> float:
+    """Seconds of core attention forward + backward for ``attn_fwd_flops`` forward FLOPs."""
+    return (1 + ATTN_BWD_FORWARDS) * attn_fwd_flops / (cm.peak_tflops * 1e12 * cm.attn_eff)
+
+
+def recompute_time(recompute: str, dense_fwd_s: float, attn_fwd_s: float) -> float:
+    """Seconds activation recomputation adds to one micro-batch's backward (the layers of one GPU).
+
+    ``full`` (Megatron's ``recompute_granularity=full``, uniform, one layer per group) re-runs every
+    layer's forward inside the backward: its dense GEMMs and its core attention, ~1/3 of forward +
+    backward (Megatron-LM's context-parallel guide: "~30% with full recompute"). ``selective``
+    (``recompute_modules=["core_attn"]``) re-runs the core attention's forward only. Their extra
+    communication is in ``tp_comm`` (2 more collectives per layer with full) and :func:`cp_comm_time`."""
+    if recompute == "full":
+        return dense_fwd_s + attn_fwd_s
+    if recompute == "selective":
+        return attn_fwd_s
+    return 0.0
+
+
+def cp_comm_time(m: ModelShape, lay: Layout, tokens_mb: float, attn_fwd_s: float, comm_type: str,
+                 cm: CostModel) -> tuple[float, float]:
+    """Exposed seconds of the context-parallel K/V exchange of one micro-batch on one GPU, over its
+    ``m.layers / pp`` layers: ``(one forward pass, forward + recompute + backward)``.
+
+    ``tokens_mb`` are the micro-batch's tokens over all CP ranks; ``attn_fwd_s`` this GPU's core-attention
+    forward seconds for it (all its layers, already ``/ cp``). Each GPU holds ``tokens_mb / cp`` tokens,
+    and its K and V are ``2 * kv_size / tp`` bf16 values per token (a chunk, ``c`` seconds to send). What
+    Transformer Engine 2.9 does (``attention/dot_product_attention/context_parallel.py``):
+
+    * ``p2p`` (``AttnFuncWithCPAndKVP2P``): ``cp`` steps per layer; step ``i`` computes attention with the
+      K/V chunk it holds while sending it on and receiving the next (``batch_isend_irecv`` on a second
+      stream), so only ``max(0, c - a)`` is exposed per step, ``a`` the step's attention (``1 / cp`` of
+      the rank's work: the load-balanced chunk pairing gives every step equal work). Forward: ``cp - 1``
+      sends (step 0 uses the local chunk, the last sends nothing). Backward: K/V again at step 0, K/V
+      together with the dK/dV accumulated so far at steps ``1..cp-2`` (``2c``), dK/dV at the last step,
+      against ``ATTN_BWD_FORWARDS * a`` of compute.
+    * ``all_gather`` (``AttnFuncWithCPAndKVAllGather``): all-gathers K/V before the attention and again
+      in backward, then reduce-scatters dK/dV; not overlapped: ``(cp - 1) c`` each.
+    * ``a2a`` (Ulysses, ``flash_attn_a2a_communicate``): all-to-alls of Q, K, V before and of the output
+      after, the same in backward with the gradients; ``(cp - 1) / cp`` of each local tensor, exposed.
+
+    Recompute (full, or selective: the core attention's checkpoint re-runs TE's CP attention) repeats the
+    forward's exchange. The CP group spans ``tp * cp`` consecutive ranks: ``inter_node_gbs`` beyond a node.
+    """
+    cp = lay.cp
+    if cp == 1:
+        return 0.0, 0.0
+    layers = m.layers / lay.pp
+    bw = _bw(lay.tp * cp, lay.gpus_per_node, cm)
+    chunk = tokens_mb / cp * 2 * m.kv_size / lay.tp * 2
+    c = chunk / bw
+    forwards = 2 if lay.recompute in ("full", "selective") else 1
+    if comm_type == "p2p":
+        a_f = attn_fwd_s / layers / cp
+        a_b = ATTN_BWD_FORWARDS * a_f
+        fwd = (cp - 1) * max(0.0, c - a_f)
+        bwd = 2 * max(0.0, c - a_b) + (cp - 2) * max(0.0, 2 * c - a_b)
+    elif comm_type == "all_gather":
+        fwd = (cp - 1) * c
+        bwd = 2 * (cp - 1) * c
+    elif comm_type == "a2a":
+        local = tokens_mb / cp * 2 * (2 * m.q_size + 2 * m.kv_size) / lay.tp
+        fwd = (cp - 1) / cp * local / bw
+        bwd = fwd
+    else:
+        raise PlanError(f"cp_comm_type={comm_type!r}: expected p2p, all_gather or a2a")
+    return layers * fwd, layers * (forwards * fwd + bwd)
+
+
 def step_time(m: ModelShape, lay: Layout, work: Workload, budget_k: int, cm: CostModel = CostModel()
               ) -> tuple[int, dict[str, float]]:
     """Estimated seconds of one training step of ``work`` under ``lay`` (per-component breakdown).
@@ -191,8 +268,8 @@ def step_time(m: ModelShape, lay: Layout, work: Workload, budget_k: int, cm: Cos
 
     Context parallelism (``lay.cp``) splits every micro-batch's tokens over ``cp`` GPUs with
     Megatron's load-balanced chunks, so each GPU runs ``1 / cp`` of its dense and attention
-    FLOPs; the price is the K/V exchange (``cp_comm``, below) and gradients / optimizer states
-    reduced and sharded over ``dp * cp``.
+    FLOPs; the price is the exposed part of the K/V exchange (``cp_comm``, :func:`cp_comm_time`)
+    and gradients / optimizer states reduced and sharded over ``dp * cp``.
     """
     tp, pp, dp, vpp, cp = lay.tp, lay.pp, lay.dp, lay.vpp or 1, lay.cp
     seqs_rank = work.sequences / dp
@@ -220,14 +297,10 @@ def step_time(m: ModelShape, lay: Layout, work: Workload, budget_k: int, cm: Cos
     attn_fwd = 2 * m.q_size * attn_sq_mb * layers / tp   # QK^T and AV, causal half
     peak = cm.peak_tflops * 1e12
     g_eff = cm.gemm_eff * tokens_mb / (tokens_mb + cm.gemm_half_tokens)
-    # forward + backward = 3 forwards; the fused log-prob recomputes the logits in its backward (+1)
-    compute = (3 * dense_fwd + 4 * head_fwd) / (peak * g_eff) + 3 * attn_fwd / (peak * cm.attn_eff)
-    if lay.recompute == "full":
-        recompute = dense_fwd / (peak * g_eff) + attn_fwd / (peak * cm.attn_eff)
-    elif lay.recompute == "selective":
-        recompute = attn_fwd / (peak * cm.attn_eff)  # Megatron's selective = the core attention again
-    else:
-        recompute = 0.0
+    # forward + backward = 3 forwards for the GEMMs; the fused log-prob recomputes the logits in its
+    # backward (+1); flash attention's backward is 2.5 forwards (attention_train_s)
+    compute = (3 * dense_fwd + 4 * head_fwd) / (peak * g_eff) + attention_train_s(attn_fwd, cm)
+    recompute = recompute_time(lay.recompute, dense_fwd / (peak * g_eff), attn_fwd / (peak * cm.attn_eff))
     ep_comm = 0.0
     bw_of = lambda span: _bw(span, lay.gpus_per_node, cm)  # noqa: E731
     if m.is_moe:
@@ -241,14 +314,7 @@ def step_time(m: ModelShape, lay: Layout, work: Workload, budget_k: int, cm: Cos
     if tp > 1:
         n_coll = layers * moe.tp_collectives_per_layer(m, lay.recompute == "full")
         tp_comm = n_coll * 2 * (tp - 1) / tp * tokens_mb * h * 2 / _bw(tp, lay.gpus_per_node, cm)
-    # CP: TE's p2p ring passes K and V (2 x kv_size bf16 per token) of the micro-batch around the cp
-    # ranks in forward, again in backward with dK / dV (x3), and once more in a full recompute:
-    # each GPU receives (cp - 1) / cp of the micro-batch's K/V per pass, per layer.
-    cp_comm = 0.0
-    if cp > 1:
-        passes = 4 if lay.recompute == "full" else 3
-        cp_comm = (passes * layers * (cp - 1) / cp * tokens_mb_all * 2 * m.kv_size * 2 / tp
-                   / _bw(tp * cp, lay.gpus_per_node, cm))
+    cp_fwd, cp_comm = cp_comm_time(m, lay, tokens_mb_all, attn_fwd / (peak * cm.attn_eff), work.cp_comm_type, cm)
     # PP: activations of the micro-batch forward and their gradient backward, per chunk boundary
     pp_comm = 0.0
     if pp > 1:
@@ -262,7 +328,8 @@ def step_time(m: ModelShape, lay: Layout, work: Workload, budget_k: int, cm: Cos
     mask = 0.0
     if work.prepass:
         fwd_mb = ((dense_fwd + head_fwd) / (peak * g_eff) + attn_fwd / (peak * cm.attn_eff)
-                  + (tp_comm / 2 if lay.recompute != "full" else tp_comm / 3) + cp_comm / 3 + pp_comm / 2
+                  + (tp_comm / 2 if lay.recompute != "full" else tp_comm / 3) + cp_fwd
+                  + pp_comm / 2
                   + overhead / 3)
         if m.is_moe:  # the experts' forward and the forward all-to-alls
             fwd_mb += mt["expert_compute"] / 3 + ep_comm / (3 if lay.recompute == "full" else 2)
@@ -270,8 +337,8 @@ def step_time(m: ModelShape, lay: Layout, work: Workload, budget_k: int, cm: Cos
         redo = cm.mask_correction_frac * n_mb  # micro-batches' worth of tokens re-run
         correct = t_mb * (redo + min(redo, 1.0) * (pp - 1) / vpp)
         options = {"prepass": prepass, "correct": correct, "auto": min(prepass, correct)}
-        # with context or expert parallelism the actor always takes the pre-pass (actor/global_mask.py)
-        mask = prepass if cp > 1 or lay.ep > 1 else options[work.mask_strategy]
+        # with expert parallelism the actor always takes the pre-pass (actor/global_mask.py)
+        mask = prepass if lay.ep > 1 else options[work.mask_strategy]
     # DP: gradients (fp32) reduced over dp; the distributed optimizer reduce-scatters them and
     # all-gathers the bf16 parameters instead of one all-reduce.
     vocab_p = padded_vocab(m.vocab, tp, lay.vocab_divisible_by)
@@ -434,12 +501,13 @@ def search_config(cfg: Config, m: ModelShape, *, nnodes: int = 1, gpus_per_node:
                     updates_per_step=cfg.trainer.num_updates_per_step, packing=packing,
                     response_frac=cfg.rollout.max_new_tokens / seq_len,
                     prepass=spec.needs_global_mask_prepass(loss_settings(spec, cfg.algo)),
-                    mask_strategy=getattr(loss_settings(spec, cfg.algo), "mask_strategy", "prepass"))
+                    mask_strategy=getattr(loss_settings(spec, cfg.algo), "mask_strategy", "prepass"),
+                    cp_comm_type=cfg.parallel.cp_comm_type)
     common = dict(nnodes=nnodes, gpus_per_node=gpus_per_node, node_gpus=node_gpus, gpu_mem_gib=gpu_mem_gib)
     ranked: list[Candidate] = []
     rejected: list[Candidate] = []
-    # what the actor refuses with CP (actor.py, actor/global_mask.py): sequence-level losses
-    cp_ok = not spec.needs_seq_index and getattr(loss_settings(spec, cfg.algo), "mask_strategy", None) != "correct"
+    # what the config refuses with CP (config.py): expert parallelism
+    cp_ok = cfg.parallel.expert_parallel == 1
 
     def consider(tp: int, pp: int, vpp: Optional[int], rc: str, distopt: bool, k: int, cp: int = 1, ep: int = 1,
                  etp: Optional[int] = None) -> Candidate:
@@ -456,8 +524,8 @@ def search_config(cfg: Config, m: ModelShape, *, nnodes: int = 1, gpus_per_node:
         if m.heads % tp or m.kv_heads % tp or (m.ffn % tp and not m.is_moe) or m.vocab % tp:
             continue
         for pp, cp in [(pp, cp) for pp in _divisors(m.layers) for cp in CONTEXT_PARALLEL]:
-            # CP within a node (its K/V ring is on every layer's critical path), in world
-            if tp * cp > gpus_per_node or world % (tp * pp * cp) or (cp > 1 and not cp_ok):
+            # CP may span nodes: its ring runs at the inter-node bandwidth there (cp_comm_time)
+            if world % (tp * pp * cp) or (cp > 1 and not cp_ok):
                 continue
             dp = world // (tp * pp * cp)
             if work.sequences < dp:

@@ -106,14 +106,16 @@ def _norm_grads(actor):
 
 def _train_layouts(rank, world_size, root, layouts):
     """One update pair per layout ``(tp, pp, options)``; options: mbs, dist_opt, sp, packing,
-    max_tokens, balance (parallel.* settings), correct (``algo.m2po.mask_strategy=correct`` with a
-    keep-all provisional mask: a correction pass in every micro-batch that holds a masked token)."""
+    max_tokens, balance (parallel.* settings), cp, loss (``algo.loss``, m2po by default), correct
+    (``algo.m2po.mask_strategy=correct`` with a keep-all provisional mask: a correction pass in every
+    micro-batch that holds a masked token)."""
     from megatron_m2po.actor.actor import ActorConfig, MegatronActor
 
     d = _hf_dir(root, "qwen3", seed=4)
     res = []
     for tp, pp, o in layouts:
-        cfg = lib.actor_config(d, tp=tp, pp=pp, mbs=o.get("mbs", 2), dist_opt=o.get("dist_opt", False))
+        cfg = lib.actor_config(d, tp=tp, pp=pp, mbs=o.get("mbs", 2), dist_opt=o.get("dist_opt", False),
+                               loss=o.get("loss", "m2po"))
         cfg.parallel.sequence_parallel = o.get("sp", False)
         cfg.parallel.packing = o.get("packing", False)
         cfg.parallel.max_tokens_per_microbatch = o.get("max_tokens")
@@ -131,7 +133,7 @@ def _train_layouts(rank, world_size, root, layouts):
         plan = [(mb.sample_index, tuple(mb.tokens.shape), mb.cu_seqlens is not None) for mb in mbs]
         rec = lib.Recorder(actor)
         metrics = actor.train_step(batch, num_minibatches=2)
-        mask = _gathered_mask(rec, 1)  # the second update's
+        mask = _gathered_mask(rec, 1) if o.get("loss", "m2po") == "m2po" else {}  # the second update's
         grads = _norm_grads(actor) if not o.get("dist_opt") else [{}]
         weights = {k: v.numpy().copy() for k, v in actor.iter_hf_weights()}
         actor.close()

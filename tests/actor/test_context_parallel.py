@@ -2,7 +2,7 @@
 packed micro-batches, the CP attention of the local layer spec against one-rank attention
 (forward and backward), log-probs at CP=2 (and CP=2 x TP=2 + SP) equal to CP=1 and HF, and a
 train step at CP=2 equal to the one-rank reference (log-probs, mask, metrics, gradients,
-weights)."""
+weights), also with the mask taken by correction (``mask_strategy=correct``) and with GSPO."""
 
 import numpy as np
 import pytest
@@ -138,7 +138,6 @@ def test_train_step_at_cp2_equals_one_rank(tmp_path):
     _, (lp0, ent0), m0, mask0, (g0,), w0, _ = ref
     assert m0[0]["m2po/mask_frac"] > 0 and sum(not k for k in mask0.values()) > 0
     for layout, (lp, ent), m, mask, grads, w, plan in others:
-        assert [m[u]["mask/correct"] for u in range(2)] == [0.0, 0.0], (layout, m)  # CP: always the pre-pass
         assert all(packed == dict(layout[2]).get("packing", False) for _, _, packed in plan), (layout, plan)
         print("layout", layout, "max |logp - reference|", max(float(np.abs(a - b).max()) for a, b in zip(lp, lp0)))
         for a, b in zip(lp, lp0):
@@ -152,6 +151,42 @@ def test_train_step_at_cp2_equals_one_rank(tmp_path):
                 assert m[u][key] == pytest.approx(m0[u][key], rel=1e-5, abs=1e-7), (layout, u, key)
         for g in grads:
             assert not g or set(g) == set(g0), layout  # (PP layouts: no comparable names)
+            for name in g:
+                np.testing.assert_allclose(g[name], g0[name], rtol=1e-4, atol=1e-6, err_msg=f"{layout} {name}")
+        for name in w0:
+            np.testing.assert_allclose(w[name], w0[name], rtol=0, atol=5e-5, err_msg=f"{layout} {name}")
+
+
+def test_mask_correction_and_gspo_at_cp2_equal_one_rank(tmp_path):
+    """At CP=2 (padded and packed) ``algo.m2po.mask_strategy=correct`` -- every CP rank holding part
+    of each sequence, the changed sequences' differences summed over the CP group and cut alike --
+    gives the one-rank pre-pass reference's mask, metrics, gradients and weights; GSPO, whose
+    sequence ratio sums each sequence's log-ratios over the CP ranks (and their gradient back),
+    gives its one-rank run's. The keep-all provisional mask forces a correction in every update."""
+    refs = run_distributed(_train_layouts, 1, args=(str(tmp_path), [
+        (1, 1, {"mbs": 1}), (1, 1, {"mbs": 1, "loss": "gspo"})]), timeout_s=240)[0]
+    others = run_distributed(_train_layouts, 2, args=(str(tmp_path), [
+        (1, 1, {"cp": 2, "correct": True}), (1, 1, {"cp": 2, "packing": True, "max_tokens": 40, "correct": True}),
+        (1, 1, {"cp": 2, "loss": "gspo"}), (1, 1, {"cp": 2, "packing": True, "loss": "gspo"})]), timeout_s=400)[0]
+    by_loss = {dict(r[0][2]).get("loss", "m2po"): r for r in refs}
+    keys = {"m2po": ("m2po/mask_frac", "m2po/m2_before", "m2po/m2_after", "loss/policy", "policy/kl_k3",
+                     "policy/entropy", "optim/grad_norm"),
+            "gspo": ("gspo/seq_ratio_mean", "loss/clip_frac", "loss/policy", "policy/kl_k3", "policy/entropy",
+                     "optim/grad_norm")}
+    assert by_loss["gspo"][2][0]["loss/clip_frac"] > 0  # the clip is active: the ratio matters
+    for layout, (lp, ent), m, mask, grads, w, _ in others:
+        loss = dict(layout[2]).get("loss", "m2po")
+        _, (lp0, ent0), m0, mask0, (g0,), w0, _ = by_loss[loss]
+        if loss == "m2po":
+            assert [m[u]["mask/correct"] for u in range(2)] == [1.0, 1.0], (layout, m)
+            assert m[0]["mask/corrected_sequence_frac"] > 0, layout
+            assert mask == mask0 and sum(not k for k in mask0.values()) > 0, layout
+        for a, b in list(zip(lp, lp0)) + list(zip(ent, ent0)):
+            np.testing.assert_allclose(a, b, rtol=0, atol=1e-5, err_msg=str(layout))
+        for u in range(2):
+            for key in keys[loss]:
+                assert m[u][key] == pytest.approx(m0[u][key], rel=1e-5, abs=1e-7), (layout, u, key)
+        for g in grads:
             for name in g:
                 np.testing.assert_allclose(g[name], g0[name], rtol=1e-4, atol=1e-6, err_msg=f"{layout} {name}")
         for name in w0:
