@@ -305,6 +305,17 @@ def test_correct_equals_prepass_under_expert_parallelism(tmp_path):
         _check(rank_res)
 
 
+@pytest.mark.multiproc
+def test_correct_equals_prepass_under_expert_and_pipeline_parallelism(tmp_path):
+    """As above at EP=2 x PP=2 (world 4): each stage's expert all-to-alls step together, the stages
+    of a replica take the same count (their cuts are broadcast first). (EP=2 x TP=2 + SP, whose
+    expert-TP gathers span the TP pair, passed the same checks once by hand: 46 s.)"""
+    res = run_distributed(_run, 4, args=(str(tmp_path), [(1, 2, {"ep": 2, "mbs": 1})]), timeout_s=400,
+                          pg_timeout_s=90)
+    for rank_res in res:
+        _check(rank_res)
+
+
 def test_auto_takes_the_cheaper_way_and_bad_settings_are_refused():
     from megatron_m2po.actor.mask_correction import (FORWARD_SHARE, check_dropout, choose_strategy,
                                                      pad_for_schedule, schedule_count)
