@@ -242,9 +242,9 @@ class GlobalMask:
 
         Each MoE layer's token dispatch and combine are collectives over the expert tensor-and-model
         parallel group (megatron-core 0.16.1 ``transformer/moe/token_dispatcher.py``: the all-to-all
-        over ``ep_group``, the gathers over ``tp_group`` / ``tp_ep_group``, groups from
-        ``parallel_state``'s expert rank generator, ``tp-ep-dp-pp``), whose ranks hold different
-        data-parallel shards (EP x ETP subdivides the stage's TP x DP ranks); a rank that skips a
+        over ``pg_collection.ep``, the gathers over ``expt_tp`` and ``tp_ep``, groups from
+        ``parallel_state``'s expert rank generator, order ``tp-cp-ep-dp-pp`` with cp=1), whose
+        ranks hold different data-parallel shards (EP x ETP subdivides the stage's TP x DP ranks); a rank that skips a
         forward the others run leaves them waiting in the all-to-all. Tensor-parallel ranks of a
         replica run the same correction, so agreeing over the data-parallel group (as
         ``actor/moe_plan.py`` does for the passes) agrees over every expert group of the stage; and
