@@ -496,11 +496,6 @@ class Config:
             raise ConfigError(f"parallel.expert_parallel={p.expert_parallel} with parallel.tensor_parallel="
                               f"{p.tensor_parallel} needs parallel.sequence_parallel=true (Megatron-Core trains MoE "
                               "layers with tensor parallelism only under sequence parallelism)")
-        if p.expert_parallel > 1 and a.m2po.mask_strategy == "correct":
-            raise ConfigError(f"algo.m2po.mask_strategy='correct' with parallel.expert_parallel={p.expert_parallel}: "
-                              "its correction pass runs on the ranks whose mask changed only, and every rank of an "
-                              "expert-parallel group must join each MoE all-to-all; use mask_strategy=auto (which "
-                              "then takes the pre-pass) or prepass")
         if p.virtual_pipeline_parallel is not None and p.pipeline_parallel == 1:
             raise ConfigError("parallel.virtual_pipeline_parallel needs parallel.pipeline_parallel > 1")
         block = self.rollout.fp8_block_size

@@ -116,9 +116,10 @@ def test_rehearsal_plan_with_context_parallel(tmp_path):
 
 
 def test_moe_recipe_rehearsal_plan_keeps_expert_parallelism(tmp_path):
-    """The Qwen3-30B-A3B recipe is rehearsed with the tiny Qwen3-MoE at EP=2: TP=2 (the recipe has TP),
-    whole experts (the recipe's expert_tensor_parallel=1), PP=2 (the recipe pipelines; etp x EP x PP
-    = 4 divides the 4 processes), no virtual stages (2 tiny layers); each substitution named."""
+    """The Qwen3-30B-A3B recipe (EP=4) is rehearsed with the tiny Qwen3-MoE at EP=2: TP=2 (the recipe
+    has TP), whole experts (the recipe's expert_tensor_parallel=1), PP=2 (the recipe pipelines; etp x
+    EP x PP = 4 divides the 4 processes), no virtual stages (none in the recipe); each substitution
+    named."""
     path = ROOT / "examples" / "qwen3-30b-a3b.yaml"
     recipe = load_config(path)
     assert family_of(recipe) == "qwen3_moe"
@@ -130,8 +131,9 @@ def test_moe_recipe_rehearsal_plan_keeps_expert_parallelism(tmp_path):
     for key in ("sequence_parallel", "recompute", "use_distributed_optimizer", "packing", "max_tokens_per_microbatch",
                 "moe_token_dispatcher"):
         assert getattr(c, key) == getattr(recipe.parallel, key), key
-    for key in ("parallel.expert_parallel", "parallel.expert_tensor_parallel", "parallel.virtual_pipeline_parallel"):
+    for key in ("parallel.expert_parallel", "parallel.expert_tensor_parallel"):
         assert p.overrides[key][1], key
+    assert recipe.parallel.virtual_pipeline_parallel is None and "parallel.virtual_pipeline_parallel" not in p.overrides
     assert p.cfg.model.moe == recipe.model.moe and p.cfg.rollout.launcher == "external"
     # the names a Qwen3 MoE goes by; dense Qwen3 stays dense
     for name, fam in (("/m/Qwen3-30B-A3B", "qwen3_moe"), ("/m/Qwen3-235B-A22B-Instruct-2507", "qwen3_moe"),
@@ -157,7 +159,7 @@ def test_qwen3_30b_a3b_recipe_rehearsal_with_expert_parallelism(tmp_path):
     assert proc.returncode == 0, out[-6000:]
     last = proc.stdout.strip().splitlines()[-1]
     assert last.startswith("rehearsal ok qwen3-30b-a3b steps=4 updates=16 nodes=2x2 TP=2 PP=2 EP=2 ETP=1 "
-                           "sequence_parallel=True recompute=full distributed_optimizer=True"), last
+                           "sequence_parallel=True recompute=none distributed_optimizer=True"), last
     assert "resumed_from=step_000002" in last and "staleness=0..11" in last, last
     node0 = (work / "node0" / "train_2.log").read_text(errors="replace")
     assert f"resumed from {work / 'shared' / 'run' / 'checkpoints' / 'step_000002'}" in node0

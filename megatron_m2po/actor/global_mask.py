@@ -64,6 +64,7 @@ class GlobalMask:
         "correct" (``algo.m2po.mask_strategy``; ``mask_correction.choose_strategy``). The same on
         every rank (a function of config and the previous update's reduced metrics)."""
         from megatron_m2po.actor.mask_correction import choose_strategy
+        from megatron_m2po.actor.model import is_moe
 
         if not spec.needs_global_mask_prepass(settings):
             return None
@@ -74,9 +75,16 @@ class GlobalMask:
                                  f"(a LossSpec with provisional_keep); loss {spec.name!r} has none: use prepass")
             return "prepass"
         a = self.actor
-        if a.cfg.parallel.expert_parallel > 1:  # a correction runs on some data-parallel ranks only, and
-            return "prepass"                     # every MoE forward is an all-to-all over all of them
         m = a.cfg.model
+        moe = m.moe
+        if (moe.aux_loss_coeff > 0 or moe.z_loss_coeff > 0) and is_moe(a.bridge.hf_config):
+            # the router's auxiliary losses add their gradient in every forward-backward: a
+            # correction pass would add it again for the sequences it re-runs
+            if configured == "correct":
+                raise ValueError(f"mask_strategy='correct' with model.moe.aux_loss_coeff={moe.aux_loss_coeff}, "
+                                 f"z_loss_coeff={moe.z_loss_coeff}: the correction pass would add the router's "
+                                 "auxiliary loss gradient a second time; use prepass or set both to 0")
+            return "prepass"
         return choose_strategy(configured, a._mask_hint, recompute=a.cfg.parallel.recompute,
                                dropout=m.attention_dropout > 0 or m.hidden_dropout > 0)
 
@@ -177,7 +185,8 @@ class GlobalMask:
         and one forward-backward of ``keep - guess`` over the changed sequences, cut after their
         last changed token. Every stage of the replica learns those cuts by one broadcast over the
         pipeline group. Returns the mask's (global) metrics."""
-        from megatron_m2po.actor.mask_correction import changed_lengths, pad_for_schedule, truncate
+        from megatron_m2po.actor.mask_correction import (changed_lengths, pad_for_schedule, schedule_count,
+                                                         truncate)
         from megatron_m2po.parallel.devices import collective_device
 
         a = self.actor
@@ -194,21 +203,30 @@ class GlobalMask:
             t = torch.tensor([cut.get(i, 0) for i in mine], dtype=torch.int64, device=collective_device(a.pp_group))
             dist.broadcast(t, src=a.last_stage_rank, group=a.pp_group)
             cut = {i: int(r) for i, r in zip(mine, t.tolist()) if r > 0}
-        if not cut:
+        expert = a.cfg.parallel.expert_parallel > 1
+        if not cut and not expert:
             return metrics
         p = a.cfg.parallel
         pad, seq_pad = a.pad_multiples()
-        short = {i: truncate(samples[i], r) for i, r in cut.items()}
         lengths = plan.lengths.tolist()
-        for i, sm in short.items():
-            lengths[i] = sm.length
+        for i, r in cut.items():
+            lengths[i] = int(plan.lengths[i]) - int(plan.response_lengths[i]) + r
         groups = group_microbatches(lengths, [i for i in mine if i in cut], micro_batch_size=p.micro_batch_size,
                                     max_tokens=p.max_tokens_per_microbatch, packing=p.packing, pad_multiple=pad,
-                                    seq_multiple=seq_pad)
+                                    seq_multiple=seq_pad) if cut else []
         # (diffs: last stage only; other stages never compute a loss)
-        weights = [torch.cat([diffs[i][:cut[i]] for i in g]) if diffs else None for g in groups]
-        groups, weights = pad_for_schedule(groups, weights, a.pp_size if len(a.model) > 1 else 1, lengths,
-                                           cut)
+        weights = [torch.cat([diffs[i][:cut[i]] for i in g]) if a.is_last_stage else None for g in groups]
+        target = schedule_count(len(groups), a.pp_size if len(a.model) > 1 else 1)
+        if expert:
+            target = self.expert_count(target)
+            if not target:
+                return metrics
+        spare = min(mine, key=lambda i: (lengths[i], i)) if mine else None
+        groups, weights, cut = pad_for_schedule(groups, weights, target, lengths, cut, spare,
+                                                last=a.is_last_stage)
+        short = {i: truncate(samples[i], r) for i, r in cut.items()}
+        for i, sm in short.items():
+            lengths[i] = sm.length
         fix = a.make_microbatches(short, groups, plan.response_lengths)
         if a.cp_size > 1 and diffs:  # each CP rank weighs the tokens it holds of the cut sequences
             offsets = np.concatenate([[0], np.cumsum(np.asarray(plan.response_lengths, np.int64))])
@@ -217,6 +235,29 @@ class GlobalMask:
         a._run(fix, lambda mb, model, hidden: self.correction_loss(
             mb, model, hidden, next(it), spec=spec, denom=denom, records=records), forward_only=False)
         return metrics
+
+    def expert_count(self, n: int) -> int:
+        """The number of correction micro-batches every rank runs under expert parallelism: the
+        largest ``n`` (this rank's, already filled for the schedule) of the data-parallel group. Collective.
+
+        Each MoE layer's token dispatch and combine are collectives over the expert tensor-and-model
+        parallel group (megatron-core 0.16.1 ``transformer/moe/token_dispatcher.py``: the all-to-all
+        over ``pg_collection.ep``, the gathers over ``expt_tp`` and ``tp_ep``, groups from
+        ``parallel_state``'s expert rank generator, order ``tp-cp-ep-dp-pp`` with cp=1), whose
+        ranks hold different data-parallel shards (EP x ETP subdivides the stage's TP x DP ranks); a rank that skips a
+        forward the others run leaves them waiting in the all-to-all. Tensor-parallel ranks of a
+        replica run the same correction, so agreeing over the data-parallel group (as
+        ``actor/moe_plan.py`` does for the passes) agrees over every expert group of the stage; and
+        every stage of a replica already has the same cuts (broadcast over the pipeline), so every
+        stage takes the same maximum. A rank with nothing to correct joins with zero-weight fillers."""
+        from megatron_m2po.parallel.devices import collective_device
+
+        a = self.actor
+        if a.dp_size == 1:
+            return n
+        t = torch.tensor([n], dtype=torch.int64, device=collective_device(a.dp_group))
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=a.dp_group)
+        return int(t[0])
 
     def correction_loss(self, mb: MicroBatch, model, hidden: torch.Tensor, weight: Optional[torch.Tensor], *,
                         spec, denom: float, records: list[dict]):

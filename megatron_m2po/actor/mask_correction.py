@@ -36,7 +36,7 @@ import torch
 from megatron_m2po.actor.batch import MicroBatch, Sample
 
 __all__ = ["FORWARD_SHARE", "choose_strategy", "check_dropout", "changed_lengths", "truncate", "diff_by_sample",
-           "pad_for_schedule"]
+           "pad_for_schedule", "schedule_count"]
 
 # A forward pass as a share of forward + backward, the unit the pre-pass costs against the
 # correction's forward-backward: backward ~ 2 forwards; full recompute runs the forward once more
@@ -101,22 +101,41 @@ def truncate(s: Sample, r: int) -> Sample:
                   np.ascontiguousarray(s.routed_experts[:s.prompt_ids.shape[0] + r - 1]))
 
 
-def pad_for_schedule(groups: list[list[int]], weights: list, multiple: int, lengths: list[int],
-                     cut: dict[int, int]) -> tuple[list[list[int]], list]:
-    """``groups`` (and their per-token ``weights``) filled up to a multiple of ``multiple``
-    micro-batches with the shortest changed sample (by ``lengths``, cut after ``cut[i]`` response
-    tokens) at weight 0.
+def schedule_count(n: int, multiple: int) -> int:
+    """The micro-batches a correction of ``n`` runs: ``n`` filled up to a multiple of ``multiple``
+    (:func:`pad_for_schedule`)."""
+    return n + (-n % multiple)
 
-    Megatron's interleaved schedule (megatron-core 0.16.1 ``pipeline_parallel/schedules.py``,
-    ``forward_backward_pipelining_with_interleaving``) runs micro-batches in groups of
-    ``microbatch_group_size_per_vp_stage`` (default: the pipeline size), and refuses fewer
-    micro-batches than that or a last group shorter than the pipeline size; a correction often
-    has one micro-batch. A filler's loss is ``0 * (...)``: it adds exactly 0 to every gradient
-    and to ``loss/*``. ``multiple=1`` (no interleaving) returns the inputs unchanged. Weights are
-    None off the last stage (no loss there)."""
-    fill = -len(groups) % multiple
+
+def pad_for_schedule(groups: list[list[int]], weights: list, target: int, lengths: list[int],
+                     cut: dict[int, int], spare: Optional[int] = None, *, last: bool = True
+                     ) -> tuple[list[list[int]], list, dict[int, int]]:
+    """``groups`` (and their per-token ``weights``) filled up to ``target`` micro-batches with the
+    shortest changed sample (by ``lengths``, cut after ``cut[i]`` response tokens) at weight 0;
+    with no changed sample, with ``spare`` cut after its first response token. Returns the groups,
+    the weights and the cuts (``cut`` plus ``spare: 1`` when the spare was used).
+
+    Two reasons to fill. Megatron's interleaved schedule (megatron-core 0.16.1
+    ``pipeline_parallel/schedules.py``, ``forward_backward_pipelining_with_interleaving``) runs
+    micro-batches in groups of ``microbatch_group_size_per_vp_stage`` (default: the pipeline
+    size), and refuses fewer micro-batches than that or a last group shorter than the pipeline
+    size; a correction often has one micro-batch (``target`` = :func:`schedule_count`). Under
+    expert parallelism every MoE layer's token dispatch is an all-to-all over the expert-parallel
+    group, whose ranks hold different data-parallel shards: all of them run the same number of
+    micro-batches, ``target`` being the largest any of them needs, also on a rank with nothing to
+    correct. A filler's loss is ``0 * (...)``: it adds exactly 0 to every gradient and to
+    ``loss/*``. Weights are None off the ``last`` stage (no loss there)."""
+    fill = target - len(groups)
+    if fill < 0:
+        raise ValueError(f"cannot fill {len(groups)} correction micro-batches up to {target}")
     if not fill:
-        return groups, weights
-    i = min((i for g in groups for i in g), key=lambda i: (lengths[i], i))
-    zero = None if weights[0] is None else torch.zeros(cut[i], dtype=weights[0].dtype)
-    return groups + [[i]] * fill, weights + [zero] * fill
+        return groups, weights, cut
+    cut = dict(cut)
+    if cut:
+        i = min((i for g in groups for i in g), key=lambda i: (lengths[i], i))
+    elif spare is None:
+        raise ValueError("a correction with no changed sample needs a spare sample to fill with")
+    else:
+        i, cut[spare] = spare, 1
+    zero = torch.zeros(cut[i], dtype=torch.int8) if last else None  # the dtype of keep - guess
+    return groups + [[i]] * fill, weights + [zero] * fill, cut

@@ -339,8 +339,9 @@ def step_time(m: ModelShape, lay: Layout, work: Workload, budget_k: int, cm: Cos
         redo = cm.mask_correction_frac * n_mb  # micro-batches' worth of tokens re-run
         correct = t_mb * (redo + min(redo, 1.0) * (pp - 1) / vpp)
         options = {"prepass": prepass, "correct": correct, "auto": min(prepass, correct)}
-        # with expert parallelism the actor always takes the pre-pass (actor/global_mask.py)
-        mask = prepass if lay.ep > 1 else options[work.mask_strategy]
+        # (under expert parallelism every rank runs as many correction micro-batches as the one
+        # with the most, zero-weight fillers on the others: charged at the mean share, as above)
+        mask = options[work.mask_strategy]
     # DP: gradients (fp32) reduced over dp; the distributed optimizer reduce-scatters them and
     # all-gathers the bf16 parameters instead of one all-reduce.
     vocab_p = padded_vocab(m.vocab, tp, lay.vocab_divisible_by)
@@ -508,8 +509,6 @@ def search_config(cfg: Config, m: ModelShape, *, nnodes: int = 1, gpus_per_node:
     common = dict(nnodes=nnodes, gpus_per_node=gpus_per_node, node_gpus=node_gpus, gpu_mem_gib=gpu_mem_gib)
     ranked: list[Candidate] = []
     rejected: list[Candidate] = []
-    # what the config refuses with CP (config.py): expert parallelism
-    cp_ok = cfg.parallel.expert_parallel == 1
 
     def consider(tp: int, pp: int, vpp: Optional[int], rc: str, distopt: bool, k: int, cp: int = 1, ep: int = 1,
                  etp: Optional[int] = None) -> Candidate:
@@ -526,8 +525,10 @@ def search_config(cfg: Config, m: ModelShape, *, nnodes: int = 1, gpus_per_node:
         if m.heads % tp or m.kv_heads % tp or (m.ffn % tp and not m.is_moe) or m.vocab % tp:
             continue
         for pp, cp in [(pp, cp) for pp in _divisors(m.layers) for cp in CONTEXT_PARALLEL]:
-            # CP may span nodes: its ring runs at the inter-node bandwidth there (cp_comm_time)
-            if world % (tp * pp * cp) or (cp > 1 and not cp_ok):
+            # CP may span nodes: its ring runs at the inter-node bandwidth there (cp_comm_time).
+            # (EP with CP, which the config refuses, is left out by moe.ep_choices, whatever EP the
+            # config has: the search does not depend on the layout it starts from)
+            if world % (tp * pp * cp):
                 continue
             dp = world // (tp * pp * cp)
             if work.sequences < dp:

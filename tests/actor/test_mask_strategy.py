@@ -78,10 +78,25 @@ def _forced_guess(kind, exact):
     return guess
 
 
+def _moe_dir(root):
+    d = os.path.join(root, "qwen3_moe_mask")
+    if torch.distributed.get_rank() == 0:
+        lib.make_tiny_hf("qwen3_moe", d, seed=21)
+    torch.distributed.barrier()
+    return d
+
+
+# Under expert parallelism (DP=2): per update one kind per data-parallel rank, so that one rank
+# corrects while the other has nothing to (it fills with zero-weight micro-batches: every MoE
+# forward is an all-to-all over both), then different correction counts.
+EP_GUESSES = (("keep_all", "exact"), ("exact", "inverted"), ("inverted", "keep_all"), "running", "running")
+
+
 def _run(rank, world_size, root, layouts):
     """Per layout and update: the pre-pass update, then the same update from the same state
     (``actor_testlib.snapshot``) with the correction strategy and the provisional mask of
-    ``GUESSES``; the trajectory goes on from the corrected update."""
+    ``GUESSES`` (``EP_GUESSES`` under expert parallelism); the trajectory goes on from the
+    corrected update."""
     from megatron_m2po.actor import mask_correction
     from megatron_m2po.actor.actor import ActorConfig, MegatronActor
     from megatron_m2po.actor.batch import RolloutBatch
@@ -89,16 +104,18 @@ def _run(rank, world_size, root, layouts):
     pad = mask_correction.pad_for_schedule
     fills = []  # filler micro-batches the interleaved schedule needed per correction run
 
-    def counted(groups, weights, multiple, *args):
-        fills.append(-len(groups) % multiple)
-        return pad(groups, weights, multiple, *args)
+    def counted(groups, weights, target, *args, **kw):
+        fills.append(target - len(groups))
+        return pad(groups, weights, target, *args, **kw)
 
     mask_correction.pad_for_schedule = counted
     out = []
     for tp, pp, o in layouts:
-        d = _hf_dir(root, layers=pp * o["vp"] if o.get("vp") else 2)
+        d = _moe_dir(root) if o.get("ep") else _hf_dir(root, layers=pp * o["vp"] if o.get("vp") else 2)
+        guesses = EP_GUESSES if o.get("ep") else GUESSES
         fills.clear()
         cfg = lib.actor_config(d, tp=tp, pp=pp, mbs=o.get("mbs", 2))
+        cfg.parallel.expert_parallel = o.get("ep", 1)
         cfg.parallel.virtual_pipeline_parallel = o.get("vp")
         cfg.parallel.use_distributed_optimizer = o.get("dist_opt", False)
         cfg.parallel.sequence_parallel = o.get("sp", False)
@@ -122,8 +139,9 @@ def _run(rank, world_size, root, layouts):
             for strategy in ("prepass", "correct"):
                 if strategy == "correct":
                     lib.restore(actor, snap)
-                    if GUESSES[u] != "running":  # the actor's guess, replaced for this update
-                        actor.global_mask.guess = _forced_guess(GUESSES[u], exact)
+                    kind = guesses[u] if isinstance(guesses[u], str) else guesses[u][actor.dp_rank]
+                    if kind != "running":  # the actor's guess, replaced for this update
+                        actor.global_mask.guess = _forced_guess(kind, exact)
                 m2.mask_strategy = strategy
                 rec = lib.Recorder(actor)
                 m = actor.train_update(mini)
@@ -140,7 +158,7 @@ def _run(rank, world_size, root, layouts):
                 actor.global_mask.__dict__.pop("guess", None)
             updates.append((pair["prepass"], pair["correct"]))
         actor.close()
-        out.append(((tp, pp, tuple(sorted(o.items())) + (("fills", sum(fills)),)), updates))
+        out.append(((tp, pp, tuple(sorted(o.items())) + (("fills", sum(_gather(sum(fills)))),)), updates))
     mask_correction.pad_for_schedule = pad
     return out
 
@@ -149,8 +167,9 @@ def _check(results):
     for layout, updates in results:
         opts = dict(layout[2])
         fp32 = opts.get("dtype", "float32") == "float32"
-        if opts.get("vp"):  # some correction ran fewer micro-batches than the interleaved schedule takes
-            assert opts["fills"] > 0, layout
+        guesses = EP_GUESSES if opts.get("ep") else GUESSES
+        if opts.get("vp") or opts.get("ep"):  # some correction ran fewer micro-batches than the schedule
+            assert opts["fills"] > 0, layout  # or another expert-parallel rank takes
         tol = dict(rel=1e-5, abs=1e-7) if fp32 else dict(rel=2e-2, abs=1e-4)
         for u, ((ma, sa, ga, ta, hits), (mb, sb, gb, tb, _)) in enumerate(updates):
             assert (sa, sb) == ({"prepass"}, {"correct"}), (layout, u)  # the records' strategies
@@ -160,12 +179,14 @@ def _check(results):
                 assert mb[k] == pytest.approx(ma[k], **tol), (layout, u, k, ma[k], mb[k])
             assert mb["mask/correct"] == 1.0
             frac = mb["mask/corrected_microbatch_frac"]
-            if GUESSES[u] == "keep_all":  # wrong in every micro-batch where the exact mask removes a token
+            if not isinstance(guesses[u], str):  # one rank's guess wrong, or the two differently
+                assert ma["m2po/mask_frac"] > 0 and frac > 0, (layout, u, ma["m2po/mask_frac"], frac)
+            elif guesses[u] == "keep_all":  # wrong in every micro-batch where the exact mask removes a token
                 assert ma["m2po/mask_frac"] > 0 and frac == pytest.approx(np.mean(hits)) and frac > 0.5, \
                     (layout, u, ma["m2po/mask_frac"], frac, hits)
-            elif GUESSES[u] == "inverted":  # wrong on every token
+            elif guesses[u] == "inverted":  # wrong on every token
                 assert ma["m2po/mask_frac"] > 0 and frac == 1.0, (layout, u, ma["m2po/mask_frac"], frac)
-            elif GUESSES[u] == "exact" or u == len(GUESSES) - 1:  # a right guess, or nothing masked
+            elif guesses[u] == "exact" or u == len(GUESSES) - 1:  # a right guess, or nothing masked
                 assert mb["mask/correction_token_frac"] == 0.0, (layout, u, mb)
             if u == len(GUESSES) - 1:
                 assert ma["m2po/mask_frac"] == 0.0
@@ -272,8 +293,32 @@ def test_correct_equals_prepass_interleaved_distributed_optimizer_and_recompute(
         _check(rank_res)
 
 
+@pytest.mark.multiproc
+def test_correct_equals_prepass_under_expert_parallelism(tmp_path):
+    """The tiny Qwen3-MoE at EP=2 (DP=2, each rank holds 2 of the 4 experts), one sequence per
+    micro-batch: a correction on one data-parallel rank only (the other joins every MoE all-to-all
+    with zero-weight micro-batches, ``GlobalMask.expert_count``), then corrections of different
+    counts on the two; the update equals the pre-pass's."""
+    res = run_distributed(_run, 2, args=(str(tmp_path), [(1, 1, {"ep": 2, "mbs": 1})]), timeout_s=300,
+                          pg_timeout_s=90)
+    for rank_res in res:
+        _check(rank_res)
+
+
+@pytest.mark.multiproc
+def test_correct_equals_prepass_under_expert_and_pipeline_parallelism(tmp_path):
+    """As above at EP=2 x PP=2 (world 4): each stage's expert all-to-alls step together, the stages
+    of a replica take the same count (their cuts are broadcast first). (EP=2 x TP=2 + SP, whose
+    expert-TP gathers span the TP pair, passed the same checks once by hand: 46 s.)"""
+    res = run_distributed(_run, 4, args=(str(tmp_path), [(1, 2, {"ep": 2, "mbs": 1})]), timeout_s=400,
+                          pg_timeout_s=90)
+    for rank_res in res:
+        _check(rank_res)
+
+
 def test_auto_takes_the_cheaper_way_and_bad_settings_are_refused():
-    from megatron_m2po.actor.mask_correction import FORWARD_SHARE, check_dropout, choose_strategy, pad_for_schedule
+    from megatron_m2po.actor.mask_correction import (FORWARD_SHARE, check_dropout, choose_strategy,
+                                                     pad_for_schedule, schedule_count)
     from megatron_m2po.config import load_config
 
     # auto: a pre-pass first (it measures what a correction would have cost), then whichever costs less
@@ -290,10 +335,19 @@ def test_auto_takes_the_cheaper_way_and_bad_settings_are_refused():
     # interleaved pipelining: a correction run filled up to whole groups of PP zero-weight micro-batches
     w = [torch.tensor([1, 0, -1], dtype=torch.int8), torch.tensor([1], dtype=torch.int8)]
     lengths = [9, 7, 4, 30]
-    groups, weights = pad_for_schedule([[0, 1], [2]], w, 4, lengths, {0: 2, 1: 1, 2: 1})
+    cut = {0: 2, 1: 1, 2: 1}
+    assert [schedule_count(n, 4) for n in (0, 1, 4, 5)] == [0, 4, 4, 8]
+    groups, weights, c = pad_for_schedule([[0, 1], [2]], w, 4, lengths, cut)
     assert groups == [[0, 1], [2], [2], [2]] and [x.tolist() for x in weights] == [[1, 0, -1], [1], [0], [0]]
-    assert pad_for_schedule([[0], [2]], w, 2, lengths, {0: 2, 2: 1}) == ([[0], [2]], w)
-    assert pad_for_schedule([[0]], [None], 2, lengths, {0: 2}) == ([[0], [0]], [None, None])  # not the last stage
+    assert c == cut
+    assert pad_for_schedule([[0], [2]], w, 2, lengths, {0: 2, 2: 1}) == ([[0], [2]], w, {0: 2, 2: 1})
+    assert pad_for_schedule([[0]], [None], 2, lengths, {0: 2}, last=False) == ([[0], [0]], [None, None], {0: 2})
+    # expert parallelism: a rank with nothing to correct runs the agreed count with its spare sample
+    groups, weights, c = pad_for_schedule([], [], 2, lengths, {}, 3)
+    assert groups == [[3], [3]] and [x.tolist() for x in weights] == [[0], [0]] and c == {3: 1}
+    assert pad_for_schedule([], [], 0, lengths, {}) == ([], [], {})
+    with pytest.raises(ValueError, match="cannot fill 2 correction micro-batches up to 1"):
+        pad_for_schedule([[0], [2]], w, 1, lengths, cut)
     with pytest.raises(ValueError, match="mask_strategy='correct'.*scope='microbatch'"):
         load_config(None, ["algo.m2po.mask_strategy=correct", "algo.m2po.scope=microbatch", "algo.m2po.rule=cap"])
     with pytest.raises(ValueError, match="mask_strategy"):

@@ -193,7 +193,7 @@ class _FakeBridge:
 
 def test_expert_layout_checks():
     """Config and model-build checks name the offending values: EP x TP without sequence
-    parallelism, mask_strategy=correct under EP, experts or MoE width not divisible by EP / ETP,
+    parallelism, mask_strategy=correct with a router aux / z loss, experts or MoE width not divisible by EP / ETP,
     EP on a dense model; the router settings reach Megatron's flags (RL defaults: no aux / z loss,
     no token dropping, fp32 router)."""
     import types
@@ -205,10 +205,24 @@ def test_expert_layout_checks():
     cfg.parallel.expert_parallel, cfg.parallel.tensor_parallel = 2, 2
     with pytest.raises(ConfigError, match="expert_parallel=2 with parallel.tensor_parallel=2 needs parallel.sequence"):
         cfg.validate()
+    # mask_strategy=correct runs under EP (test_mask_strategy.py); not with a router aux / z loss,
+    # whose gradient a correction pass would add again: auto takes the pre-pass then
+    from megatron_m2po.actor.global_mask import GlobalMask
+    from megatron_m2po.algo.losses import get_loss, loss_settings
+
     cfg = Config()
     cfg.parallel.expert_parallel, cfg.algo.m2po.mask_strategy = 2, "correct"
-    with pytest.raises(ConfigError, match="mask_strategy='correct' with parallel.expert_parallel=2"):
-        cfg.validate()
+    cfg.validate()
+    spec = get_loss("m2po")
+    settings = loss_settings(spec, cfg.algo)
+    hf = types.SimpleNamespace(model_type="qwen3_moe", num_experts=4)
+    mask = GlobalMask(types.SimpleNamespace(cfg=cfg, bridge=types.SimpleNamespace(hf_config=hf), _mask_hint=None))
+    assert mask.choose(spec, settings) == "correct"
+    cfg.model.moe.z_loss_coeff = 1e-3
+    with pytest.raises(ValueError, match="mask_strategy='correct' with model.moe.aux_loss_coeff=0.0, z_loss_coeff=0.001"):
+        mask.choose(spec, settings)
+    settings.mask_strategy = "auto"
+    assert mask.choose(spec, settings) == "prepass"
 
     moe = types.SimpleNamespace(model_type="qwen3_moe", num_experts=4, moe_intermediate_size=32, norm_topk_prob=True)
     cfg = Config()
