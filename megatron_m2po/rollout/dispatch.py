@@ -81,9 +81,9 @@ class DispatchClient(SGLangClient):
         limits = dict(engines) if isinstance(engines, Mapping) else split_limits(list(engines), concurrency)
         if not limits:
             raise ValueError("DispatchClient: no engines; pass {url: max in-flight requests}")
+        self._slots: dict[str, _Slot] = {}
         super().__init__(next(iter(limits)), concurrency=max(1, sum(limits.values())), timeout_s=timeout_s,
                          max_retries=max_retries, backoff_s=backoff_s, control_timeout_s=control_timeout_s)
-        self._slots: dict[str, _Slot] = {}
         self._apply(limits)
         self._affinity: OrderedDict[str, str] = OrderedDict()
         self._max_keys = max_affinity_keys
@@ -111,8 +111,10 @@ class DispatchClient(SGLangClient):
             if int(limit) < 1:
                 raise ValueError(f"DispatchClient: engine {url} limit {limit}: must be >= 1")
             u = url.rstrip("/")
-            old = self._slots.get(u) if hasattr(self, "_slots") else None
-            new[u] = _Slot(u, int(limit), old.inflight if old else 0, False, old.sent if old else 0)
+            # the same slot object: requests in flight release the slot they took
+            slot = self._slots.get(u) or _Slot(u, int(limit))
+            slot.limit, slot.down = int(limit), False
+            new[u] = slot
         self._slots = new
         self.base_url = next(iter(new))
         self.concurrency = sum(s.limit for s in new.values())

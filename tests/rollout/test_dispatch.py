@@ -134,6 +134,7 @@ def test_killed_engine_requests_finish_on_the_other_and_a_restart_rejoins(fleet)
         before = c.engine_stats()
         jobs = [asyncio.create_task(c.generate(_prompt(20 + i), PARAMS, affinity=f"k{i}")) for i in range(8)]
         await async_wait_until(lambda: _running_on_both(c), what="requests running on both engines")
+        await c.set_engines(f.dispatch_limits())  # an announcement while requests run keeps their slots
         on_victim = c.engine_stats()[victim.url]["inflight"]
         os.kill(victim.handle.proc.pid, signal.SIGKILL)
         return before, on_victim, await asyncio.gather(*jobs)
@@ -152,6 +153,7 @@ def test_killed_engine_requests_finish_on_the_other_and_a_restart_rejoins(fleet)
         survivor = next(u for u in c.engine_urls if u != victim.url)
         assert [o.finish_type for o in outs] == ["length"] * 8 and all(len(o.output_ids) == 8 for o in outs)
         assert stats[victim.url]["down"] and not stats[survivor]["down"]
+        assert all(v["inflight"] == 0 for v in stats.values()), stats  # every slot taken was given back
         # the survivor ran its own first attempts and every request the victim had again
         moved = stats[survivor]["sent"] - before[survivor]["sent"] - (8 - (stats[victim.url]["sent"]
                                                                           - before[victim.url]["sent"]))
