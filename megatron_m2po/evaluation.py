@@ -286,6 +286,8 @@ def _run(args: argparse.Namespace) -> int:
 
 async def _evaluate_at(url, cfg, sets, k, sampling, tokenizer, reward, console,
                        keep_responses: bool = False) -> dict[str, BenchmarkResult]:
+    """``url``: an engine or router address, or a started ``EngineFleet`` of several engines without a
+    router (its ``client()`` dispatches over them, ``rollout/dispatch.py``)."""
     from megatron_m2po.rollout.client import SGLangClient
 
     if not isinstance(url, str):  # several engines and no router: the fleet's dispatching client
