@@ -121,19 +121,21 @@ def test_groups_stay_on_one_engine_spread_over_both_and_return_routed_experts(fl
 
 
 def test_killed_engine_requests_finish_on_the_other_and_a_restart_rejoins(fleet):
-    """Eight requests slowed down on both engines; one engine is SIGKILLed while it runs some: every
-    request still finishes (its engine's on the other, counted there), the dead engine is marked
-    down; the fleet's restart announces it and the client sends to it again."""
+    """Ten requests slowed down, at most four in flight per engine (``rollout.concurrency=8`` split):
+    each engine runs four by its own count while two wait in the client; one engine is SIGKILLed
+    while it runs them: every request still finishes (its engine's on the other, counted there), the
+    dead engine is marked down; the fleet's restart announces it and the client sends to it again."""
     _, f = fleet
     victim = f.engines[1]
     loop = asyncio.new_event_loop()  # one client across the restart, which runs on this thread
     c = f.client()
 
     async def kill():
-        await c.slow_down(0.05)
+        await c.slow_down(0.2)
         before = c.engine_stats()
-        jobs = [asyncio.create_task(c.generate(_prompt(20 + i), PARAMS, affinity=f"k{i}")) for i in range(8)]
-        await async_wait_until(lambda: _running_on_both(c), what="requests running on both engines")
+        jobs = [asyncio.create_task(c.generate(_prompt(20 + i), PARAMS, affinity=f"k{i}")) for i in range(10)]
+        await async_wait_until(lambda: _running_on_both(c, 4), what="four requests on each engine (its /v1/loads)")
+        assert sorted(s["inflight"] for s in c.engine_stats().values()) == [4, 4]  # the other two wait
         await c.set_engines(f.dispatch_limits())  # an announcement while requests run keeps their slots
         on_victim = c.engine_stats()[victim.url]["inflight"]
         os.kill(victim.handle.proc.pid, signal.SIGKILL)
@@ -151,11 +153,11 @@ def test_killed_engine_requests_finish_on_the_other_and_a_restart_rejoins(fleet)
         before, on_victim, outs = loop.run_until_complete(kill())
         stats = c.engine_stats()
         survivor = next(u for u in c.engine_urls if u != victim.url)
-        assert [o.finish_type for o in outs] == ["length"] * 8 and all(len(o.output_ids) == 8 for o in outs)
+        assert [o.finish_type for o in outs] == ["length"] * 10 and all(len(o.output_ids) == 8 for o in outs)
         assert stats[victim.url]["down"] and not stats[survivor]["down"]
         assert all(v["inflight"] == 0 for v in stats.values()), stats  # every slot taken was given back
         # the survivor ran its own first attempts and every request the victim had again
-        moved = stats[survivor]["sent"] - before[survivor]["sent"] - (8 - (stats[victim.url]["sent"]
+        moved = stats[survivor]["sent"] - before[survivor]["sent"] - (10 - (stats[victim.url]["sent"]
                                                                           - before[victim.url]["sent"]))
         assert moved >= on_victim > 0, (moved, on_victim, stats)
         # engines launched by a thread die with it (PR_SET_PDEATHSIG): restart from this one, as the trainer does
@@ -171,8 +173,12 @@ def test_killed_engine_requests_finish_on_the_other_and_a_restart_rejoins(fleet)
         loop.close()
 
 
-async def _running_on_both(c: DispatchClient) -> bool:
-    return all(snap["num_running_reqs"] > 0 for snap in (await _loads(c)).values())
+async def _running_on_both(c: DispatchClient, n: int = 0) -> bool:
+    """Each engine reports requests running (exactly ``n`` running or waiting there, when given)."""
+    snaps = (await _loads(c)).values()
+    if n:
+        return all(s["num_running_reqs"] + s["num_waiting_reqs"] == n for s in snaps)
+    return all(s["num_running_reqs"] > 0 for s in snaps)
 
 
 def test_weight_push_reaches_both_engines(fleet, tmp_path):
