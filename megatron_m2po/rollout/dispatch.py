@@ -105,6 +105,10 @@ class DispatchClient(SGLangClient):
         return {u: {"limit": s.limit, "inflight": s.inflight, "down": s.down, "sent": s.sent}
                 for u, s in self._slots.items()}
 
+    def engine_of(self, affinity: str) -> Optional[str]:
+        """The engine the key ``affinity`` is given to (None: not seen, or forgotten)."""
+        return self._affinity.get(affinity)
+
     def _apply(self, limits: Mapping[str, int]) -> None:
         new = {}
         for url, limit in limits.items():

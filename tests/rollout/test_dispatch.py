@@ -120,6 +120,41 @@ def test_groups_stay_on_one_engine_spread_over_both_and_return_routed_experts(fl
         np.testing.assert_array_equal(t.routed_experts, _reference(d, ids)[:-1])
 
 
+def test_control_calls_reach_every_engine_and_an_abort_its_owner(fleet):
+    """Without a router nothing fans out for us: pause / continue, health, flush, weight version,
+    server info and loads go to every engine; an abort of one rid goes to the engine running it and
+    ends it there (SGLang answers it with finish_reason abort); abort_all reaches both."""
+    _, f = fleet
+
+    async def go():
+        async with f.client() as c:
+            urls = c.engine_urls
+            paused = await c.pause_generation("in_place")
+            assert set(paused) == set(urls)
+            *each, whole = await asyncio.gather(*(c.client_for(u).health(1.0) for u in urls), c.health(1.0))
+            assert each == [False, False] and not whole  # both paused: no /health answer
+            await c.continue_generation()
+            assert await c.health() and await c.flush_cache()
+            assert await c.weight_version() == "0"
+            assert set(await c.get_server_info()) == set(urls)
+            assert await c.fleet_max_running() == {u: 64 for u in urls}
+            await c.slow_down(0.2)
+            job = asyncio.create_task(c.generate(_prompt(30), PARAMS, rid="r-abort", affinity="x"))
+            owner = await async_wait_until(lambda: c.engine_of("x"), what="an engine for the request")
+            await async_wait_until(lambda: _running(c, owner), what=f"the request running on {owner}")
+            assert (await c.loads())["num_running_reqs"] == 1  # summed over both engines
+            assert await c.abort("r-abort") == [owner]
+            out = await job
+            assert out.aborted and len(out.output_ids) < 8
+            assert set(await c.abort(abort_all=True)) == set(urls)
+            await c.slow_down(None)
+    asyncio.run(go())
+
+
+async def _running(c: DispatchClient, url: str) -> bool:
+    return (await c.client_for(url).loads())["num_running_reqs"] == 1
+
+
 def test_killed_engine_requests_finish_on_the_other_and_a_restart_rejoins(fleet):
     """Ten requests slowed down, at most four in flight per engine (``rollout.concurrency=8`` split):
     each engine runs four by its own count while two wait in the client; one engine is SIGKILLed
