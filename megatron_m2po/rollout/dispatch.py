@@ -129,11 +129,14 @@ class DispatchClient(SGLangClient):
         if not limits:
             raise ValueError("DispatchClient.set_engines: no engines")
         gone = [u for u in self._slots if u not in {k.rstrip("/") for k in limits}]
+        joined = [k.rstrip("/") for k in limits if k.rstrip("/") not in self._slots]
         self._apply(limits)
         for k in [k for k, u in self._affinity.items() if u in gone]:
             del self._affinity[k]
         if gone:
             log.info("engines left the dispatch set: %s", ", ".join(gone))
+        if joined:
+            log.info("engines joined the dispatch set: %s", ", ".join(joined))
         await self._notify()
 
     async def set_concurrency(self, concurrency: int) -> None:
