@@ -15,6 +15,9 @@ Policy (close to what users get from the router's ``cache_aware`` policy where i
   used keys are forgotten). A key whose engine is down or gone is given to another engine.
 - **Least in-flight.** A request without a key goes to the up engine with the fewest in-flight
   requests (ties: the one sent the fewest so far, then fleet order: round robin when idle).
+- **Balance.** As the router's ``cache_aware`` policy does past its default thresholds
+  (``balance_abs_threshold=64``, ``balance_rel_threshold=1.5``), a key whose engine has more than
+  64 and 1.5x the in-flight requests of the least busy up engine is given to that one instead.
 - **Per-engine concurrency.** Each engine has its own bound on in-flight requests (the fleet's
   :meth:`~megatron_m2po.rollout.engines.EngineFleet.dispatch_limits`: what the engine reports it
   can run, or ``rollout.concurrency`` split over the engines). A request waits for a free slot of
@@ -164,7 +167,7 @@ class DispatchClient(SGLangClient):
         if affinity is not None:
             url = self._affinity.get(affinity)
             s = self._slots.get(url) if url else None
-            if s is not None and (not s.down or s in up):
+            if s is not None and (not s.down or s in up) and not _imbalanced(s, up):
                 self._affinity.move_to_end(affinity)
                 return s, s.inflight < s.limit
         free = [s for s in up if s.inflight < s.limit]
@@ -368,6 +371,17 @@ class DispatchClient(SGLangClient):
             await c.close()
         self._clients.clear()
         await super().close()
+
+
+# sglang-router 0.3.2's cache_aware defaults (sglang_router/router_args.py: balance_abs_threshold=64,
+# balance_rel_threshold=1.5): past both, the router sends to the least loaded worker, cache or not.
+BALANCE_ABS, BALANCE_REL = 64, 1.5
+
+
+def _imbalanced(slot: _Slot, up: list[_Slot]) -> bool:
+    """The key's engine is so much busier than the least busy one that the router would balance."""
+    least = min(s.inflight for s in up)
+    return slot.inflight - least > BALANCE_ABS and slot.inflight > least * BALANCE_REL
 
 
 def split_limits(urls: Sequence[str], total: int) -> dict[str, int]:

@@ -262,3 +262,23 @@ def test_weight_push_reaches_both_engines(fleet, tmp_path):
         np.testing.assert_array_equal(got, _reference(str(new_dir), seq)[:-1])
         changed |= not np.array_equal(got, _reference(d, seq)[:-1])
     assert changed, "the new gate weights route like the old ones: the test cannot tell the push happened"
+
+
+def test_a_key_moves_when_its_engine_is_past_the_routers_balance_thresholds():
+    """sglang-router 0.3.2's cache_aware defaults (``balance_abs_threshold=64``,
+    ``balance_rel_threshold=1.5``): a key stays on its engine while that engine runs at most 64 more
+    requests than the least busy one (hand-counted: the 66th request of the key sees 65 vs 0 and
+    moves); no engine is contacted (the policy alone)."""
+    c = DispatchClient({"http://a:1": 100, "http://b:1": 100})
+
+    async def go():
+        slots = [await c._acquire("k") for _ in range(65)]
+        assert {s.url for s in slots} == {"http://a:1"} and c.engine_of("k") == "http://a:1"
+        moved = await c._acquire("k")
+        assert moved.url == "http://b:1" and c.engine_of("k") == "http://b:1"
+        other = await c._acquire(None)  # least in-flight: b (1) before a (65)
+        assert other.url == "http://b:1"
+        for s in [*slots, moved, other]:
+            await c._release(s)
+        assert all(v["inflight"] == 0 for v in c.engine_stats().values())
+    asyncio.run(go())
