@@ -28,7 +28,7 @@ Policy (close to what users get from the router's ``cache_aware`` policy where i
   :meth:`SGLangClient._generate_with_retry`: ``max_retries`` retries). A 4xx is raised (the request
   is wrong); a timed-out or cancelled request is aborted on its engine. When every engine is down
   the down ones are tried again (they may be back). :meth:`set_engines` (the fleet announces its
-  engines on start, restart, admission and refresh) replaces the set and clears the down marks of
+  engines on start, every restart check and admission) replaces the set and clears the down marks of
   the engines it lists: they were just checked healthy.
 - **Fleet-wide calls** (abort, pause / continue, flush_cache, weight version, health, loads,
   server info, disk weight updates) go to every engine; an abort of one ``rid`` goes to the engine

@@ -29,7 +29,7 @@ only after ``refit_fn`` pushed the current weights, so it never serves stale wei
 Without a router (``rollout.use_router=false``) :meth:`EngineFleet.client` is a
 :class:`~megatron_m2po.rollout.dispatch.DispatchClient` that dispatches ``/generate`` over the engines
 itself (sglang-router 0.3.2 drops ``return_routed_experts``); the fleet tells it its engines
-(``on_engines`` with :meth:`EngineFleet.dispatch_limits`) on start, restart, admission and refresh. A
+(``on_engines`` with :meth:`EngineFleet.dispatch_limits`) on start, every restart check and admission. A
 relaunched engine that waits for its weights (``pending``) is in neither the router nor that set.
 
 ``EngineFleet.concurrency`` is the trainer client's bound on in-flight requests: ``rollout.concurrency``
@@ -142,8 +142,8 @@ class EngineFleet:
     GPUs after the trainer's. Default: this process's environment with no trainer on its GPUs
     unless it runs under torchrun (``LOCAL_WORLD_SIZE``). ``on_concurrency(n)`` is called with every new value of
     :attr:`concurrency` (from :meth:`start` on). ``on_engines(limits)`` (no router) is called with
-    :meth:`dispatch_limits` whenever the engines may have changed (start, restart, admission,
-    refresh): pass it to :meth:`DispatchClient.set_engines`.
+    :meth:`dispatch_limits` whenever the engines may have changed (start, every
+    :meth:`check_and_restart`, :meth:`admit`): pass it to :meth:`DispatchClient.set_engines`.
     """
 
     cfg: RolloutConfig
