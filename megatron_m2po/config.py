@@ -279,7 +279,10 @@ class RolloutConfig:
                         "holding engine_mem_fraction); without it such a list is refused.")
     ray_cpus_per_engine: float = _f(1.0, ge=0.0, help="launcher=ray: CPUs each engine actor reserves (GPUs = engine_tp for sglang).")
     external_addrs: list[str] = _f(factory=list, help="http://host:port of engines started elsewhere (launcher=external).")
-    use_router: bool = _f(True, help="Put sglang-router in front of the engines.")
+    use_router: bool = _f(True, help="Put sglang-router (cache_aware policy) in front of the engines. false: the "
+                          "trainer's client dispatches /generate over the engines itself (rollout/dispatch.py: a "
+                          "prompt group on one engine, else least in-flight requests; failed engines skipped), "
+                          "needed for return_routed_experts, which sglang-router 0.3.2 drops.")
     router_addr: Optional[str] = _f(None, help="Attach to an existing router at this address instead of starting one.")
     host: str = _f("127.0.0.1", help="Bind address of locally launched engines and router.")
     base_port: int = _f(30000, ge=0, le=65000, help="First port for engines; the router takes base_port - 1. 0 = pick free ports.")
@@ -320,7 +323,8 @@ class RolloutConfig:
     return_routed_experts: bool = _f(False, help="Ask the engines for the top-k expert ids of every MoE layer per "
                                      "token (SGLang's return_routed_experts; engines are started with "
                                      "--enable-return-routed-experts) and keep them with each trajectory. Needs "
-                                     "rollout.use_router=false: sglang-router 0.3.2 drops the request field.")
+                                     "rollout.use_router=false (the client dispatches over any number of "
+                                     "engines): sglang-router 0.3.2 drops the request field.")
     fp8_block_size: list[int] = _f(factory=lambda: [128, 128],
                                    help="FP8 weight_block_size [block_n, block_k]; both sizes of every decoder linear must "
                                         "be multiples (SGLang refuses fused / tensor-parallel partitions that are not).")
@@ -694,9 +698,11 @@ def _check_routing_replay(c: "Config") -> None:
     if r.return_routed_experts and r.source == "engines" and (r.use_router or r.router_addr):
         # Measured: the pinned sglang-router 0.3.2 re-serialises /generate from a typed request that has no
         # return_routed_experts, so the engines never see it and answer without meta_info.routed_experts.
-        raise ConfigError("rollout.return_routed_experts=true through sglang-router: the pinned sglang-router 0.3.2 "
-                          "drops return_routed_experts from /generate requests; use rollout.use_router=false (one "
-                          "engine) and no rollout.router_addr")
+        raise ConfigError("rollout.return_routed_experts=true through sglang-router (rollout.use_router="
+                          f"{r.use_router}, rollout.router_addr={r.router_addr!r}): the pinned sglang-router 0.3.2 "
+                          "drops return_routed_experts from /generate requests. Set rollout.use_router=false and "
+                          "rollout.router_addr=null: the trainer then dispatches /generate over the engines itself "
+                          "(any rollout.num_engines; external engines listed in rollout.external_addrs)")
     if a.routing_replay == "none":
         return
     if not c.rollout.return_routed_experts:

@@ -264,7 +264,7 @@ def _run(args: argparse.Namespace) -> int:
 
             console.print(f"launching {cfg.rollout.num_engines} {cfg.rollout.engine} engine(s) for {model_path}")
             fleet = EngineFleet(cfg.rollout, model_path, run_dir=cfg.trainer.run_dir).start()
-            url = fleet.url
+            url = fleet.url if fleet.router_url or len(fleet.engines) == 1 else fleet
         results = asyncio.run(_evaluate_at(url, cfg, sets, k, sampling, tokenizer, reward, console,
                                            keep_responses=args.save_responses))
     finally:
@@ -286,8 +286,14 @@ def _run(args: argparse.Namespace) -> int:
 
 async def _evaluate_at(url, cfg, sets, k, sampling, tokenizer, reward, console,
                        keep_responses: bool = False) -> dict[str, BenchmarkResult]:
+    """``url``: an engine or router address, or a started ``EngineFleet`` of several engines without a
+    router (its ``client()`` dispatches over them, ``rollout/dispatch.py``)."""
     from megatron_m2po.rollout.client import SGLangClient
 
+    if not isinstance(url, str):  # several engines and no router: the fleet's dispatching client
+        async with url.client() as client:
+            return await evaluate_sets(client, sets, k=k, sampling_params=sampling, tokenizer=tokenizer,
+                                       reward=reward, log=console.print, keep_responses=keep_responses)
     concurrency = cfg.rollout.concurrency
     if concurrency is None:  # derived from what the engine (or the router's engines) report
         from megatron_m2po.rollout.engines import FALLBACK_MAX_RUNNING

@@ -70,6 +70,8 @@ def test_cross_field_rules():
     (["algo.routing_replay=rollout", "rollout.return_routed_experts=true", "rollout.use_router=false"],
      "needs an MoE model; model.hf_path=tiny with model.tiny_family='qwen2' is dense"),
     (["rollout.return_routed_experts=true"], "sglang-router 0.3.2 drops return_routed_experts"),
+    (["rollout.return_routed_experts=true", "rollout.use_router=false", "rollout.router_addr=http://h:1"],
+     "Set rollout.use_router=false and rollout.router_addr=null"),
     (["algo.routing_replay=rollout", "rollout.return_routed_experts=true", "rollout.use_router=false",
       "model.tiny_family=qwen3_moe", "parallel.recompute=full", "parallel.pipeline_parallel=2"],
      "would replay another micro-batch's routing"),
@@ -78,5 +80,5 @@ def test_routing_replay_cross_field_checks(overrides, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(".", r"\.")):
         load_config(None, overrides)
     ok = load_config(None, ["algo.routing_replay=rollout", "rollout.return_routed_experts=true",
-                            "rollout.use_router=false", "model.tiny_family=qwen3_moe"])
-    assert ok.algo.routing_replay == "rollout"
+                            "rollout.use_router=false", "model.tiny_family=qwen3_moe", "rollout.num_engines=4"])
+    assert ok.algo.routing_replay == "rollout"  # several engines: the client dispatches (rollout/dispatch.py)

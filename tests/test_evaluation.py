@@ -131,7 +131,8 @@ def test_eval_end_to_end_against_a_cpu_worker(tmp_path):
             f"model: {{hf_path: {model}}}\n"
             f"data: {{train: {tmp_path / 'math500.jsonl'}, template: raw,"
             f" eval: [{tmp_path / 'math500.jsonl'}, {tmp_path / 'aime24.jsonl'}]}}\n"
-            "rollout: {max_new_tokens: 8, use_router: false, num_engines: 1, base_port: 0}\n"
+            "rollout: {max_new_tokens: 8, use_router: false, num_engines: 2, base_port: 0}\n"  # client dispatch
+
             f"reward: {{num_workers: 1, fn: '{reward_fn}'}}\n"
             f"trainer: {{run_dir: {tmp_path / 'run'}}}\n")
         parser = argparse.ArgumentParser()

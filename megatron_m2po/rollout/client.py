@@ -318,10 +318,12 @@ class SGLangClient:
     # ------------------------------------------------------------------ generation
     async def generate(self, input_ids: Sequence[int], sampling_params: dict, return_logprob: bool = True,
                        *, rid: Optional[str] = None, return_routed_experts: bool = False,
-                       routed_experts_start_len: int = 0) -> GenerateOutput:
+                       routed_experts_start_len: int = 0, affinity: Optional[str] = None) -> GenerateOutput:
         """POST /generate for one prompt. ``rid`` lets ``abort(rid)`` stop it later.
         ``return_routed_experts``: ask for every MoE layer's top-k expert ids of the positions from
-        ``routed_experts_start_len`` on (:meth:`GenerateOutput.routed_experts_array`)."""
+        ``routed_experts_start_len`` on (:meth:`GenerateOutput.routed_experts_array`). ``affinity``
+        is not sent: one URL has nothing to choose (a router picks by prompt prefix); the
+        ``DispatchClient`` (``rollout/dispatch.py``) keeps requests with one key on one engine."""
         if (sampling_params or {}).get("n", 1) not in (None, 1):
             raise ValueError(f"sampling_params.n={sampling_params['n']}: SGLang answers n > 1 with a list of "
                              "n outputs under new rids; send n requests with n=1 instead")

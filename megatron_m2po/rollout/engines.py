@@ -2,7 +2,7 @@
 
     fleet = EngineFleet(cfg.rollout, model_path, run_dir="runs/x", refit_fn=push_current_weights)
     fleet.start()            # engines healthy, router up, workers registered
-    client = SGLangClient(fleet.url)
+    client = fleet.client()  # the router, or a DispatchClient over the engines (use_router=false)
     ...
     fleet.check_and_restart()  # dead engine -> relaunch -> refit_fn(url) -> register again
     fleet.stop()
@@ -26,6 +26,12 @@ log's last lines. The router (sglang-router 0.3.2) is started with no workers an
 added with ``POST /workers``; a restarted engine is removed from the router first and added back
 only after ``refit_fn`` pushed the current weights, so it never serves stale weights.
 
+Without a router (``rollout.use_router=false``) :meth:`EngineFleet.client` is a
+:class:`~megatron_m2po.rollout.dispatch.DispatchClient` that dispatches ``/generate`` over the engines
+itself (sglang-router 0.3.2 drops ``return_routed_experts``); the fleet tells it its engines
+(``on_engines`` with :meth:`EngineFleet.dispatch_limits`) on start, every restart check and admission. A
+relaunched engine that waits for its weights (``pending``) is in neither the router nor that set.
+
 ``EngineFleet.concurrency`` is the trainer client's bound on in-flight requests: ``rollout.concurrency``
 when set, else the sum over engines of what each reports it can run (``client.max_running_requests``
 of its ``/server_info``), re-derived whenever the engines change; ``on_concurrency`` hears each new
@@ -48,6 +54,7 @@ import aiohttp
 
 from megatron_m2po.config import RolloutConfig
 from megatron_m2po.rollout.client import EngineError, SGLangClient, max_running_requests
+from megatron_m2po.rollout.dispatch import DispatchClient, split_limits
 from megatron_m2po.rollout.sglang_version import check_sglang_version
 from megatron_m2po.rollout.launcher import (EngineHandle, EngineSpec, FleetError, Launcher, LocalHandle,
                                             LocalLauncher, sglang_python)
@@ -134,7 +141,9 @@ class EngineFleet:
     trainer's when ``rollout.engine_gpu_ids`` is empty), and a Ray cluster started here gets only the
     GPUs after the trainer's. Default: this process's environment with no trainer on its GPUs
     unless it runs under torchrun (``LOCAL_WORLD_SIZE``). ``on_concurrency(n)`` is called with every new value of
-    :attr:`concurrency` (from :meth:`start` on).
+    :attr:`concurrency` (from :meth:`start` on). ``on_engines(limits)`` (no router) is called with
+    :meth:`dispatch_limits` whenever the engines may have changed (start, every
+    :meth:`check_and_restart`, :meth:`admit`): pass it to :meth:`DispatchClient.set_engines`.
     """
 
     cfg: RolloutConfig
@@ -147,6 +156,7 @@ class EngineFleet:
     weight_version: str = "0"
     extra_engine_args: list[str] = field(default_factory=list)
     on_concurrency: Optional[Callable[[int], None]] = None
+    on_engines: Optional[Callable[[dict[str, int]], None]] = None
     engines: list[_Engine] = field(default_factory=list, init=False)
     concurrency: int = field(default=0, init=False)
     _held: set = field(default_factory=set, init=False)
@@ -165,9 +175,35 @@ class EngineFleet:
         if self.router_url:
             return self.router_url
         if len(self.engines) != 1:
-            raise FleetError(f"{len(self.engines)} engines and no router: set rollout.use_router=true "
-                             "or talk to fleet.engine_urls directly")
+            raise FleetError(f"{len(self.engines)} engines and no router: use fleet.client() (it dispatches "
+                             "over fleet.engine_urls itself) or set rollout.use_router=true")
         return self.engines[0].url
+
+    def dispatch_limits(self) -> dict[str, int]:
+        """``{url: in-flight bound}`` of the engines that take requests (not ``pending``): what each
+        reports it can run, or ``rollout.concurrency`` split evenly over them."""
+        live = [e for e in self.engines if not e.pending]
+        if self.cfg.concurrency is not None:
+            return split_limits([e.url for e in live], self.cfg.concurrency)
+        return {e.url: e.max_running or FALLBACK_MAX_RUNNING for e in live}
+
+    def client(self, *, timeout_s: Optional[float] = None, max_retries: Optional[int] = None) -> SGLangClient:
+        """The trainer's generation client: an :class:`SGLangClient` of the router, or without one a
+        :class:`DispatchClient` over :meth:`dispatch_limits` (module docstring). Create it on the event
+        loop that uses it; with a DispatchClient, route ``on_engines`` to its ``set_engines``."""
+        timeout_s = self.cfg.request_timeout_s if timeout_s is None else timeout_s
+        retries = self.cfg.max_retries if max_retries is None else max_retries
+        if self.router_url:
+            return SGLangClient(self.router_url, concurrency=max(1, self.concurrency), timeout_s=timeout_s,
+                                max_retries=retries)
+        return DispatchClient(self.dispatch_limits(), timeout_s=timeout_s, max_retries=retries)
+
+    def _announce(self) -> None:
+        """Tell a dispatching client the engines (no router: it is the router)."""
+        if self.router_url is None and self.on_engines is not None and self.engines:
+            limits = self.dispatch_limits()
+            if limits:
+                self.on_engines(limits)
 
     @property
     def discovered(self) -> bool:
@@ -212,6 +248,7 @@ class EngineFleet:
                 self.stop()
                 raise
         self._derive_concurrency()
+        self._announce()
         return self
 
     def refresh(self) -> list[str]:
@@ -296,6 +333,7 @@ class EngineFleet:
                 self.refit_fn(e.url)
             if self.router_url:
                 self._register(e)
+        self._announce()  # listed engines were just probed healthy: a dispatching client uses them again
         return restarted
 
     @property
@@ -312,6 +350,8 @@ class EngineFleet:
                     self._register(e)
                 e.pending = False
                 admitted.append(e.url)
+        if admitted:
+            self._announce()
         return admitted
 
     def stop(self) -> None:

@@ -334,7 +334,7 @@ async def _turns(ctx: ProducerContext, env: Environment, render: "_Renderer", pr
             params["sampling_seed"] = request_seed(ctx.seed, f"{group}/turn{tape.turns}", j)
         if getattr(env, "stop", None):
             params["stop"] = list(env.stop)
-        out = await _bounded(_sample(ctx, prompt + tape.resp, params, routed_start=tape.covered), float("inf"),
+        out = await _bounded(_sample(ctx, prompt + tape.resp, params, routed_start=tape.covered, affinity=group), float("inf"),
                              deadline, "episode_timeout")
         if ctx.routed_experts is not None:  # this turn's prefill and decode: up to its last token
             stop = len(prompt) + len(tape.resp) + len(out.output_ids) - 1

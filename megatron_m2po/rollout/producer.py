@@ -2,7 +2,7 @@
 
 A producer is an ``async`` callable ``producer(ctx: ProducerContext, prompts: list[PromptItem])
 -> list[Group]``. The default one samples ``n`` responses per prompt from the engines (through
-sglang-router), keeps the engine's per-token sampling log-probs as behaviour log-probs, tags
+sglang-router, or dispatched by the client over the engines), keeps the engine's per-token sampling log-probs as behaviour log-probs, tags
 every token with the weight version that produced it, scores the responses with the reward
 function and returns one :class:`~megatron_m2po.store.types.Group` per prompt. Custom producers
 (tools, agents, multi-turn) are given as ``rollout.producer = "module:function"`` and checked
@@ -115,12 +115,16 @@ def routed_rows(ctx: ProducerContext, out: Any, start: int, stop: int) -> Option
 
 
 async def _sample(ctx: ProducerContext, prompt_ids: Sequence[int], params: Optional[dict] = None,
-                  routed_start: int = 0) -> Any:
+                  routed_start: int = 0, affinity: Optional[str] = None) -> Any:
     """One response; an aborted one (engine restarted under it) is sampled again. With
-    ``ctx.routed_experts`` it asks for the routed experts of the positions from ``routed_start`` on."""
-    kw = {}
+    ``ctx.routed_experts`` it asks for the routed experts of the positions from ``routed_start`` on.
+    ``affinity`` (the group id) keeps a group's requests on one engine when the client dispatches
+    itself (``rollout/dispatch.py``; sglang-router's cache-aware policy does so from the prompt)."""
+    kw: dict = {}
     if ctx.routed_experts is not None:
         kw = {"return_routed_experts": True, "routed_experts_start_len": int(routed_start)}
+    if affinity is not None:
+        kw["affinity"] = affinity
     for attempt in range(ctx.max_attempts):
         out = await ctx.client.generate(prompt_ids, params or ctx.sampling_params, return_logprob=True, **kw)
         if not out.aborted:
@@ -136,7 +140,7 @@ async def _sample(ctx: ProducerContext, prompt_ids: Sequence[int], params: Optio
 
 async def default_producer(ctx: ProducerContext, prompts: list) -> list[Group]:
     """Sample ``ctx.n_samples`` responses per prompt, score them, return one group per prompt."""
-    jobs = [_sample(ctx, item.prompt_ids, ctx.sampling_params_for(ctx.group_id(p), j))
+    jobs = [_sample(ctx, item.prompt_ids, ctx.sampling_params_for(ctx.group_id(p), j), affinity=ctx.group_id(p))
             for p, item in enumerate(prompts) for j in range(ctx.n_samples)]
     outs = await asyncio.gather(*jobs)
     texts = [ctx.tokenizer.decode(o.output_ids, skip_special_tokens=True) for o in outs]

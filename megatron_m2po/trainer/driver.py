@@ -33,6 +33,7 @@ from megatron_m2po.config import Config, RolloutConfig
 from megatron_m2po.data.dataset import build_eval_sets, build_prompt_dataset
 from megatron_m2po.rewards import get_reward_fn
 from megatron_m2po.rollout.client import SGLangClient
+from megatron_m2po.rollout.dispatch import DispatchClient
 from megatron_m2po.rollout.engines import EngineFleet
 from megatron_m2po.rollout.placement import cuda_count, node_gpus, placement
 from megatron_m2po.rollout.episodes import make_episode_producer
@@ -139,19 +140,24 @@ class RolloutDriver:
         # refit_fn is bound late: the push controller needs the started fleet's URLs first.
         self.fleet = EngineFleet(cfg.rollout, engine_model, run_dir=str(run_dir),
                                  refit_fn=lambda url: self.weights.refit(url), node=node,
-                                 on_concurrency=self._resize_client)
+                                 on_concurrency=self._resize_client, on_engines=self._reset_engines)
         self.fleet.start()
         self._bg.submit(self._open_client()).result()
 
     async def _open_client(self) -> None:
-        r = self.cfg.rollout
-        self.client = SGLangClient(self.fleet.url, concurrency=self.fleet.concurrency, timeout_s=r.request_timeout_s,
-                                   max_retries=r.max_retries)
+        # sglang-router's client, or without a router a DispatchClient over the engines (rollout/dispatch.py)
+        self.client = self.fleet.client()
 
     def _resize_client(self, concurrency: int) -> None:
         """The fleet's derived concurrency changed (engines joined or left): the client follows."""
-        if self.client is not None:
+        if self.client is not None and not isinstance(self.client, DispatchClient):
             self._bg.submit(self.client.set_concurrency(concurrency)).result(timeout=30)
+
+    def _reset_engines(self, limits: dict[str, int]) -> None:
+        """No router: the fleet's engines changed (restart, admission) or were re-checked; the
+        dispatching client sends requests to these (and to engines it had marked down again)."""
+        if isinstance(self.client, DispatchClient):
+            self._bg.submit(self.client.set_engines(limits)).result(timeout=30)
 
     def _fp8_base(self, run_dir: Path) -> str:
         """``<run_dir>/engine_base_fp8``: the base model in block FP8 (kept for a resume)."""

@@ -107,13 +107,13 @@ def test_tiny_qwen3_moe_trains_on_policy_from_its_first_update(tmp_path):
     """``model.tiny_family=qwen3_moe``: the tiny Qwen3 base upcycled into 4 experts (top-2) is
     built, served by a CPU worker (fused experts in transformers 5, per-expert weight updates)
     and trained by Megatron's MoE layer at EP=1 for 2 steps with routing replay
-    (``algo.routing_replay=rollout``: the worker returns every token's experts, the store keeps
-    them, the actor replays them; one engine, no router: sglang-router 0.3.2 drops the request
-    field); update 1 is exactly on-policy (the engine's log-probs are the trainer's, so KL ~ 0 and
+    (``algo.routing_replay=rollout``: the workers return every token's experts, the store keeps
+    them, the actor replays them; two engines and no router, the client dispatching over them:
+    sglang-router 0.3.2 drops the request field); update 1 is exactly on-policy (the engine's log-probs are the trainer's, so KL ~ 0 and
     nothing is masked), and every stored trajectory carries a routing row per position but the last."""
     run = tmp_path / "moe"
     _train(run, "model.tiny_family=qwen3_moe", "trainer.num_steps=2", "checkpoint.save_every_steps=0",
-           "rollout.use_router=false", "rollout.num_engines=1", "rollout.return_routed_experts=true",
+           "rollout.use_router=false", "rollout.num_engines=2", "rollout.return_routed_experts=true",
            "algo.routing_replay=rollout")
     ups = _updates(run)
     assert sorted(ups) == [1, 2, 3, 4]
