@@ -71,6 +71,15 @@ def test_cpu_smoke_prints_the_table_and_passes(tmp_path):
     assert [row["check"].split(": ")[1] for row in cp] == ["log-probs", "entropies", "M2PO grad norm"]
     assert all(row["verdict"] == "PASS" for row in cp), cp
     assert "padded to a multiple of 2 x CP" in cp[0]["shape"], cp[0]
+    # row 6: a Qwen3-MoE (8 experts, top-2) with the same expert ids replayed on both paths
+    moe = [row for row in rows if row["check"].startswith(
+        "MoE actor cpu bf16 (local spec, LocalGroupedMLP, replayed routing) vs CPU fp32")]
+    assert [row["check"].split(": ")[1] for row in moe] == ["log-probs", "entropies", "M2PO grad norm"]
+    assert all(row["verdict"] == "PASS" for row in moe), moe
+    assert "8 experts top-2, EP=1" in moe[0]["shape"], moe[0]
+    moe_control = by_check["negative control: fp32 with replayed experts shifted e -> e+1 mod 8"]
+    assert moe_control["verdict"] == "PASS" and float(moe_control["result"].split("x unit")[0]) > 4, moe_control
+    assert "(2 MoE layers)" in moe_control["result"], moe_control
     assert r.stdout.splitlines()[0].startswith("gpu_check --cpu-smoke: device=cpu")
     # the JSON holds the same rows, with the measured values behind them
     d = json.loads(out_json.read_text())
@@ -80,6 +89,8 @@ def test_cpu_smoke_prints_the_table_and_passes(tmp_path):
     assert next(x for x in d["rows"] if x["check"] == "train step (M2PO update)")["values"]["tokens_per_s"] > 0
     lp4 = next(x for x in d["rows"] if x["check"] == packed[0]["check"])["values"]
     assert 0 < lp4["rel_rms"] <= 4 and lp4["unit_rms"] == lp["unit_rms"]  # row 1's reference, reused
+    lp6 = next(x for x in d["rows"] if x["check"] == moe[0]["check"])["values"]
+    assert 0 < lp6["rel_rms"] <= 4 and lp6["unit_rms"] != lp["unit_rms"]  # its own model and reference
 
 
 def _ref(n=400, seed=0, unit=0.01):
@@ -151,7 +162,8 @@ def test_help_says_what_it_proves():
     assert r.returncode == 0
     for phrase in ("actor numerics", "Transformer Engine", "CPU fp32", "Tolerance, and why", "fused log-prob",
                    "naive", "tokens/s and MFU", "Qwen2.5-1.5B", "--cpu-smoke", "megatron-core",
-                   "packed sequences at TP=2 + sequence parallel", "needs 2 GPUs, found K", "apex"):
+                   "packed sequences at TP=2 + sequence parallel", "needs 2 GPUs, found K", "apex",
+                   "MoE numerics", "TEGroupedMLP", "algo.routing_replay=rollout"):
         assert phrase in r.stdout, phrase
 
 

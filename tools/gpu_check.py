@@ -69,12 +69,24 @@ It prints one table, a row per claim:
    chunks' original positions, log-probs and loss on each rank's own tokens; against row 1's
    CPU fp32 reference with row 1's tolerance. Needs 2 GPUs, refused by name otherwise.
 
+6. **MoE numerics** -- row 1's claim and tolerance on a random Qwen3-MoE-shaped model (4 layers,
+   hidden 512, GQA 8/2 with QK norm, every layer MoE: 8 experts of size 512, top-2 renormalised,
+   weights stored in bf16): the actor's CUDA bf16 path on one GPU at EP=1 (Transformer Engine
+   spec when importable, its experts then ``TEGroupedMLP``; the local spec's ``LocalGroupedMLP``
+   otherwise) against the CPU fp32 reference, log-probs and entropies RMS and max <= 4 units
+   (unit: the 2^-8 weight perturbation), the M2PO gradient norm within 5 %. Routing is replayed
+   on both paths (``algo.routing_replay=rollout``) with the same expert ids, those HF
+   transformers' fp32 forward picks: under bf16 a near-tied router score could swap a token's
+   experts, a discrete flip no rounding tolerance covers (``gpu_checks/moe.py`` says why margins
+   cannot prevent it). Negative control: the fp32 path with every replayed expert id shifted by
+   one (e -> e+1 mod 8) must land above 4 units.
+
 ``--cpu-smoke`` runs the same code at tiny shapes on CPU (CUDA hidden and the GPU-only packages
 blocked in every process, so it runs the same in the NGC image): row 1 compares CPU bf16 with the
 CPU fp32 reference (same tolerance), row 2 checks agreement and time (the memory column needs the
 CUDA allocator: skipped, with the reason), row 3 measures tokens/s (no MFU: no CPU peak), row 4
 runs its two ranks on gloo with Megatron's local layer spec and the actor's packed attention (row 5: its CP attention)
-(``actor/attention.py``). It proves that the table, the comparisons and the two-rank launch run,
+(``actor/attention.py``), row 6 compares CPU bf16 with the CPU fp32 reference on a 2-layer MoE (hidden 64). It proves that the table, the comparisons and the two-rank launch run,
 not any GPU claim.
 
 Needs megatron-core and mbridge (the versions in constraints-cpu.txt); without them the actor
@@ -106,7 +118,9 @@ import torch  # noqa: E402
 from gpu_checks.env import (GPU_ONLY_MODULES, block_gpu_only_modules, check_cpu_fallbacks,  # noqa: E402,F401
                             install_message, missing_packages, peak_tflops, spec_name)
 from gpu_checks.logprobs import LOGPROB_AGREE, measure_logprob, row_logprobs  # noqa: E402,F401
-from gpu_checks.models import actor_outputs, make_batch, make_random_qwen2  # noqa: E402,F401
+from gpu_checks.models import (actor_outputs, make_batch, make_random_hf, make_random_qwen2,  # noqa: E402,F401
+                               save_routed_experts)
+from gpu_checks.moe import MOE_CHECK, row_moe_numerics  # noqa: E402,F401
 from gpu_checks.numerics import (GRAD_NORM_TOL, MAX_TOL, RMS_TOL, _reference_worker, compare,  # noqa: E402,F401
                                  comparison_rows, row_actor_numerics, start_reference)
 from gpu_checks.packed import (CP_CHECK, PACKED_CHECK, _packed_rank_worker, gpus_refusal, row_cp,  # noqa: E402,F401
@@ -114,7 +128,7 @@ from gpu_checks.packed import (CP_CHECK, PACKED_CHECK, _packed_rank_worker, gpus
 from gpu_checks.report import COLUMNS, Row, format_table, guarded, parse_table  # noqa: E402,F401
 from gpu_checks.throughput import row_throughput, train_flops  # noqa: E402,F401
 
-ROWS = {"numerics": 1, "logprobs": 2, "throughput": 3, "packed": 4, "cp": 5}  # --only names -> row numbers (docstring)
+ROWS = {"numerics": 1, "logprobs": 2, "throughput": 3, "packed": 4, "cp": 5, "moe": 6}  # --only names -> row numbers (docstring)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -182,6 +196,11 @@ def main(argv: Optional[list[str]] = None) -> int:
                 rows.append(Row(CP_CHECK, "-", f"skipped: {', '.join(missing)} missing", "-", "SKIP"))
             else:
                 rows += guarded(CP_CHECK, row_cp, a.cpu_smoke, work)
+        if "moe" in a.only:
+            if missing:
+                rows.append(Row(MOE_CHECK, "-", f"skipped: {', '.join(missing)} missing", "-", "SKIP"))
+            else:
+                rows += guarded(MOE_CHECK, row_moe_numerics, a.cpu_smoke, work)
     print(format_table(rows, header), flush=True)
     if missing:
         print("\n" + install_message(missing), file=sys.stderr)
