@@ -252,6 +252,7 @@ def _layer_spec(config, vp_stage=None):
         from megatron_m2po.actor.experts import LocalGroupedMLP
 
         layer.submodules.mlp.submodules.experts = ModuleSpec(module=LocalGroupedMLP)
+        _bind_missing_te_gemm()
     layer.submodules.input_layernorm = SequenceParallelTorchNorm
     layer.submodules.pre_mlp_layernorm = SequenceParallelTorchNorm
     attn = layer.submodules.self_attention.submodules
@@ -276,6 +277,19 @@ def _hidden_gpt_model_class():
             return hidden_states
 
     return HiddenStateGPTModel
+
+
+def _bind_missing_te_gemm() -> None:
+    """Megatron-Core 0.16.1 ``moe_utils`` binds ``te_general_gemm`` only when Transformer Engine
+    imports, yet ``RouterGatingLinearFunction.forward`` (every router's gating GEMM,
+    ``router_gating_linear``) reads the name unconditionally: without TE the first routed token
+    raises ``NameError: name 'te_general_gemm' is not defined`` -- on a GPU too (seen on an H100
+    without TE, ``tools/gpu_check.py`` row 6). ``None`` selects that function's own ``torch.mm``
+    branch (the router logits in ``moe_router_dtype``), which is what a TE-less install means."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
 
 
 def build_model(cfg: Config, *, load_weights: bool = True, bridge=None):

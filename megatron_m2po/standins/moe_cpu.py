@@ -18,12 +18,9 @@ after the collective audit, so that the audit still checks every call made here.
    so gloo's own errors (a wrong number of outputs, a dtype mismatch) are unchanged. Gloo's
    ``reduce_scatter`` with uneven inputs and ``all_to_all_single`` with split sizes work as NCCL's
    (checked in ``tests/actor/test_moe.py``) and need nothing.
-2. **``te_general_gemm`` without Transformer Engine.** ``moe_utils.py`` binds
-   ``te_general_gemm`` only when TE imports, yet ``RouterGatingLinearFunction`` (every router's
-   gating GEMM, ``router_gating_linear``) reads the name unconditionally, so a TE-less install
-   raises ``NameError`` at the first routed token. The name is bound to ``None``, which selects
-   that function's own ``torch.mm`` branch (the router logits in ``moe_router_dtype``). On GPUs TE
-   is installed and its GEMM runs.
+2. (``te_general_gemm`` without Transformer Engine is not emulated here: a TE-less install fails
+   the same way on a GPU, so production binds the name, ``actor/model.py``
+   ``_bind_missing_te_gemm``.)
 3. **Device-to-host moves of the dispatcher's split sizes.** ``MoEAlltoAllTokenDispatcher``
    moves its token counts off the GPU with ``moe_utils.maybe_move_tensor_to_cpu(t,
    as_numpy=True)`` (``_maybe_dtoh_and_synchronize``), which acts only ``if tensor.is_cuda``: on a
@@ -104,8 +101,6 @@ def install() -> None:
     if moe_utils is not None:
         from megatron.core.transformer.moe import token_dispatcher
 
-        if not hasattr(moe_utils, "te_general_gemm"):
-            moe_utils.te_general_gemm = None
         moe_utils.maybe_move_tensor_to_cpu = _maybe_move_tensor_to_cpu
         token_dispatcher.maybe_move_tensor_to_cpu = _maybe_move_tensor_to_cpu
     _INSTALLED = True
