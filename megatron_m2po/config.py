@@ -693,8 +693,8 @@ def settings_from_dict(cls: type, data: dict, prefix: str) -> Any:
 
 def _check_routing_replay(c: "Config") -> None:
     """``algo.routing_replay=rollout`` needs the engines' routed experts, an MoE model (checked when the model
-    is built: ``actor/model.py``) and no full recomputation across pipeline stages."""
-    a, p, m, r = c.algo, c.parallel, c.model, c.rollout
+    is built: ``actor/model.py``). Full recompute replays the backward FIFO (``actor/routing_replay.py``)."""
+    a, m, r = c.algo, c.model, c.rollout
     if r.return_routed_experts and r.source == "engines" and (r.use_router or r.router_addr):
         # Measured: the pinned sglang-router 0.3.2 re-serialises /generate from a typed request that has no
         # return_routed_experts, so the engines never see it and answer without meta_info.routed_experts.
@@ -711,12 +711,6 @@ def _check_routing_replay(c: "Config") -> None:
     if m.hf_path == "tiny" and m.tiny_family != "qwen3_moe":
         raise ConfigError(f"algo.routing_replay=rollout needs an MoE model; model.hf_path=tiny with "
                           f"model.tiny_family={m.tiny_family!r} is dense (use model.tiny_family=qwen3_moe)")
-    if p.recompute == "full" and p.pipeline_parallel > 1:
-        # Megatron-Core 0.16.1 never switches RouterReplay to REPLAY_BACKWARD itself: a recomputed layer
-        # replays the routing last set, which under 1F1B belongs to a later micro-batch.
-        raise ConfigError(f"algo.routing_replay=rollout with parallel.recompute=full and parallel.pipeline_parallel="
-                          f"{p.pipeline_parallel}: the recomputed forward would replay another micro-batch's routing; "
-                          "use parallel.recompute=selective or none")
 
 
 def _check_loss(a: AlgoConfig) -> None:

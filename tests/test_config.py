@@ -72,9 +72,6 @@ def test_cross_field_rules():
     (["rollout.return_routed_experts=true"], "sglang-router 0.3.2 drops return_routed_experts"),
     (["rollout.return_routed_experts=true", "rollout.use_router=false", "rollout.router_addr=http://h:1"],
      "Set rollout.use_router=false and rollout.router_addr=null"),
-    (["algo.routing_replay=rollout", "rollout.return_routed_experts=true", "rollout.use_router=false",
-      "model.tiny_family=qwen3_moe", "parallel.recompute=full", "parallel.pipeline_parallel=2"],
-     "would replay another micro-batch's routing"),
 ])
 def test_routing_replay_cross_field_checks(overrides, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(".", r"\.")):
@@ -82,3 +79,8 @@ def test_routing_replay_cross_field_checks(overrides, message):
     ok = load_config(None, ["algo.routing_replay=rollout", "rollout.return_routed_experts=true",
                             "rollout.use_router=false", "model.tiny_family=qwen3_moe", "rollout.num_engines=4"])
     assert ok.algo.routing_replay == "rollout"  # several engines: the client dispatches (rollout/dispatch.py)
+    # full recompute with pipeline parallelism: the recomputes replay the backward FIFO (actor/routing_replay.py)
+    ok = load_config(None, ["algo.routing_replay=rollout", "rollout.return_routed_experts=true",
+                            "rollout.use_router=false", "model.tiny_family=qwen3_moe", "parallel.recompute=full",
+                            "parallel.pipeline_parallel=2", "parallel.virtual_pipeline_parallel=2"])
+    assert (ok.parallel.recompute, ok.parallel.pipeline_parallel) == ("full", 2)

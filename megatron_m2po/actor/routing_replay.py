@@ -19,11 +19,27 @@ hook, so it is off (``actor/model.py``). This module only feeds the targets:
   (``TransformerLayer.layer_number - 1``), which indexes the trajectory's layer axis.
 - *When*: in the schedule's ``forward_step``, right before the chunk's forward, for that
   micro-batch and that chunk only. A forward reads ``target_topk_idx`` synchronously, so this
-  is right under 1F1B and interleaved schedules with several micro-batches in flight. Full
-  activation recompute re-runs the router in the backward with ``REPLAY_FORWARD``, i.e. the
-  last targets set: right without pipelining (each micro-batch's backward follows its forward),
-  wrong with pipeline parallelism, which the config refuses (Megatron never switches to
-  ``REPLAY_BACKWARD`` itself). Selective recompute does not re-run the router.
+  is right under 1F1B and interleaved schedules with several micro-batches in flight.
+  Selective recompute does not re-run the router.
+- *Full activation recompute* re-runs each router in the backward, when ``target_topk_idx``
+  holds the targets set last (under 1F1B another micro-batch's). Megatron never switches to
+  ``REPLAY_BACKWARD`` (which pops ``replay_backward_list`` in FIFO order) itself; this module
+  does, in the routers' ``get_replay_topk`` (``_recompute_aware``): a replayed router that runs
+  with gradients enabled in a model built with full recompute is inside a recompute. Why, in
+  Megatron-Core 0.16.1: ``TransformerBlock.forward`` of a training-mode model with
+  ``recompute_granularity='full'`` runs ``_checkpointed_forward``, which with
+  ``recompute_method='uniform'`` (``actor/model.py``, 1 layer per group) wraps *every* layer of
+  the chunk in ``tensor_parallel.checkpoint``; ``CheckpointFunction.forward`` runs the layers
+  under ``torch.no_grad()`` and ``CheckpointFunction.backward`` re-runs them under
+  ``torch.enable_grad()``. Forward-only passes (log-probs) run under ``no_grad`` and replay
+  forward. The FIFO order is right because each chunk's micro-batches run their backwards in
+  the order of their forwards (``schedules.py``: 1F1B ``forward_backward_pipelining_without_
+  interleaving`` pops ``output_tensors.pop(0)``; the interleaved schedule pops
+  ``output_tensors[model_chunk_id].pop(0)``; without pipelining each backward follows its
+  forward), and each ``RouterReplay`` belongs to one chunk. Only a training forward whose layers
+  will be recomputed (full recompute, gradients on) keeps its entry in the FIFO; after a run
+  every FIFO must be empty (``clear`` asserts it), which catches a count mismatch (a kept
+  forward that was not recomputed); a recompute with nothing left to pop raises too.
 - *Token order*: the router sees ``hidden.view(-1, E)`` of ``[S, B, H]``: sequence-major, then
   batch row; with sequence parallelism the TP rank's contiguous ``S / TP`` slice (Megatron's
   scatter along the sequence dimension); with context parallelism the CP rank's rows, which
@@ -40,9 +56,33 @@ Every token of a replayed batch must have routing data: a sample without it is r
 
 from __future__ import annotations
 
+import sys
 from typing import Optional
 
 import torch
+
+
+def _recompute_aware(rr, replay_topk):
+    """``rr.get_replay_topk`` for a model built with full recompute: with action ``REPLAY_FORWARD``
+    and gradients enabled the router runs in ``CheckpointFunction.backward``'s recompute (module
+    docstring), so it replays with ``REPLAY_BACKWARD``: the oldest target of this router's FIFO,
+    i.e. the micro-batch whose backward runs now. ``replay_topk`` is the instance's original
+    bound method (``RouterReplay.get_replay_topk``, Megatron-Core 0.16.1)."""
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+    def get_replay_topk(scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
+        if rr.router_replay_action != RouterReplayAction.REPLAY_FORWARD or not torch.is_grad_enabled():
+            return replay_topk(scores, topk, num_groups, group_topk, default_compute_topk)
+        if not rr.replay_backward_list:
+            raise AssertionError("routing replay: a recomputed router found no targets left in its backward "
+                                 "FIFO (more recomputes than training forwards of its chunk)")
+        rr.router_replay_action = RouterReplayAction.REPLAY_BACKWARD
+        try:
+            return replay_topk(scores, topk, num_groups, group_topk, default_compute_topk)
+        finally:
+            rr.router_replay_action = RouterReplayAction.REPLAY_FORWARD
+
+    return get_replay_topk
 
 
 class RoutingReplay:
@@ -54,12 +94,20 @@ class RoutingReplay:
         self.num_layers = num_layers
         self.tp_size, self.tp_rank, self.sp = tp_size, tp_rank, sequence_parallel
         self.per_chunk: list[list[tuple[int, "RouterReplay"]]] = []
+        self.recompute = False  # full activation recompute: routers re-run in the backward
         for c in chunks:
             entries = []
             for layer in c.decoder.layers:
                 rr = getattr(getattr(getattr(layer, "mlp", None), "router", None), "router_replay", None)
                 if rr is not None:
                     entries.append((int(layer.layer_number) - 1, rr))
+                    if layer.config.recompute_granularity == "full":
+                        if layer.config.recompute_method != "uniform":
+                            raise AssertionError(  # 'block' leaves layers outside the checkpoint: grad mode can't tell
+                                "routing replay with full recompute needs recompute_method='uniform', got "
+                                f"{layer.config.recompute_method!r}")
+                        self.recompute = True
+                        rr.get_replay_topk = _recompute_aware(rr, rr.get_replay_topk)
             self.per_chunk.append(entries)
         if not any(self.per_chunk) and num_layers:
             raise AssertionError("routing replay is on but no MoE layer has a RouterReplay "
@@ -79,23 +127,34 @@ class RoutingReplay:
         return ids.transpose(0, 1).reshape(-1, ids.shape[-1])
 
     def set(self, routed: Optional[torch.Tensor], chunk: int) -> None:
-        """Targets of one micro-batch for the routers of model chunk ``chunk``, action REPLAY_FORWARD."""
+        """Targets of one micro-batch for the routers of model chunk ``chunk``, action REPLAY_FORWARD;
+        kept in the routers' backward FIFO only for a forward whose layers the backward recomputes."""
         from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
         if routed is None:
             raise ValueError("algo.routing_replay=rollout: a micro-batch has no routed experts")
         if routed.shape[0] != self.num_layers:
             raise ValueError(f"routed experts cover {routed.shape[0]} layers, the model has {self.num_layers}")
+        keep = self.recompute and torch.is_grad_enabled()
         for layer, rr in self.per_chunk[chunk]:
-            rr.clear_indices()  # one target per forward; the backward list is unused (no REPLAY_BACKWARD)
-            rr.set_target_indices(self.targets(routed, layer).long())
+            rr.set_target_indices(self.targets(routed, layer).long())  # also appends to replay_backward_list
+            if not keep:
+                rr.replay_backward_list.pop()
             rr.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
 
     def clear(self) -> None:
+        """After a schedule run. Every recompute must have consumed its forward's targets: an entry
+        left in a backward FIFO means a count mismatch (unless the run is failing anyway)."""
+        failing = sys.exc_info()[0] is not None
+        left = {layer: len(rr.replay_backward_list) for entries in self.per_chunk for layer, rr in entries
+                if rr.replay_backward_list}
         for entries in self.per_chunk:
             for _, rr in entries:
                 rr.clear_indices()
                 rr.clear_router_replay_action()
+        if left and not failing:
+            raise AssertionError(f"routing replay: targets left in the backward FIFO after the run (layer: count) "
+                                 f"{left}: fewer recomputes than kept training forwards")
 
     def close(self) -> None:
         """Drop this model's instances from Megatron's global list (several actors in one process)."""
