@@ -200,6 +200,20 @@ def max_running_requests(server_info: Any) -> Optional[int]:
     return None
 
 
+def generate_payload(input_ids: Sequence[int], sampling_params: dict, return_logprob: bool, *, rid: Optional[str],
+                     return_routed_experts: bool, routed_experts_start_len: int) -> dict:
+    """The JSON body of one ``/generate`` request (SGLang's ``GenerateReqInput`` fields), with a fresh
+    ``rid`` unless given. ``n > 1`` is refused: SGLang answers it with n outputs under new rids."""
+    if (sampling_params or {}).get("n", 1) not in (None, 1):
+        raise ValueError(f"sampling_params.n={sampling_params['n']}: SGLang answers n > 1 with a list of "
+                         "n outputs under new rids; send n requests with n=1 instead")
+    payload = {"input_ids": [int(t) for t in input_ids], "sampling_params": dict(sampling_params),
+               "return_logprob": bool(return_logprob), "rid": rid or uuid.uuid4().hex}
+    if return_routed_experts:
+        payload.update(return_routed_experts=True, routed_experts_start_len=int(routed_experts_start_len))
+    return payload
+
+
 class _Limiter:
     """An async limit on concurrent holders that can be raised or lowered while in use (a lowered
     limit lets no new holder in until enough have left). Bound to the event loop it is first used on."""
@@ -324,14 +338,10 @@ class SGLangClient:
         ``routed_experts_start_len`` on (:meth:`GenerateOutput.routed_experts_array`). ``affinity``
         is not sent: one URL has nothing to choose (a router picks by prompt prefix); the
         ``DispatchClient`` (``rollout/dispatch.py``) keeps requests with one key on one engine."""
-        if (sampling_params or {}).get("n", 1) not in (None, 1):
-            raise ValueError(f"sampling_params.n={sampling_params['n']}: SGLang answers n > 1 with a list of "
-                             "n outputs under new rids; send n requests with n=1 instead")
-        rid = rid or uuid.uuid4().hex
-        payload = {"input_ids": [int(t) for t in input_ids], "sampling_params": dict(sampling_params),
-                   "return_logprob": bool(return_logprob), "rid": rid}
-        if return_routed_experts:
-            payload.update(return_routed_experts=True, routed_experts_start_len=int(routed_experts_start_len))
+        payload = generate_payload(input_ids, sampling_params, return_logprob, rid=rid,
+                                   return_routed_experts=return_routed_experts,
+                                   routed_experts_start_len=routed_experts_start_len)
+        rid = payload["rid"]
         self._sess()
         async with self._sem:
             try:

@@ -41,7 +41,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence
@@ -49,7 +48,7 @@ from typing import Any, Mapping, Optional, Sequence
 import aiohttp
 
 from megatron_m2po.rollout.client import (_RETRY_STATUS, EngineError, GenerateOutput, SGLangClient,
-                                          max_running_requests)
+                                          generate_payload, max_running_requests)
 
 log = logging.getLogger("m2po.dispatch")
 
@@ -208,14 +207,10 @@ class DispatchClient(SGLangClient):
                        routed_experts_start_len: int = 0, affinity: Optional[str] = None) -> GenerateOutput:
         """:meth:`SGLangClient.generate` on the engine the policy picks; ``affinity`` (e.g. the group
         id) keeps requests with the same key on one engine."""
-        if (sampling_params or {}).get("n", 1) not in (None, 1):
-            raise ValueError(f"sampling_params.n={sampling_params['n']}: SGLang answers n > 1 with a list of "
-                             "n outputs under new rids; send n requests with n=1 instead")
-        rid = rid or uuid.uuid4().hex
-        payload = {"input_ids": [int(t) for t in input_ids], "sampling_params": dict(sampling_params),
-                   "return_logprob": bool(return_logprob), "rid": rid}
-        if return_routed_experts:
-            payload.update(return_routed_experts=True, routed_experts_start_len=int(routed_experts_start_len))
+        payload = generate_payload(input_ids, sampling_params, return_logprob, rid=rid,
+                                   return_routed_experts=return_routed_experts,
+                                   routed_experts_start_len=routed_experts_start_len)
+        rid = payload["rid"]
         self._sess()
         timeout = aiohttp.ClientTimeout(total=self.timeout_s)
         last = ""

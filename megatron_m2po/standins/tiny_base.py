@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING, Iterator
 
 from megatron_m2po.data.synthetic import SyntheticTask
 from megatron_m2po.rewards.extract import extract_last_boxed
+from megatron_m2po.standins.sft import sft_step
 
 if TYPE_CHECKING:  # torch is imported where it is used: `import megatron_m2po.standins.tiny_base` stays light
     import torch
@@ -366,15 +367,7 @@ def _warmup(model, tokenizer, spec: TinyBaseSpec, progress: bool) -> dict:
             model.train()
             rows = [spec.task.sample(train_rng) for _ in range(w.batch_size)]
             ids, attn, lmask = _encode_examples(rows, tokenizer)
-            logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
-            nll = torch.nn.functional.cross_entropy(
-                logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="none")
-            m = lmask[:, 1:].reshape(-1)
-            loss = (nll * m).sum() / m.sum()
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
+            loss = sft_step(model, opt, ids, attn, lmask)
             if step % w.eval_every == 0:
                 model.eval()
                 acc = sampled_accuracy(model, tokenizer, eval_rows, seed=spec.seed + step,

@@ -38,6 +38,7 @@ from typing import Any, Callable, Optional
 
 from megatron_m2po.data.synthetic import SyntheticTask, evaluate_expression
 from megatron_m2po.rewards.extract import extract_last_boxed
+from megatron_m2po.standins.sft import sft_step
 
 __all__ = ["TOOL_CHAT_TEMPLATE", "CALCULATOR_TOOLS", "ToolWarmupSpec", "parse_tool_call", "render_trace", "finetune",
            "tool_episode_accuracy"]
@@ -208,15 +209,7 @@ def finetune(model: Any, tok: Any, spec: ToolWarmupSpec, sample_ids: Callable, p
         for i, (s, m) in enumerate(traces):
             ids[i, :len(s)], attn[i, :len(s)] = torch.tensor(s), 1
             lmask[i, :len(m)] = torch.tensor(m, dtype=torch.float32)
-        logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
-        nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1),
-                                                reduction="none")
-        m = lmask[:, 1:].reshape(-1)
-        loss = (nll * m).sum() / m.sum()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        loss = sft_step(model, opt, ids, attn, lmask)
         if step % spec.eval_every == 0:
             model.eval()
             stats = tool_episode_accuracy(model, tok, check, sample_ids, seed=spec.seed + step,

@@ -67,6 +67,18 @@ def _ctx(client, tok, version=0, seed=1) -> ProducerContext:
                            version=version, group_prefix="s000000", seed=seed)
 
 
+def _two_rows(tok) -> list[PromptItem]:
+    return [PromptItem(index=i, problem=p, answer=a, prompt=f"{p}=", prompt_ids=tok.encode(f"{p}=")) for i, (p, a)
+            in enumerate([("1+2", "3"), ("5-1", "4")])]
+
+
+def _produce(engine, producer, tok, rows):
+    async def go():
+        async with SGLangClient(engine) as c:
+            return await producer(_ctx(c, tok), rows)
+    return asyncio.run(go())
+
+
 class Scripted(Environment):
     """Answers each turn with the next scripted observation; done after the last one."""
 
@@ -236,13 +248,8 @@ def test_the_producer_makes_one_group_of_episodes_per_prompt(engine, tiny):
                         format="raw", max_turns=2)
     producer = make_episode_producer(cfg)
     tok = tiny[1]
-    rows = [PromptItem(index=i, problem=p, answer=a, prompt=f"{p}=", prompt_ids=tok.encode(f"{p}=")) for i, (p, a)
-            in enumerate([("1+2", "3"), ("5-1", "4")])]
-
-    async def go():
-        async with SGLangClient(engine) as c:
-            return await producer(_ctx(c, tok), rows)
-    groups = asyncio.run(go())
+    rows = _two_rows(tok)
+    groups = _produce(engine, producer, tok, rows)
     assert [g.group_id for g in groups] == [group_id("s000000", 0), group_id("s000000", 1)]
     for g, row in zip(groups, rows):
         g.validate(current_version=0)
@@ -358,12 +365,6 @@ def test_an_environment_that_always_raises_stops_the_run_naming_it(engine, tiny,
     cfg = AgenticConfig(env=f"{env_file}:BrokenEnv", format="raw", max_turns=2, max_consecutive_env_errors=3)
     producer = make_episode_producer(cfg)
     tok = tiny[1]
-    rows = [PromptItem(index=i, problem=p, answer=a, prompt=f"{p}=", prompt_ids=tok.encode(f"{p}=")) for i, (p, a)
-            in enumerate([("1+2", "3"), ("5-1", "4")])]
-
-    async def go():
-        async with SGLangClient(engine) as c:
-            return await producer(_ctx(c, tok), rows)
     with pytest.raises(RuntimeError, match=r"environment BrokenEnv raised in 3 episodes in a row .*max_consecutive_env"
                                            r"_errors=3\), last in step: KeyError: 'no such tool'"):
-        asyncio.run(go())
+        _produce(engine, producer, tok, _two_rows(tok))
