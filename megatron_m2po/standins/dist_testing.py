@@ -2,10 +2,15 @@
 
     results = run_distributed(fn, world_size=2, args=(x,))
 
-``fn(rank, world_size, *args)`` runs in each spawned process after
+``fn(rank, world_size, *args)`` runs in each rank's process after
 ``torch.distributed.init_process_group("gloo")`` on a free loopback port; the list of return
 values (one per rank, picklable) comes back. An exception on any rank is re-raised here with
-that rank's traceback. ``fn`` must be importable (module level), as spawn pickles it by name.
+that rank's traceback. ``fn`` must be importable (module level), as it is pickled by name.
+
+Ranks are fresh processes forked from multiprocessing's forkserver, which imports torch and
+Megatron-Core once (``PRELOAD``): a rank starts in ~0.1 s instead of paying the ~5 s import
+each (spawn). Nothing runs in the server but those imports (no torch op, no thread pool), and
+each rank gets the caller's environment as it is at the call, as spawn would give it.
 """
 
 from __future__ import annotations
@@ -22,9 +27,24 @@ from megatron_m2po.utils.net import free_port
 
 __all__ = ["run_distributed", "free_port"]
 
+# Imported once by the fork server; a module that fails to import is skipped there (and then
+# imported by the rank that needs it, as under spawn).
+PRELOAD = ["torch", "torch.distributed", "megatron.core", "megatron.core.models.gpt", "megatron.core.optimizer",
+           "megatron.core.dist_checkpointing", "transformers", "megatron_m2po.actor.actor"]
+_CTX: Any = None
+
+
+def _context() -> Any:
+    global _CTX
+    if _CTX is None:
+        _CTX = mp.get_context("forkserver")
+        _CTX.set_forkserver_preload(PRELOAD)
+    return _CTX
+
 
 def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue: Any,
             env: dict[str, str], pg_timeout_s: float | None = None) -> None:
+    os.environ.clear()
     os.environ.update(env)
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
                        "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank)})
@@ -45,10 +65,10 @@ def run_distributed(fn: Callable, world_size: int, args: tuple = (), timeout_s: 
     """Spawn ``world_size`` gloo ranks running ``fn(rank, world_size, *args)``; return results.
 
     ``pg_timeout_s`` sets the default process group's collective timeout (torch's default else)."""
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     queue = ctx.Queue()
     port = free_port()
-    env = {"OMP_NUM_THREADS": "1", **(env or {})}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue, env, pg_timeout_s),
                          daemon=True)
              for r in range(world_size)]
