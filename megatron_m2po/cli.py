@@ -25,12 +25,16 @@ COMMANDS: dict[str, str] = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The ``m2po`` parser; with ``only`` (a command's name) just that command's module is imported
+    (``m2po store ...`` and ``m2po plan ...`` then start without torch)."""
     parser = argparse.ArgumentParser(
         prog="m2po", description="Off-policy RL post-training on Megatron-Core with M2PO.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
-    for module in COMMANDS.values():
+    for name, module in COMMANDS.items():
+        if only is not None and name != only:
+            continue
         try:
             mod = importlib.import_module(module)
         except ModuleNotFoundError as e:
@@ -42,7 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(argv[0] if argv and argv[0] in COMMANDS else None)
     # Options may come after the dotted overrides (`m2po plan x.yaml a.b=1 --tp 4`): argparse
     # stops filling a `nargs="*"` positional at the first option, so collect the rest here.
     args, extra = parser.parse_known_args(argv)

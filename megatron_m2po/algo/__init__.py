@@ -1,11 +1,25 @@
-"""Pure tensor math of the algorithm (no Megatron import): M2PO mask, losses, advantages, metrics."""
+"""Pure tensor math of the algorithm (no Megatron import): M2PO mask, losses, advantages, metrics.
 
-from megatron_m2po.algo.advantages import grpo_advantages
-from megatron_m2po.algo.losses import (LOSSES, LossInputs, LossSpec, compute_policy_loss, get_loss, loss_settings,
-                                       register_loss, resolve_loss, tis_weights)
-from megatron_m2po.algo.m2_mask import M2Stats, m2po_mask
-from megatron_m2po.algo.metrics import Metric, merge_metrics, reduce_metrics
+The names below load their module (and torch) on first use, so that ``megatron_m2po.config``
+(which needs only ``algo.loss_settings``) and the torch-free CLI commands (``m2po store``,
+``m2po plan``) start without importing torch."""
 
-__all__ = ["grpo_advantages", "LOSSES", "LossInputs", "LossSpec", "compute_policy_loss", "get_loss", "loss_settings",
-           "register_loss", "resolve_loss", "tis_weights",
-           "M2Stats", "m2po_mask", "Metric", "merge_metrics", "reduce_metrics"]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_WHERE = {
+    "grpo_advantages": "advantages",
+    **{n: "losses" for n in ("LOSSES", "LossInputs", "LossSpec", "compute_policy_loss", "get_loss", "loss_settings",
+                             "register_loss", "resolve_loss", "tis_weights")},
+    "M2Stats": "m2_mask", "m2po_mask": "m2_mask",
+    "Metric": "metrics", "merge_metrics": "metrics", "reduce_metrics": "metrics",
+}
+__all__ = list(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)
