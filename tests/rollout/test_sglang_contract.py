@@ -105,7 +105,9 @@ def _client_calls() -> dict[str, set[str]]:
         routes = [r for r in routes if r not in ("/",)]
         keys = {_const(k) for n in ast.walk(fn) if isinstance(n, ast.Dict) for k in n.keys if k is not None
                 and _const(k)}
-        if fn.name == "generate":  # builds the body; _generate_with_retry posts it to /generate
+        keys |= {kw.arg for n in ast.walk(fn) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+                 and n.func.attr == "update" for kw in n.keywords if kw.arg}  # body.update(field=...)
+        if fn.name == "generate_payload":  # builds the body; the client and the dispatcher post it to /generate
             routes.append("/generate")
         for r in routes:
             sent.setdefault(r, set()).update(keys)
