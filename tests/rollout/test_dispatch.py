@@ -29,6 +29,9 @@ from megatron_m2po.rollout.weight_sync import DiskWeightSync
 from test_routed_experts import LAYERS, TOP_K, _Chars, _reference, _tiny_moe
 from waiting import async_wait_until
 
+# One fleet walked through a kill, a relaunch and a weight push: tests keep file order (docs/contributing.md).
+pytestmark = pytest.mark.random_order(disabled=True)
+
 PARAMS = {"temperature": 1.0, "max_new_tokens": 8, "ignore_eos": True}
 
 
