@@ -16,6 +16,7 @@ each rank gets the caller's environment as it is at the call, as spawn would giv
 from __future__ import annotations
 
 import datetime
+import functools
 import os
 import traceback
 from typing import Any, Callable
@@ -31,15 +32,13 @@ __all__ = ["run_distributed", "free_port"]
 # imported by the rank that needs it, as under spawn).
 PRELOAD = ["torch", "torch.distributed", "megatron.core", "megatron.core.models.gpt", "megatron.core.optimizer",
            "megatron.core.dist_checkpointing", "transformers", "megatron_m2po.actor.actor"]
-_CTX: Any = None
 
 
+@functools.cache
 def _context() -> Any:
-    global _CTX
-    if _CTX is None:
-        _CTX = mp.get_context("forkserver")
-        _CTX.set_forkserver_preload(PRELOAD)
-    return _CTX
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
 
 
 def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue: Any,
@@ -62,7 +61,7 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, qu
 
 def run_distributed(fn: Callable, world_size: int, args: tuple = (), timeout_s: float = 120.0,
                     env: dict[str, str] | None = None, pg_timeout_s: float | None = None) -> list[Any]:
-    """Spawn ``world_size`` gloo ranks running ``fn(rank, world_size, *args)``; return results.
+    """Start ``world_size`` gloo ranks running ``fn(rank, world_size, *args)``; return results.
 
     ``pg_timeout_s`` sets the default process group's collective timeout (torch's default else)."""
     ctx = _context()
