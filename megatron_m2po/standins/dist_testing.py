@@ -32,6 +32,8 @@ __all__ = ["run_distributed", "free_port"]
 # imported by the rank that needs it, as under spawn).
 PRELOAD = ["torch", "torch.distributed", "megatron.core", "megatron.core.models.gpt", "megatron.core.optimizer",
            "megatron.core.dist_checkpointing", "transformers", "megatron_m2po.actor.actor"]
+# c10's default_rng_seed_val: what torch's CPU generator starts from in a new process.
+_TORCH_DEFAULT_SEED = 67280421310721
 
 
 @functools.cache
@@ -45,6 +47,8 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, qu
             env: dict[str, str], pg_timeout_s: float | None = None) -> None:
     os.environ.clear()
     os.environ.update(env)
+    import torch
+    torch.manual_seed(_TORCH_DEFAULT_SEED)  # a fresh process's generator state, as under spawn
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
                        "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank)})
     try:
