@@ -25,6 +25,21 @@
 #   docker/install.sh --print-constraints  the derived constraints file, as the install uses it
 #   docker/install.sh --venv DIR           only create the engine venv at DIR (pip included)
 #   docker/install.sh --check-base         only check this python's base packages (torch, TE; apex optional)
+#   docker/install.sh --check-nccl         compare the NCCL the trainer's and the engines' torch load; exit 1 on a mismatch
+#   docker/install.sh --plugin-project DIR write the engine-side SGLang plugin's project (rollout/sglang_plugin.py) to DIR
+#
+# One NCCL. NCCL refuses a communicator whose ranks run different builds ("Mismatched NCCL version
+# detected", NCCL src/init.cc), and a distributed weight push is one communicator of the trainer's
+# sender and the engines. The engines' torch (PyPI, SGLang's pin) finds its pinned nvidia-nccl wheel
+# through its DT_RPATH, which LD_LIBRARY_PATH cannot override; the NGC torch links the image's
+# libnccl.so.2. NCCL keeps its ABI backward compatible within major version 2, so the newer of the
+# two serves both: the install links the engines' libnccl.so.2 at $NCCL_LINK and the Dockerfile
+# preloads it (LD_PRELOAD) for every process; a preloaded library answers the NEEDED libnccl.so.2
+# of both torches. --check-nccl (run by the Dockerfile after it sets LD_PRELOAD) asks both Pythons'
+# torch.cuda.nccl.version() and stops the build when they differ, naming both. At run time the
+# trainer compares again when a weight-update group forms (the plugin below, rollout/nccl_handshake.py).
+# The engine venv also gets megatron_m2po's SGLang plugin (entry point sglang.srt.plugins), which
+# states each engine rank's NCCL version in the group's store.
 set -euo pipefail
 
 TRAIN_REQS=(
@@ -37,6 +52,7 @@ TRAIN_REQS=(
 )
 SGLANG_REQS=("sglang==0.5.23")
 SGLANG_VENV=${SGLANG_VENV:-/opt/sglang}
+NCCL_LINK=${NCCL_LINK:-/opt/m2po-nccl/libnccl.so.2}
 # megatron-core 0.16.1 is tested with transformer-engine >=2.9,<2.12 (its [dev] extra).
 TE_MIN=2.9 TE_MAX=2.12
 PY=${PYTHON:-python3}
@@ -53,12 +69,15 @@ for a in "$@"; do
     --print-requirements) mode=print ;;
     --print-constraints) mode=constraints ;;
     --check-base) mode=base ;;
+    --check-nccl) mode=nccl ;;
+    --plugin-project) mode=plugin; want_venv=1 ;;
     --venv) mode=venv; want_venv=1 ;;
     -*) echo "install.sh: unknown option $a" >&2; exit 2 ;;
     *) src=$a ;;
   esac
 done
 if [ "$mode" = venv ] && [ -z "$venv_dir" ]; then echo "install.sh: --venv needs a directory" >&2; exit 2; fi
+if [ "$mode" = plugin ] && [ -z "$venv_dir" ]; then echo "install.sh: --plugin-project needs a directory" >&2; exit 2; fi
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)  # the checkout this script is in: its pins
 src=${src:-$here}
 [ -f "$here/constraints-cpu.txt" ] || { echo "install.sh: $here/constraints-cpu.txt is missing (the pins)" >&2; exit 2; }
@@ -145,6 +164,60 @@ if bad:
 print("\n".join(rows))
 PYEOF
 }
+
+# nccl_version PYTHON: the NCCL version that PYTHON's torch loads (major.minor.patch).
+nccl_version() {
+  "$1" -c 'import torch; v = torch.cuda.nccl.version(); print(".".join(map(str, v)) if isinstance(v, tuple) else v)'
+}
+
+# check_nccl: the trainer's python ($PY) and the engines' ($SGLANG_VENV/bin/python) load one NCCL.
+check_nccl() {
+  local t e
+  t=$(nccl_version "$PY") || { echo "install.sh: could not ask $PY for its NCCL version (above)" >&2; exit 1; }
+  e=$(nccl_version "$SGLANG_VENV/bin/python") || {
+    echo "install.sh: could not ask $SGLANG_VENV/bin/python for its NCCL version (above)" >&2; exit 1; }
+  if [ "$t" != "$e" ]; then
+    echo "install.sh: NCCL mismatch: the trainer ($PY) loads NCCL $t, the engines ($SGLANG_VENV/bin/python) load" \
+      "NCCL $e; distributed weight pushes would all be refused. Preload the engines' NCCL for the trainer" \
+      "(LD_PRELOAD=$NCCL_LINK, as the Dockerfile sets it; LD_PRELOAD=${LD_PRELOAD:-<unset>} here) or rebuild with one" \
+      "torch for both" >&2
+    exit 1
+  fi
+  echo "install.sh: one NCCL for trainer and engines: $t"
+}
+
+# plugin_project DIR: the engine-side SGLang plugin as a pip-installable project.
+plugin_project() {
+  mkdir -p "$1"
+  cp "$src/megatron_m2po/rollout/sglang_plugin.py" "$1/m2po_sglang_plugin.py"
+  cat >"$1/pyproject.toml" <<'TOML'
+[build-system]
+requires = ["setuptools>=61"]
+build-backend = "setuptools.build_meta"
+
+[project]
+name = "m2po-sglang-plugin"
+version = "1.0.0"
+description = "megatron_m2po's SGLang plugin: states the engine's NCCL version when a weight-update group forms"
+requires-python = ">=3.10"
+
+[tool.setuptools]
+py-modules = ["m2po_sglang_plugin"]
+
+[project.entry-points."sglang.srt.plugins"]
+m2po_nccl_handshake = "m2po_sglang_plugin:register"
+TOML
+}
+
+if [ "$mode" = nccl ]; then
+  check_nccl
+  exit 0
+fi
+if [ "$mode" = plugin ]; then
+  plugin_project "$venv_dir"
+  echo "install.sh: plugin project in $venv_dir"
+  exit 0
+fi
 
 req_rows=$(pins --requirements "${TRAIN_REQS[@]/#/train }" "${SGLANG_REQS[@]/#/sglang }")
 if [ "$mode" = print ]; then
@@ -237,6 +310,26 @@ run "$PY" -m pip install --no-cache-dir -c "$constraints" "$src"
 # Engines: a separate venv with SGLang's own torch (NGC's constraint file must not apply there).
 make_venv "$SGLANG_VENV"
 run env PIP_CONSTRAINT= "$SGLANG_VENV/bin/python" -m pip install --no-cache-dir "${sglang_pinned[@]}"
+plugin_dir=${TMPDIR:-/tmp}/m2po-sglang-plugin
+if [ "$mode" = install ]; then plugin_project "$plugin_dir"; fi
+run env PIP_CONSTRAINT= "$SGLANG_VENV/bin/python" -m pip install --no-cache-dir "$plugin_dir"
+
+# One NCCL (header): link the library the engines' torch loads, for the Dockerfile's LD_PRELOAD.
+if [ "$mode" = install ]; then
+  engine_nccl=$("$SGLANG_VENV/bin/python" - <<'PYEOF'
+import glob, os, site, sys
+import torch  # noqa: F401 - loads libnccl.so.2 through the torch wheel's RPATH
+maps = [ln.split()[-1] for ln in open("/proc/self/maps") if "libnccl.so" in ln.split()[-1]]
+found = maps or [p for d in site.getsitepackages() for p in glob.glob(os.path.join(d, "nvidia", "**", "libnccl.so.2"), recursive=True)]
+if not found:
+    sys.exit("install.sh: the engines' torch loads no libnccl.so.2 and the engine venv has none")
+print(os.path.realpath(found[0]))
+PYEOF
+)
+  echo "install.sh: the engines' NCCL: $engine_nccl"
+fi
+run mkdir -p "$(dirname "$NCCL_LINK")"
+run ln -sf "${engine_nccl:-<the libnccl.so.2 the engines load>}" "$NCCL_LINK"
 
 if [ "$mode" = install ]; then
   torch_after=$("$PY" -c 'import torch; print(torch.__version__)')
@@ -247,4 +340,6 @@ if [ "$mode" = install ]; then
   "$PY" -c 'import megatron.core, mbridge, math_verify, ray, sglang_router, modelopt.torch, transformer_engine, megatron_m2po; print("trainer env ok")'
   "$PY" -m pip check || echo "install.sh: warning: pip check reports conflicts (above)" >&2
   "$SGLANG_VENV/bin/python" -c 'import sglang; print("sglang", sglang.__version__, "ok")'
+  "$SGLANG_VENV/bin/python" -c 'from importlib.metadata import entry_points as e; import sys; sys.exit(0 if any(p.name == "m2po_nccl_handshake" for p in e(group="sglang.srt.plugins")) else "install.sh: the m2po SGLang plugin is not registered in the engine venv")'
+  LD_PRELOAD=$NCCL_LINK check_nccl
 fi

@@ -27,7 +27,8 @@ def _exe(name):
 def _install(*args, script=DOCKER / "install.sh", env=None):
     """Run install.sh with this python; the caller's PIP_CONSTRAINT only when ``env`` sets one."""
     full = {k: v for k, v in os.environ.items() if k != "PIP_CONSTRAINT"}
-    full.update(PYTHON=sys.executable, **(env or {}))
+    full["PYTHON"] = sys.executable
+    full.update(env or {})
     return subprocess.run(["bash", str(script), *args], capture_output=True, text=True, timeout=120, env=full)
 
 
@@ -61,7 +62,10 @@ def test_dockerfile_never_pip_installs_apex_or_te_and_runs_install_script():
     runs = [ln for ln in ins if ln.upper().startswith("RUN ")]
     for ln in runs:
         assert not FORBIDDEN.search(ln), ln
-    assert runs == ["RUN bash docker/install.sh /opt/megatron_m2po"]
+    assert runs == ["RUN bash docker/install.sh /opt/megatron_m2po", "RUN bash docker/install.sh --check-nccl"]
+    # one NCCL: the preload is set before the check runs, so the check sees what every process loads
+    preload = next(i for i, ln in enumerate(ins) if ln.startswith("ENV LD_PRELOAD=/opt/m2po-nccl/libnccl.so.2"))
+    assert ins.index(runs[0]) < preload < ins.index(runs[1])
     copy_idx = next(i for i, ln in enumerate(ins) if ln.startswith("COPY docker/install.sh"))
     run_idx = ins.index(runs[0])
     pkg_idx = next(i for i, ln in enumerate(ins) if ln.startswith("COPY megatron_m2po"))
@@ -161,6 +165,11 @@ def test_install_dry_run_plan():
     assert not any(re.search(r"-m venv (?!--without-pip)", c) for c in cmds)
     sgl = [c for c in cmds if "sglang==" in c]
     assert sgl == ["env PIP_CONSTRAINT= /opt/sglang/bin/python -m pip install --no-cache-dir sglang==0.5.23"]
+    # the engine venv gets the handshake plugin, and the engines' NCCL is linked for the preload
+    sgl_at = cmds.index(sgl[0])
+    assert cmds[sgl_at + 1].startswith("env PIP_CONSTRAINT= /opt/sglang/bin/python -m pip install --no-cache-dir ")
+    assert cmds[sgl_at + 1].endswith("/m2po-sglang-plugin")
+    assert cmds[-1].startswith("ln -sf ") and cmds[-1].endswith(" /opt/m2po-nccl/libnccl.so.2")
     assert not any("sglang==" in c for c in trainer)
 
 
@@ -277,3 +286,56 @@ def test_readme_layouts_are_the_recipes():
     assert rows["qwen2.5-32b"][0].split(", ", 1)[1].replace("TP", "TP=").replace(" PP", " x PP=").replace(
         " CP", " x CP=").replace(" DP", " x DP=").split(",")[0] in multi, multi
     assert "sequence parallel, no recompute" in multi and "TP=8" not in multi and "full recompute" not in multi
+
+
+def _fake_nccl(tmp_path, name: str, version: str) -> Path:
+    """A python whose torch reports NCCL ``version`` (a sitecustomize on this CPU torch, which has none)."""
+    d = tmp_path / name
+    d.mkdir()
+    (d / "sitecustomize.py").write_text(f"import torch.cuda.nccl as n\nn.version = lambda: {version!r}\n")
+    exe = d / "python"
+    exe.write_text(f"#!/bin/sh\nPYTHONPATH={d} exec {sys.executable} \"$@\"\n")
+    exe.chmod(0o755)
+    return exe
+
+
+def test_check_nccl_stops_the_build_on_two_builds(tmp_path):
+    """--check-nccl asks both Pythons' torch.cuda.nccl.version(): equal passes; different stops the
+    build (exit 1) naming both versions and the preload that fixes it."""
+    engines = tmp_path / "venv"
+    (engines / "bin").mkdir(parents=True)
+    trainer = _fake_nccl(tmp_path, "trainer", (2, 28, 9))
+    (engines / "bin" / "python").symlink_to(_fake_nccl(tmp_path, "engine", (2, 30, 7)))
+    r = _install("--check-nccl", env={"PYTHON": str(trainer), "SGLANG_VENV": str(engines)})
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "NCCL mismatch" in r.stderr and "NCCL 2.28.9" in r.stderr and "NCCL 2.30.7" in r.stderr, r.stderr
+    assert "LD_PRELOAD=/opt/m2po-nccl/libnccl.so.2" in r.stderr
+    (engines / "bin" / "python").unlink()
+    (engines / "bin" / "python").symlink_to(_fake_nccl(tmp_path, "engine2", (2, 28, 9)))
+    r = _install("--check-nccl", env={"PYTHON": str(trainer), "SGLANG_VENV": str(engines)})
+    assert r.returncode == 0 and "one NCCL for trainer and engines: 2.28.9" in r.stdout, r.stdout + r.stderr
+
+
+def test_sglang_plugin_project_installs_the_entry_point_sglang_loads(tmp_path):
+    """The plugin project install.sh puts into the engine venv registers ``register`` under the
+    entry-point group SGLang 0.5.23 loads general plugins from (``srt/plugins/__init__.py``
+    GENERAL_PLUGINS_GROUP, read from the wheel), and the installed module is the repo's plugin."""
+    import zipfile
+
+    wheel = next((REPO / ".cache" / "sglang-wheel").glob("sglang-0.5.23-*.whl"))
+    src = zipfile.ZipFile(wheel).read("sglang/srt/plugins/__init__.py").decode()
+    group = re.search(r'^GENERAL_PLUGINS_GROUP = "([^"]+)"', src, re.M).group(1)
+    proj = tmp_path / "proj"
+    r = _install("--plugin-project", str(proj))
+    assert r.returncode == 0, r.stderr
+    target = tmp_path / "site"
+    pip = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+                          "--no-index", "--target", str(target), str(proj)], capture_output=True, text=True, timeout=120)
+    assert pip.returncode == 0, pip.stdout + pip.stderr
+    probe = subprocess.run([sys.executable, "-c", (
+        "import sys; from importlib.metadata import entry_points; "
+        f"eps = [e for e in entry_points(group={group!r}) if e.name == 'm2po_nccl_handshake']; "
+        "fn = eps[0].load(); import m2po_sglang_plugin as m; print(fn is m.register, m.__file__)")],
+        capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(target)})
+    assert probe.returncode == 0 and probe.stdout.startswith("True "), probe.stdout + probe.stderr
+    assert (target / "m2po_sglang_plugin.py").read_text() == (REPO / "megatron_m2po/rollout/sglang_plugin.py").read_text()

@@ -41,6 +41,11 @@ __all__ = ["init_custom_process_group", "new_side_group", "destroy_side_group", 
 
 # torch's ErrorHandlingMode (ProcessGroupNCCL.hpp): 0 NoHandling, 1 TearDown, 2 CleanUpOnly, 3 SkipCleanUp.
 WEIGHT_SYNC_NCCL_ERROR_HANDLING = "2"
+
+# The CPU emulation of NCCL's communicator checks (``standins/nccl_emulation.py``) plugs in here:
+# ``created(pg, backend, rank, world_size)`` after a group is built, ``before_collective(pg,
+# timeout_s)`` before each broadcast. Production leaves both None (real NCCL checks itself).
+HOOKS: dict = {"created": None, "before_collective": None}
 _ENV = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
 _ENV_LOCK = threading.Lock()
 
@@ -91,6 +96,8 @@ def init_custom_process_group(backend: str, host: str, port: int, world_size: in
         pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), store, group_name=group_name,
                                           backend_options=None, timeout=timeout, device_id=None)
     _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+    if HOOKS["created"] is not None:
+        HOOKS["created"](pg, str(backend), rank, world_size)
     return pg
 
 
@@ -116,6 +123,8 @@ def broadcast(pg, tensor: torch.Tensor, timeout_s: float, root: int = 0):
     """``pg.broadcast`` from group rank ``root``; returns the work handle to ``wait()`` on."""
     import torch.distributed as dist
 
+    if HOOKS["before_collective"] is not None:
+        HOOKS["before_collective"](pg, timeout_s)
     opts = dist.BroadcastOptions()
     opts.rootRank, opts.timeout = root, datetime.timedelta(seconds=timeout_s)
     return pg.broadcast([tensor], opts)

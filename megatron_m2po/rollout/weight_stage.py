@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import datetime
+import logging
 import socket
 import time
 import uuid
@@ -45,15 +46,31 @@ import torch
 from megatron_m2po.parallel.side_group import broadcast, destroy_side_group, new_side_group
 from megatron_m2po.rollout.client import SGLangClient
 from megatron_m2po.rollout.fp8 import quantize_named
+from megatron_m2po.rollout.nccl_handshake import MISMATCH, check_group, mismatch_message, nccl_refusal_message
 from megatron_m2po.utils.background_loop import BackgroundLoop
 from megatron_m2po.utils.hf_dir import write_stage_shards
 from megatron_m2po.utils.net import free_port
 
-__all__ = ["PushPlan", "StageResult", "WeightSyncError", "run_stage", "push_from_stages", "each_engine"]
+log = logging.getLogger(__name__)
+
+__all__ = ["PushPlan", "StageResult", "WeightSyncError", "NcclVersionMismatch", "weight_sync_error", "run_stage", "push_from_stages", "each_engine"]
 
 
 class WeightSyncError(RuntimeError):
     """A weight push failed; the message names the engines concerned."""
+
+
+class NcclVersionMismatch(WeightSyncError):
+    """The trainer and an engine run different NCCL builds: no push can ever succeed, so the push
+    is not retried (:mod:`megatron_m2po.rollout.nccl_handshake`)."""
+
+
+def weight_sync_error(message: str) -> WeightSyncError:
+    """The error of a push failure reported as text (across ranks): its kind comes from the text."""
+    at = message.find(MISMATCH)
+    if at >= 0:
+        return NcclVersionMismatch(message[at:].splitlines()[0])
+    return WeightSyncError(message)
 
 
 @dataclass(slots=True)
@@ -276,6 +293,17 @@ def _ensure_group(plan: PushPlan, stage: int, io: BackgroundLoop):
         raise WeightSyncError(f"joining weight-sync group {name} ({addr}:{port}, world {plan.world}) "
                               f"failed: {e}") from e
     fut.result(plan.timeout_s + 10)
+    # Every engine has joined (and stated its NCCL version where the plugin runs): compare before
+    # the first collective, which NCCL would fail on every member.
+    versions = check_group(pg, plan.backend, plan.urls, plan.offsets, plan.world)
+    if versions.differ:
+        destroy_side_group(pg)
+        raise NcclVersionMismatch(mismatch_message(name, versions))
+    if versions.unknown and name.rsplit("_s", 1)[-1] == "0":
+        log.warning("weight-update group %s: engine(s) %s did not state their NCCL version (the m2po SGLang plugin "
+                    "is not installed in their Python; docker/install.sh installs it): a different NCCL build would "
+                    "only show as an NCCL error at the first broadcast", name,
+                    ", ".join(sorted({u for u, _ in versions.unknown})))
     _GROUPS[name] = pg
     return pg
 
@@ -305,6 +333,12 @@ def _send_bucket(plan: PushPlan, pg, name: str, bucket: list, io: BackgroundLoop
         broadcast(pg, flat, plan.timeout_s).wait(datetime.timedelta(seconds=plan.timeout_s))
     except Exception as e:
         _GROUPS.pop(name, None)  # a failed collective leaves the group unusable
+        if "Mismatched NCCL version detected" in str(e):  # engines without the plugin: NCCL's own check
+            try:
+                fut.result(plan.timeout_s + 10)  # the engines fail the same communicator
+            except Exception:  # noqa: BLE001 - their answer adds nothing to NCCL's
+                pass
+            raise NcclVersionMismatch(nccl_refusal_message(name, str(e))) from None
         try:
             fut.result(plan.timeout_s + 10)
         except (WeightSyncError, concurrent.futures.TimeoutError) as we:
@@ -352,7 +386,7 @@ def push_from_stages(controller, weights: Iterable[tuple[str, torch.Tensor]], ve
     if isinstance(plan, str):
         for _ in weights:
             pass
-        raise WeightSyncError(plan)
+        raise weight_sync_error(plan)
     store = dist.distributed_c10d._get_default_store()
     if sender:
         result = run_stage(plan, stage, weights, store)
@@ -372,5 +406,5 @@ def push_from_stages(controller, weights: Iterable[tuple[str, torch.Tensor]], ve
             out[0] = str(e) if isinstance(e, WeightSyncError) else describe(e)
     dist.broadcast_object_list(out, src=0, group=group)
     if out[0] is not None:
-        raise WeightSyncError(out[0])
+        raise weight_sync_error(out[0])
     return stats

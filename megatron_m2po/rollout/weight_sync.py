@@ -72,8 +72,9 @@ from typing import Iterable, Optional, Union
 import torch
 
 from megatron_m2po.rollout.fp8 import DEFAULT_BLOCK, check_block, is_fp8_config, write_fp8_config
+from megatron_m2po.rollout.nccl_handshake import MISMATCH
 from megatron_m2po.rollout.weight_stage import (PushPlan, StageResult, WeightSyncError, each_engine,
-                                                forget_groups, run_stage)
+                                                forget_groups, run_stage, weight_sync_error)
 from megatron_m2po.utils.background_loop import BackgroundLoop
 from megatron_m2po.utils.hf_dir import assemble_shards, iter_safetensors
 
@@ -156,6 +157,9 @@ class _Base:
 
     def _failed(self, plan: PushPlan, errors: list[str]) -> WeightSyncError:
         dead = self._dead(plan.urls)
+        fatal = [e for e in errors if MISMATCH in e]
+        if fatal:  # one line, and not worth a relaunch: the relaunched engine runs the same build
+            return weight_sync_error(fatal[0])
         msg = f"weight push of version {plan.version} failed:\n  " + "\n  ".join(errors)
         if dead:
             msg += "\nengines not answering /health: " + ", ".join(dead)

@@ -49,6 +49,9 @@ What :func:`enable` changes, and why:
    on a group that is NCCL on GPUs (every group but explicit gloo ones). Gloo would take it, and
    the first step on a cluster would not (``standins/collective_audit.py``).
 
+10. Weight-update groups compare NCCL versions as NCCL's communicator init does
+   (``standins/nccl_emulation.py``): this process states ``M2PO_STANDIN_TRAINER_NCCL_VERSION``.
+
 Nothing else in the package special-cases the CPU beyond choosing gloo, the local layer spec
 and turning fused kernels off (see ``actor/model.py``).
 """
@@ -62,7 +65,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from megatron_m2po.standins import collective_audit, moe_cpu
+from megatron_m2po.standins import collective_audit, moe_cpu, nccl_emulation
 
 __all__ = ["enable", "is_enabled"]
 
@@ -218,6 +221,8 @@ def enable() -> None:
     # 8. collectives refuse host tensors on groups that are NCCL in production
     collective_audit.install()
     moe_cpu.install()  # 9. what Megatron's MoE layer needs that gloo / a TE-less install lack (standins/moe_cpu.py)
+    # 10. weight-update groups compare NCCL versions as NCCL does (standins/nccl_emulation.py)
+    nccl_emulation.enable(nccl_emulation.trainer_version())
 
     # 7. the same rewriting inside custom autograd Functions' backward
     from torch.autograd import function as autograd_function

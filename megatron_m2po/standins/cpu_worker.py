@@ -19,6 +19,11 @@ rule cites the SGLang 0.5.23 source it follows (``docs/sglang.md`` has the map).
   [{"version", "start", "end"}, ...], "output_token_logprobs", ...}}`` -- the spans give the
   weight version that sampled each run of output tokens (``utils/weight_versions.py``).
   Grammars, beam search, watermarks, logit bias and top-logprobs are a 400 naming the field.
+- Weight-update groups: the worker plays an SGLang engine with the m2po plugin installed
+  (``rollout/sglang_plugin.py``: it states its NCCL version in each new group's store;
+  ``M2PO_STANDIN_ENGINE_PLUGIN=0`` plays one without it) and, on gloo, fails a group's first
+  broadcast as NCCL fails a communicator of two builds (``standins/nccl_emulation.py``; its version
+  is ``M2PO_STANDIN_ENGINE_NCCL_VERSION``).
 - ``/health`` = ``/health_generate`` (a one-token generation; 503 when no scheduler message
   arrives within ``SGLANG_HEALTH_CHECK_TIMEOUT`` s -- the case while paused), ``/ready`` (503
   while paused), ``/model_info`` (+ ``/get_model_info``), ``/server_info`` (+
@@ -67,6 +72,8 @@ from typing import Any, Iterable, Optional
 import torch
 
 from megatron_m2po.parallel.side_group import broadcast, new_side_group
+from megatron_m2po.rollout import sglang_plugin
+from megatron_m2po.standins import nccl_emulation
 from megatron_m2po.standins import sglang_sampling as sampling
 from megatron_m2po.standins.cpu_prefix_cache import PrefixCache
 from megatron_m2po.standins.hf_fused_experts import expert_target, is_fused_expert_name
@@ -76,6 +83,7 @@ from megatron_m2po.utils.hf_dir import iter_safetensors
 
 log = logging.getLogger("m2po.cpu_worker")
 
+PLUGIN_ENV = "M2PO_STANDIN_ENGINE_PLUGIN"  # "0": play an engine without the m2po SGLang plugin
 # schedule_batch.py FINISH_ABORT().to_json(): a running request aborted by /abort_request.
 _ABORT_RUNNING = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
 # tokenizer_manager.py _handle_abort_req: a request aborted before it was scheduled.
@@ -736,9 +744,13 @@ class Engine:
         name = req.get("group_name", _DEFAULT_GROUP)
         if name in self.groups:
             raise ValueError(f"group {name!r} already exists; destroy it first")
-        self.groups[name] = new_side_group("gloo", req["master_address"], int(req["master_port"]),
-                                           rank=int(req["rank_offset"]), world_size=int(req["world_size"]),
-                                           group_name=name, timeout_s=self.dist_timeout_s)
+        pg = new_side_group("gloo", req["master_address"], int(req["master_port"]),
+                            rank=int(req["rank_offset"]), world_size=int(req["world_size"]),
+                            group_name=name, timeout_s=self.dist_timeout_s)
+        self.groups[name] = pg
+        if os.environ.get(PLUGIN_ENV, "1") != "0":
+            # What the m2po SGLang plugin's hook does after SGLang's join (rollout/sglang_plugin.py).
+            sglang_plugin.publish(pg, int(req["rank_offset"]), sglang_plugin.local_nccl_version("gloo"))
 
     def receive(self, req: dict) -> list[tuple[str, torch.Tensor]]:
         name = req.get("group_name", _DEFAULT_GROUP)
@@ -881,6 +893,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     from aiohttp import web
     # Before the model loads, as SGLang's scheduler initialises its process groups before load_model.
     init_torch_distributed(args.host, args.nccl_port, args.dist_timeout)
+    nccl_emulation.enable(nccl_emulation.engine_version())  # weight-update groups check versions as NCCL does
     engine = Engine(args.model_path, max_running=args.max_running_requests, seed=args.seed,
                     weight_version=args.weight_version, dist_timeout_s=args.dist_timeout_s,
                     quantization=args.quantization,

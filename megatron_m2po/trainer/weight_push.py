@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterable
 
 from megatron_m2po.config import RolloutConfig
 from megatron_m2po.rollout.client import SGLangClient
-from megatron_m2po.rollout.weight_stage import PushPlan, WeightSyncError, push_from_stages
+from megatron_m2po.rollout.weight_stage import NcclVersionMismatch, PushPlan, WeightSyncError, push_from_stages
 from megatron_m2po.rollout.weight_sync import DiskWeightSync, DistributedWeightSync
 from megatron_m2po.trainer.rank0 import from_rank0
 from megatron_m2po.utils.faults import fault_point
@@ -89,6 +89,8 @@ class WeightPushController:
                     push_from_stages(self if self.leads else None, weights(), version, stage=stage,
                                      n_stages=n_stages, sender=sender)
                 break
+            except NcclVersionMismatch:
+                raise  # every retry would meet the same two NCCL builds
             except WeightSyncError as e:
                 restarted = from_rank0(lambda: self.restart_dead_engines(), what="engine restarts")
                 if attempt == 2 or not restarted:
