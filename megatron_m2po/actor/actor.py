@@ -36,7 +36,10 @@ One optimizer update (``_update``), docs/design.md §3:
    called without a token count, so the gradient is exactly ``d/dθ [-(1/N) Σ M r A]`` over the
    mini-batch whatever the TP / PP / DP layout and micro-batch size (tested).
 3. Megatron's optimizer step (Adam, grad clipping, optional distributed optimizer), the LR
-   scheduler, ``version += 1``.
+   scheduler, ``version += 1``. A loss with a ``step_scale`` (VCPO's ESS rule) scales the
+   scheduler's LR of this update only (``_set_update_lr``): the factor comes from what its
+   objective stashed during step 2, reduced over the data-parallel group on the last stage and
+   broadcast to the other pipeline stages, so every rank steps with the same LR.
 
 Context parallelism (``parallel.context_parallel``, docs/design.md): every micro-batch is built
 whole, padded to ``batch.cp_pad_multiple``, then cut with Megatron's load-balanced split
@@ -515,6 +518,7 @@ class MegatronActor:
                 keeps, prepass_metrics = self.global_mask.prepass(
                     mbs, spec, settings, plan, records, measure=getattr(settings, "mask_strategy", None) == "auto")
         provisional: Optional[list[dict]] = [] if strategy == "correct" else None
+        stash: Optional[list] = [] if spec.step_scale is not None else None
 
         # 2. forward-backward with the mask fixed (or provisional, then corrected)
         it = iter(keeps)
@@ -527,7 +531,7 @@ class MegatronActor:
             with TIMER.phase("forward_backward"):
                 self._run(mbs, lambda mb, model, hidden: self._policy_loss(
                     mb, model, hidden, next(it), spec=spec, settings=settings, denom=denom, records=records,
-                    strategy=strategy, provisional=provisional), forward_only=False)
+                    strategy=strategy, provisional=provisional, stash=stash), forward_only=False)
             if provisional is not None:
                 with TIMER.phase("mask"):
                     prepass_metrics = self.global_mask.correct(mbs, provisional, plan, samples, mine, spec,
@@ -540,7 +544,9 @@ class MegatronActor:
             self._tconfig.finalize_model_grads_func(model_list, None, **kwargs)
 
         # 3. optimizer step
-        self.scheduler.step(increment=1)  # update u runs at the LR of step u + 1 (warm-up starts above 0)
+        scale, scale_metrics = self._step_scale(spec, settings, stash)
+        prepass_metrics = {**prepass_metrics, **scale_metrics}
+        self._set_update_lr(scale)
         with TIMER.phase("optimizer"):
             ok, grad_norm, _ = self.optimizer.step()
         if not ok:
@@ -550,9 +556,37 @@ class MegatronActor:
         self._mask_hint = out
         return out
 
+    def _step_scale(self, spec, settings, stash: Optional[list]) -> tuple[float, dict[str, float]]:
+        """The factor on this update's scheduled LR (``LossSpec.step_scale``; 1.0 without one) and
+        its metrics (global values). Computed on the last stage over the data-parallel group --
+        the CP ranks of a replica hold the same per-sequence values -- and broadcast over the
+        pipeline group, so that every rank of every stage gets the same float."""
+        if spec.step_scale is None:
+            return 1.0, {}
+        scale, metrics = 1.0, {}
+        if self.is_last_stage:
+            scale, m = spec.step_scale(stash or [], settings, group=self.dp_group if self.dp_size > 1 else None)
+            metrics = {k: float(v.value) for k, v in m.items()}
+        if self.pp_size > 1:
+            obj = [(scale, metrics)]
+            dist.broadcast_object_list(obj, src=self.last_stage_rank, group=self.pp_group)
+            scale, metrics = obj[0]
+        return float(scale), metrics
+
+    def _set_update_lr(self, scale: float) -> None:
+        """Step the LR scheduler (update u runs at the LR of step u + 1, so warm-up starts above 0)
+        and scale this update's LR by ``scale``: each parameter group gets ``scheduler.get_lr(group)
+        * scale``, what Megatron's ``OptimizerParamScheduler.step`` sets times the factor. The next
+        update's ``step`` sets the scheduled value again, and the scheduler's state (its step
+        count, what checkpoints hold) never sees the factor."""
+        self.scheduler.step(increment=1)
+        if scale != 1.0:
+            for group in self.optimizer.param_groups:
+                group["lr"] = self.scheduler.get_lr(group) * scale
+
     def _policy_loss(self, mb: MicroBatch, model, hidden: torch.Tensor, keep: Optional[torch.Tensor], *, spec,
                      settings, denom: float, records: list[dict], strategy: Optional[str],
-                     provisional: Optional[list[dict]] = None):
+                     provisional: Optional[list[dict]] = None, stash: Optional[list] = None):
         """Megatron loss function of one micro-batch: ``(loss, n_tokens, None)``; its metric records
         (each declaring its reduction) go to ``records``. With ``provisional`` (a list), the keep
         mask is the spec's guess (``provisional_keep``) and the micro-batch's log-ratios, guess,
@@ -583,7 +617,7 @@ class MegatronActor:
         loss, lm = compute_policy_loss(spec.name, logp, behav, adv, mb.loss_mask, denominator=denom, algo_cfg=a,
                                        keep=keep, seq_index=mb.seq_index, tis_weight=tis,
                                        seq_group=self.cp_group if self.cp_size > 1 else None,
-                                       num_seqs=len(mb.sample_index))
+                                       num_seqs=len(mb.sample_index), stash=stash)
         metrics.update(lm)
         mask = mb.loss_mask.to(logp.dtype)
         if a.entropy_coef > 0:

@@ -1,8 +1,9 @@
 """Settings of the built-in policy losses: the config sections ``algo.m2po``, ``algo.grpo``,
-``algo.gspo``, ``algo.cispo`` (``megatron_m2po.config.AlgoConfig``).
+``algo.gspo``, ``algo.cispo``, ``algo.icepop``, ``algo.mis``, ``algo.areal_m2po``, ``algo.vcpo``
+(``megatron_m2po.config.AlgoConfig``).
 
-Each loss owns its dataclass; the loss registry (``algo/losses.py``) names it in the loss's
-:class:`~megatron_m2po.algo.losses.LossSpec`. Fields carry ``help`` and numeric ranges
+Each loss owns its dataclass; the loss registry (``algo/registry.py``) names it in the loss's
+:class:`~megatron_m2po.algo.registry.LossSpec`. Fields carry ``help`` and numeric ranges
 (``ge``/``gt``/``le``/``lt``) in their metadata, which the config loader enforces; ``check()``
 holds the cross-field rules (ValueError naming the keys). No torch and no config import here,
 so that ``config.py`` can build its tree from these classes without an import cycle.
@@ -13,11 +14,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
-__all__ = ["M2POConfig", "GRPOConfig", "GSPOConfig", "CISPOConfig"]
+__all__ = ["M2POConfig", "GRPOConfig", "GSPOConfig", "CISPOConfig", "IcePopConfig", "MISConfig", "AReaLM2POConfig",
+           "VCPOConfig"]
 
 
-def _f(default: Any, *, help: str, ge: float | None = None, gt: float | None = None, lt: float | None = None) -> Any:
-    return field(default=default, metadata={"help": help, "ge": ge, "gt": gt, "le": None, "lt": lt})
+def _f(default: Any, *, help: str, ge: float | None = None, gt: float | None = None, le: float | None = None,
+       lt: float | None = None) -> Any:
+    return field(default=default, metadata={"help": help, "ge": ge, "gt": gt, "le": le, "lt": lt})
 
 
 @dataclass
@@ -76,3 +79,52 @@ class CISPOConfig:
     """Settings of ``algo.loss=cispo`` (stop-gradient clipped ratio)."""
 
     eps_high: float = _f(2.0, gt=0.0, help="The stop-grad ratio is clipped to at most 1 + eps_high.")
+
+
+@dataclass
+class IcePopConfig:
+    """Settings of ``algo.loss=icepop`` (two-sided token masking of the ratio; algo/offpolicy_losses.py)."""
+
+    low: float = _f(0.5, gt=0.0, help="IcePop alpha: tokens whose ratio pi_theta / pi_behav is below it are masked.")
+    high: float = _f(5.0, gt=0.0, help="IcePop beta: tokens whose ratio is above it are masked.")
+
+    def check(self) -> None:
+        if self.high <= self.low:
+            raise ValueError(f"algo.icepop.high={self.high} <= algo.icepop.low={self.low}: the kept ratio range "
+                             "[low, high] must not be empty (IcePop: alpha=0.5, beta=5)")
+
+
+@dataclass
+class MISConfig:
+    """Settings of ``algo.loss=mis`` (masked importance sampling; algo/offpolicy_losses.py)."""
+
+    level: Literal["token", "sequence"] = _f(
+        "sequence", help="'token': each token's ratio is masked on its own; 'sequence': the product of the "
+        "sequence's token ratios (Seq-MIS) masks the whole sequence.")
+    threshold: float = _f(2.0, gt=0.0, help="C: a ratio above it is masked (weight 0); below, it is the IS weight.")
+
+
+@dataclass
+class AReaLM2POConfig:
+    """Settings of ``algo.loss=areal_m2po`` (AReaL's M2PO as merged in its PR 480; algo/offpolicy_losses.py)."""
+
+    threshold: float = _f(0.04, ge=0.0, help="M2 budget over all loss tokens (AReaL actor.m2_threshold).")
+    behav_imp_weight_cap: Optional[float] = _f(
+        5.0, gt=0.0, help="Tokens whose behaviour importance weight pi_prox / pi_behav exceeds it are dropped "
+        "(AReaL actor.behav_imp_weight_cap; 5.0 in its gsm8k_m2po.yaml); null = no cap.")
+    scope: Literal["global", "microbatch"] = _f(
+        "global", help="'global' = the mask over the whole optimizer mini-batch on every DP x CP rank (a forward-only "
+        "pre-pass); 'microbatch' = per micro-batch per rank, as AReaL's loss function computes it.")
+
+
+@dataclass
+class VCPOConfig:
+    """Settings of ``algo.loss=vcpo`` (ESS-scaled step size; algo/offpolicy_losses.py)."""
+
+    is_threshold: float = _f(8.0, gt=0.0, help="C of the sequence-level truncated IS weight min(prod_t r_t, C) "
+                             "(the authors' recipes: rollout_is=sequence, threshold 8).")
+    ess_rule: Literal["sqrt", "linear"] = _f("sqrt", help="The update's LR is lr * min(1, ess_ratio / base_ess_ratio) "
+                                             "** 0.5 ('sqrt', the paper's rule for Adam) or ** 1 ('linear').")
+    base_ess_ratio: float = _f(1.0, gt=0.0, le=1.0, help="ESS ratio at and above which the LR is not reduced.")
+    ess_clipped: bool = _f(False, help="Compute the ESS from the truncated weights min(w, C) instead of w "
+                           "(the authors' ess_scaling.use_clipped; false in their recipes).")

@@ -13,9 +13,9 @@ of all ranks therefore gives the token mean over the mini-batch, however it is s
 ``r_i = exp(delta_i)``; the clamp keeps ``exp`` finite on very stale data (its gradient is zero
 beyond the clamp).
 
-Registry: a loss is a :class:`LossSpec` -- its objective, its own settings dataclass (config
-section ``algo.<name>``; ``algo.loss_options`` for a plugin loss) and what it needs from the
-trainer (a per-token mask before the loss, a global pre-pass for it, sequence ids). Plugins
+Registry (``algo/registry.py``, re-exported here): a loss is a :class:`LossSpec` -- its
+objective, its own settings dataclass (config section ``algo.<name>``; ``algo.loss_options`` for a
+plugin loss) and what it needs from the trainer (a per-token mask before the loss, a global pre-pass for it, sequence ids). Plugins
 register more with :func:`register_loss` from modules listed in ``algo.plugins``; the actor only
 asks the spec, it never branches on a loss name.
 
@@ -36,6 +36,9 @@ Per-token objectives ``obj_i`` (settings in brackets):
   gradient of the sums summed over the group as well), so every rank uses the whole sequence's
   ratio.
 * ``cispo`` [``algo.cispo``]: ``sg(min(r, 1 + eps_high)) * A * logp`` (stop-gradient clipped ratio).
+* ``icepop``, ``mis``, ``areal_m2po``, ``vcpo`` [``algo.<name>``]: the off-policy corrections of
+  ``algo/offpolicy_losses.py`` (registered when this module is imported; their sources and
+  equations are in that module's docstring).
 
 Non-finite ``logp``, ``behav_logp``, ``advantages`` (or TIS weights) on loss tokens raise
 ValueError saying how many and where; values on non-loss tokens (padding) are ignored and get
@@ -50,179 +53,15 @@ clip), ``tis/weight_mean`` (with TIS). Means are weighted by the number of loss 
 
 from __future__ import annotations
 
-import dataclasses
-import difflib
-import importlib
-from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 
+from megatron_m2po.algo.loss_settings import CISPOConfig, GRPOConfig, GSPOConfig, M2POConfig
 from megatron_m2po.algo.m2_mask import DELTA_CLAMP, m2po_mask, trust_region
 from megatron_m2po.algo.metrics import Metric
-from megatron_m2po.algo.loss_settings import CISPOConfig, GRPOConfig, GSPOConfig, M2POConfig
-
-Objective = tuple[torch.Tensor, dict[str, Metric]]
-
-
-@dataclass
-class LossInputs:
-    """Validated, sanitised inputs shared by every loss (1-D, one entry per token)."""
-
-    logp: torch.Tensor  # with grad; 0 on non-loss tokens
-    behav_logp: torch.Tensor
-    advantages: torch.Tensor
-    mask: torch.Tensor  # bool loss mask
-    delta: torch.Tensor  # clamped log-ratio (with grad)
-    ratio: torch.Tensor
-    n_tokens: int
-    keep: Optional[torch.Tensor]
-    seq_index: Optional[torch.Tensor]
-    seq_group: Any = None  # process group over which a sequence's tokens are split (CP), or None
-    num_seqs: Optional[int] = None  # sequences of the call, ids 0..num_seqs-1 (required with seq_group)
-
-    def token_mean(self, x: torch.Tensor) -> Metric:
-        x = x.detach().to(torch.float64)
-        val = torch.where(self.mask, x, 0.0).sum() / max(self.n_tokens, 1)
-        return Metric(val, "mean", weight=float(self.n_tokens))
-
-    def frac(self, cond: torch.Tensor) -> Metric:
-        return self.token_mean(cond.to(torch.float64))
-
-
-LossFn = Callable[[LossInputs, Any], Objective]
-# (delta, advantages, loss_mask, *, order_key, group, settings) -> (keep, metrics); see LossSpec.token_mask
-MaskFn = Callable[..., tuple[torch.Tensor, dict[str, Metric]]]
-
-
-@dataclass(frozen=True)
-class LossSpec:
-    """A registered policy loss and what it needs from the trainer.
-
-    * ``objective(inputs, settings) -> (obj, metrics)``: the per-token objective (module docstring).
-    * ``settings``: the loss's own settings dataclass, or None. A built-in loss reads the config
-      section of its name (``algo.m2po``, ``algo.grpo``, ...); a plugin loss gets
-      ``algo.loss_options`` parsed into this class (unknown keys, types, ``ge``/``gt`` field
-      metadata and a ``check()`` method are enforced as for the rest of the config).
-    * ``token_mask``: an optional per-token keep mask computed from the log-ratio *before* the
-      loss, ``fn(delta, advantages, loss_mask, *, order_key, group, settings) -> (keep, metrics)``
-      (M2PO's second-moment mask). ``group`` is the data x context parallel group the selection
-      is global over (None: this tensor only); ``order_key`` the canonical token order for ties.
-    * ``mask_scope(settings)``: ``"global"`` -- the mask is taken over the whole optimizer
-      mini-batch on every DP x CP rank, which needs a forward-only pre-pass at the current weights
-      before the first backward -- or ``"microbatch"`` (per micro-batch, per rank).
-    * ``needs_seq_index``: the objective needs each token's sequence id (GSPO; under context parallelism
-      the actor also passes the CP group its per-sequence sums are reduced over).
-    * ``provisional_keep``: optional ``fn(delta, advantages, loss_mask, *, order_key, seen, settings)
-      -> keep``, a guess of the global mask for one micro-batch from its log-ratios and ``seen``,
-      the ``(delta, advantages, loss_mask, order_key)`` of this rank's earlier micro-batches. A
-      spec that has it declares its objective *linear in
-      keep* (``obj_i = keep_i * f_i``, ``f_i`` independent of the mask), which is what makes the
-      actor's ``algo.m2po.mask_strategy=correct`` exact: forward-backward with the guess, then the
-      exact global mask, then a forward-backward of ``keep_exact - keep_guess`` (+1 / -1 per token)
-      on the sequences where they differ. The guess only decides how much is recomputed.
-    """
-
-    name: str
-    objective: LossFn
-    settings: Optional[type] = None
-    token_mask: Optional[MaskFn] = None
-    mask_scope: Callable[[Any], str] = lambda settings: "global"
-    needs_seq_index: bool = False
-    provisional_keep: Optional[Callable[..., torch.Tensor]] = None
-
-    def needs_global_mask_prepass(self, settings: Any) -> bool:
-        """Whether the trainer must run the forward-only pre-pass and call ``token_mask`` over the
-        whole mini-batch (across DP x CP) before forward-backward."""
-        return self.token_mask is not None and self.mask_scope(settings) == "global"
-
-    def needs_microbatch_mask(self, settings: Any) -> bool:
-        """Whether ``token_mask`` is applied per micro-batch inside the loss (no pre-pass)."""
-        return self.token_mask is not None and self.mask_scope(settings) == "microbatch"
-
-
-LOSSES: dict[str, LossSpec] = {}
-
-
-def register_loss(name: str, *, settings: Optional[type] = None, token_mask: Optional[MaskFn] = None,
-                  mask_scope: Optional[Callable[[Any], str]] = None, needs_seq_index: bool = False,
-                  provisional_keep: Optional[Callable[..., torch.Tensor]] = None) -> Callable[[LossFn], LossFn]:
-    """Decorator adding ``fn(inputs: LossInputs, settings) -> (obj, metrics)`` to the registry.
-
-    A plugin module (listed in ``algo.plugins``) calls it at import time::
-
-        @dataclass
-        class MySettings:
-            scale: float = 1.0
-
-        @register_loss("my_loss", settings=MySettings)
-        def my_loss(x: LossInputs, s: MySettings):
-            return s.scale * x.ratio * x.advantages, {}
-
-    and is then selected with ``algo.loss=my_loss algo.loss_options.scale=2``. Registering a
-    different function under a taken name raises ValueError (re-importing the same one is fine).
-    """
-    if settings is not None and not dataclasses.is_dataclass(settings):
-        raise TypeError(f"register_loss({name!r}): settings must be a dataclass type, got {settings!r}")
-
-    def deco(fn: LossFn) -> LossFn:
-        prev = LOSSES.get(name)
-        if prev is not None and _ident(prev.objective) != _ident(fn):
-            raise ValueError(f"register_loss: {name!r} is already registered (by {prev.objective.__module__}."
-                             f"{prev.objective.__qualname__})")
-        LOSSES[name] = LossSpec(name, fn, settings, token_mask, mask_scope or (lambda s: "global"), needs_seq_index,
-                                provisional_keep)
-        return fn
-
-    return deco
-
-
-def _ident(fn) -> tuple:
-    code = getattr(fn, "__code__", None)
-    return (fn.__qualname__, code.co_filename if code else fn.__module__)
-
-
-def get_loss(name: str) -> LossSpec:
-    """The registered :class:`LossSpec` called ``name``; ValueError with a did-you-mean otherwise."""
-    try:
-        return LOSSES[name]
-    except KeyError:
-        near = difflib.get_close_matches(name, LOSSES, n=1)
-        hint = f"; did you mean {near[0]!r}?" if near else ""
-        raise ValueError(f"unknown policy loss {name!r}; available: {sorted(LOSSES)}{hint} (a loss from a plugin "
-                         "module needs that module in algo.plugins)") from None
-
-
-def load_plugins(modules: list[str]) -> None:
-    """Import the ``algo.plugins`` modules (dotted paths) so that their ``register_loss`` calls run."""
-    for mod in modules:
-        try:
-            importlib.import_module(mod)
-        except Exception as e:  # noqa: BLE001 - any import-time failure is the user's plugin
-            raise ValueError(f"algo.plugins: cannot import {mod!r} ({type(e).__name__}: {e}); list importable "
-                             "module paths such as my_pkg.losses (the package must be on PYTHONPATH or "
-                             "installed)") from e
-
-
-def resolve_loss(algo_cfg) -> LossSpec:
-    """The spec ``algo_cfg.loss`` names, after importing ``algo_cfg.plugins``."""
-    load_plugins(algo_cfg.plugins)
-    return get_loss(algo_cfg.loss)
-
-
-def loss_settings(spec: LossSpec, algo_cfg) -> Any:
-    """The settings object ``spec`` reads: the config section ``algo.<name>`` for a built-in loss,
-    ``algo.loss_options`` parsed into ``spec.settings`` for a plugin loss, None without settings."""
-    if spec.settings is None:
-        return None
-    section = getattr(algo_cfg, spec.name, None)
-    if isinstance(section, spec.settings):
-        return section
-    try:  # validated (did-you-mean, types, ranges, check()) when the config was loaded
-        return spec.settings(**algo_cfg.loss_options)
-    except TypeError as e:
-        raise ValueError(f"algo.loss_options={algo_cfg.loss_options!r} do not fit the settings of loss "
-                         f"{spec.name!r} ({spec.settings.__name__}): {e}") from None
+from megatron_m2po.algo.registry import (LOSSES, LossFn, LossInputs, LossSpec, MaskFn, Objective, get_loss,  # noqa: F401
+                                         load_plugins, loss_settings, register_loss, resolve_loss)
 
 
 # ------------------------------------------------------------------------------ built-in losses
@@ -383,7 +222,8 @@ def _check_finite(name: str, t: torch.Tensor, mask: torch.Tensor) -> None:
 def compute_policy_loss(name: str, logp: torch.Tensor, behav_logp: torch.Tensor, advantages: torch.Tensor,
                         loss_mask: torch.Tensor, *, denominator, algo_cfg, keep: Optional[torch.Tensor] = None,
                         seq_index: Optional[torch.Tensor] = None, tis_weight: Optional[torch.Tensor] = None,
-                        seq_group=None, num_seqs: Optional[int] = None) -> tuple[torch.Tensor, dict[str, Metric]]:
+                        seq_group=None, num_seqs: Optional[int] = None, stash: Optional[list] = None
+                        ) -> tuple[torch.Tensor, dict[str, Metric]]:
     """Loss ``name`` on one micro-batch; returns ``(loss, metrics)`` (see the module docstring).
 
     ``logp`` carries the gradient; ``behav_logp``, ``advantages``, ``keep``, ``tis_weight`` are
@@ -391,7 +231,8 @@ def compute_policy_loss(name: str, logp: torch.Tensor, behav_logp: torch.Tensor,
     own settings from it (:func:`loss_settings`) and ``logratio_clamp``. ``seq_group`` / ``num_seqs``:
     the context-parallel group a sequence-level loss (GSPO) reduces its per-sequence sums over, and
     the number of sequences ``seq_index`` counts (the same on every rank of the group); collective
-    over that group when the loss is sequence-level.
+    over that group when the loss is sequence-level. ``stash``: the update's accumulator for a
+    loss with ``step_scale`` (:class:`LossSpec`), which the objective appends to.
     """
     spec = get_loss(name)
     settings = loss_settings(spec, algo_cfg)
@@ -424,7 +265,7 @@ def compute_policy_loss(name: str, logp: torch.Tensor, behav_logp: torch.Tensor,
     ratio = torch.exp(delta)
     x = LossInputs(logp=lp, behav_logp=blp, advantages=adv, mask=mask, delta=delta, ratio=ratio,
                    n_tokens=int(mask.sum()), keep=None if keep is None else keep.to(torch.bool),
-                   seq_index=seq_index, seq_group=seq_group, num_seqs=num_seqs)
+                   seq_index=seq_index, seq_group=seq_group, num_seqs=num_seqs, stash=stash)
     obj, metrics = spec.objective(x, settings)
     w = mask.to(dtype)
     if tis_weight is not None:
@@ -449,3 +290,7 @@ def tis_weights(train_behav_logp: torch.Tensor, engine_logp: torch.Tensor, cap: 
     """Truncated importance weight ``min(p_train_behav / p_engine_behav, cap)`` per token (paper eq. 6)."""
     d = (train_behav_logp.detach().double() - engine_logp.detach().double()).clamp(max=50.0)
     return torch.exp(d).clamp(max=cap).to(train_behav_logp.dtype)
+
+
+# The off-policy corrections (icepop, mis, areal_m2po, vcpo) register themselves on import.
+from megatron_m2po.algo import offpolicy_losses  # noqa: E402,F401

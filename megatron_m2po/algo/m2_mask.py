@@ -42,6 +42,12 @@ inside a run of ties either 1 all-gather of one int per rank (default keys) or 8
 2 KiB (``order_key`` radix select), and finally 1 all-reduce (max) of one float64 -- independent
 of the number of tokens. Every rank must call with the same arguments except the tensors.
 
+AReaL's variant (``algo.loss=areal_m2po``, AReaL PR 480 ``get_m2po_loss_mask``) is
+``region="all", keep_one=True``: the candidates are all valid tokens (no trust region), and when
+even the smallest ``v`` exceeds tau the single smallest one is kept (lowest ``order_key`` among
+ties) instead of masking them all. AReaL stops at the first suffix mean ``< tau``; here ``<= tau``
+(they differ only when a mean equals tau exactly).
+
 Exactness: "mean <= tau" is decided on fixed-point sums (2**-84 resolution, values rounded up,
 tau rounded down; see ``parallel/selection.py``), which can differ from exact real arithmetic
 only when a mean lies within 2**-84 below tau.
@@ -49,6 +55,7 @@ only when a mean lies within 2**-84 below tau.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
@@ -126,8 +133,8 @@ def _validate(delta, advantages, valid, threshold, rule, order_key):
 
 @torch.no_grad()
 def m2po_mask(delta: torch.Tensor, advantages: torch.Tensor, valid: torch.Tensor, *, threshold: float = 0.04,
-              rule: str = "remove", group=None, order_key: Optional[torch.Tensor] = None
-              ) -> tuple[torch.Tensor, M2Stats]:
+              rule: str = "remove", group=None, order_key: Optional[torch.Tensor] = None,
+              region: str = "trust", keep_one: bool = False) -> tuple[torch.Tensor, M2Stats]:
     """M2PO mask over 1-D token tensors; returns ``(keep, stats)``.
 
     ``delta`` = logp_theta - logp_behav (any float dtype), ``advantages`` per token, ``valid`` =
@@ -135,11 +142,18 @@ def m2po_mask(delta: torch.Tensor, advantages: torch.Tensor, valid: torch.Tensor
     tokens that contribute to the loss and False for masked and invalid tokens. ``group``: process
     group over which the selection is global (see the module docstring); None = this tensor only.
     ``order_key``: non-negative int64 global token order for ties (lowest key kept first).
+    ``region``: the candidate tokens, ``"trust"`` (the paper's T) or ``"all"`` valid tokens;
+    ``keep_one`` (rule ``"remove"``): keep the smallest candidate when none fits the budget
+    (AReaL's variant; the module docstring). ``stats.n_trust`` counts the candidates.
     """
     valid = valid.to(torch.bool)
     _validate(delta, advantages, valid, threshold, rule, order_key)
+    if region not in ("trust", "all"):
+        raise ValueError(f"m2po_mask: region={region!r}; use 'trust' or 'all'")
+    if keep_one and rule != "remove":
+        raise ValueError(f"m2po_mask: keep_one=True goes with rule='remove', got rule={rule!r}")
     d = torch.where(valid, delta.to(torch.float64), 0.0).clamp(-DELTA_CLAMP, DELTA_CLAMP)
-    tr = trust_region(d, advantages, valid)
+    tr = trust_region(d, advantages, valid) if region == "trust" else valid
     idx_t = tr.nonzero().flatten()
     v = d[idx_t].square()
 
@@ -157,10 +171,16 @@ def m2po_mask(delta: torch.Tensor, advantages: torch.Tensor, valid: torch.Tensor
     masked_t = None
     if rule == "remove":
         res = sel.prefix_mean_search(v, threshold, group=group, totals=totals)
+        if keep_one and res.n_total and res.n_kept == 0:
+            # Nothing fits: the boundary is the smallest value; keep one copy of it (lowest order key).
+            y = float(res.boundary)
+            res = dataclasses.replace(res, n_keep_equal=1, sum_kept=y, max_kept=y)
         if res.boundary is not None:
             y = res.boundary
             if res.n_keep_equal == 0:
                 masked_t = v >= y
+            elif res.n_keep_equal == res.n_equal:  # keep_one with a single smallest value: keep it
+                masked_t = v > y
             else:  # the cut falls inside a run of ties: keep the copies with the lowest order keys
                 masked_t = v > y
                 tied = (v == y).nonzero().flatten()

@@ -269,7 +269,7 @@ def _all_losses(rank, world_size, root):
 
     d = _hf_dir(root, "llama", seed=9)
     res = {}
-    for loss in ("m2po", "grpo", "no_tr", "gspo", "cispo"):
+    for loss in ("m2po", "grpo", "no_tr", "gspo", "cispo", "icepop", "mis", "areal_m2po", "vcpo"):
         cfg = lib.actor_config(d, mbs=2, loss=loss)
         if loss == "m2po":
             cfg.algo.m2po.rule, cfg.algo.m2po.scope = "cap", "microbatch"  # the released code's variant
@@ -294,6 +294,9 @@ def test_every_registered_loss_trains(tmp_path):
             assert all(np.isfinite(v) for v in m.values()), (loss, m)
         assert metrics[0]["staleness/mean"] == 3.0 and metrics[1]["staleness/max"] == 4.0
     assert "loss/clip_frac" in res["grpo"][0][0] and "m2po/mask_frac" in res["m2po"][0][0]
+    # the off-policy corrections: areal_m2po's global mask came from the pre-pass, vcpo scaled its LR
+    assert "areal_m2po/mask_frac" in res["areal_m2po"][0][0] and "mis/mask_frac" in res["mis"][0][0]
+    assert all(m["optim/lr"] == pytest.approx(1e-3 * m["vcpo/lr_scale"]) for m in res["vcpo"][0])
 
 
 def _checkpoint_resume(rank, world_size, root, dist_opt):

@@ -170,7 +170,7 @@ def test_log_ratio_clamp_and_non_finite_errors():
         compute_policy_loss("grpo", ok, ok, ok, mask, denominator=0, algo_cfg=cfg)
     with pytest.raises(ValueError, match="shapes"):
         compute_policy_loss("grpo", ok, ok[:3], ok, mask, denominator=3, algo_cfg=cfg)
-    with pytest.raises(ValueError, match=r"unknown policy loss 'ppo'; available: \['cispo', 'grpo'"):
+    with pytest.raises(ValueError, match=r"unknown policy loss 'ppo'; available: \['areal_m2po', 'cispo', 'grpo'"):
         get_loss("ppo")
 
 
