@@ -31,9 +31,12 @@ distributed optimizer's 'dp_reshardable' state is laid out per expert-data-paral
 from __future__ import annotations
 
 import json
+import logging
+import multiprocessing
 import os
 import random
 import shutil
+from multiprocessing.managers import SyncManager
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +44,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron_m2po.utils import lifeline
 from megatron_m2po.utils.faults import fault_point
 
 __all__ = ["save_checkpoint", "load_checkpoint", "resolve_checkpoint", "latest_checkpoint", "LATEST"]
@@ -48,6 +52,8 @@ __all__ = ["save_checkpoint", "load_checkpoint", "resolve_checkpoint", "latest_c
 LATEST = "latest"
 _FORMAT = 1
 _OPT_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
+
+log = logging.getLogger(__name__)
 
 
 def _sharded_state(actor, is_loading: bool, with_optimizer: bool = True) -> dict:
@@ -108,7 +114,10 @@ def save_checkpoint(actor, path: str, extra_state: dict[str, Any]) -> None:
     # a never-stepped torch Adam (a run saved before its first update, a converted or weights-only
     # loaded actor) has no state: the distributed optimizer's state_dict asserts on the missing step
     _materialise_optimizer_state(actor.optimizer)
-    dist_checkpointing.save(_sharded_state(actor, is_loading=False), str(tmp / "dist"))
+    _own_writer_results_queue()
+    # The writer processes Megatron forks for this save die with the trainer (utils/lifeline.py).
+    with lifeline.forks_die_with_process():
+        dist_checkpointing.save(_sharded_state(actor, is_loading=False), str(tmp / "dist"))
     torch.save(_rng_state(), tmp / "rng" / f"rank_{rank}.pt")
     if rank == 0:
         meta = {"format": _FORMAT, "version": actor.version, "scheduler": actor.scheduler.state_dict(),
@@ -128,6 +137,33 @@ def save_checkpoint(actor, path: str, extra_state: dict[str, Any]) -> None:
         os.replace(tmp, final)
         _write_latest(final.parent, final.name)
     dist.barrier()
+
+
+def _own_writer_results_queue() -> None:
+    """Give Megatron's checkpoint writer a results queue whose process dies with the trainer.
+
+    megatron-core 0.16.1 ``dist_checkpointing/strategies/filesystem_async.py``
+    ``_get_write_results_queue`` creates, on the first save of a process, a ``spawn`` context
+    ``Manager().Queue()`` and caches it in the module's ``_results_queue``: a manager server process
+    (the trainer's ``__main__`` re-imported, ~330 MB) that lives as long as the trainer and, started
+    with no initializer, also after it: a trainer killed by SIGKILL (``kill -9``, torchrun's
+    restart of a group) left it and the resource tracker, whose pipe it holds, running forever.
+    Here the same manager is started with :func:`~megatron_m2po.utils.lifeline.die_with_parent`
+    as its initializer (CPython ``multiprocessing/managers.py`` ``BaseManager._run_server`` calls it
+    first), from a thread that lives as long as the trainer, and put in that cache; Megatron then
+    uses it as its own. The resource tracker exits on EOF of its pipe
+    (``multiprocessing/resource_tracker.py`` ``main``) once the trainer and the manager are gone.
+    """
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if not hasattr(filesystem_async, "_results_queue"):  # not megatron-core 0.16's layout: its own queue
+        log.warning("megatron.core filesystem_async has no _results_queue (not megatron-core 0.16.1): its "
+                    "checkpoint writer process may outlive a killed trainer")
+        return
+    if filesystem_async._results_queue is None:
+        manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
+        lifeline.on_lifetime_thread(manager.start, lifeline.die_with_parent, (os.getpid(),))
+        filesystem_async._results_queue = manager.Queue()  # the proxy keeps the manager referenced
 
 
 def _expert_layout(actor) -> list[int]:

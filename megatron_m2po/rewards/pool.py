@@ -44,6 +44,8 @@ from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as mp_wait
 from typing import Any, Optional
 
+from megatron_m2po.utils import lifeline
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["ScoringPool", "ScorerSpec", "CallOutcome"]
@@ -230,7 +232,8 @@ class _Worker:
     of MB per worker, and an error for scripts without a ``__main__`` guard). The two ends talk
     over a socket pair wrapped in ``multiprocessing.connection.Connection``; the kernel closes
     the child's end when it dies, so the parent's end turns readable (EOF): that is the death
-    signal, no separate sentinel needed."""
+    signal, no separate sentinel needed. The other way round, the kernel kills the worker when the
+    parent dies (:func:`megatron_m2po.utils.lifeline.popen`)."""
 
     __slots__ = ("proc", "conn", "ready", "started_at", "call", "deadline")
 
@@ -240,8 +243,11 @@ class _Worker:
         env["PYTHONPATH"] = os.pathsep.join([_PKG_PARENT] + [p for p in [env.get("PYTHONPATH")] if p])
         env.setdefault("OMP_NUM_THREADS", "1")
         try:
-            self.proc = subprocess.Popen([sys.executable, "-c", _WORKER_CODE, str(child_sock.fileno())],
-                                         pass_fds=(child_sock.fileno(),), env=env, stdin=subprocess.DEVNULL)
+            # Dies with the trainer, by any signal: an idle worker would see EOF on its socket, but one
+            # inside a hung scorer never reads it (utils/lifeline.py: PR_SET_PDEATHSIG, forked on a
+            # thread that lives as long as the process -- replacements start on rollout threads).
+            self.proc = lifeline.popen([sys.executable, "-c", _WORKER_CODE, str(child_sock.fileno())],
+                                       pass_fds=(child_sock.fileno(),), env=env, stdin=subprocess.DEVNULL)
         finally:
             child_sock.close()
         self.conn = Connection(parent_sock.detach())

@@ -8,22 +8,20 @@
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
-import signal
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Mapping, Optional, Protocol
 
-__all__ = ["FleetError", "EngineSpec", "EngineHandle", "Launcher", "LocalHandle", "LocalLauncher", "child_setup",
+from megatron_m2po.utils import lifeline
+
+__all__ = ["FleetError", "EngineSpec", "EngineHandle", "Launcher", "LocalHandle", "LocalLauncher",
            "sglang_python", "engine_env", "DROPPED_ENV_VARS", "DROPPED_ENV_PREFIXES"]
 
 log = logging.getLogger("m2po.launcher")
-
-_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 # What a trainer process has in its environment that an engine must not inherit:
 # - torchrun's per-worker variables (torch/distributed/elastic/agent/server/local_elastic_agent.py
@@ -67,18 +65,6 @@ def engine_env(spec_env: Mapping[str, str], *, base: Optional[Mapping[str, str]]
     if dropped:
         log.debug("engine environment: not inherited from the launcher: %s", ", ".join(dropped))
     return env
-
-
-def child_setup() -> None:
-    """In an engine (or router) child before exec: its own session, so ``stop`` kills its whole
-    tree, and ``PR_SET_PDEATHSIG = SIGKILL``, so it dies with the process that started it --
-    a trainer killed with SIGKILL leaves no engine or router behind. The signal fires when the
-    *thread* that forked the child exits: start children from long-lived threads only."""
-    os.setsid()
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):  # not Linux: stop() still kills the session
-        pass
 
 
 class FleetError(RuntimeError):
@@ -151,14 +137,19 @@ class LocalHandle:
 
 
 class LocalLauncher:
-    """Engines as child processes in their own session that die with this process (``child_setup``),
-    in the environment :func:`engine_env` builds (the trainer's own variables left out)."""
+    """Engines as child processes in the environment :func:`engine_env` builds (the trainer's own
+    variables left out). Each is in its own session (a Ctrl-C at the terminal reaches the trainer,
+    which finishes its step with the engines still up, and stops them itself) and dies
+    with this process by any signal, SIGKILL included (:func:`megatron_m2po.utils.lifeline.popen`:
+    ``PR_SET_PDEATHSIG``, forked on a thread that lives as long as the process). An SGLang
+    server's own subprocesses die with it in turn (SGLang 0.5.23 ``srt/utils/common.py``
+    ``kill_itself_when_parent_died``, called by its scheduler and detokenizer)."""
 
     def launch(self, spec: EngineSpec) -> LocalHandle:
         spec.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(spec.log_path, "ab") as logf:
             logf.write(f"\n=== launch {' '.join(spec.cmd)}\n".encode())
             logf.flush()
-            proc = subprocess.Popen(spec.cmd, env=engine_env(spec.env), stdout=logf,
-                                    stderr=subprocess.STDOUT, preexec_fn=child_setup)
+            proc = lifeline.popen(spec.cmd, env=engine_env(spec.env), stdout=logf, stderr=subprocess.STDOUT,
+                                  start_new_session=True)
         return LocalHandle(url=spec.url, log_path=spec.log_path, proc=proc)

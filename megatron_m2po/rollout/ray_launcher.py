@@ -32,9 +32,22 @@ Death. :meth:`RayHandle.alive` is the child's ``poll()`` through the actor: an e
 exited, an actor that was killed (``ray.kill``, OOM) or lost with its node, or an actor that
 does not answer within ``poll_timeout_s``, all count as dead, so
 ``EngineFleet.check_and_restart()`` replaces, refits and re-registers it. The child runs in
-its own session with ``PR_SET_PDEATHSIG = SIGKILL``: when the actor process dies, the engine
-dies with it instead of holding its port and GPU as an orphan (SGLang's own subprocesses do
-the same toward the server process).
+its own session and dies with the actor process (:func:`megatron_m2po.utils.lifeline.popen`:
+``PR_SET_PDEATHSIG = SIGKILL``) instead of holding its port and GPU as an orphan (SGLang's own
+subprocesses do the same toward the server process).
+
+The trainer's death. A local cluster that :func:`ensure_ray` starts is fate-shared with the
+process that starts it: Ray 2.x starts its head processes (GCS server, raylet, monitors) with ``PR_SET_PDEATHSIG``
+(``ray/_private/services.py`` ``start_ray_process(fate_share=...)``, ``preexec_fn`` calling
+``ray/_private/utils.py`` ``set_kill_on_parent_death_linux``; ``node.py`` turns it on where
+``detect_fate_sharing_support``), and its workers, the engine actors, exit when their raylet
+does. :func:`ensure_ray` starts it on a thread that lives as long as the trainer
+(:func:`~megatron_m2po.utils.lifeline.on_lifetime_thread`): the signal follows the thread that
+forked. On a cluster the trainer joined (``RAY_ADDRESS``), the engine actors are owned by the
+trainer (not detached), and Ray ends an actor whose owner died. Ray's own per-node agents
+(``ray::DashboardAgent``, ``ray::RuntimeEnvAgent``, children of the raylet) are slower: they see
+the raylet die within ~2 s but exit only after trying, for 60 s, to report it to the GCS, which
+died too (Ray 2.60 ``ray/_private/process_watcher.py`` ``report_raylet_error_logs``).
 """
 
 from __future__ import annotations
@@ -48,7 +61,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
-from megatron_m2po.rollout.launcher import EngineSpec, FleetError, child_setup, engine_env
+from megatron_m2po.rollout.launcher import EngineSpec, FleetError, engine_env
+from megatron_m2po.utils import lifeline
 from megatron_m2po.utils.net import free_port
 
 if TYPE_CHECKING:
@@ -74,8 +88,9 @@ def ensure_ray(address: Optional[str] = None, local_gpus: Optional[list[str]] = 
         ray.init(address=address or "auto", **init_kwargs)
         return
     init_kwargs.setdefault("include_dashboard", False)
+    # A local cluster's processes die with the thread that starts them (module docstring).
     if local_gpus is None:
-        ray.init(**init_kwargs)
+        lifeline.on_lifetime_thread(ray.init, **init_kwargs)
         return
     # Ray reads the GPU list from this process's CUDA_VISIBLE_DEVICES when it starts the node, and
     # its raylet (and through it every worker) inherits the variable: actors get entries of it.
@@ -84,7 +99,7 @@ def ensure_ray(address: Optional[str] = None, local_gpus: Optional[list[str]] = 
     before = os.environ.get("CUDA_VISIBLE_DEVICES")
     os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(local_gpus)
     try:
-        ray.init(**init_kwargs)
+        lifeline.on_lifetime_thread(ray.init, **init_kwargs)
     finally:
         if before is None:
             os.environ.pop("CUDA_VISIBLE_DEVICES", None)
@@ -112,8 +127,8 @@ def _with_flag(cmd: list[str], flag: str, value: str) -> list[str]:
 class EngineProcess:
     """Body of the Ray actor: one engine child process on the actor's node.
 
-    Methods run on the actor's main thread (a plain Ray actor), which is also the thread that
-    forked the child -- ``PR_SET_PDEATHSIG`` fires when that thread's process dies.
+    The child is forked on a thread that lives as long as the actor process
+    (:func:`~megatron_m2po.utils.lifeline.popen`), so ``PR_SET_PDEATHSIG`` fires when the actor dies.
     """
 
     def __init__(self, cmd: list[str], env: dict[str, str], log_path: str, host: str, port: int,
@@ -131,8 +146,8 @@ class EngineProcess:
         with open(self.log_path, "ab") as logf:
             logf.write(f"\n=== launch (ray actor on {self.node_ip}) {' '.join(cmd)}\n".encode())
             logf.flush()
-            self.proc = subprocess.Popen(cmd, env=engine_env(env, keep=keep_env), stdout=logf,
-                                         stderr=subprocess.STDOUT, preexec_fn=child_setup)
+            self.proc = lifeline.popen(cmd, env=engine_env(env, keep=keep_env), stdout=logf,
+                                       stderr=subprocess.STDOUT, start_new_session=True)
 
     def info(self) -> dict:
         return {"url": self.url, "node_ip": self.node_ip, "node_id": self.node_id, "pid": self.proc.pid,

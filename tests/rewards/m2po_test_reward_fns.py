@@ -1,6 +1,7 @@
 """Custom reward functions used by the reward tests (imported by dotted path in the workers)."""
 
 import os
+import threading
 import time
 
 from megatron_m2po.rewards import batch_reward
@@ -19,6 +20,16 @@ def exact(response, answer):
     if response == "nan":
         return float("nan")
     return 1.0 if response == answer else 0.0
+
+
+def hang(response, answer):
+    """Writes this worker's pid to the file ``response`` names, then never returns nor reads its
+    socket again (a scorer stuck in C code): only a signal ends the worker."""
+    tmp = response + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(str(os.getpid()))
+    os.replace(tmp, response)
+    threading.Event().wait()
 
 
 def with_kwargs(response, answer, *, bonus=0.0, **kw):

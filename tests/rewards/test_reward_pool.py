@@ -1,15 +1,22 @@
 """The scoring pool: timeouts, crashes and scorer errors are counted, never block or raise,
 and the pool keeps working; custom reward functions are checked at start-up."""
 
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
 from megatron_m2po.config import RewardConfig
 from megatron_m2po.rewards import check_reward_target, get_reward_fn
 from megatron_m2po.rewards.pool import ScorerSpec, ScoringPool
+from leftovers import Tree
+from waiting import wait_until
 
 FNS = "m2po_test_reward_fns"
+HERE = Path(__file__).resolve().parent
 
 
 @pytest.fixture(scope="module")
@@ -153,3 +160,33 @@ def test_coroutine_item_function_awaits_a_chunks_items_together():
         assert reward.spec.coroutine and reward.spec.kind == "batch"
         assert reward.score_batch(["a", "bb", "ccc"], ["", "", ""]).scores == [1.0, 2.0, 3.0]
         assert reward.score("dddd", "") == 4.0
+
+
+# A trainer whose one reward worker hangs inside its scorer (the call's deadline: an hour).
+HUNG_PARENT = """
+import sys
+from megatron_m2po.rewards.pool import ScorerSpec, ScoringPool
+pool = ScoringPool(ScorerSpec("item", "m2po_test_reward_fns:hang"), num_workers=1, timeout_s=3600)
+pool.run([([sys.argv[1]], ["x"])])
+"""
+
+
+def test_a_worker_hung_in_its_scorer_dies_with_the_trainer(tmp_path):
+    """The trainer killed with SIGKILL while a worker is inside a scorer that never returns: the
+    worker never reads its socket again (an idle worker would see EOF there), so only the
+    parent-death signal it was started with (utils/lifeline.py) ends it."""
+    pid_file = tmp_path / "worker.pid"
+    tree = Tree({**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])})
+    proc = subprocess.Popen([sys.executable, "-c", HUNG_PARENT, str(pid_file)], env=tree.env)
+    try:
+        wait_until(lambda: pid_file.is_file(), what="the reward worker inside its scorer", timeout=60,
+                   hopeless=lambda: proc.poll() is not None and f"the pool's parent exited ({proc.returncode})")
+        assert int(pid_file.read_text()) in tree.observe(proc.pid)
+        proc.kill()
+        proc.wait()
+        tree.wait_gone("the pool's parent was killed with SIGKILL", timeout=10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        tree.kill()

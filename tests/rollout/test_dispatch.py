@@ -198,7 +198,7 @@ def test_killed_engine_requests_finish_on_the_other_and_a_restart_rejoins(fleet)
         moved = stats[survivor]["sent"] - before[survivor]["sent"] - (10 - (stats[victim.url]["sent"]
                                                                           - before[victim.url]["sent"]))
         assert moved >= on_victim > 0, (moved, on_victim, stats)
-        # engines launched by a thread die with it (PR_SET_PDEATHSIG): restart from this one, as the trainer does
+        # restart from this thread, as the trainer does from its main one
         f.on_engines = announced.append
         restarted = f.check_and_restart()
         assert restarted == [victim.url] and announced and set(announced[-1]) == set(f.engine_urls)
