@@ -190,6 +190,12 @@ async def evaluate_sets(client: Any, sets: dict[str, list], *, k: int, sampling_
 # --------------------------------------------------------------------------------------------
 
 
+def model_name(requested: str, path: str) -> str:
+    """How ``m2po eval`` names the model it evaluates: as the user gave it (``--model``, else
+    ``model.hf_path``); the tiny base with the name of the cache directory it resolved to."""
+    return f"tiny ({Path(path).name})" if requested == "tiny" else requested
+
+
 def register(sub) -> None:
     p = sub.add_parser("eval", help="pass@1 (avg@k) on math benchmarks through a rollout engine",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -209,31 +215,29 @@ def register(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        return _run(args)
-    except ValueError as e:
-        from megatron_m2po.config import ConfigError
-
-        if isinstance(e, ConfigError):
-            raise  # the m2po entry point prints configuration errors itself
-        print(f"m2po eval: error: {e}", file=sys.stderr)
-        return 2
-
-
-def _run(args: argparse.Namespace) -> int:
+    """``m2po eval``; a user's mistake raises ``ValueError`` (the ``m2po`` entry point prints it in one line)."""
     from rich.console import Console
 
     from megatron_m2po.config import load_config
     from megatron_m2po.data import build_eval_sets
     from megatron_m2po.rewards import get_reward_fn
+    from megatron_m2po.utils.errors import UserError
     from megatron_m2po.utils.hf_dir import resolve_model_path
+    from megatron_m2po.utils.net import unreachable
 
     console = Console()
     cfg = load_config(args.config, args.overrides)
+    if args.engine_url is not None:  # before the model and the data are loaded
+        why = unreachable(args.engine_url)
+        if why:
+            raise UserError(f"--engine-url {args.engine_url}: nothing answers there ({why}): start the engine or "
+                            "router first (scripts/launch_sglang_fleet.sh), correct the address, or leave "
+                            "--engine-url out to launch engines from the config's rollout settings")
     k = args.k if args.k is not None else cfg.trainer.eval_samples
     if k < 1:
         raise ValueError(f"--k={k} must be >= 1")
     model_path = resolve_model_path(cfg.model, args.model, progress=True)
+    name = model_name(args.model or cfg.model.hf_path, model_path)
 
     from transformers import AutoTokenizer
 
@@ -262,7 +266,9 @@ def _run(args: argparse.Namespace) -> int:
         if url is None:
             from megatron_m2po.rollout.engines import EngineFleet
 
-            console.print(f"launching {cfg.rollout.num_engines} {cfg.rollout.engine} engine(s) for {model_path}")
+            # soft_wrap: a long path is never moved to a line of its own (the name read as empty)
+            console.print(f"launching {cfg.rollout.num_engines} {cfg.rollout.engine} engine(s) for {name}",
+                          soft_wrap=True)
             fleet = EngineFleet(cfg.rollout, model_path, run_dir=cfg.trainer.run_dir).start()
             url = fleet.url if fleet.router_url or len(fleet.engines) == 1 else fleet
         results = asyncio.run(_evaluate_at(url, cfg, sets, k, sampling, tokenizer, reward, console,
@@ -273,14 +279,14 @@ def _run(args: argparse.Namespace) -> int:
         if fleet is not None:
             fleet.stop()
 
-    console.print(results_table(results, title=f"pass@1 as avg@{k} (T={args.temperature:g}) - {model_path}"))
+    console.print(results_table(results, title=f"pass@1 as avg@{k} (T={args.temperature:g}) - {name}"))
     out = Path(args.out) if args.out else Path(cfg.trainer.run_dir) / "eval_results.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    settings = {"model": model_path, "engine_url": args.engine_url, "k": k, "sampling_params": sampling,
+    settings = {"model": model_path, "model_name": name, "engine_url": args.engine_url, "k": k, "sampling_params": sampling,
                 "reward": cfg.reward.fn, "template": cfg.data.template, "limit": args.limit,
                 "elapsed_s": round(time.perf_counter() - t0, 3)}
     out.write_text(json.dumps(results_to_json(results, settings), indent=2) + "\n")
-    console.print(f"wrote {out}")
+    console.print(f"wrote {out}", soft_wrap=True)
     return 0
 
 

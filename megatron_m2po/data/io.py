@@ -5,7 +5,7 @@ and floats are accepted and converted with ``str``, as some benchmark files stor
 answers as numbers) and an optional ``solution``. Other columns are ignored.
 
 Formats, by suffix: ``.jsonl`` (one JSON object per line, blank lines skipped), ``.json``
-(a list of objects), ``.parquet`` (pyarrow). A row that breaks the schema raises ValueError
+(a list of objects), ``.parquet`` (pyarrow). A row that breaks the schema raises :class:`~megatron_m2po.utils.errors.UserError` (a ValueError)
 naming the file, the row (0-based index; for jsonl also the line number) and the problem.
 """
 
@@ -15,6 +15,8 @@ import json
 import math
 from pathlib import Path
 from typing import Any, Optional
+
+from megatron_m2po.utils.errors import UserError
 
 __all__ = ["PromptRow", "load_rows", "validate_rows", "write_jsonl"]
 
@@ -43,17 +45,17 @@ def validate_rows(raw: list[Any], source: str, line_numbers: Optional[list[int]]
     for i, r in enumerate(raw):
         where = f"{source}: row {i}" + (f" (line {line_numbers[i]})" if line_numbers else "")
         if not isinstance(r, dict):
-            raise ValueError(f"{where} is a {type(r).__name__}, expected an object with fields {list(REQUIRED)}")
+            raise UserError(f"{where} is a {type(r).__name__}, expected an object with fields {list(REQUIRED)}")
         missing = [k for k in REQUIRED if k not in r or r[k] is None]
         if missing:
-            raise ValueError(f"{where} lacks field(s) {missing} (has {sorted(r)}); the DeepScaleR schema needs "
-                             f"'problem' and 'answer' (rename your columns)")
+            raise UserError(f"{where} lacks field(s) {missing} (has {sorted(r)}); the DeepScaleR schema needs "
+                            f"'problem' and 'answer' (rename your columns)")
         problem = r["problem"]
         if not isinstance(problem, str) or not problem.strip():
-            raise ValueError(f"{where}: 'problem' must be a non-empty string, got {problem!r}")
+            raise UserError(f"{where}: 'problem' must be a non-empty string, got {problem!r}")
         answer = _answer_str(r["answer"])
         if answer is None or not answer.strip():
-            raise ValueError(f"{where}: 'answer' must be a non-empty string (or number), got {r['answer']!r}")
+            raise UserError(f"{where}: 'answer' must be a non-empty string (or number), got {r['answer']!r}")
         row = PromptRow(problem=problem, answer=answer.strip())
         sol = r.get("solution")
         if sol is not None:
@@ -66,7 +68,20 @@ def load_rows(path: str | Path) -> list[PromptRow]:
     """Rows of a .jsonl / .json / .parquet file in the DeepScaleR schema."""
     p = Path(path).expanduser()
     if not p.is_file():
-        raise ValueError(f"prompt file {str(p)!r} does not exist")
+        what = "is a directory" if p.is_dir() else "does not exist"
+        raise UserError(f"prompt file {str(p)!r} {what}: give a .jsonl / .json / .parquet file in the DeepScaleR "
+                        "schema (problem, answer)")
+    try:
+        return _load_rows(p)
+    except OSError as e:
+        raise UserError(f"prompt file {str(p)!r} cannot be read ({e.strerror or e}): fix its permissions, or copy "
+                        "it somewhere readable") from None
+    except UnicodeDecodeError as e:
+        raise UserError(f"prompt file {str(p)!r} is not UTF-8 text ({e.reason} at byte {e.start}): give a .jsonl / "
+                        ".json file in UTF-8, or a .parquet file") from None
+
+
+def _load_rows(p: Path) -> list[PromptRow]:
     suffix = p.suffix.lower()
     if suffix == ".jsonl":
         raw, lines = [], []
@@ -77,16 +92,16 @@ def load_rows(path: str | Path) -> list[PromptRow]:
                 try:
                     raw.append(json.loads(line))
                 except json.JSONDecodeError as e:
-                    raise ValueError(f"{p}: line {lineno} is not valid JSON ({e.msg} at column {e.colno})") from None
+                    raise UserError(f"{p}: line {lineno} is not valid JSON ({e.msg} at column {e.colno})") from None
                 lines.append(lineno)
         rows = validate_rows(raw, str(p), lines)
     elif suffix == ".json":
         try:
             raw = json.loads(p.read_text(encoding="utf-8"))
         except json.JSONDecodeError as e:
-            raise ValueError(f"{p} is not valid JSON ({e.msg} at line {e.lineno})") from None
+            raise UserError(f"{p} is not valid JSON ({e.msg} at line {e.lineno})") from None
         if not isinstance(raw, list):
-            raise ValueError(f"{p} must hold a JSON list of objects, got {type(raw).__name__}")
+            raise UserError(f"{p} must hold a JSON list of objects, got {type(raw).__name__}")
         rows = validate_rows(raw, str(p))
     elif suffix == ".parquet":
         import pyarrow.parquet as pq
@@ -94,14 +109,14 @@ def load_rows(path: str | Path) -> list[PromptRow]:
         table = pq.read_table(p)
         missing = [k for k in REQUIRED if k not in table.column_names]
         if missing:
-            raise ValueError(f"{p} lacks column(s) {missing} (has {table.column_names}); the DeepScaleR schema "
-                             "needs 'problem' and 'answer'")
+            raise UserError(f"{p} lacks column(s) {missing} (has {table.column_names}); the DeepScaleR schema "
+                            "needs 'problem' and 'answer'")
         cols = [c for c in ("problem", "answer", "solution") if c in table.column_names]
         rows = validate_rows(table.select(cols).to_pylist(), str(p))
     else:
-        raise ValueError(f"prompt file {str(p)!r}: unsupported format {suffix!r}; use .jsonl, .json or .parquet")
+        raise UserError(f"prompt file {str(p)!r}: unsupported format {suffix!r}; use .jsonl, .json or .parquet")
     if not rows:
-        raise ValueError(f"prompt file {str(p)!r} holds no rows")
+        raise UserError(f"prompt file {str(p)!r} holds no rows")
     return rows
 
 

@@ -48,6 +48,7 @@ from megatron_m2po.rollout.client import SGLangClient
 from megatron_m2po.rollout.fp8 import quantize_named
 from megatron_m2po.rollout.nccl_handshake import MISMATCH, check_group, mismatch_message, nccl_refusal_message
 from megatron_m2po.utils.background_loop import BackgroundLoop
+from megatron_m2po.utils.errors import UserError
 from megatron_m2po.utils.hf_dir import write_stage_shards
 from megatron_m2po.utils.net import free_port
 
@@ -60,9 +61,9 @@ class WeightSyncError(RuntimeError):
     """A weight push failed; the message names the engines concerned."""
 
 
-class NcclVersionMismatch(WeightSyncError):
+class NcclVersionMismatch(WeightSyncError, UserError):
     """The trainer and an engine run different NCCL builds: no push can ever succeed, so the push
-    is not retried (:mod:`megatron_m2po.rollout.nccl_handshake`)."""
+    is not retried (:mod:`megatron_m2po.rollout.nccl_handshake`); ``m2po`` ends with its one line."""
 
 
 def weight_sync_error(message: str) -> WeightSyncError:

@@ -28,6 +28,13 @@ def run(args: argparse.Namespace) -> int:
     rank = int(os.environ.get("RANK", "0"))
     from megatron_m2po.utils.logging import setup_logging
     setup_logging(rank, access_log=cfg.logging.access_log)
+    run_lock = None
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        # A single process locks its run directory and checks what a user can get wrong at run
+        # time before Megatron-Core is imported and the process group is made (an answer in
+        # seconds); under torchrun rank 0 does it in the trainer, where its refusal reaches every rank.
+        from megatron_m2po.trainer.preflight import claim_checked_run_dir
+        run_lock = claim_checked_run_dir(cfg)
     # Megatron-Core logs its whole optimizer config and every parameter bucket at INFO: keep
     # the console to our progress lines unless asked (M2PO_MEGATRON_LOG=INFO).
     logging.getLogger("megatron").setLevel(os.environ.get("M2PO_MEGATRON_LOG", "WARNING"))
@@ -37,6 +44,5 @@ def run(args: argparse.Namespace) -> int:
         for msg in (".*Apex is not installed.*", ".*Transformer Engine and Apex are not installed.*",
                     ".*full scope is deprecated.*"):
             warnings.filterwarnings("ignore", message=msg)
-    logging.getLogger(__name__).info("run dir: %s", cfg.trainer.run_dir)
     from megatron_m2po.trainer.loop import train
-    return train(cfg)
+    return train(cfg, run_lock=run_lock)

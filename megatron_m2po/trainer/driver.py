@@ -69,11 +69,12 @@ class RolloutDriver:
     def __init__(self, cfg: Config, model_path: str, tokenizer: Any):
         self.cfg, self.model_path = cfg, model_path
         run_dir = Path(cfg.trainer.run_dir)
+        # The data first: a mistake in it (a bad row, a prompt too long) is found before the store is created.
+        self.dataset = build_prompt_dataset(cfg.data, tokenizer, cfg.trainer.seed)
+        eval_sets = build_eval_sets(cfg.data, tokenizer, cfg.trainer.seed) if cfg.trainer.eval_every_steps else {}
         self.store = RolloutStore.from_config(cfg.store, run_dir=str(run_dir))
         if cfg.rollout.return_routed_experts:  # every put (ours and external producers') is checked by it
             self.store.set_routing(routing_spec(model_path, required=cfg.algo.routing_replay == "rollout"))
-        self.dataset = build_prompt_dataset(cfg.data, tokenizer, cfg.trainer.seed)
-        eval_sets = build_eval_sets(cfg.data, tokenizer, cfg.trainer.seed) if cfg.trainer.eval_every_steps else {}
         self.reward = get_reward_fn(cfg.reward)
         self.sync_dir = cfg.resolved_path(cfg.rollout.weight_sync_dir, "weights")
         # Set by the trainer's signal handler: waits for data return at once (StopRequested).
@@ -103,7 +104,8 @@ class RolloutDriver:
                 # rollout.filter applies at ingestion: dropped groups are acknowledged, not stored.
                 self.ingestion = IngestionServer(cfg.store, self.store, self._bg, group_filter=cfg.rollout.filter,
                                                  counters=maker.counters)
-                producers = f"external producers push to {self.ingestion.start(str(self.sync_dir))}/v1/groups"
+                url = self.ingestion.start(str(self.sync_dir), base_model=model_path)
+                producers = f"external producers push to {url}/v1/groups"
                 if self.store.current_version is None:
                     self.store.set_version(0)
             else:

@@ -12,6 +12,8 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Iterator, Optional
 
+from megatron_m2po.utils.errors import UserError
+
 if TYPE_CHECKING:
     import torch
 
@@ -25,7 +27,7 @@ def resolve_model_path(model: "ModelConfig", override: Optional[str] = None, *, 
 
     ``"tiny"`` builds the tiny base model of ``model.tiny_family`` into ``model.tiny_cache_dir`` on first use (safe to
     call from several processes at once). Anything else must be a local directory holding a
-    ``config.json``; otherwise ``ValueError`` names the path.
+    ``config.json``; otherwise :class:`~megatron_m2po.utils.errors.UserError` (a ``ValueError``) names the path.
     """
     path = override or model.hf_path
     if path == "tiny":
@@ -36,8 +38,9 @@ def resolve_model_path(model: "ModelConfig", override: Optional[str] = None, *, 
         return str(tiny_base.ensure_tiny_base(os.path.expanduser(model.tiny_cache_dir), spec=spec, progress=progress))
     p = Path(path).expanduser()
     if not (p / "config.json").is_file():
-        raise ValueError(f"model path {path!r} is not an HF model directory (no config.json); set "
-                         "model.hf_path (or --model) to a local HF model directory, or 'tiny'")
+        what = "does not exist" if not p.exists() else "is not an HF model directory (no config.json)"
+        raise UserError(f"model path {path!r} {what}; set model.hf_path (or --model) to a local HF model "
+                        "directory, or 'tiny'")
     return str(p)
 
 

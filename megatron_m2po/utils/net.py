@@ -1,10 +1,13 @@
-"""Network helpers shared by the launchers, the weight sync and the tests."""
+"""Network helpers shared by the launchers, the weight sync, the start-up checks and the tests."""
 
 from __future__ import annotations
 
 import socket
+import urllib.error
+import urllib.request
+from typing import Optional
 
-__all__ = ["free_port"]
+__all__ = ["free_port", "bind_error", "unreachable"]
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -16,3 +19,38 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(family, socket.SOCK_STREAM) as s:
         s.bind((host or "0.0.0.0", 0))
         return s.getsockname()[1]
+
+
+def bind_error(host: str, port: int) -> Optional[str]:
+    """Why a server could not listen on ``host:port`` now ("Address already in use", "Cannot assign
+    requested address", ...), or None when it could. Binds as the servers do (aiohttp, uvicorn,
+    sglang-router set ``SO_REUSEADDR``), so a port whose last connections linger in TIME_WAIT
+    counts as free; a socket listening there does not."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host or "0.0.0.0", port))
+        except OSError as e:
+            return e.strerror or str(e)
+    return None
+
+
+def unreachable(url: str, path: str = "/health", timeout_s: float = 5.0) -> Optional[str]:
+    """Why nothing answers HTTP at ``url`` (connection refused, unknown host, timed out, not an
+    http(s) address), or None when something answers ``GET url + path`` with any status: whether
+    it is the right server is for its own client to check. Proxies from the environment are not
+    used, as the engine and store clients (aiohttp) do not use them."""
+    if not url.startswith(("http://", "https://")):
+        return "not an http:// or https:// address"
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    try:
+        with opener.open(url.rstrip("/") + path, timeout=timeout_s):
+            return None
+    except urllib.error.HTTPError:
+        return None  # it answered
+    except urllib.error.URLError as e:
+        reason = e.reason
+        return getattr(reason, "strerror", None) or str(reason)
+    except (OSError, ValueError) as e:  # a timeout while reading, a malformed address
+        return str(e) or type(e).__name__

@@ -12,6 +12,7 @@ broadcast as NCCL would.
 from __future__ import annotations
 
 import ast
+import os
 import sys
 import time
 import types
@@ -234,3 +235,30 @@ def test_matched_push_lands(emulated_trainer, tiny_model_dir, cpu_worker):
     finally:
         sync.close()
     assert stats.version == 1
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_tiny_run_with_two_nccl_builds_stops_in_one_line(tmp_path):
+    """``M2PO_STANDIN_ENGINE_NCCL_VERSION=2.30.7 m2po train examples/tiny_cpu.yaml
+    rollout.weight_sync=distributed``: the first push is refused at the group's forming, the run ends
+    non-zero with one line naming both versions and no traceback (today's main trained on: gloo
+    compares no versions)."""
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    cmd = [sys.executable, "-m", "megatron_m2po.cli", "train", str(root / "examples" / "tiny_cpu.yaml"),
+           f"trainer.run_dir={tmp_path / 'run'}", "rollout.weight_sync=distributed", "trainer.mode=sync",
+           "trainer.prompts_per_step=4", "trainer.prompts_per_update=4", "rollout.num_engines=1",
+           "logging.progress=false", "checkpoint.export_hf_at_end=false", "trainer.eval_every_steps=0"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", nccl_emulation.ENGINE_ENV: "2.30.7"}
+    env.pop(nccl_emulation.TRAINER_ENV, None)
+    r = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=280)
+    out = r.stdout + r.stderr
+    assert r.returncode != 0, out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
+    last = [ln for ln in r.stderr.splitlines() if ln.strip()][-1]
+    assert last.startswith("m2po train: NCCL version mismatch in weight-update group"), out[-3000:]
+    assert "NCCL 2.28.9" in last and "has 2.30.7" in last and "docker/install.sh" in last, last
+    assert out.count("NCCL version mismatch") == 1, out[-3000:]  # refused once: no relaunch-and-retry
