@@ -4,7 +4,12 @@ generate with our own harness, score, and push version-tagged groups to the stor
 
     export M2PO_STORE_TOKEN=...   # the store's producer token (push groups, read the version; it cannot set it)
     python examples/external_producer.py --store-url http://127.0.0.1:8765 \\
-        --weights-dir runs/x/weights --base-model models/base --rounds 10
+        --weights-dir runs/x/weights --base-model tiny --rounds 10
+
+``--base-model``: the trainer's base model, an HF directory, or ``tiny`` for the cached tiny base
+of ``examples/tiny_cpu.yaml`` (built on first use, as the trainer builds it; another tiny family:
+``--tiny-family``). A trainer with ``rollout.source=external`` logs this command with its own
+values at start.
 
 Against a trainer started with ``rollout.source=external`` (or ``m2po store serve``). Each
 round: ``GET /v1/version`` -> newest ``<weights-dir>/v<N>`` with ``N <= version`` (the base
@@ -35,11 +40,12 @@ import uuid
 
 import torch
 
-from megatron_m2po.config import DataConfig, RewardConfig
+from megatron_m2po.config import DataConfig, ModelConfig, RewardConfig
 from megatron_m2po.data import build_prompt_dataset
 from megatron_m2po.rewards import get_reward_fn
 from megatron_m2po.rollout.external import Completion, ExternalProducer, WeightsRef, make_group
 from megatron_m2po.store.client import StoreClientError
+from megatron_m2po.utils.hf_dir import resolve_model_path
 
 log = logging.getLogger("external_producer")
 
@@ -110,7 +116,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--store-url", required=True, help="Ingestion endpoint (m2po store serve or the trainer's).")
     p.add_argument("--token-env", default="M2PO_STORE_TOKEN", help="Env var holding the bearer token.")
     p.add_argument("--weights-dir", default=None, help="The trainer's disk weight-sync dir (<run_dir>/weights).")
-    p.add_argument("--base-model", required=True, help="HF dir of the base model (version 0) with its tokenizer.")
+    p.add_argument("--base-model", required=True,
+                   help="HF dir of the base model (version 0) with its tokenizer, or 'tiny': the cached tiny base "
+                        "(model.hf_path=tiny, model.tiny_cache_dir's default).")
+    p.add_argument("--tiny-family", default="qwen2", choices=("qwen2", "qwen3", "qwen3_moe", "qwen2_tools"),
+                   help="With --base-model tiny: model.tiny_family.")
     p.add_argument("--engine-url", default=None, help="Generate through this SGLang-compatible engine instead.")
     p.add_argument("--rounds", type=int, default=1, help="Rounds (each pushes --prompts-per-round groups).")
     p.add_argument("--prompts-per-round", type=int, default=4)
@@ -123,6 +133,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--interval-s", type=float, default=0.0, help="Pause between rounds.")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:  # the trainer's own resolution: 'tiny' -> the cached tiny base (built on first use), else a directory
+        args.base_model = resolve_model_path(ModelConfig(hf_path=args.base_model, tiny_family=args.tiny_family),
+                                             progress=True)
+    except ValueError as e:
+        print(f"external_producer: --base-model: {e}", file=sys.stderr, flush=True)
+        return 2
 
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(args.base_model)

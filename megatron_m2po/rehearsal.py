@@ -51,7 +51,6 @@ import asyncio
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -530,6 +529,28 @@ class Rehearsal:
                 "staleness_min": lo, "staleness_max": hi, "seconds": round(seconds, 1)}
 
 
+# ---------------------------------------------------------------------------- work directory
+
+KEPT = ("*.log", "metrics.jsonl", "config.yaml", "config.json")  # what a rehearsal that passed leaves
+
+
+def prune_workdir(workdir: Path) -> int:
+    """Remove what a rehearsal that passed no longer needs from ``workdir`` (checkpoints, weights,
+    stores, traces) and keep what its output pointed to: every log (the nodes', the fleet's, the
+    engines', whatever is under a ``logs/`` directory), the run's ``metrics.jsonl`` and its config.
+    Returns the bytes kept."""
+    kept = 0
+    for p in sorted(workdir.rglob("*"), key=lambda q: len(q.parts), reverse=True):  # files before their dirs
+        if p.is_symlink() or p.is_file():
+            if "logs" in p.relative_to(workdir).parts[:-1] or any(p.match(k) for k in KEPT):
+                kept += p.stat().st_size if p.is_file() else 0
+            else:
+                p.unlink()
+        elif p.is_dir() and not any(p.iterdir()):
+            p.rmdir()
+    return kept
+
+
 # ---------------------------------------------------------------------------- entry
 
 
@@ -538,7 +559,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("config", help="the recipe's YAML (examples/*.yaml)")
     ap.add_argument("overrides", nargs="*", help="key=value applied after the substitutions")
     ap.add_argument("--workdir", default=None, help="where nodes, fleet and shared/ go (default: a new temp dir)")
-    ap.add_argument("--keep", action="store_true", help="keep the work directory after success")
+    ap.add_argument("--keep", action="store_true",
+                    help="keep the whole work directory after success (default: its logs, metrics and configs only)")
     ap.add_argument("--steps", type=int, default=8, help="total steps (default 8)")
     ap.add_argument("--kill-after", type=int, default=4, help="checkpoint after this step, then SIGKILL node 1")
     ap.add_argument("--timeout", type=float, default=900.0, help="bound on each phase, seconds")
@@ -587,7 +609,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"rehearsal FAILED {recipe}: {e}", file=sys.stderr)
         return 1
     if not a.keep and not a.workdir:
-        shutil.rmtree(workdir, ignore_errors=True)
+        # The logs its lines pointed to stay where they said (checkpoints, weights and stores go).
+        size = prune_workdir(workdir)
+        print(f"logs kept in {workdir} ({size / 2**20:.1f} MiB; --keep keeps everything, --workdir chooses where)")
     engines = ("engines=trainer-launched" if p.cfg.rollout.launcher == "local"
                else "engines=launch_sglang_fleet.sh")
     print(f"rehearsal ok {recipe} steps={out['steps']} updates={out['updates']} nodes={NODES}x{PROCS_PER_NODE} "

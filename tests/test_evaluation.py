@@ -1,6 +1,7 @@
 """`m2po eval` aggregation: avg@k / pass@k against hand-computed values, table and JSON."""
 
 import json
+from pathlib import Path
 
 import pytest
 from rich.console import Console
@@ -15,6 +16,8 @@ from megatron_m2po.evaluation import (
     results_to_json,
     summarize_benchmark,
 )
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_avg_and_pass_at_k_hand_computed():
@@ -85,6 +88,52 @@ def test_eval_cli_parses():
     assert (args.config, args.overrides, args.k, args.engine_url, args.out) == (
         "cfg.yaml", ["data.eval=a.jsonl"], 4, "http://127.0.0.1:1", "r.json")
     assert args.temperature == 1.0 and args.func is run
+
+
+def test_eval_names_the_model_on_the_lines_that_mention_it(tmp_path, monkeypatch, capsys):
+    """`m2po eval` without --model: the model is the config's (``tiny``), named on the launch line and
+    in the table's title. The resolved cache path used to be printed there, and on an 80-column
+    console rich moved it to a line of its own: "launching 2 cpu_worker engine(s) for " read as an
+    empty name. The engines and their answers are stand-ins: what is checked is what is printed."""
+    import argparse
+    import os
+
+    import megatron_m2po.evaluation as ev
+    import megatron_m2po.rollout.engines as engines
+    from megatron_m2po.standins.tiny_base import ensure_tiny_base
+
+    ensure_tiny_base(os.path.expanduser("~/.cache/megatron_m2po/tiny_base"), progress=False)  # cached: no build here
+
+    class Fleet:
+        url, router_url, engines = "http://127.0.0.1:1", "http://127.0.0.1:1", ["e0", "e1"]
+
+        def __init__(self, *a, **k):
+            pass
+
+        def start(self):
+            return self
+
+        def stop(self):
+            pass
+
+    async def answers(url, cfg, sets, k, *a, **kw):
+        return {name: BenchmarkResult(name, len(items), k, 0.5, 0.5, 0.5, 6.0) for name, items in sets.items()}
+
+    monkeypatch.setattr(engines, "EngineFleet", Fleet)
+    monkeypatch.setattr(ev, "_evaluate_at", answers)
+    parser = argparse.ArgumentParser()
+    ev.register(parser.add_subparsers())
+    args = parser.parse_args(["eval", "examples/tiny_cpu.yaml", f"trainer.run_dir={tmp_path}", "--limit", "2",
+                              "--k", "1"])
+    monkeypatch.chdir(ROOT)
+    assert args.func(args) == 0
+    out = capsys.readouterr().out.splitlines()
+    launch = next(ln for ln in out if ln.startswith("launching"))
+    assert launch.startswith("launching 2 cpu_worker engine(s) for tiny (qwen2-tiny-"), out
+    assert any("pass@1 as avg@1 (T=1) - tiny (qwen2-tiny-" in ln for ln in out), out
+    doc = json.loads((tmp_path / "eval_results.json").read_text())
+    assert doc["settings"]["model_name"].startswith("tiny (qwen2-tiny-")
+    assert ev.model_name("/models/Qwen2.5-Math-7B", "/models/Qwen2.5-Math-7B") == "/models/Qwen2.5-Math-7B"
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,13 +1,20 @@
 #!/usr/bin/env python
 """PNG plots of metrics files written by ``MetricsLogger`` (``<run_dir>/metrics.jsonl``).
 
-    python tools/plot_metrics.py runs/x/metrics.jsonl [runs/y ...] --out plots/ [--metrics ...]
+    python tools/plot_metrics.py runs/x/metrics.jsonl [runs/y ...] [--out plots/] [--metrics ...]
 
 Without ``--metrics`` it draws the standard panels that exist in the files (reward / accuracy,
 mask or clip fraction, M2 before/after, KL, entropy, staleness, gradient norm, response length,
 throughput, where the time goes per step and the trainer's / engines' idle fractions): one PNG per panel plus ``overview.png`` with all of them. With ``--metrics`` (names
 or shell-style patterns such as ``'policy/*'``) it draws one PNG per metric plus the overview.
-Several files overlay as one colour per run, labelled by run directory name.
+Several files overlay as one colour per run, labelled by run directory name. One run's PNGs go
+to ``<run_dir>/plots`` unless ``--out`` says otherwise.
+
+The x-axis counts training steps, as the console does (``step 5/60``): a record logged at weight
+version ``v`` (the ``step`` field of metrics.jsonl counts optimizer updates) is at step ``v / U``
+with ``U`` updates per step (from the step records' ``train/step``), so a per-update metric
+(``update/*``) sits at fractions of its step. ``--x step`` draws against the logged field itself
+(optimizer updates), ``--x time`` against wall-clock time.
 
 ``plot_metrics(files, out_dir, metrics=None, labels=None)`` is the importable entry point.
 """
@@ -48,6 +55,19 @@ PANELS: list[tuple[str, str, list[str]]] = [
 ]
 _LINESTYLES = ["-", "--", ":", "-."]
 _SKIP_KEYS = {"step", "time", "update"}
+TRAIN_STEP = "train_step"  # the derived x-axis: training steps as the console counts them
+_AXIS_LABELS = {TRAIN_STEP: "training step (as the console counts them)",
+                "step": "optimizer update (weight version)"}
+
+
+def updates_per_step(records: list[dict]) -> float | None:
+    """``U``: the logged ``step`` (weight version, one per update) over the steps done
+    (``train/step`` + 1) of the run's step records; None when it has none."""
+    for r in records:
+        s, v = r.get("train/step"), r.get("step")
+        if isinstance(s, (int, float)) and isinstance(v, (int, float)) and v > 0:
+            return v / (s + 1)
+    return None
 
 
 def _label_for(path: Path) -> str:
@@ -56,12 +76,16 @@ def _label_for(path: Path) -> str:
 
 
 def _series(records: list[dict], key: str, x_key: str) -> tuple[list[float], list[float]]:
+    U = updates_per_step(records) if x_key == TRAIN_STEP else None
     xs, ys = [], []
     for i, r in enumerate(records):
         v = r.get(key)
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
             continue
-        x = r.get(x_key, i)
+        if x_key == TRAIN_STEP:  # without step records (older files): the logged step itself
+            x = r.get("step", i) / U if U and isinstance(r.get("step"), (int, float)) else r.get("step", i)
+        else:
+            x = r.get(x_key, i)
         xs.append(float(x if isinstance(x, (int, float)) else i))
         ys.append(float(v))
     return xs, ys
@@ -107,7 +131,7 @@ def _draw(ax, runs, labels, keys, x_key, title, smooth) -> bool:
                     marker="o" if len(xs) < 30 else None, markersize=3, label=name)
             drew = True
     ax.set_title(title, fontsize=10)
-    ax.set_xlabel(x_key)
+    ax.set_xlabel(_AXIS_LABELS.get(x_key, x_key))
     ax.grid(True, alpha=0.3)
     if drew:
         ax.legend(fontsize=7, loc="best")
@@ -119,13 +143,15 @@ def _safe_name(key: str) -> str:
 
 
 def plot_metrics(files: Sequence[str | Path], out_dir: str | Path, metrics: Sequence[str] | None = None,
-                 labels: Sequence[str] | None = None, *, x_key: str = "step",
+                 labels: Sequence[str] | None = None, *, x_key: str = TRAIN_STEP,
                  smooth: int = 0) -> list[Path]:
     """Write PNGs for the metrics files (or run directories) ``files`` into ``out_dir``.
 
     ``metrics``: names or glob patterns, one PNG each; ``None`` draws the standard panels that
     exist. ``labels``: one per file (default: the run directory names). ``smooth``: moving
-    average window (0 = raw). Returns the written paths, ``overview.png`` last.
+    average window (0 = raw). ``x_key``: ``"train_step"`` (training steps, as the console counts
+    them), or a record field (``"step"``: optimizer updates; ``"time"``). Returns the written
+    paths, ``overview.png`` last.
     """
     import matplotlib
 
@@ -191,13 +217,21 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("files", nargs="+", help=f"{METRICS_FILE} files or run directories")
-    ap.add_argument("--out", required=True, help="Output directory for the PNGs")
+    ap.add_argument("--out", default=None,
+                    help="Output directory for the PNGs (default for one run: <run_dir>/plots)")
     ap.add_argument("--metrics", nargs="+", default=None,
                     help="Metric names or glob patterns (default: the standard panels)")
     ap.add_argument("--labels", nargs="+", default=None, help="Legend label per file")
-    ap.add_argument("--x", default="step", help="x-axis key (default: step)")
+    ap.add_argument("--x", default=TRAIN_STEP,
+                    help="x-axis: train_step (default: training steps, as the console counts them), step "
+                         "(optimizer updates, the logged field) or another record field such as time")
     ap.add_argument("--smooth", type=int, default=0, help="Moving-average window (0 = raw)")
     args = ap.parse_args(argv)
+    if args.out is None:
+        if len(args.files) != 1:
+            ap.error("--out is required with several runs")
+        src = Path(args.files[0])
+        args.out = str((src if src.is_dir() else src.parent) / "plots")  # next to the run
     try:
         written = plot_metrics(args.files, args.out, args.metrics, args.labels,
                                x_key=args.x, smooth=args.smooth)

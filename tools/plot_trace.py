@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """A PNG timeline of a run's trace (``<run_dir>/trace.json``, written with ``logging.trace=true``).
 
-    python tools/plot_trace.py runs/x [--out trace.png] [--from 0 --to 60]
+    python tools/plot_trace.py runs/x [--out runs/x/trace.png] [--from 0 --to 60]
 
 One lane per trainer rank and thread (the trainer's main thread, the rank-0 driver's generation
 and reward threads), each phase a bar coloured by its name (the same colour on every lane), and
@@ -9,7 +9,8 @@ below them the engines' ``/v1/loads`` counters (running / queued requests) when 
 them. It is the picture of what https://ui.perfetto.dev shows interactively.
 
 ``plot_trace(trace, out, t_from=None, t_to=None)`` is the importable entry point; it returns the
-lane labels, top to bottom.
+lane labels, top to bottom. The PNG goes next to the run (``<run_dir>/trace.png``) unless ``--out``
+says otherwise.
 """
 
 from __future__ import annotations
@@ -112,10 +113,13 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("trace", help="trace.json or the run directory holding it")
-    ap.add_argument("--out", default="trace.png", help="Output PNG (default: trace.png)")
+    ap.add_argument("--out", default=None, help="Output PNG (default: trace.png in the run directory)")
     ap.add_argument("--from", dest="t_from", type=float, default=None, help="Start (seconds) of the window drawn")
     ap.add_argument("--to", dest="t_to", type=float, default=None, help="End (seconds) of the window drawn")
     args = ap.parse_args(argv)
+    if args.out is None:  # next to the run, not wherever the command happens to be run from
+        src = Path(args.trace)
+        args.out = str((src if src.is_dir() else src.parent) / "trace.png")
     try:
         plot_trace(args.trace, args.out, args.t_from, args.t_to)
     except ValueError as e:

@@ -382,6 +382,9 @@ def _warmup(model, tokenizer, spec: TinyBaseSpec, progress: bool) -> dict:
                 history.append((step, round(acc, 4)))
                 bar.set_postfix(loss=f"{loss.item():.3f}", acc=f"{acc:.2f}")
                 if acc >= w.target_acc:
+                    bar.update(1)
+                    stop_early(bar, "tiny base warm-up", step, w.max_steps,
+                               f"held-out sampled accuracy {acc:.3f} reached the target {w.target_acc:.2f}")
                     break
             bar.update(1)
     finally:
@@ -393,6 +396,15 @@ def _warmup(model, tokenizer, spec: TinyBaseSpec, progress: bool) -> dict:
     return {"steps": step, "check_acc": acc, "base_accuracy_t1": final_acc,
             "warmup_seconds": round(time.monotonic() - t0, 1), "history": history,
             "reached_target": acc >= w.target_acc}
+
+
+def stop_early(bar, what: str, step: int, max_steps: int, why: str) -> None:
+    """End ``bar`` at ``step`` of its ``max_steps``, saying why: a bar left at ``17% 499/3000``
+    reads as a crash. The bar is completed at ``step`` and the reason is logged."""
+    bar.total = step
+    bar.set_description_str(f"{what} (done early)")
+    bar.refresh()
+    log.info("%s: stopped at step %d of at most %d: %s", what, step, max_steps, why)
 
 
 def _progress_bar(total: int, enabled: bool):
@@ -572,6 +584,8 @@ def _ensure_tool_base(cache_dir: str | os.PathLike, spec: TinyBaseSpec, final: P
                     shutil.rmtree(final)
                 tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
                 try:
+                    log.info("building the tiny tool-use base model into %s (one-time, cached for later runs; "
+                             "about 3 minutes on 2 CPU cores: a fine-tune of the base and its measurement)", final)
                     meta = _build_tool_base(base, tmp, spec, progress)
                     (tmp / MARKER_FILE).write_text(meta["digest"] + "\n")
                     tmp.chmod(0o755)

@@ -30,6 +30,7 @@ directory, marker file last). This module does not import ``tiny_base`` (it is g
 
 from __future__ import annotations
 
+import logging
 import random
 import re
 import time
@@ -61,6 +62,8 @@ CALCULATOR_TOOLS = [{"type": "function", "function": {
     "name": "calculator", "description": "Evaluate an arithmetic expression (+ - * / // % ** and parentheses).",
     "parameters": {"type": "object", "properties": {"expression": {"type": "string"}},
                    "required": ["expression"]}}}]
+
+log = logging.getLogger(__name__)
 
 RESPONSE = "\\boxed{{{answer}}}"  # the tiny base's answer format (tiny_base.RESPONSE_TEMPLATE; a test checks)
 _CALL = re.compile(r"^\s*([A-Za-z_]\w*)\((.*)\)\s*$", re.S)
@@ -218,6 +221,11 @@ def finetune(model: Any, tok: Any, spec: ToolWarmupSpec, sample_ids: Callable, p
             if progress:
                 print(f"tiny tool base: step {step} loss {loss.item():.3f} {stats}", flush=True)
             if stats["accuracy_hard"] >= spec.target_tool_acc and stats["call_agreement"] >= spec.target_call_agreement:
+                # Said, so that progress lines ending before max_steps do not read as a crash.
+                log.info("tiny tool base: stopped at step %d of at most %d: products answered right %.3f with the "
+                         "tool (target %.2f), call decisions as trained %.3f (target %.2f)", step, spec.max_steps,
+                         stats["accuracy_hard"], spec.target_tool_acc, stats["call_agreement"],
+                         spec.target_call_agreement)
                 break
     model.eval()
     reached = bool(stats) and stats["accuracy_hard"] >= spec.target_tool_acc

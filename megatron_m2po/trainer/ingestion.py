@@ -19,6 +19,14 @@ from megatron_m2po.utils.background_loop import BackgroundLoop
 log = logging.getLogger(__name__)
 
 
+def producer_command(url: str, weights_dir: str, base_model: str) -> str:
+    """The command line of ``examples/external_producer.py`` that feeds a run serving at ``url``
+    (its weights in ``weights_dir``, version 0 = ``base_model``, the resolved directory)."""
+    import shlex
+    return (f"python examples/external_producer.py --store-url {url} --weights-dir {shlex.quote(str(weights_dir))} "
+            f"--base-model {shlex.quote(str(base_model))}")
+
+
 class IngestionServer:
     """Serves ``store`` over HTTP on ``bg`` from :meth:`start` until :meth:`close`."""
 
@@ -31,12 +39,15 @@ class IngestionServer:
         self.url: Optional[str] = None
         self._runner = None
 
-    def start(self, weights_dir: str = "") -> str:
+    def start(self, weights_dir: str = "", base_model: str = "") -> str:
         """Start serving; returns the base URL (``http://host:port``). ``weights_dir``: where the
-        published weight versions are, for the log line that tells producers where to look."""
+        published weight versions are; ``base_model``: the resolved base model directory (version 0);
+        both for the log lines that tell producers where to look."""
         self.bg.submit(self._serve()).result()
         log.info("external rollout: ingestion at %s/v1/groups, current version at %s/v1/version, weights in %s",
                  self.url, self.url, weights_dir)
+        log.info("external rollout: the example producer for this run, with $%s set to the ingestion token: %s",
+                 self.cfg.token_env, producer_command(self.url, weights_dir, base_model))
         return self.url
 
     async def _serve(self) -> None:

@@ -298,18 +298,22 @@ class TrainProgress:
     ``min_interval_s`` and always the last step, e.g.
     ``step 3/100 | reward 0.412 | acc 0.310 | mask 0.31% | stale 4.0 | max 7 | eta 5m10s``.
     Under :func:`setup_logging` ranks other than 0 drop INFO lines, so every rank may own one.
+
+    The ETA counts only the steps this process ran, since it was constructed: ``start_step``
+    when given, else the step before the first :meth:`update` (a resumed run's first update is
+    of step ``resume + 1``; the steps before it were not timed here).
     """
 
     def __init__(self, total_steps: int, enabled: bool = True, *, live: bool | None = None,
-                 start_step: int = 0, min_interval_s: float = 0.0,
+                 start_step: int | None = None, min_interval_s: float = 0.0,
                  description: str = "train") -> None:
         self.total = int(total_steps)
         self.enabled = enabled
-        self.step = int(start_step)
+        self.step = int(start_step or 0)
         self.min_interval_s = min_interval_s
         self._last_line = -math.inf
         self._t0 = time.monotonic()
-        self._start_step = self.step
+        self._start_step = start_step  # None: the step before the first update
         self._progress = None
         if live is None:
             live = sys.stderr.isatty()
@@ -334,6 +338,12 @@ class TrainProgress:
     def update(self, step: int, metrics: Mapping[str, Any] | None = None) -> None:
         """Record that ``step`` (1-based count of finished steps) is done, with its metrics."""
         self.step = int(step)
+        if self._start_step is None:
+            self._start_step = self.step - 1
+            if self._progress is not None and self._start_step > 0:
+                # rich's remaining time is the speed of the bar's samples: the resumed steps
+                # are not a sample of this process's speed (reset clears them).
+                self._progress.reset(self._task, completed=self._start_step)
         stats = format_progress(metrics or {})
         if self._progress is not None:
             self._progress.update(self._task, completed=self.step, stats=stats)
@@ -346,7 +356,7 @@ class TrainProgress:
                  self._eta())
 
     def _eta(self) -> str:
-        done = self.step - self._start_step
+        done = self.step - (self._start_step or 0)
         if done <= 0 or self.step >= self.total:
             return ""
         per = (time.monotonic() - self._t0) / done

@@ -141,6 +141,46 @@ def test_fast_build_deterministic_cached_and_hf_loadable(tmp_path, monkeypatch):
         assert got == tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True), prompt
 
 
+def test_a_warm_up_that_reaches_its_target_early_says_so_and_completes_its_bar(caplog, capsys):
+    """The warm-up stops at the first check that reaches the target: its bar is completed at that
+    step and the reason logged (it used to stay at e.g. ``17% 499/3000``, which reads as a crash)."""
+    import logging
+
+    spec = dataclasses.replace(FAST, warmup=dataclasses.replace(FAST.warmup, eval_every=5, target_acc=0.0,
+                                                               confirm_problems=0))
+    tok = tb.build_tokenizer()
+    torch.manual_seed(0)
+    model = tb._build_model(spec.model, tok)
+    with caplog.at_level(logging.INFO, logger=tb.__name__):
+        stats = tb._warmup(model, tok, spec, progress=True)
+    assert stats["steps"] == 5 and stats["reached_target"]
+    assert ("tiny base warm-up: stopped at step 5 of at most 20: held-out sampled accuracy "
+            f"{stats['check_acc']:.3f} reached the target 0.00") in caplog.text
+    bar = capsys.readouterr().err
+    assert "5/5" in bar and "(done early)" in bar and "5/20" not in bar.split("(done early)")[-1]
+
+
+def test_the_tool_base_build_says_it_is_one_time_and_how_long(tmp_path, monkeypatch, caplog):
+    """The tool-use base's build (a fine-tune of the base, ~3 min on 2 cores) says so before it starts."""
+    import logging
+
+    spec = tb.TinyBaseSpec(model=tb.TinyModelSpec(family="qwen2_tools"))
+    final = tb.tiny_base_path(tmp_path, spec)
+    base = tmp_path / "base"
+    monkeypatch.setattr(tb, "ensure_tiny_base", lambda *a, **k: base)  # the qwen2 base, built already
+
+    def build(base_dir, out, spec_, progress):
+        assert "one-time" in caplog.text  # said before the build starts
+        return {"digest": spec_.digest(), "eval_with_tool": {"accuracy_hard": 0.8},
+                "eval_tool_withheld": {"accuracy_hard": 0.1}}
+
+    monkeypatch.setattr(tb, "_build_tool_base", build)
+    with caplog.at_level(logging.INFO, logger=tb.__name__):
+        assert tb._ensure_tool_base(tmp_path, spec, final, progress=False) == final
+    line = next(r.getMessage() for r in caplog.records if "one-time" in r.getMessage())
+    assert line.startswith(f"building the tiny tool-use base model into {final}") and "about 3 minutes" in line
+
+
 def test_incomplete_cache_is_rebuilt(tmp_path):
     path = tb.tiny_base_path(tmp_path, FAST)
     path.mkdir(parents=True)

@@ -75,5 +75,23 @@ def test_the_built_tool_base_needs_the_tool_and_decides_when_to_call():
     assert tok_cfg["chat_template"] == tt.TOOL_CHAT_TEMPLATE
 
 
+def test_a_fine_tune_that_reaches_its_targets_early_says_so(caplog):
+    """The fine-tune stops at the first check that reaches both targets, and says so (its progress
+    lines would otherwise end before ``max_steps`` with no reason given)."""
+    import logging
+
+    import torch
+
+    spec = tt.ToolWarmupSpec(max_steps=6, eval_every=2, eval_problems=4, batch_size=4, target_tool_acc=0.0,
+                             target_call_agreement=0.0, max_new_tokens=4)
+    tok = _tok()
+    torch.manual_seed(0)
+    model = tb._build_model(tb.TinyModelSpec(), tok)
+    with caplog.at_level(logging.INFO, logger=tt.__name__):
+        stats = tt.finetune(model, tok, spec, tb.sample_ids, progress=False)
+    assert stats["steps"] == 2 and stats["reached_target"]
+    assert "tiny tool base: stopped at step 2 of at most 6: products answered right" in caplog.text
+
+
 def test_the_answer_format_is_the_base_s():
     assert tt.RESPONSE == tb.RESPONSE_TEMPLATE

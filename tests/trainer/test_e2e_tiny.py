@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from megatron_m2po.standins import tiny_base as tb
 from megatron_m2po.trainer.schedule import expected_staleness
 from megatron_m2po.utils.timing import TRAINER_PHASES
 from waiting import wait_until
@@ -281,18 +282,42 @@ def test_reward_rises_on_the_synthetic_task(tmp_path):
         f"sampled accuracy did not rise: first steps {acc[:3]}, last steps {acc[-3:]}"
 
 
-def test_external_producer_feeds_the_trainer(tmp_path):
-    """rollout.source=external: the trainer serves ingestion and trains on what a harness pushes."""
-    from megatron_m2po.utils.net import free_port
-    from megatron_m2po.standins.tiny_base import ensure_tiny_base
+def readme_external_sequence() -> list[list[str]]:
+    """The commands of the README's external-producer block (section "Your own rollout harness"),
+    comments dropped and continuation lines joined, each split as a shell would."""
+    import shlex
 
-    base = ensure_tiny_base(os.path.expanduser("~/.cache/megatron_m2po/tiny_base"), progress=False)
+    text = (ROOT / "README.md").read_text()
+    block = text[text.index("### Your own rollout harness"):]
+    block = block[block.index("```bash\n") + 8:]
+    block = block[:block.index("```")].replace("\\\n", " ")
+    return [shlex.split(line, comments=True) for line in block.splitlines() if shlex.split(line, comments=True)]
+
+
+def test_external_producer_feeds_the_trainer(tmp_path):
+    """rollout.source=external: the README's copy-paste sequence for the tiny setup (token, trainer,
+    producer with ``--base-model tiny``, store stats and backup), run as written but shorter (its
+    run directory and port replaced, fewer steps and rounds appended: later values win); the trainer
+    serves ingestion, trains on what the producer pushes, and logs the producer's command."""
+    from megatron_m2po.utils.net import free_port
+
     run, port = tmp_path / "ext", free_port()
-    os.environ["M2PO_STORE_TOKEN"] = "test-token"
+    cmds = [[a.replace("runs/tiny_external", str(run)).replace("8765", str(port)) for a in c]
+            for c in readme_external_sequence()]
+    exports = [c for c in cmds if c[0] == "export"]
+    train, producer, stats, backup = [c for c in cmds if c[0] != "export"]
+    assert exports and train[:2] == [".venv/bin/m2po", "train"] and producer[1] == "examples/external_producer.py"
+    assert stats[1:3] == ["store", "stats"] and backup[1:3] == ["store", "backup"] and "--out" in backup
+    assert producer[producer.index("--base-model") + 1] == "tiny"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+           **dict(c[1].split("=", 1) for c in exports)}
+    m2po = [sys.executable, "-m", "megatron_m2po.cli"]
+    log_path = tmp_path / "ext.log"
+    with open(log_path, "ab") as out:
+        trainer = subprocess.Popen(m2po + train[1:] + [*SHORT, "trainer.num_steps=2", "store.max_staleness=8",
+                                                       "checkpoint.save_every_steps=0"],
+                                   cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        trainer = _train(run, "rollout.source=external", "trainer.mode=async", "trainer.num_steps=2",
-                         "store.max_staleness=8", f"store.serve_port={port}", "checkpoint.save_every_steps=0",
-                         wait=False)
         def serving() -> bool:  # the trainer serves ingestion once its actor and store are up
             try:
                 urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
@@ -301,28 +326,31 @@ def test_external_producer_feeds_the_trainer(tmp_path):
                 return False
 
         wait_until(serving, what=f"the trainer serving ingestion on port {port}", timeout=240,
-                   hopeless=lambda: trainer.poll() is not None
-                   and (run.parent / "ext.log").read_text(errors="replace")[-4000:])
-        producer = subprocess.run(
-            [sys.executable, str(ROOT / "examples" / "external_producer.py"), "--store-url",
-             f"http://127.0.0.1:{port}", "--weights-dir", str(run / "weights"), "--base-model", str(base),
-             "--rounds", "3", "--prompts-per-round", "8", "--n-samples", "4", "--template", "synthetic",
-             "--max-new-tokens", "12"],
-            cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)
-        assert producer.returncode == 0, producer.stdout[-2000:] + producer.stderr[-3000:]
+                   hopeless=lambda: trainer.poll() is not None and log_path.read_text(errors="replace")[-4000:])
+        pushed = subprocess.run([sys.executable, *producer[1:], "--rounds", "3", "--prompts-per-round", "8",
+                                 "--n-samples", "4"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        assert pushed.returncode == 0, pushed.stdout[-2000:] + pushed.stderr[-3000:]
         rc = trainer.wait(timeout=300)
-        log = (run.parent / "ext.log").read_text(errors="replace")
+        log = log_path.read_text(errors="replace")
         assert rc == 0, log[-4000:]
     finally:
-        os.environ.pop("M2PO_STORE_TOKEN", None)
         if trainer.poll() is None:
             os.killpg(trainer.pid, signal.SIGKILL)
+    # The trainer said how to feed it: its URL, weights and resolved base model, and the token's variable.
+    base = str(tb.ensure_tiny_base(os.path.expanduser("~/.cache/megatron_m2po/tiny_base"), progress=False))
+    assert (f"with $M2PO_STORE_TOKEN set to the ingestion token: python examples/external_producer.py --store-url "
+            f"http://127.0.0.1:{port} --weights-dir {run / 'weights'} --base-model {base}") in log
     ups = _updates(run)
     assert sorted(ups) == [1, 2, 3, 4]
     assert all(m["staleness/max"] <= 8 for m in ups.values())
     con = sqlite3.connect(run / "rollouts.sqlite")
     consumed = con.execute("SELECT COUNT(*) FROM groups WHERE state='consumed'").fetchone()[0]
     assert consumed == 16  # 2 steps x 8 prompts, all from the external producer
+    for c in (stats, backup):
+        r = subprocess.run(m2po + c[1:], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+    copy = sqlite3.connect(backup[backup.index("--out") + 1])
+    assert copy.execute("SELECT COUNT(*) FROM groups WHERE state='consumed'").fetchone()[0] == 16
 
 
 def test_fp8_rollouts_update_block_fp8_engines_every_step(tmp_path):
@@ -381,3 +409,16 @@ def test_phase_timings_table_and_trace(tmp_path):
     # The driver's generation runs in another thread than the trainer's phases.
     assert len({e["tid"] for e in spans if e["name"] == "generation"} |
                {e["tid"] for e in spans if e["name"] == "optimizer"}) == 2
+    # The end of the run says where its outputs are and how reward moved (trainer/run_report.py).
+    assert f"run complete: 2 steps in {run}" in log_text
+    for line in (f"  metrics: {run / 'metrics.jsonl'}", f"  trace:   {run / 'trace.json'}", "  moved:   reward "):
+        assert line in log_text, line
+    assert f"tools/plot_metrics.py {run} --out {run / 'plots'}" in log_text
+    # The same command again: the run is complete; nothing is started, logged or exported again.
+    outputs = {p: p.stat().st_mtime_ns for p in [run / "metrics.jsonl", *(run / "engines").glob("*.log")]}
+    _train(run, "trainer.num_steps=2", "trainer.mode=sync", "checkpoint.save_every_steps=1",
+           "trainer.eval_every_steps=2", "logging.trace=true")
+    again = (tmp_path / "timed.log").read_text(errors="replace")[len(log_text):]
+    assert f"run complete: {run} finished all 2 steps; nothing to do" in again, again[-3000:]
+    assert "where the time went" not in again and "  moved:   reward " in again
+    assert {p: p.stat().st_mtime_ns for p in outputs} == outputs

@@ -127,6 +127,30 @@ def test_progress_plain_lines_when_not_a_tty(caplog):
     assert len(msgs) == 3
 
 
+def test_progress_eta_after_a_resume_counts_only_this_process_steps(caplog, monkeypatch):
+    """A run resumed at step 30 of 40 whose steps take 10 s each: the ETA after its first step is
+    10 steps x 10 s, and stays so (it used to divide the time by all 31 steps: "6 s", then 10, 14, 17 s)."""
+    import megatron_m2po.utils.logging as L
+
+    now = [1000.0]
+    monkeypatch.setattr(L.time, "monotonic", lambda: now[0])
+    with caplog.at_level(logging.INFO, logger="megatron_m2po"):
+        p = TrainProgress(40, enabled=True, live=False)
+        for step in (31, 32, 33):
+            now[0] += 10.0
+            p.update(step, {})
+    etas = [r.getMessage().split("| eta ")[1] for r in caplog.records]
+    assert etas == ["1m30s", "1m20s", "1m10s"], etas
+    # the live bar: rich's speed estimate sees this process's steps only
+    now[0] = 2000.0
+    q = TrainProgress(40, enabled=True, live=True)
+    q._progress.console.file = io.StringIO()
+    q.update(31, {})
+    task = q._progress.tasks[0]
+    assert task.completed == 31 and [s.completed for s in task._progress] == [1]
+    q.close()
+
+
 def test_progress_live_rich_bar_renders():
     p = TrainProgress(10, enabled=True, live=True)
     buf = io.StringIO()

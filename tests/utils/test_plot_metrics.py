@@ -139,3 +139,46 @@ def test_where_the_time_goes_panels(tmp_path, monkeypatch):
                       "time/generation_s"]
     assert len(colors) == 5  # one run: each phase its own colour
     assert seen["idle.png"][0] == ["time/trainer_idle_frac", "time/engine_idle_frac"]
+
+
+def _trainer_like_run(run_dir: Path, steps: int = 4, U: int = 2) -> None:
+    """As the trainer logs (trainer/loop.py ``_Lead.log_step``): per-update records at step = the
+    weight version after the update, then the step's record at the step's last version."""
+    with MetricsLogger(run_dir, tensorboard=False) as ml:
+        for s in range(steps):
+            for j in range(U):
+                ml.log({"update/loss/policy": 0.1 * (s * U + j)}, step=s * U + j + 1)
+            ml.log({"train/step": float(s), "rollout/reward_mean": 0.3 + 0.01 * s}, step=(s + 1) * U)
+
+
+def test_the_x_axis_counts_training_steps_as_the_console_does(tmp_path, monkeypatch):
+    """The console says ``step 4/4``; metrics.jsonl's ``step`` counts optimizer updates (U=2 per
+    step): the plots' x-axis is the console's step, per-update metrics at fractions of their step
+    (they used to be drawn at update 1..8 under a label "step")."""
+    _trainer_like_run(tmp_path / "run")
+    import matplotlib.figure
+
+    seen = {}
+    orig = matplotlib.figure.Figure.savefig
+
+    def record(fig, path, *args, **kw):
+        ax = fig.axes[0]
+        seen[Path(path).name] = (ax.get_xlabel(), [list(line.get_xdata()) for line in ax.get_lines()])
+        return orig(fig, path, *args, **kw)
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", record)
+    plot_metrics([tmp_path / "run"], tmp_path / "p", metrics=["rollout/reward_mean", "update/loss/policy"])
+    label, xs = seen["rollout_reward_mean.png"]
+    assert label == "training step (as the console counts them)" and xs == [[1.0, 2.0, 3.0, 4.0]]
+    assert seen["update_loss_policy.png"][1] == [[0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0]]
+    plot_metrics([tmp_path / "run"], tmp_path / "q", metrics=["rollout/reward_mean"], x_key="step")
+    assert seen["rollout_reward_mean.png"] == ("optimizer update (weight version)", [[2.0, 4.0, 6.0, 8.0]])
+
+
+def test_cli_writes_one_run_s_plots_next_to_it(tmp_path, monkeypatch):
+    _trainer_like_run(tmp_path / "run")
+    monkeypatch.chdir(tmp_path)
+    assert plot_mod.main([str(tmp_path / "run"), "--metrics", "rollout/reward_mean"]) == 0
+    assert (tmp_path / "run" / "plots" / "overview.png").is_file()
+    with pytest.raises(SystemExit):  # several runs: where to is not obvious
+        plot_mod.main([str(tmp_path / "run"), str(tmp_path / "run")])

@@ -48,6 +48,20 @@ def test_lanes_per_rank_and_thread_and_a_png(tmp_path):
     assert depth == {"forward_backward": 0, "generation": 0, "reward": 1}
 
 
+def test_cli_writes_next_to_the_run_by_default(tmp_path, monkeypatch, capsys):
+    """Without --out the PNG goes into the run directory, not the working directory."""
+    run, elsewhere = tmp_path / "run", tmp_path / "cwd"
+    elsewhere.mkdir()
+    _two_rank_trace(run)
+    monkeypatch.chdir(elsewhere)
+    assert plot_mod.main([str(run)]) == 0
+    assert (run / "trace.png").is_file() and not list(elsewhere.iterdir())
+    assert capsys.readouterr().out.strip() == str(run / "trace.png")
+    (run / "trace.png").unlink()
+    assert plot_mod.main([str(run / "trace.json")]) == 0  # the file itself: its directory
+    assert (run / "trace.png").is_file()
+
+
 def test_cli_says_what_is_missing(tmp_path, capsys):
     assert plot_mod.main([str(tmp_path), "--out", str(tmp_path / "x.png")]) == 2
     assert "logging.trace=true" in capsys.readouterr().err
