@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Recipe: Qwen3-30B-A3B (MoE), 2 training nodes x 8 GPUs (TP=2 PP=2 DP=4, EP=4 ETP=1); engines on their own node(s).
+# Recipe: Qwen3-30B-A3B (MoE), 2 training nodes x 8 GPUs (TP=2 PP=2 DP=4, EP=8 ETP=1); engines on their own node(s).
 # Config: examples/qwen3-30b-a3b.yaml (the paper's hyper-parameters, staleness 256; see its header).
 # First start the engines + router on each rollout node:
 #   MODEL_PATH=/models/X ENGINE_TP=2 scripts/launch_sglang_fleet.sh

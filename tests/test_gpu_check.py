@@ -80,6 +80,14 @@ def test_cpu_smoke_prints_the_table_and_passes(tmp_path):
     moe_control = by_check["negative control: fp32 with replayed experts shifted e -> e+1 mod 8"]
     assert moe_control["verdict"] == "PASS" and float(moe_control["result"].split("x unit")[0]) > 4, moe_control
     assert "(2 MoE layers)" in moe_control["result"], moe_control
+    # row 7: routing counted per EP rank on the row-6 MoE (an untrained router: information only)
+    imb = by_check["MoE routing imbalance (token copies per EP rank)"]
+    assert imb["verdict"] == "INFO" and "8 experts top-2" in imb["shape"], imb
+    assert all(f"EP={ep}: " in imb["result"] for ep in (2, 4, 8)), imb
+    # row 8: shards written (fsync) and read back from the disk; the bandwidth floor judged on a cluster only
+    push = by_check["disk weight push bandwidth (write + read of shards)"]
+    assert push["verdict"] == "INFO" and "0.064 GB in 4 shards" in push["shape"], push
+    assert "a 32B push (64 GB): write" in push["result"] and "s timeout" in push["result"], push
     assert r.stdout.splitlines()[0].startswith("gpu_check --cpu-smoke: device=cpu")
     # the JSON holds the same rows, with the measured values behind them
     d = json.loads(out_json.read_text())
@@ -91,6 +99,10 @@ def test_cpu_smoke_prints_the_table_and_passes(tmp_path):
     assert 0 < lp4["rel_rms"] <= 4 and lp4["unit_rms"] == lp["unit_rms"]  # row 1's reference, reused
     lp6 = next(x for x in d["rows"] if x["check"] == moe[0]["check"])["values"]
     assert 0 < lp6["rel_rms"] <= 4 and lp6["unit_rms"] != lp["unit_rms"]  # its own model and reference
+    v7 = next(x for x in d["rows"] if x["check"] == imb["check"])["values"]
+    assert all(1 <= v7["per_ep"][ep]["layer_mean"] <= v7["per_ep"][ep]["layer_max"] for ep in ("2", "4", "8"))
+    v8 = next(x for x in d["rows"] if x["check"] == push["check"])["values"]
+    assert v8["bytes"] == 64_000_000 and v8["write_gbps"] > 0 and v8["read_gbps"] > 0
 
 
 def _ref(n=400, seed=0, unit=0.01):
@@ -163,7 +175,8 @@ def test_help_says_what_it_proves():
     for phrase in ("actor numerics", "Transformer Engine", "CPU fp32", "Tolerance, and why", "fused log-prob",
                    "naive", "tokens/s and MFU", "Qwen2.5-1.5B", "--cpu-smoke", "megatron-core",
                    "packed sequences at TP=2 + sequence parallel", "needs 2 GPUs, found K", "apex",
-                   "MoE numerics", "TEGroupedMLP", "algo.routing_replay=rollout"):
+                   "MoE numerics", "TEGroupedMLP", "algo.routing_replay=rollout", "MoE routing imbalance",
+                   "--moe-model /models/Qwen3-30B-A3B", "disk weight push bandwidth", "rollout.weight_sync_min_gbps"):
         assert phrase in r.stdout, phrase
 
 
@@ -272,3 +285,20 @@ def test_a_failed_packed_rank_is_reported_with_its_log(tmp_path):
     msg = str(e.value)
     assert msg.startswith("packed TP=2 rank ") and "failed (exit 1)" in msg, msg
     assert "no-such-model" in msg, msg  # the rank's own error, from its log
+
+
+def test_the_planners_routing_imbalance_default_covers_the_tiny_moes_measurement(tmp_path):
+    """Row 7 on the tiny Qwen3-MoE base (``--moe-model tiny``: 4,096 synthetic prompts with its own T=1
+    samples) reproduces the dispatch counts plan/routing.py records, and ``model.moe.routing_imbalance``'s
+    default is at least their worst layer and at least 1.5 (docs/planner.md says why)."""
+    from megatron_m2po.config import MoEConfig
+    from megatron_m2po.plan.routing import MEASURED_TINY_IMBALANCE
+
+    gc = _module()
+    (row,) = gc.row_routing_imbalance(True, tmp_path, "tiny")
+    measured = {int(ep): d["layer_max"] for ep, d in row.values["per_ep"].items()}
+    assert measured.keys() == MEASURED_TINY_IMBALANCE.keys() == {2, 4}, row  # EP=8 does not divide 4 experts
+    for ep, value in MEASURED_TINY_IMBALANCE.items():
+        assert measured[ep] == pytest.approx(value, abs=0.05), (ep, measured)
+    assert row.verdict == "INFO" and row.values["counts_shape"][1:] == [2, 4]
+    assert MoEConfig().routing_imbalance >= max(max(MEASURED_TINY_IMBALANCE.values()), 1.5)  # recorded to 2 digits

@@ -7,6 +7,7 @@ megatron/training/theoretical_memory_usage.py in NVIDIA/Megatron-LM and from Kor
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -14,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from megatron_m2po.plan import memory as P
+from megatron_m2po.plan.lease import LeaseShape
 from megatron_m2po.cli import main
 from megatron_m2po.config import load_config
 
@@ -324,6 +326,25 @@ def test_cli_ok_and_rejected(capsys):
     assert "llama-3-8b" in capsys.readouterr().out
 
 
+def test_lease_transient_by_hand_on_every_stage(capsys):
+    """Every rank stages its part of a step's samples on its GPU (plan/lease.py): per data-parallel
+    rank 4 updates x (2048 / 4 / dp + 1) sequences of 8192 tokens at 25 B a token, plus the routed
+    experts (48 x 8 uint8) with routing replay, 1 KB a sample and the plans (24 B a sample)."""
+    replay = ["algo.routing_replay=rollout", "rollout.return_routed_experts=true", "rollout.use_router=false",
+              "rollout.router_addr=null", "rollout.external_addrs=[http://r:30000]"]
+    for over, per_token in (([], 25), (replay, 25 + 48 * 8)):
+        cfg = load_config(EX / "qwen3-30b-a3b.yaml", over)
+        p = P.plan_from_config(cfg, P.MODELS["qwen3-30b-a3b"], nnodes=2, gpus_per_node=8)
+        seqs = 4 * (2048 // 4 // p.layout.dp + 1)
+        want = seqs * (8192 * per_token + 1024) + 24 * 2048
+        assert [s.lease for s in p.stages] == [want] * p.layout.pp, (p.stages, want)
+        assert all(s.total - s.lease == pytest.approx(t.total) for s, t in
+                   zip(p.stages, P.estimate(P.MODELS["qwen3-30b-a3b"], dataclasses.replace(p.layout, lease=LeaseShape()))))
+    assert main(["plan", "--nnodes", "2", str(EX / "qwen3-30b-a3b.yaml"), *replay]) == 0
+    out = capsys.readouterr().out
+    assert "lease (step's samples)" in out and f"{want / GiB:.2f}" in out and "(routing 48x8 uint8)" in out
+
+
 def test_planner_takes_context_parallel_and_refuses_what_te_refuses(capsys):
     """Context parallelism runs in the actor: the config and `m2po plan` take it (optimizer states
     sharded over dp x cp); packed micro-batches with CP need cp_comm_type=p2p, as TE does."""
@@ -593,6 +614,32 @@ def test_recipes_use_the_layout_the_search_chooses(name):
     header = path.read_text().split("\nmodel:")[0]
     assert f"m2po plan --search examples/{name}.yaml" in header
     assert f"{res.best.step_s:.0f} s/step" in header
+
+
+@pytest.mark.parametrize("name,cluster", sorted({**SEARCH_RECIPES, "qwen3-30b-a3b": (2, 8)}.items()))
+def test_a_recipe_is_planned_on_the_cluster_its_launch_script_launches(name, cluster, capsys):
+    """`m2po plan examples/<recipe>.yaml` as the README writes it (no --nnodes): the nodes and GPUs
+    of the recipe's scripts/run_*.sh, said on stderr (it used to plan one 8-GPU node: "world size 8
+    ... not divisible by 16" for the 32B recipes)."""
+    assert main(["plan", "--json", str(EX / f"{name}.yaml")]) == 0
+    out = capsys.readouterr()
+    lay = json.loads(out.out)["layout"]
+    nodes, gpus = cluster
+    assert lay["gpus_per_node"] == gpus and lay["tp"] * lay["pp"] * lay["cp"] * lay["dp"] == nodes * gpus
+    assert f"# {nodes} node(s) x {gpus} GPUs: the cluster run_" in out.err
+
+
+def test_a_world_size_that_holds_no_whole_replica_names_the_node_count_that_does(tmp_path, capsys):
+    assert main(["plan", "--nnodes", "1", str(EX / "qwen2.5-32b.yaml")]) == 1
+    err = capsys.readouterr().err
+    assert "world size 8 (1 node(s) x 8 GPUs) is not divisible by tp*pp*cp = 4*2*2 = 16" in err
+    assert "plan it on --nnodes 2 (or a multiple)" in err
+    # a config no launch script runs: one node of 8 GPUs, nothing said
+    own = tmp_path / "mine.yaml"
+    own.write_text((EX / "qwen3-8b.yaml").read_text())
+    assert main(["plan", "--json", str(own)]) in (0, 1)
+    out = capsys.readouterr()
+    assert json.loads(out.out)["layout"]["gpus_per_node"] == 8 and "the cluster run_" not in out.err
 
 
 def test_cli_search_prints_ranked_layouts_and_assumptions(capsys):

@@ -82,6 +82,63 @@ def test_moe_memory_by_hand():
     assert s.params == dense + 2 * (8 * 3 * 64 * 32) / (2 * 2)
 
 
+def test_routing_imbalance_grows_the_hottest_ranks_expert_activations_by_hand():
+    """``model.moe.routing_imbalance`` f: the hottest EP rank receives f x the mean copies C, so its
+    expert activations (2Ch + 8Cf/etp + 4C per layer) and the received part of the dispatch buffer
+    (2Ch) grow by f; the router logits, the attention and the permuted own tokens do not. At EP=1 one
+    rank holds every expert: nothing to be imbalanced. From a config the factor is the config's."""
+    base, hot = P.estimate(TOY, _toy_layout())[0], P.estimate(TOY, _toy_layout(routing_imbalance=1.5))[0]
+    expert_act = 2 * 256 * 64 + 8 * 256 * 32 + 4 * 256   # C = 256 copies per layer (test above)
+    received = 2 * 256 * 64
+    assert hot.activations - base.activations == pytest.approx(0.5 * (2 * 2 * expert_act + received))
+    assert (hot.weights, hot.gradients, hot.optimizer) == (base.weights, base.gradients, base.optimizer)
+    one = dict(ep=1, dp=4)
+    assert P.estimate(TOY, _toy_layout(routing_imbalance=1.5, **one))[0].activations == \
+        P.estimate(TOY, _toy_layout(**one))[0].activations
+    cfg = load_config(EX / "qwen3-30b-a3b.yaml", ["model.moe.routing_imbalance=2.0"])
+    assert P.layout_from_config(cfg, nnodes=2).routing_imbalance == 2.0
+    assert load_config(None).model.moe.routing_imbalance >= 1.5  # the default (docs/planner.md says why)
+    m = P.MODELS["qwen3-30b-a3b"]
+    plans = [P.plan_from_config(load_config(EX / "qwen3-30b-a3b.yaml", [f"model.moe.routing_imbalance={f}"]), m,
+                                nnodes=2).worst.total for f in (1.0, 1.6, 2.0)]
+    assert plans[0] < plans[1] < plans[2]
+
+
+REPLAY_ON = ["rollout.return_routed_experts=true", "algo.routing_replay=rollout", "rollout.use_router=false",
+             "rollout.router_addr=null", "rollout.external_addrs=[http://rollout-node-0:30000]"]
+
+
+def test_plan_prints_routing_replays_store_bytes_and_warns_above_the_limit(capsys):
+    """Routing replay stores 48 layers x top-8 uint16 = 768 B per token of the 30B-A3B recipe: 2,048
+    samples x 8,192 tokens a step = 12 GiB; stale_k 256 over U = 4 updates a step keeps 65 steps
+    unconsumed (780 GiB) and the trainer keeps consumed groups over 400 steps (4.7 TiB); an engine's
+    answer carries base64 int32 ids, 16 x 48 x 8 / 3 B per token: ~16 MiB per 8k response. Printed
+    for an MoE config (replay off: what it would add), a warning above --store-warn-gib when on."""
+    from megatron_m2po.plan import routing as R
+
+    cfg = load_config(EX / "qwen3-30b-a3b.yaml", REPLAY_ON)
+    v = R.replay_volume(cfg, P.MODELS["qwen3-30b-a3b"])
+    assert (v.per_token, v.tokens_per_step, v.window_steps, v.run_steps) == (768, 2048 * 8192, 65, 400)
+    assert v.window_bytes == 768 * 2048 * 8192 * 65 and v.run_bytes == 768 * 2048 * 8192 * 400
+    assert v.json_per_response == 4 * -(-4 * 48 * 8 * 8191 // 3) and v.enabled
+    assert main(["plan", str(EX / "qwen3-30b-a3b.yaml"), "--nnodes", "2", *REPLAY_ON]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "routing replay on (rollout.return_routed_experts=true): 768 B per stored token" in out, out
+    assert "12.0 GiB per step" in out and "780.0 GiB over the 65 steps" in out and "4.7 TiB over the run's 400" in out
+    assert "16.0 MiB of JSON per full-length response" in out
+    assert "warning: routing replay stores 4.7 TiB over the run (780.0 GiB within the staleness window)" in out
+    assert "above 500 GiB" in out
+    assert main(["plan", str(EX / "qwen3-30b-a3b.yaml"), "--nnodes", "2", "--store-warn-gib", "8000", *REPLAY_ON]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "768 B per stored token" in out and "warning: routing replay" not in out
+    assert main(["plan", str(EX / "qwen3-30b-a3b.yaml"), "--nnodes", "2"]) == 0  # the recipe: replay off
+    out = " ".join(capsys.readouterr().out.split())
+    assert "routing replay off here" in out and "would add: 768 B per stored token" in out
+    assert "warning: routing replay" not in out
+    assert main(["plan", str(EX / "qwen3-8b.yaml")]) in (0, 1)  # a dense model: no routing
+    assert "routing replay" not in capsys.readouterr().out
+
+
 def test_moe_layouts_megatron_or_the_actor_refuse_are_named():
     def errs(**kw):
         return " ".join(P.plan(TOY, _toy_layout(**kw)).errors)
@@ -186,7 +243,7 @@ def test_recipe_uses_the_layout_the_search_chooses(search_a3b):
 def test_cli_plan_prints_experts(capsys):
     assert main(["plan", str(EX / "qwen3-30b-a3b.yaml"), "--nnodes", "2"]) == 0
     out = capsys.readouterr().out
-    assert "128 experts, top-8, 3.35B active" in out and "ep=4 etp=1" in out and "expert-dp=2" in out
+    assert "128 experts, top-8, 3.35B active" in out and "ep=8 etp=1" in out and "expert-dp=1" in out
     assert "micro-batch 8192 tokens" in out  # the packed budget of the recipe
     assert main(["plan", str(EX / "qwen3-30b-a3b.yaml"), "--nnodes", "2", "--ep", "3"]) == 1
     assert "num_experts 128 not divisible by expert_parallel 3" in capsys.readouterr().out

@@ -10,21 +10,31 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
+from leftovers import Tree
 from megatron_m2po.rehearsal import family_of, plan
 from megatron_m2po.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _script_env() -> dict[str, str]:
+    """The environment a launch script gets here: this Python (``PYTHON``; scripts/train.sh would
+    otherwise take the checkout's ``.venv`` or ``python3``, not the interpreter running the suite)
+    and this checkout on ``PYTHONPATH``."""
+    return {**os.environ, "PYTHON": sys.executable,
+            "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
 def test_qwen25_32b_recipe_rehearsal(tmp_path):
     work = tmp_path / "rehearsal"
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    env = _script_env()
     for k in ("MODEL_PATH", "DATA_TRAIN", "ROUTER_ADDR", "RUN_DIR"):
         env.pop(k, None)
     proc = subprocess.run(["bash", str(ROOT / "scripts" / "run_qwen2.5_32b.sh"), "--rehearse", "--workdir", str(work)],
@@ -52,22 +62,28 @@ def test_torchrun_restarts_the_group_after_a_worker_dies(tmp_path):
     torchrun restarts both nodes' workers, which resume from it and finish with nobody relaunching
     anything. Without a fresh store per round (TORCH_DISABLE_SHARE_RDZV_TCP_STORE, set by train.sh)
     the restarted workers read the dead group's peer addresses and fail ("Gloo connectFullMesh
-    failed ... Connection refused")."""
+    failed ... Connection refused"). Nothing outlives the rehearsal: not the killed worker's
+    Megatron checkpoint writer (docs/design.md §5, "Nothing outlives the trainer"), nor anything
+    else its tree started."""
     work = tmp_path / "rehearsal"
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    env = _script_env()
     for k in ("MODEL_PATH", "DATA_TRAIN", "ROUTER_ADDR", "RUN_DIR", "MAX_RESTARTS", "M2PO_FAULT"):
         env.pop(k, None)
-    proc = subprocess.run(["bash", str(ROOT / "scripts" / "run_qwen2.5_32b.sh"), "--rehearse", "--workdir", str(work),
-                           "--steps", "4", "--kill-after", "2", "--kill", "worker"],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=850)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-6000:]
-    last = proc.stdout.strip().splitlines()[-1]
-    assert last.startswith("rehearsal ok qwen2.5-32b steps=4 updates=16 nodes=2x2"), last
-    assert "resumed_from=step_000002 (a worker SIGKILLed, torchrun restarted the group)" in last, last
-    logs = "".join(p.read_text(errors="replace") for p in work.glob("node*/train_1.log"))
-    assert "m2po fault point worker_dies@3: SIGKILL to process" in logs
-    assert logs.count("INFO megatron_m2po.trainer.loop: resumed from") == 1  # rank 0 of the restarted group
+    tree = Tree(env)
+    try:
+        proc = tree.run(["bash", str(ROOT / "scripts" / "run_qwen2.5_32b.sh"), "--rehearse", "--workdir", str(work),
+                         "--steps", "4", "--kill-after", "2", "--kill", "worker"], cwd=tmp_path, timeout=850)
+        out = proc.stdout + proc.stderr
+        assert proc.returncode == 0, out[-6000:]
+        last = proc.stdout.strip().splitlines()[-1]
+        assert last.startswith("rehearsal ok qwen2.5-32b steps=4 updates=16 nodes=2x2"), last
+        assert "resumed_from=step_000002 (a worker SIGKILLed, torchrun restarted the group)" in last, last
+        logs = "".join(p.read_text(errors="replace") for p in work.glob("node*/train_1.log"))
+        assert "m2po fault point worker_dies@3: SIGKILL to process" in logs
+        assert logs.count("INFO megatron_m2po.trainer.loop: resumed from") == 1  # rank 0 of the restarted group
+        tree.wait_gone("the rehearsal finished", timeout=30)
+    finally:
+        tree.kill()
 
 
 def test_rehearsal_plan_keeps_the_recipe_and_names_each_substitution(tmp_path):
@@ -116,7 +132,7 @@ def test_rehearsal_plan_with_context_parallel(tmp_path):
 
 
 def test_moe_recipe_rehearsal_plan_keeps_expert_parallelism(tmp_path):
-    """The Qwen3-30B-A3B recipe (EP=4) is rehearsed with the tiny Qwen3-MoE at EP=2: TP=2 (the recipe
+    """The Qwen3-30B-A3B recipe (EP=8) is rehearsed with the tiny Qwen3-MoE at EP=2: TP=2 (the recipe
     has TP), whole experts (the recipe's expert_tensor_parallel=1), PP=2 (the recipe pipelines; etp x
     EP x PP = 4 divides the 4 processes), no virtual stages (none in the recipe); each substitution
     named."""
@@ -149,7 +165,7 @@ def test_qwen3_30b_a3b_recipe_rehearsal_with_expert_parallelism(tmp_path):
     the 2 x 2 processes, CPU engines from the fleet script; the resume is at the same layout (a
     full resume needs the EP it was saved with, actor/checkpoint.py)."""
     work = tmp_path / "rehearsal"
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    env = _script_env()
     for k in ("MODEL_PATH", "DATA_TRAIN", "ROUTER_ADDR", "RUN_DIR"):
         env.pop(k, None)
     proc = subprocess.run(["bash", str(ROOT / "scripts" / "run_qwen3_30b_a3b.sh"), "--rehearse", "--workdir", str(work),
@@ -163,3 +179,22 @@ def test_qwen3_30b_a3b_recipe_rehearsal_with_expert_parallelism(tmp_path):
     assert "resumed_from=step_000002" in last and "staleness=0..11" in last, last
     node0 = (work / "node0" / "train_2.log").read_text(errors="replace")
     assert f"resumed from {work / 'shared' / 'run' / 'checkpoints' / 'step_000002'}" in node0
+
+
+def test_a_rehearsal_that_passed_keeps_the_logs_it_pointed_to(tmp_path):
+    """Without --keep a passed rehearsal used to delete its whole temporary work directory, logs
+    included, after printing where they were; now only what its lines never pointed to goes."""
+    from megatron_m2po.rehearsal import prune_workdir
+
+    kept = ["fleet.log", "train_0.log", "train_1.log", "logs/router.out", "logs/engine_0.log",
+            "shared/run/engines/engine_0.log", "shared/run/metrics.jsonl", "shared/run/config.yaml"]
+    gone = ["shared/run/checkpoints/step_000004/__0_0.distcp", "shared/run/checkpoints/latest",
+            "shared/run/rollouts.sqlite", "shared/run/trace.json", "shared/weights/v1/model.safetensors"]
+    for rel in kept + gone:
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(rel)
+    (tmp_path / "node0").mkdir()
+    size = prune_workdir(tmp_path)
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file()) == sorted(kept)
+    assert size == sum(len(rel) for rel in kept)
+    assert not (tmp_path / "shared" / "weights").exists() and not (tmp_path / "node0").exists()

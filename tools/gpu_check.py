@@ -81,13 +81,32 @@ It prints one table, a row per claim:
    cannot prevent it). Negative control: the fp32 path with every replayed expert id shifted by
    one (e -> e+1 mod 8) must land above 4 units.
 
+7. **MoE routing imbalance** -- what the planner's ``model.moe.routing_imbalance`` assumes (the
+   hottest expert-parallel rank receives that multiple of the mean token copies: RL routes dropless
+   with the load-balancing loss off). Prompts (``--moe-data``: a DeepScaleR .parquet / .jsonl; else
+   the synthetic task) with the responses the model samples itself at T=1, one forward per
+   sequence with a hook on every router (``mlp.gate``) counting each token's top-k experts,
+   dispatch groups of 4,096 tokens, experts grouped into EP ranks as Megatron places them; per EP
+   in 2, 4, 8 the worst layer's max-over-ranks / mean. With a pretrained checkpoint
+   (``--moe-model /models/Qwen3-30B-A3B``, bf16 on one GPU) PASS when the worst layer is at most the
+   planner's default, FAIL otherwise (re-plan with the measured value); the row's own random MoE and
+   the tiny base (``--moe-model tiny``) have untrained routers: INFO.
+
+8. **disk weight push bandwidth** -- ``--push-gb`` (16) of bf16 safetensors shards written at
+   ``--push-dir`` (the filesystem of ``rollout.weight_sync_dir``) by the production writer until
+   ``fsync``, dropped from the page cache, then read onto the GPU as an engine's load reads them:
+   write and read GB/s, and what a 32B push (64 GB) takes at those rates against the timeout the
+   push gets (``rollout/push_timeout.py``). PASS when the read is at least
+   ``rollout.weight_sync_min_gbps``.
+
 ``--cpu-smoke`` runs the same code at tiny shapes on CPU (CUDA hidden and the GPU-only packages
 blocked in every process, so it runs the same in the NGC image): row 1 compares CPU bf16 with the
 CPU fp32 reference (same tolerance), row 2 checks agreement and time (the memory column needs the
 CUDA allocator: skipped, with the reason), row 3 measures tokens/s (no MFU: no CPU peak), row 4
 runs its two ranks on gloo with Megatron's local layer spec and the actor's packed attention (row 5: its CP attention)
-(``actor/attention.py``), row 6 compares CPU bf16 with the CPU fp32 reference on a 2-layer MoE (hidden 64). It proves that the table, the comparisons and the two-rank launch run,
-not any GPU claim.
+(``actor/attention.py``), row 6 compares CPU bf16 with the CPU fp32 reference on a 2-layer MoE (hidden 64), row 7
+counts routing on that MoE (INFO), row 8 writes and reads 64 MB (INFO). It proves that the table, the comparisons and
+the two-rank launch run, not any GPU claim.
 
 Needs megatron-core and mbridge (the versions in constraints-cpu.txt); without them the actor
 rows are skipped and the message says how to install them. Exit status: 0 all rows passed or
@@ -115,8 +134,10 @@ for _p in (ROOT, ROOT / "tools"):  # the package and the rows (tools/gpu_checks/
 
 import torch  # noqa: E402
 
+from gpu_checks.disk_push import DISK_PUSH_CHECK, row_disk_push  # noqa: E402
 from gpu_checks.env import (GPU_ONLY_MODULES, block_gpu_only_modules, check_cpu_fallbacks,  # noqa: E402,F401
                             install_message, missing_packages, peak_tflops, spec_name)
+from gpu_checks.imbalance import IMBALANCE_CHECK, row_routing_imbalance  # noqa: E402
 from gpu_checks.logprobs import LOGPROB_AGREE, measure_logprob, row_logprobs  # noqa: E402,F401
 from gpu_checks.models import (actor_outputs, make_batch, make_random_hf, make_random_qwen2,  # noqa: E402,F401
                                save_routed_experts)
@@ -128,7 +149,8 @@ from gpu_checks.packed import (CP_CHECK, PACKED_CHECK, _packed_rank_worker, gpus
 from gpu_checks.report import COLUMNS, Row, format_table, guarded, parse_table  # noqa: E402,F401
 from gpu_checks.throughput import row_throughput, train_flops  # noqa: E402,F401
 
-ROWS = {"numerics": 1, "logprobs": 2, "throughput": 3, "packed": 4, "cp": 5, "moe": 6}  # --only names -> row numbers (docstring)
+ROWS = {"numerics": 1, "logprobs": 2, "throughput": 3, "packed": 4, "cp": 5, "moe": 6,  # --only names -> row numbers
+        "imbalance": 7, "disk_push": 8}
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -139,6 +161,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--json", help="also write the rows as JSON to this file")
     ap.add_argument("--peak-tflops", type=float, default=None, help="dense bf16 peak of this GPU for the MFU")
     ap.add_argument("--work-dir", help="where the random models go (default: a temporary directory)")
+    ap.add_argument("--moe-model", help="row 7: an HF MoE checkpoint to measure (or 'tiny'; default the row's random MoE)")
+    ap.add_argument("--moe-data", help="row 7: prompts, a DeepScaleR .parquet / .jsonl (default the synthetic task)")
+    ap.add_argument("--push-dir", help="row 8: directory on the weight-sync filesystem (default the work directory)")
+    ap.add_argument("--push-gb", type=float, default=None, help="row 8: GB of shards to write and read (default 16)")
     ap.add_argument("--only", nargs="+", choices=list(ROWS), default=list(ROWS),
                     help="run only these rows (" + ", ".join(f"{k}: row {v}" for k, v in ROWS.items()) + ")")
     ap.add_argument("--_reference", nargs=3, metavar=("HF_DIR", "BATCH_JSON", "OUT_NPZ"), help=argparse.SUPPRESS)
@@ -201,6 +227,13 @@ def main(argv: Optional[list[str]] = None) -> int:
                 rows.append(Row(MOE_CHECK, "-", f"skipped: {', '.join(missing)} missing", "-", "SKIP"))
             else:
                 rows += guarded(MOE_CHECK, row_moe_numerics, a.cpu_smoke, work)
+        if "imbalance" in a.only:
+            if "transformers" in missing:
+                rows.append(Row(IMBALANCE_CHECK, "-", "skipped: transformers missing", "-", "SKIP"))
+            else:
+                rows += guarded(IMBALANCE_CHECK, row_routing_imbalance, a.cpu_smoke, work, a.moe_model, a.moe_data)
+        if "disk_push" in a.only:
+            rows += guarded(DISK_PUSH_CHECK, row_disk_push, a.cpu_smoke, work, a.push_dir, a.push_gb)
     print(format_table(rows, header), flush=True)
     if missing:
         print("\n" + install_message(missing), file=sys.stderr)

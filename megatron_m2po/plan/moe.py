@@ -108,22 +108,25 @@ def layout_errors(m: Any, lay: Any) -> list[str]:
     return errs
 
 
-def layer_activation_bytes(m: Any, tokens: float, tp: int, etp: int, *, dense_part: float) -> float:
+def layer_activation_bytes(m: Any, tokens: float, tp: int, etp: int, *, dense_part: float,
+                           imbalance: float = 1.0) -> float:
     """Bytes one MoE layer stores for backward on one GPU: ``dense_part`` (the attention and the
     replicated norm / router inputs, from the dense formula with no MLP) plus the router's fp32
     logits and probabilities and the experts' activations for ``C = (tokens/tp) * k * etp``
-    dispatched copies (module docstring)."""
+    dispatched copies (module docstring), times ``imbalance`` on the hottest EP rank
+    (:func:`megatron_m2po.plan.routing.hottest_rank_factor`)."""
     t_in = tokens / tp
-    c = t_in * m.top_k * etp
+    c = t_in * m.top_k * etp * imbalance
     router = 8 * t_in * m.num_experts
     experts = 2 * c * m.hidden + 8 * c * m.moe_ffn / etp + 4 * c
     return dense_part + router + experts
 
 
-def dispatch_buffer_bytes(m: Any, tokens: float, tp: int, etp: int) -> float:
-    """One layer's dispatch in flight: permuted input ``T_in k`` and received ``C`` copies, bf16."""
+def dispatch_buffer_bytes(m: Any, tokens: float, tp: int, etp: int, imbalance: float = 1.0) -> float:
+    """One layer's dispatch in flight: permuted input ``T_in k`` and received ``C`` copies (times
+    ``imbalance`` on the hottest EP rank), bf16."""
     t_in = tokens / tp
-    return 2 * (t_in * m.top_k + t_in * m.top_k * etp) * m.hidden
+    return 2 * (t_in * m.top_k + t_in * m.top_k * etp * imbalance) * m.hidden
 
 
 # ---------------------------------------------------------------------------------------- time

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from megatron_m2po.config import Config
-from megatron_m2po.plan import memory, moe
+from megatron_m2po.plan import memory, moe, routing
 from megatron_m2po.plan.memory import (GiB, Layout, LayoutPlan, ModelShape, PlanError, padded_vocab, plan_from_config,
                                        stage_params)
 
@@ -702,10 +702,11 @@ def run(args: argparse.Namespace) -> int:
               f"enumerates; drop them (or drop --search to check one layout)", file=sys.stderr)
         return 2
     cfg = memory.config_of(args)
+    gpn = args.gpus_per_node or 8  # the search's cluster is what it is told (or the smallest that fits)
     try:
         m = memory.resolve_model(args, cfg)
         def search(nnodes: int) -> SearchResult:
-            r = search_config(cfg, m, nnodes=nnodes, gpus_per_node=args.gpus_per_node, node_gpus=args.node_gpus,
+            r = search_config(cfg, m, nnodes=nnodes, gpus_per_node=gpn, node_gpus=args.node_gpus,
                               gpu_mem_gib=args.gpu_mem_gib, headroom=args.headroom, tie=args.tie)
             r.best  # noqa: B018 -- raises PlanError naming why nothing fits
             return r
@@ -722,7 +723,7 @@ def run(args: argparse.Namespace) -> int:
                     res = search(n)
                 except PlanError:
                     continue
-                print(f"# nothing fits 1 node x {args.gpus_per_node} GPUs; the smallest power-of-two cluster that "
+                print(f"# nothing fits 1 node x {gpn} GPUs; the smallest power-of-two cluster that "
                       f"fits is {n} nodes: layouts for --nnodes {n} (pass --nnodes for another size)",
                       file=sys.stderr)
                 break
@@ -731,8 +732,13 @@ def run(args: argparse.Namespace) -> int:
     except PlanError as e:
         print(f"m2po plan --search: {e}", file=sys.stderr)
         return 1
+    notes, warns = routing.replay_lines(cfg, m, args.store_warn_gib)
     if args.json:
-        print(json.dumps(result_to_dict(res, args.top), indent=2))
+        print(json.dumps(dict(result_to_dict(res, args.top), notes=notes, warnings=warns), indent=2))
     else:
         print_search(res, args.top)
+        for line in notes:
+            print(line)
+        for line in warns:
+            print(f"warning: {line}")
     return 0

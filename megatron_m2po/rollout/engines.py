@@ -59,6 +59,7 @@ from megatron_m2po.rollout.sglang_version import check_sglang_version
 from megatron_m2po.rollout.launcher import (EngineHandle, EngineSpec, FleetError, Launcher, LocalHandle,
                                             LocalLauncher, sglang_python)
 from megatron_m2po.rollout.placement import NodeGPUs, cuda_count, engine_gpus, node_gpus, ray_local_gpus
+from megatron_m2po.rollout.push_timeout import checkpoint_bytes, disk_push_timeout_s
 from megatron_m2po.utils.net import free_port
 from megatron_m2po.utils.standin import standin_module
 
@@ -527,6 +528,15 @@ class EngineFleet:
             raise FleetError(f"external engines{where} failed validation:\n  " + "\n  ".join(problems))
 
     # ------------------------------------------------------------------ router
+    def _max_pause_s(self) -> float:
+        """The longest a weight update may pause the engines: a disk push's load timeout follows the
+        model's bytes (rollout/push_timeout.py), the base model's here."""
+        cfg = self.cfg
+        if cfg.weight_sync != "disk":
+            return cfg.weight_sync_timeout_s
+        return disk_push_timeout_s(checkpoint_bytes(self.model_path), cfg.weight_sync_timeout_s,
+                                   cfg.weight_sync_min_gbps)
+
     def _start_router(self) -> None:
         cfg = self.cfg
         if cfg.router_addr:
@@ -545,7 +555,7 @@ class EngineFleet:
                "--shutdown-grace-period-secs", "1",
                "--request-timeout-secs", str(int(cfg.request_timeout_s)),
                # engines paused by a weight update (up to its timeout) stay routable
-               *router_health_flags(cfg.weight_sync_timeout_s)]
+               *router_health_flags(self._max_pause_s())]
         spec = EngineSpec(-1, cfg.host, port, cmd, {}, logp)
         self._router = LocalLauncher().launch(spec)
         self.router_url = spec.url

@@ -33,7 +33,9 @@ controller names them ``model-0000k-of-0000n.safetensors``, writes ``model.safet
 and the config/tokenizer files copied from the base model, renames the directory to ``v<version>``
 (atomic on one filesystem: engines never see half a checkpoint), then on every engine:
 ``/pause_generation``, ``/update_weights_from_disk {model_path, weight_version, flush_cache}``,
-``/continue_generation``. A retried push of a version whose directory is complete reuses it.
+``/continue_generation``. A retried push of a version whose directory is complete reuses it. The
+engines' load gets a timeout that follows the pushed bytes (:mod:`~megatron_m2po.rollout.push_timeout`:
+at least ``timeout_s``, longer for a model that a slow disk needs minutes to read).
 
 ``DistributedWeightSync``: each stage's sender and every engine rank form one weight-update group
 per stage (SGLang's ``/init_weights_update_group``, group ``<group_name>_<id>_<generation>_s<stage>``,
@@ -73,6 +75,7 @@ import torch
 
 from megatron_m2po.rollout.fp8 import DEFAULT_BLOCK, check_block, is_fp8_config, write_fp8_config
 from megatron_m2po.rollout.nccl_handshake import MISMATCH
+from megatron_m2po.rollout.push_timeout import disk_push_timeout_s
 from megatron_m2po.rollout.weight_stage import (PushPlan, StageResult, WeightSyncError, each_engine,
                                                 forget_groups, run_stage, weight_sync_error)
 from megatron_m2po.utils.background_loop import BackgroundLoop
@@ -87,12 +90,19 @@ _COPY = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_c
 
 @dataclass(slots=True)
 class SyncStats:
+    """One push: ``bytes`` of weights to ``engines`` in ``seconds`` (from :meth:`begin` to the engines
+    holding them). A disk push also says how long the stages took to write (``write_s``), the engines
+    to load (``load_s``), and the load's timeout (``timeout_s``, :mod:`.push_timeout`)."""
+
     version: int
     bytes: int
     seconds: float
     n_tensors: int
     engines: int
     stages: int = 1
+    write_s: Optional[float] = None
+    load_s: Optional[float] = None
+    timeout_s: Optional[float] = None
 
     @property
     def gb_per_s(self) -> float:
@@ -117,8 +127,9 @@ class _Base:
     def _urls(self, engine_urls: Optional[list[str]]) -> tuple[str, ...]:
         return tuple(u.rstrip("/") for u in (engine_urls or self.engine_urls))
 
-    def _each(self, urls, fn, what: str) -> list:
-        return self._io.run(each_engine(urls, fn, what, self.timeout_s), timeout=self.timeout_s + 30)
+    def _each(self, urls, fn, what: str, timeout_s: Optional[float] = None) -> list:
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        return self._io.run(each_engine(urls, fn, what, timeout_s), timeout=timeout_s + 30)
 
     @property
     def _may_flush(self) -> bool:
@@ -208,13 +219,15 @@ class DiskWeightSync(_Base):
     ``base_model_dir`` supplies config/tokenizer files copied next to the weights so every
     version directory is a complete HF model (a restarted engine can also launch from it).
     ``keep_last`` version directories are kept; older ones are deleted after a push. A stage holds
-    at most ``shard_mb`` of host memory at a time.
+    at most ``shard_mb`` of host memory at a time. The engines' load times out after
+    :func:`~.push_timeout.disk_push_timeout_s` of the pushed bytes at ``min_gbps`` (at least
+    ``timeout_s``).
     """
 
     def __init__(self, engine_urls: list[str], sync_dir: str, *, base_model_dir: Optional[str] = None,
                  timeout_s: float = 300.0, pause_mode: Optional[str] = "retract", keep_last: int = 2,
                  shard_mb: float = 4096.0, fp8: bool = False, fp8_block: tuple[int, int] = DEFAULT_BLOCK,
-                 flush_cache: Optional[bool] = None) -> None:
+                 flush_cache: Optional[bool] = None, min_gbps: float = 0.2) -> None:
         if fp8 and not base_model_dir:
             raise ValueError("DiskWeightSync(fp8=True) needs base_model_dir: the FP8 marker goes into the "
                              "config.json copied from it")
@@ -224,6 +237,8 @@ class DiskWeightSync(_Base):
                          fp8=fp8, fp8_block=fp8_block)
         self.sync_dir, self.base_model_dir = Path(sync_dir), base_model_dir
         self.keep_last, self.shard_bytes = max(keep_last, 1), int(shard_mb * 2**20)
+        disk_push_timeout_s(0, timeout_s, min_gbps)  # refuses a floor <= 0 now, not at the first push
+        self.min_gbps = min_gbps
         self.sync_dir.mkdir(parents=True, exist_ok=True)
         self.latest_dir: Optional[str] = None
         self._skip_update = False
@@ -271,20 +286,25 @@ class DiskWeightSync(_Base):
         nbytes = (sum(r.bytes for r in results) if not plan.reuse_dir
                   else sum(f.stat().st_size for f in Path(path).glob("*.safetensors")))
         self.latest_dir = path  # complete: a restarted engine can be refit from it
+        written = time.perf_counter()
+        load_timeout = disk_push_timeout_s(nbytes, self.timeout_s, self.min_gbps)
         if not self._skip_update:
             urls = plan.urls
             try:
                 self._pause(urls)
                 self._each(urls, lambda c: c.update_weights_from_disk(
-                    path, weight_version=str(plan.version), flush_cache=self._may_flush, timeout_s=self.timeout_s),
-                    "update_weights_from_disk")
+                    path, weight_version=str(plan.version), flush_cache=self._may_flush, timeout_s=load_timeout),
+                    "update_weights_from_disk", timeout_s=load_timeout)
             except WeightSyncError as e:
-                raise self._failed(plan, [str(e)]) from None
+                raise self._failed(plan, [f"{e} (the load's timeout: {load_timeout:.0f} s for {nbytes / 1e9:.2f} GB at "
+                                          f"rollout.weight_sync_min_gbps={self.min_gbps:g})"]) from None
             finally:
                 self._continue_quietly(urls)
+        loaded = time.perf_counter()
         self._prune(path)
         stats = _stats(plan, results, time.perf_counter() - self._t0)
         stats.bytes = nbytes
+        stats.write_s, stats.load_s, stats.timeout_s = written - self._t0, loaded - written, load_timeout
         if plan.reuse_dir:
             stats.n_tensors = -1
         return stats

@@ -34,7 +34,7 @@ def build_weight_sync(rollout: RolloutConfig, engine_urls: list[str], *, sync_di
     r = rollout
     if r.weight_sync == "disk" or external:
         return DiskWeightSync(engine_urls, sync_dir, base_model_dir=base_model_dir, timeout_s=r.weight_sync_timeout_s,
-                              fp8=r.fp8_weights, fp8_block=tuple(r.fp8_block_size))
+                              fp8=r.fp8_weights, fp8_block=tuple(r.fp8_block_size), min_gbps=r.weight_sync_min_gbps)
     import torch
 
     # Engines must reach every stage's sender: each sender uses M2PO_WEIGHT_SYNC_ADDR of its own
@@ -61,6 +61,7 @@ class WeightPushController:
                  drain: Callable[[], None] = lambda: None):
         self.sync, self.fleet, self.store, self.bg, self.drain = sync, fleet, store, bg, drain
         self.version = 0  # fresh engines start from the base model
+        self._pushed: list = []  # rank 0: SyncStats of the pushes since take_metrics()
 
     @classmethod
     def follower(cls) -> "WeightPushController":
@@ -130,7 +131,35 @@ class WeightPushController:
         self.version = plan.version
         if self.fleet is not None:
             self.fleet.admit()
+        self._record(stats)
         return stats
+
+    def _record(self, stats) -> None:
+        """Log one push (its size, time and GB/s; a disk push's write, load and load timeout too) and
+        keep it for :meth:`take_metrics`."""
+        if stats is None:
+            return
+        disk = ""
+        if stats.load_s is not None:
+            disk = (f"; stages wrote in {stats.write_s:.1f} s, {stats.engines} engine(s) loaded in {stats.load_s:.1f} s "
+                    f"of a {stats.timeout_s:.0f} s timeout")
+        log.info("weight push of version %d: %.3g GB in %.1f s (%.3g GB/s%s)", stats.version, stats.bytes / 1e9,
+                 stats.seconds, stats.gb_per_s, disk)
+        self._pushed.append(stats)
+
+    def take_metrics(self) -> dict[str, float]:
+        """Rank 0: the pushes since the last call, as ``sync/weight_gb`` (sum), ``sync/weight_gbps``
+        (their bytes over their seconds) and, for disk pushes, ``sync/weight_load_s`` (the engines'
+        load, sum); empty when nothing was pushed."""
+        pushed, self._pushed = self._pushed, []
+        if not pushed:
+            return {}
+        nbytes, secs = sum(s.bytes for s in pushed), sum(s.seconds for s in pushed)
+        out = {"sync/weight_gb": nbytes / 1e9, "sync/weight_gbps": nbytes / 1e9 / max(secs, 1e-9)}
+        loads = [s.load_s for s in pushed if s.load_s is not None]
+        if loads:
+            out["sync/weight_load_s"] = float(sum(loads))
+        return out
 
     def refit(self, url: str) -> None:
         """A restarted engine gets the current weights before it serves again (the fleet's

@@ -1,0 +1,114 @@
+"""A disk weight push gives the engines a load timeout that follows the pushed bytes
+(rollout/push_timeout.py), and every push is logged with its size, time and GB/s and counted in the
+step's metrics (trainer/weight_push.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+
+import pytest
+import torch
+from aiohttp import web
+
+from megatron_m2po.rollout.push_timeout import checkpoint_bytes, disk_push_timeout_s
+from megatron_m2po.rollout.weight_stage import WeightSyncError
+from megatron_m2po.rollout.weight_sync import DiskWeightSync
+from megatron_m2po.trainer.weight_push import WeightPushController
+from megatron_m2po.utils.net import free_port
+
+
+def test_the_timeout_adds_the_read_of_the_models_bytes_at_the_floor():
+    """64 GB of a 32B bf16 model at 0.2 GB/s: 320 s of reading on top of the configured 300 s; a tiny
+    model keeps the configured timeout; a floor <= 0 is refused by name."""
+    assert disk_push_timeout_s(64e9, 300.0, 0.2) == pytest.approx(620.0)
+    assert disk_push_timeout_s(1e6, 300.0, 0.2) == pytest.approx(300.005)
+    with pytest.raises(ValueError, match="rollout.weight_sync_min_gbps=0"):
+        disk_push_timeout_s(1e9, 300.0, 0.0)
+
+
+class _SlowLoadEngine:
+    """An engine's weight-update surface whose ``/update_weights_from_disk`` takes ``load_s``."""
+
+    def __init__(self, load_s: float) -> None:
+        async def ok(_request):
+            return web.json_response({"success": True, "message": ""})
+
+        async def load(_request):
+            await asyncio.sleep(load_s)  # a slow disk: elapsed time is the behaviour under test
+            return web.json_response({"success": True, "message": "Succeeded to update model weights."})
+
+        app = web.Application()
+        app.router.add_get("/health", ok)
+        for route in ("/pause_generation", "/continue_generation"):
+            app.router.add_post(route, ok)
+        app.router.add_post("/update_weights_from_disk", load)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.loop = asyncio.new_event_loop()
+        self.runner = web.AppRunner(app)
+        self.loop.run_until_complete(self.runner.setup())
+        self.loop.run_until_complete(web.TCPSite(self.runner, "127.0.0.1", self.port).start())
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+class _Store:
+    def set_version(self, version: int) -> None:
+        self.version = version
+
+
+WEIGHTS = [(f"model.layers.{i}.mlp.weight", torch.ones(256, 256)) for i in range(4)]  # 4 x 256 KiB fp32
+NBYTES = 4 * 256 * 256 * 4
+CONFIGURED_S, LOAD_S = 1.0, 2.0
+
+
+def test_a_load_slower_than_the_configured_timeout_but_within_the_bytes_budget_succeeds(tmp_path, caplog):
+    """The configured 1 s would fail a 2 s load; the bytes at a floor that reads them in 3 s give 4 s.
+    The push is logged (GB, seconds, GB/s, the stages' write, the engines' load, the timeout) and the
+    controller hands its numbers to the step's metrics once."""
+    floor = NBYTES / 3.0 / 1e9  # GB/s: the pushed bytes take 3 s at the floor
+    engine = _SlowLoadEngine(LOAD_S)
+    sync = DiskWeightSync([engine.url], str(tmp_path / "sync"), timeout_s=CONFIGURED_S, min_gbps=floor)
+    ctl = WeightPushController(sync, store=_Store())
+    try:
+        from megatron_m2po.rollout.weight_stage import run_stage
+
+        plan = ctl.begin(1, 1)
+        with caplog.at_level(logging.INFO, logger="megatron_m2po.trainer.weight_push"):
+            stats = ctl.finish(plan, [run_stage(plan, 0, iter(WEIGHTS))])
+    finally:
+        sync.close()
+        engine.close()
+    assert stats.bytes == NBYTES and checkpoint_bytes(tmp_path / "sync" / "v1") > NBYTES  # + safetensors headers
+    assert stats.timeout_s == pytest.approx(disk_push_timeout_s(stats.bytes, CONFIGURED_S, floor)) == pytest.approx(4.0)
+    assert stats.load_s >= LOAD_S and stats.write_s >= 0 and stats.seconds >= stats.load_s
+    line = next(r.getMessage() for r in caplog.records if "weight push of version 1" in r.getMessage())
+    assert f"{stats.bytes / 1e9:.3g} GB in {stats.seconds:.1f} s ({stats.gb_per_s:.3g} GB/s" in line, line
+    assert f"loaded in {stats.load_s:.1f} s of a {stats.timeout_s:.0f} s timeout" in line, line
+    m = ctl.take_metrics()
+    assert m == pytest.approx({"sync/weight_gb": stats.bytes / 1e9, "sync/weight_gbps": stats.gb_per_s,
+                               "sync/weight_load_s": stats.load_s})
+    assert ctl.take_metrics() == {}  # taken once per step
+
+
+def test_a_load_beyond_the_bytes_budget_fails_naming_the_timeout(tmp_path):
+    """The same 2 s load against bytes a floor reads in 0.3 s (timeout 1.3 s): the push fails, and
+    the error names the timeout, the bytes and the floor to raise."""
+    floor = NBYTES / 0.3 / 1e9
+    engine = _SlowLoadEngine(LOAD_S)
+    sync = DiskWeightSync([engine.url], str(tmp_path / "sync"), timeout_s=CONFIGURED_S, min_gbps=floor)
+    try:
+        with pytest.raises(WeightSyncError) as e:
+            sync.push(iter(WEIGHTS), 1)
+    finally:
+        sync.close()
+        engine.close()
+    assert "update_weights_from_disk failed" in str(e.value)
+    assert f"(the load's timeout: 1 s for 0.00 GB at rollout.weight_sync_min_gbps={floor:g})" in str(e.value)
