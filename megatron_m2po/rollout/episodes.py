@@ -23,6 +23,10 @@ cache (SGLang 0.5.23 ``mem_cache/radix_cache.py``; the CPU worker's
 prefills only the new observation. The engines report it as ``meta_info.cached_tokens``, summed per
 episode into ``metadata["episode"]["cached_tokens"]`` (metric ``rollout/episode_cached_frac``). A
 weight push flushes the cache, so a turn after a push recomputes its prefix under the new weights.
+Routed experts (MoE routing replay) are asked per turn from where the kept ones stop, each row tagged
+with the version that computed it; after a push the kept rows are older than the ones the next
+turn is computed over, so the turn after that asks from 0 again, and model tokens computed over rows
+other than the stored ones are counted and masked from the loss (``rollout/routing_versions.py``).
 
 Chat templates. ``format=chat`` renders the first prompt with the tokenizer's own chat template
 (``apply_chat_template(messages, tools=env.tools, add_generation_prompt=True)``) and each
@@ -67,6 +71,7 @@ import numpy as np
 from megatron_m2po.config import AgenticConfig
 from megatron_m2po.rollout.group_ids import trajectory_uid
 from megatron_m2po.rollout.producer import ProducerContext, _sample, request_seed, routed_rows
+from megatron_m2po.rollout.routing_versions import RoutedRows, keep_replayable, response_routing_version
 from megatron_m2po.store.types import Group, Trajectory
 
 log = logging.getLogger(__name__)
@@ -292,8 +297,7 @@ class _Tape:
     mask: list = field(default_factory=list)
     steps: list = field(default_factory=list)
     per_turn_cached: list = field(default_factory=list)
-    routed: list = field(default_factory=list)  # routed experts of positions [0, covered) (return_routed_experts)
-    covered: int = 0
+    routed: RoutedRows = field(default_factory=RoutedRows)  # routed experts and their versions (return_routed_experts)
     reward: float = 0.0
     end: str = "max_turns"
     turns: int = 0
@@ -334,16 +338,16 @@ async def _turns(ctx: ProducerContext, env: Environment, render: "_Renderer", pr
             params["sampling_seed"] = request_seed(ctx.seed, f"{group}/turn{tape.turns}", j)
         if getattr(env, "stop", None):
             params["stop"] = list(env.stop)
-        out = await _bounded(_sample(ctx, prompt + tape.resp, params, routed_start=tape.covered, affinity=group), float("inf"),
+        start = tape.routed.ask_from()
+        out = await _bounded(_sample(ctx, prompt + tape.resp, params, routed_start=start, affinity=group), float("inf"),
                              deadline, "episode_timeout")
+        floor = tape.versions[-1] if tape.versions else ctx.version
         if ctx.routed_experts is not None:  # this turn's prefill and decode: up to its last token
             stop = len(prompt) + len(tape.resp) + len(out.output_ids) - 1
-            tape.routed.append(routed_rows(ctx, out, tape.covered, stop))
-            tape.covered = stop
+            tape.routed.add(routed_rows(ctx, out, start, stop), start, response_routing_version(out, floor))
         tape.turns += 1
         tape.sent += len(prompt) + len(tape.resp)
         tape.per_turn_cached.append(int(getattr(out, "cached_tokens", 0) or 0))
-        floor = tape.versions[-1] if tape.versions else ctx.version
         tape.resp.extend(int(t) for t in out.output_ids)
         tape.logps.extend(float(x) for x in out.output_logprobs)
         tape.versions.extend(_turn_versions(out, floor))
@@ -443,17 +447,22 @@ def _trajectory(ctx: ProducerContext, tape: _Tape, prompt: list[int], row: Any, 
         episode["error"] = error
     meta = {"prompt_index": int(getattr(row, "index", -1)), "answer": getattr(row, "answer", None), **ctx.metadata,
             "episode": episode}
+    rows = len(prompt) + len(tape.resp) - 1
+    versions, mask = np.asarray(tape.versions, dtype=np.int64), np.asarray(tape.mask, dtype=np.uint8)
+    if ctx.routed_experts is not None:  # model tokens computed over other rows than the stored ones
+        mask, meta["routing"] = keep_replayable(len(prompt), versions, mask, tape.routed.row_versions(rows),
+                                                replay=ctx.routing_replay)
     return Trajectory(uid=trajectory_uid(group, j), group_id=group, prompt_ids=np.asarray(prompt),
                       response_ids=np.asarray(tape.resp), behav_logprobs=np.asarray(tape.logps, dtype=np.float32),
-                      versions=np.asarray(tape.versions, dtype=np.int64), reward=float(tape.reward),
-                      loss_mask=np.asarray(tape.mask, dtype=np.uint8), finish_reason=finish, metadata=meta,
-                      routed_experts=_episode_routing(ctx, tape.routed, len(prompt) + len(tape.resp) - 1))
+                      versions=versions, reward=float(tape.reward), loss_mask=mask, finish_reason=finish,
+                      metadata=meta, routed_experts=_episode_routing(ctx, tape.routed, rows))
 
 
-def _episode_routing(ctx: Any, routed: list, rows: int) -> Optional[np.ndarray]:
+def _episode_routing(ctx: Any, routed: RoutedRows, rows: int) -> Optional[np.ndarray]:
     """An episode's routed experts ``[rows, layers, top_k]``: each model turn's (asked from where the
     previous one stopped: the observation before it is run in its prefill, the earlier tokens keep
-    the routing of their first forward, as the engine's cache does). Positions after the last
+    the routing of their first forward, as the engine's cache does; asked from 0 after a push made the
+    kept rows older than the engine's, ``RoutedRows.ask_from``). Positions after the last
     model token (an observation that no turn followed, the masked token of an episode cut before
     its first turn, or the dataset prompt standing in after a failed reset) were never run by the
     engine: they get experts ``0 .. top_k - 1``. Only they and the masked tokens after them see that
@@ -461,7 +470,7 @@ def _episode_routing(ctx: Any, routed: list, rows: int) -> Optional[np.ndarray]:
     if ctx.routed_experts is None:
         return None
     layers, k = ctx.routed_experts
-    have = np.concatenate(routed) if routed else np.zeros((0, layers, k), np.int32)
+    have = np.concatenate(routed.pieces) if routed.pieces else np.zeros((0, layers, k), np.int32)
     fill = np.broadcast_to(np.arange(k, dtype=np.int32), (rows - have.shape[0], layers, k))
     return np.concatenate([have[:rows], fill])
 

@@ -13,7 +13,10 @@ Version tags. The trainer passes the version the engines hold when the batch is 
 the version at the end of the request and that differs from ``ctx.version`` (the request
 spanned a weight update, possible only in async mode), every token is tagged with
 ``ctx.version``: the oldest version it may come from, so the measured staleness is an upper
-bound and the ``max_staleness`` rule is never violated.
+bound and the ``max_staleness`` rule is never violated. Routed experts (MoE routing replay) are
+tagged the same way: the rows of a response all come from its last (re)prefill's weights, so tokens
+sampled before a push retracted the request were computed over routing the engine no longer has
+(``rollout/routing_versions.py``); they are counted, and masked from the loss when routing is replayed.
 
 Seeded sampling. With ``ctx.seed`` set (the trainer passes ``trainer.seed``), every request
 carries SGLang's ``sampling_seed`` (``sglang/srt/sampling/sampling_params.py`` in 0.5.23: an
@@ -36,6 +39,7 @@ from typing import Any, Awaitable, Callable, Optional, Sequence
 import numpy as np
 
 from megatron_m2po.rollout.group_ids import group_id, trajectory_uid
+from megatron_m2po.rollout.routing_versions import keep_replayable, response_routing_version
 from megatron_m2po.store.types import Group, Trajectory
 from megatron_m2po.utils.timing import TIMER
 
@@ -64,7 +68,11 @@ class ProducerContext:
             defaults to the prompt's index in the list handed to the producer.
         routed_experts: ``(num_layers, top_k)`` of the MoE model when the engines' routed experts
             are kept (``rollout.return_routed_experts``): every request asks for them and every
-            trajectory carries them (:func:`routed_rows`); None otherwise.
+            trajectory carries them (:func:`routed_rows`) with the versions that computed them
+            (``metadata["routing"]``, :mod:`~megatron_m2po.rollout.routing_versions`); None otherwise.
+        routing_replay: the trainer replays the routed experts (``algo.routing_replay=rollout``):
+            model tokens whose behaviour log-prob was not computed over the stored routing (sampled
+            before a weight push retracted their request) get ``loss_mask`` 0.
     """
 
     client: Any
@@ -79,6 +87,7 @@ class ProducerContext:
     seed: Optional[int] = None
     positions: Optional[list[int]] = None
     routed_experts: Optional[tuple[int, int]] = None
+    routing_replay: bool = False
 
     def group_id(self, p: int) -> str:
         """Deterministic id of the group of the ``p``-th prompt handed to the producer."""
@@ -155,13 +164,20 @@ async def default_producer(ctx: ProducerContext, prompts: list) -> list[Group]:
         for j in range(ctx.n_samples):
             i = p * ctx.n_samples + j
             out = outs[i]
+            versions = _token_versions(out, ctx.version)
+            meta = {"prompt_index": int(item.index), "answer": item.answer, **ctx.metadata}
+            rows = len(item.prompt_ids) + len(out.output_ids) - 1
+            mask = None
+            if ctx.routed_experts is not None:  # every row from the weights of the request's last (re)prefill
+                row_v = np.full(rows, response_routing_version(out, ctx.version), np.int64)
+                mask, meta["routing"] = keep_replayable(len(item.prompt_ids), versions, None, row_v,
+                                                        replay=ctx.routing_replay)
             trajs.append(Trajectory(
                 uid=trajectory_uid(gid, j), group_id=gid, prompt_ids=np.asarray(item.prompt_ids),
                 response_ids=np.asarray(out.output_ids), behav_logprobs=np.asarray(out.output_logprobs),
-                versions=_token_versions(out, ctx.version), reward=float(result.scores[i]),
+                versions=versions, reward=float(result.scores[i]), loss_mask=mask,
                 finish_reason=out.finish_type if out.finish_type in ("stop", "length", "abort") else "stop",
-                metadata={"prompt_index": int(item.index), "answer": item.answer, **ctx.metadata},
-                routed_experts=routed_rows(ctx, out, 0, len(item.prompt_ids) + len(out.output_ids) - 1)))
+                metadata=meta, routed_experts=routed_rows(ctx, out, 0, rows)))
         groups.append(Group(gid, trajs))
     return groups
 

@@ -384,13 +384,19 @@ class Engine:
 
     def _retract_all(self) -> None:
         """pause_generation(mode="retract") (scheduler.py pause_generation): running requests go
-        back to the waiting queue with their output so far and are prefilled again on resume."""
+        back to the waiting queue with their output so far and are prefilled again on resume. Their KV
+        is dropped, not kept in the prefix cache (schedule_batch.py ``release_req`` ->
+        ``release_kv_cache(checkpoint=False)``), and so is their routing (``Req.reset_for_retract``:
+        ``routed_experts = None``): the prefill again captures every position anew, under the weights
+        of that time (``_prefill``), as SGLang's capturer writes the new KV slots
+        (``state_capturer/base.py`` ``on_forward_end``) that ``get_topk`` reads at the finish."""
         with self.qlock:
             seqs = list(self.batch.seqs)
             self.batch = _Batch()
             self.waiting = seqs + self.waiting
         for s in seqs:
             s.retractions += 1
+            s.routed = []  # Req.reset_for_retract; aborted while waiting, the request returns none
 
     def _make_cache(self, kv):
         from transformers import DynamicCache
@@ -466,7 +472,8 @@ class Engine:
             # schedule_batch.py: cached tokens are counted once, never after a retraction.
             if s.retractions == 0:
                 s.cached_tokens += plen[r]
-            if routed is not None:  # a retracted request's KV (and routing) is computed anew
+            if routed is not None:  # a retracted request's KV and routing are computed anew (_retract_all):
+                # the rows captured before the retraction are gone, as in SGLang
                 s.routed = [routed[r]]
             if s.input_logprobs is None and reps[r].input_logprobs is not None and s is not reps[r]:
                 s.input_logprobs = list(reps[r].input_logprobs)

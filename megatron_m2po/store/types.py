@@ -38,7 +38,9 @@ class Trajectory:
         behav_logprobs: behaviour-policy log-prob of each response token, float32 [R], finite, <= 0.
         versions: weight version that produced each response token, int64 [R], non-decreasing.
         reward: scalar reward, or None until scored.
-        loss_mask: 1 where a response token is trained on (0 for tool/env tokens), uint8 [R].
+        loss_mask: 1 where a response token is trained on (0 for tool/env tokens, and with routing
+            replay for tokens whose stored routing did not compute them: rollout/routing_versions.py),
+            uint8 [R].
         finish_reason: "stop", "length" or "abort".
         metadata: free-form JSON-serialisable dict (prompt index, answer, engine, ...).
         recomputed_behav_logprobs: optional trainer-side behaviour log-probs [R] (TIS / mismatch).

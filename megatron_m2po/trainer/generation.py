@@ -67,10 +67,14 @@ class GroupMaker:
         params = {"temperature": r.temperature, "top_p": r.top_p, "max_new_tokens": r.max_new_tokens}
         if self.tokenizer.eos_token_id is not None:
             params["stop_token_ids"] = [int(self.tokenizer.eos_token_id)]
+        routed = self._routing()
+        # The store's layout is `required` exactly when the trainer replays routing (algo.routing_replay=rollout).
+        replay = routed is not None and self.store.routing.required
         return ProducerContext(client=self.client, tokenizer=self.tokenizer, reward=self.reward,
                                sampling_params=params, n_samples=n_samples or r.n_samples_per_prompt,
                                version=self.engine_version(), group_prefix=prefix, metadata=meta,
-                               max_attempts=r.max_retries + 1, seed=self.seed, routed_experts=self._routing())
+                               max_attempts=r.max_retries + 1, seed=self.seed, routed_experts=routed,
+                               routing_replay=replay)
 
     def _routing(self) -> Optional[tuple[int, int]]:
         """``(layers, top_k)`` of the routed experts the engines return (rollout.return_routed_experts),
