@@ -33,9 +33,12 @@ class Sample:
         versions: int64 [R], weight version that produced each token (for staleness metrics).
         engine_logprobs: optional float32 [R]: the engine's log-probs when ``behav_logprobs`` were
             recomputed by the trainer (TIS weight and the train-vs-engine mismatch KL).
-        routed_experts: optional int [P + R - 1, layers, top_k]: the expert ids the engine's routers
-            picked for every position but the last (``store.types.Trajectory``), replayed by the
-            forward with ``algo.routing_replay=rollout`` (``actor/routing_replay.py``).
+        routed_experts: optional uint8 / uint16 [P + R - 1, layers, top_k] (:func:`compact_expert_ids`):
+            the expert ids the engine's routers picked for every position but the last
+            (``store.types.Trajectory``), replayed by the forward with ``algo.routing_replay=rollout``
+            (``actor/routing_replay.py``). Kept compact all the way to the router: 48 layers x top-8
+            are 384 B a token in uint8 against 3 KB in int64, and a step's samples travel to every
+            rank (``trainer/rank0.py``); only the targets of one layer of one micro-batch are widened.
     """
 
     uid: str
@@ -65,7 +68,7 @@ class Sample:
             if n != r:
                 raise ValueError(f"sample {self.uid!r}: {name} has {n} entries, response has {r}")
         if self.routed_experts is not None:
-            self.routed_experts = np.asarray(self.routed_experts, dtype=np.int64)
+            self.routed_experts = compact_expert_ids(self.routed_experts, f"sample {self.uid!r}")
             if self.routed_experts.ndim != 3 or self.routed_experts.shape[0] != self.length - 1:
                 raise ValueError(f"sample {self.uid!r}: routed_experts has shape {list(self.routed_experts.shape)}, "
                                  f"expected [{self.length - 1}, layers, top_k]")
@@ -73,6 +76,23 @@ class Sample:
     @property
     def length(self) -> int:
         return int(self.prompt_ids.shape[0] + self.response_ids.shape[0])
+
+
+def compact_expert_ids(ids, where: str = "routed experts") -> np.ndarray:
+    """Expert ids in the smallest unsigned type that holds them: uint8 below 256 experts' ids (every
+    model with at most 256 experts, Qwen3-30B-A3B's 128 among them), else uint16, the store's type
+    (``store/sqlite.py`` ``routed_blob``). An array already uint8 / uint16 is returned as it is;
+    ids outside ``[0, 65536)`` raise ValueError naming ``where``."""
+    a = np.asarray(ids)
+    if a.dtype in (np.uint8, np.uint16):
+        return a
+    if a.dtype.kind not in "iu":
+        raise ValueError(f"{where}: routed experts must be integer expert ids, got dtype {a.dtype}")
+    lo, hi = (int(a.min()), int(a.max())) if a.size else (0, 0)
+    if lo < 0 or hi > 0xFFFF:
+        raise ValueError(f"{where}: routed experts hold expert id {lo if lo < 0 else hi}, outside [0, 65536) "
+                         "(the store keeps them as uint16)")
+    return a.astype(np.uint8 if hi < 256 else np.uint16)
 
 
 @dataclass(slots=True)
@@ -252,10 +272,12 @@ class MicroBatch:
         sample_index: the mini-batch indices of the B samples.
         cu_seqlens: int32 [n + 1] cumulative sequence lengths (packed), else None.
         max_seqlen: the longest (pseudo-)sequence of a packed micro-batch; 0 when padded.
-        routed_experts: int64 [layers, B, S, top_k] (packed: [layers, 1, T, top_k]) expert ids per
-            token row to replay, or None (only when every sample has them). A sequence's last
-            token and padding rows, which no sample records, hold experts ``0 .. top_k - 1``:
-            their outputs reach no predicting row (causal attention, right padding).
+        routed_experts: uint8 / uint16 [layers, B, S, top_k] (packed: [layers, 1, T, top_k]) expert
+            ids per token row to replay, or None (only when every sample has them); the compact type
+            of the samples (:func:`compact_expert_ids`; uint16 when any sample needs it), widened to
+            int64 one layer at a time where the router takes them (``RoutingReplay.targets``). A
+            sequence's last token and padding rows, which no sample records, hold experts
+            ``0 .. top_k - 1``: their outputs reach no predicting row (causal attention, right padding).
     """
 
     tokens: torch.Tensor
@@ -363,13 +385,15 @@ def _routed_rows(samples: list, shape: tuple, origins: list[tuple[int, int]]) ->
     None unless every sample has them."""
     if not samples or any(s.routed_experts is None for s in samples):
         return None
-    layers, k = samples[0].routed_experts.shape[1:]
-    out = np.broadcast_to(np.arange(k, dtype=np.int64), (*shape, layers, k)).copy()
-    for s, (row, o) in zip(samples, origins):
-        if s.routed_experts.shape[1:] != (layers, k):
-            raise ValueError(f"sample {s.uid!r}: routed_experts has {list(s.routed_experts.shape[1:])} layers x top_k, "
+    ids = [compact_expert_ids(s.routed_experts, f"sample {s.uid!r}") for s in samples]  # also ones set after __init__
+    layers, k = ids[0].shape[1:]
+    dtype = np.uint16 if any(a.dtype == np.uint16 for a in ids) else np.uint8
+    out = np.broadcast_to(np.arange(k, dtype=dtype), (*shape, layers, k)).copy()
+    for s, a, (row, o) in zip(samples, ids, origins):
+        if a.shape[1:] != (layers, k):
+            raise ValueError(f"sample {s.uid!r}: routed_experts has {list(a.shape[1:])} layers x top_k, "
                              f"other samples {[layers, k]}")
-        out[row, o:o + s.length - 1] = s.routed_experts
+        out[row, o:o + s.length - 1] = a
     return torch.from_numpy(np.ascontiguousarray(np.moveaxis(out, 2, 0)))
 
 

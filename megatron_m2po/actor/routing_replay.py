@@ -117,14 +117,18 @@ class RoutingReplay:
         return [i for i, _ in self.per_chunk[chunk]]
 
     def targets(self, routed: torch.Tensor, layer: int) -> torch.Tensor:
-        """``[tokens, top_k]`` ids the router of global layer ``layer`` sees, from a micro-batch's
-        ``routed_experts`` ``[layers, B, S, top_k]`` (module docstring, token order)."""
+        """``[tokens, top_k]`` int64 ids the router of global layer ``layer`` sees, from a micro-batch's
+        compact ``routed_experts`` ``[layers, B, S, top_k]`` (uint8 / uint16, ``batch.MicroBatch``;
+        module docstring, token order). Only this layer's slice is widened to the int64 that
+        ``RouterReplay.get_replay_topk`` gathers the scores with: on the device the compact tensor
+        meets only views and this one copy (uint16 is one of torch's "barebones" unsigned types:
+        copies are implemented for it, most other kernels are not)."""
         ids = routed[layer]
         if self.sp and self.tp_size > 1:
             s = ids.shape[1]
             assert s % self.tp_size == 0, f"sequence of {s} rows is not a multiple of TP={self.tp_size}"
             ids = ids[:, self.tp_rank * (s // self.tp_size):(self.tp_rank + 1) * (s // self.tp_size)]
-        return ids.transpose(0, 1).reshape(-1, ids.shape[-1])
+        return ids.to(torch.int64).transpose(0, 1).reshape(-1, ids.shape[-1])
 
     def set(self, routed: Optional[torch.Tensor], chunk: int) -> None:
         """Targets of one micro-batch for the routers of model chunk ``chunk``, action REPLAY_FORWARD;
@@ -137,7 +141,7 @@ class RoutingReplay:
             raise ValueError(f"routed experts cover {routed.shape[0]} layers, the model has {self.num_layers}")
         keep = self.recompute and torch.is_grad_enabled()
         for layer, rr in self.per_chunk[chunk]:
-            rr.set_target_indices(self.targets(routed, layer).long())  # also appends to replay_backward_list
+            rr.set_target_indices(self.targets(routed, layer))  # also appends to replay_backward_list
             if not keep:
                 rr.replay_backward_list.pop()
             rr.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)

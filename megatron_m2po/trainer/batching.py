@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from megatron_m2po.actor.batch import RolloutBatch, Sample
+from typing import Any, Callable
+
+from megatron_m2po.actor.batch import BatchPlan, RolloutBatch, Sample, ShardedBatch
 from megatron_m2po.algo.advantages import grpo_advantages
 from megatron_m2po.rollout.episodes import END_REASONS
 from megatron_m2po.store.types import Group, Trajectory
@@ -31,6 +33,24 @@ def groups_to_batch(groups: list[Group], *, advantage: str = "grpo", adv_eps: fl
     rewards = np.array([float(t.reward) for t in trajs], dtype=np.float64)
     adv = grpo_advantages(rewards, [t.group_id for t in trajs], eps=adv_eps, normalize_std=(advantage == "grpo"))
     return RolloutBatch([trajectory_to_sample(t, a, use_recomputed=use_recomputed) for t, a in zip(trajs, adv)])
+
+
+def shard_step(batch: RolloutBatch, num_updates: int, shards: Callable[..., list[list[int]]], dp_of: list[int],
+               meta: Any) -> tuple[list[list[Sample]], list[tuple[Any, list[ShardedBatch]]]]:
+    """A step as each global rank receives it (``trainer/rank0.py`` ``scatter_from_rank0``).
+
+    ``batch`` is split into ``num_updates`` optimizer mini-batches in order; ``shards(plan, uids=...)``
+    (the actor's :meth:`~megatron_m2po.actor.actor.MegatronActor.shards`) assigns each mini-batch's
+    samples to data-parallel ranks. Returns the mini-batches' samples and, per global rank ``r``,
+    ``(meta, [ShardedBatch of data-parallel rank dp_of[r], one per mini-batch])``: the ranks of one
+    replica (its TP / PP / CP ranks) share one object, which rank 0 pickles and sends once."""
+    minis, per_dp = [], {}
+    for mini in batch.split(num_updates):
+        plan = BatchPlan.of(mini.samples)
+        minis.append((plan, mini.samples, shards(plan, uids=[s.uid for s in mini.samples])))
+    for dp in sorted(set(dp_of)):
+        per_dp[dp] = (meta, [ShardedBatch(plan, {i: samples[i] for i in parts[dp]}) for plan, samples, parts in minis])
+    return [samples for _, samples, _ in minis], [per_dp[dp] for dp in dp_of]
 
 
 def trajectory_to_sample(t: Trajectory, advantage: float = 0.0, *, use_recomputed: bool = False) -> Sample:
@@ -71,7 +91,23 @@ def rollout_metrics(groups: list[Group], *, correct_reward: float) -> dict[str, 
         "rollout/groups_all_wrong": float(solved_none),
         "rollout/num_trajectories": float(len(trajs)),
         **episode_metrics(trajs),
+        **routing_metrics(trajs),
     }
+
+
+def routing_metrics(trajs: list[Trajectory]) -> dict[str, float]:
+    """``rollout/routing_version_mismatch`` (a sum) and ``..._frac`` (of the model tokens): model
+    tokens whose stored routed experts are not the routing their behaviour log-prob was computed over
+    (``metadata["routing"]``, rollout/routing_versions.py: sampled before a weight push retracted the
+    request, or an agentic turn over rows kept from before a push); masked from the loss when routing
+    is replayed. Empty when no trajectory keeps routed experts."""
+    recs = [t.metadata.get("routing") for t in trajs if isinstance(t.metadata.get("routing"), dict)]
+    if not recs:
+        return {}
+    bad = sum(int(r.get("mismatched_tokens", 0)) for r in recs)
+    model = sum(int(r.get("model_tokens", 0)) for r in recs)
+    return {"rollout/routing_version_mismatch": float(bad),
+            "rollout/routing_version_mismatch_frac": float(bad / max(model, 1))}
 
 
 def episode_metrics(trajs: list[Trajectory]) -> dict[str, float]:

@@ -45,11 +45,14 @@ import numpy as np
 import torch.distributed as dist
 
 from megatron_m2po.actor.actor import ActorConfig, MegatronActor, destroy_parallel, init_parallel
-from megatron_m2po.actor.batch import BatchPlan, RolloutBatch, ShardedBatch
+from megatron_m2po.actor.batch import RolloutBatch, ShardedBatch
 from megatron_m2po.actor.checkpoint import latest_checkpoint
 from megatron_m2po.config import Config, config_to_dict, dump_config
-from megatron_m2po.trainer.batching import groups_to_batch, rollout_metrics, trajectory_to_sample
+from megatron_m2po.trainer.batching import groups_to_batch, rollout_metrics, shard_step, trajectory_to_sample
+from megatron_m2po.trainer.preflight import claim_checked_run_dir
 from megatron_m2po.trainer.rank0 import any_rank, check_shared_run_dir, from_rank0, scatter_from_rank0
+from megatron_m2po.trainer.run_lock import RunDirLock
+from megatron_m2po.trainer.run_report import finished_message, finished_step, run_summary
 from megatron_m2po.trainer.schedule import make_schedule
 from megatron_m2po.trainer.token_dump import TokenDump
 from megatron_m2po.trainer.weight_push import WeightPushController
@@ -109,7 +112,9 @@ class _Stopped:
 class Trainer:
     """One training run over all ranks."""
 
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, run_lock: Optional[RunDirLock] = None):
+        """``run_lock``: the run directory's lock, when the caller claimed it already (a single
+        process, before Megatron-Core is imported: ``trainer/cli.py``); the trainer releases it at close."""
         self.cfg = cfg
         self._stop_requested = False
         self.actor: Optional[MegatronActor] = None
@@ -119,11 +124,23 @@ class Trainer:
         # The engines' weights: rank 0's push controller (the driver's), a follower elsewhere; every
         # rank tracks the same version.
         self.weights = WeightPushController.follower()
+        self._run_lock = run_lock  # global rank 0: one run per run directory (trainer/run_lock.py)
+        self.finished: Optional[int] = None  # the step count of a run that finished before this start
+        self._trace_path: Optional[Path] = None
         self._owns_pg = init_parallel(cfg.parallel, cfg.trainer.seed)
         try:
             self.rank = dist.get_rank()
+            # Before anything is created or started: rank 0 locks the run directory and checks
+            # what a user can get wrong at run time; a refusal reaches every rank in one line.
+            if run_lock is None:
+                self._from_rank0(lambda: self._claim_run_dir(cfg), what="the start-up checks")
             self.run_dir = check_shared_run_dir(cfg.trainer.run_dir)
             cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, run_dir=str(self.run_dir)))
+            # A finished run has nothing to do: no model, actor or engine is built (run() says so).
+            self.finished = self._from_rank0(lambda: finished_step(cfg), what="the run's progress")
+            if self.finished is not None:
+                self.cfg = cfg
+                return
             self.model_path = self._from_rank0(lambda: resolve_model_path(cfg.model, progress=cfg.logging.progress))
             cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, hf_path=self.model_path))
             self.cfg = cfg
@@ -137,8 +154,10 @@ class Trainer:
             self._dp_of = [self.actor.dp_rank] * dist.get_world_size()
             if dist.get_world_size() > 1:
                 dist.all_gather_object(self._dp_of, self.actor.dp_rank)
-            if self.rank == 0:
-                self.lead = _Lead(cfg, self.model_path)
+            # Inside from_rank0: a failure to build the rollout side (data, store, engines) reaches
+            # the other ranks at once, instead of leaving them waiting for rank 0's next result.
+            self._from_rank0(lambda: self._build_lead(cfg), what="the rollout side (data, store, engines)")
+            if self.lead is not None:
                 self.driver = self.lead.driver
                 self.weights = self.driver.weights
         except BaseException:
@@ -152,6 +171,15 @@ class Trainer:
         # steps must not record those draws: the resumed step repeats them).
         self._wait_stopped = False
         self._boundary_dataset: Optional[dict] = None
+
+    def _claim_run_dir(self, cfg: Config) -> None:
+        """Global rank 0: the run directory created if needed and locked, and the start-up checks
+        passed (:func:`~.preflight.claim_checked_run_dir`)."""
+        self._run_lock = claim_checked_run_dir(cfg)
+
+    def _build_lead(self, cfg: Config) -> None:
+        """Global rank 0: its part of the run (:class:`_Lead`)."""
+        self.lead = _Lead(cfg, self.model_path)
 
     def _from_rank0(self, fn: Callable[[], T], what: str = "rank 0's result") -> T:
         """``fn()`` evaluated on global rank 0 only; every rank gets its result, waiting without
@@ -350,14 +378,10 @@ class Trainer:
             meta = {**rollout_metrics(groups, correct_reward=self.cfg.reward.correct), **self.driver.filter_metrics()}
             batch = groups_to_batch(groups, advantage=self.cfg.algo.advantage, adv_eps=self.cfg.algo.adv_eps,
                                     use_recomputed=self.cfg.algo.recompute_behav_logprobs)
-            minis = []
-            for mini in batch.split(self.U):
-                plan = BatchPlan.of(mini.samples)
-                minis.append((plan, mini.samples, self.actor.shards(plan, uids=[s.uid for s in mini.samples])))
+            minis, parts = shard_step(batch, self.U, self.actor.shards, self._dp_of, meta)
             if self.token_dump is not None and self.token_dump.wants(step):
-                leased["full"] = [RolloutBatch(samples) for _, samples, _ in minis]
-            return [(meta, [ShardedBatch(plan, {i: samples[i] for i in shards[dp]}) for plan, samples, shards in minis])
-                    for dp in self._dp_of]
+                leased["full"] = [RolloutBatch(samples) for samples in minis]
+            return parts
 
         meta, minibatches = scatter_from_rank0(lease, what=f"the rollouts of step {step}")
         if isinstance(minibatches, _Stopped):
@@ -420,6 +444,14 @@ class Trainer:
 
     # ------------------------------------------------------------------ run
     def run(self) -> int:
+        if self.finished is not None:
+            try:
+                if self.rank == 0:
+                    print(finished_message(self.cfg, self.finished), flush=True)
+                    self._print_summary(None)
+            finally:
+                self.close()
+            return 0
         self._install_signal_handlers()
         self._resume()
         cfg = self.cfg
@@ -430,6 +462,7 @@ class Trainer:
         # log line to its own, so the previous step's checkpoint counts in this one.
         TIMER.reset(trace=cfg.logging.trace, pid=self.rank)
         t_mark = time.perf_counter()
+        ended: Optional[str] = None  # the summary's heading, once the run ended as planned
         try:
             for step in range(self.start_step, cfg.trainer.num_steps):
                 # Relaunched engines that wait for weights (distributed sync) get them now.
@@ -450,6 +483,7 @@ class Trainer:
                 t_mark = now
                 if self.lead:
                     metrics.update(TIMER.counters(self.driver.engine_loads()))
+                    metrics.update(self.weights.take_metrics())  # this step's pushes: GB, GB/s
                 if self.lead:
                     self.lead.log_step(step, self.actor.version, metrics, per_update)
                 fault_point("step_end")  # logged, not yet checkpointed
@@ -461,17 +495,33 @@ class Trainer:
                     self._save(done)
                 if stop:
                     log.warning("stopped after step %d on request; resume with the same command", done)
+                    ended = (f"stopped after step {done} of {cfg.trainer.num_steps} (resume with the same command) "
+                             f"in {self.run_dir}")
                     return 0
             if cfg.checkpoint.export_hf_at_end:
                 out = self.run_dir / "final_hf"
                 self.actor.export_hf(str(out))
                 if self.lead:
                     log.info("final weights exported to %s", out)
+            ended = f"run complete: {cfg.trainer.num_steps} steps in {self.run_dir}"
             return 0
         finally:
             TIMER.finish(time.perf_counter() - t_mark)
             self._report_time()
+            if ended is not None and self.lead:
+                self._print_summary(ended)
             self.close()
+
+    def _print_summary(self, heading: Optional[str]) -> None:
+        """Rank 0: where the run's outputs are and how reward moved (:func:`~.run_report.run_summary`)."""
+        try:  # a report must not hide the exception that ends a run
+            final = self.run_dir / "final_hf" if self.cfg.checkpoint.export_hf_at_end else None
+            # a finished run's re-run wrote no trace: the one of the run, if it wrote one
+            trace = self._trace_path or (self.run_dir / "trace.json" if self.finished is not None else None)
+            text = run_summary(self.run_dir, trace=trace, final_hf=final)
+            print("\n".join(x for x in (heading, text) if x), flush=True)
+        except Exception as e:  # noqa: BLE001
+            log.warning("could not summarise the run: %s", e)
 
     def _report_time(self) -> None:
         """Rank 0: print the "where the time went" table; every rank: write the trace (``logging.trace``)."""
@@ -481,7 +531,7 @@ class Trainer:
             if self.lead:
                 print(TIMER.table(), flush=True)
             if TIMER.trace:
-                path = TIMER.write_trace(self.run_dir, world_size=dist.get_world_size())
+                path = self._trace_path = TIMER.write_trace(self.run_dir, world_size=dist.get_world_size())
                 if self.lead:
                     log.info("trace written to %s (open it in https://ui.perfetto.dev)", path)
         except Exception as e:  # noqa: BLE001
@@ -504,6 +554,8 @@ class Trainer:
                 self.actor.close()
         finally:
             destroy_parallel(self._owns_pg)
+            if self._run_lock is not None:  # last: nothing of this run touches the run directory any more
+                self._run_lock.release()
 
 
 def _step_metrics(per_update: list[dict], ages: list[np.ndarray], age_counts: list[np.ndarray]) -> dict:
@@ -525,7 +577,7 @@ def _mean_dicts(ds: list[dict[str, float]]) -> dict[str, float]:
     return {k: float(np.mean([d[k] for d in ds if k in d])) for k in sorted(keys)}
 
 
-def train(cfg: Config) -> int:
-    """Entry point used by ``m2po train`` (any number of ranks)."""
-    trainer = Trainer(cfg)
+def train(cfg: Config, run_lock: Optional[RunDirLock] = None) -> int:
+    """Entry point used by ``m2po train`` (any number of ranks); ``run_lock`` as for :class:`Trainer`."""
+    trainer = Trainer(cfg, run_lock=run_lock)
     return trainer.run()

@@ -7,16 +7,19 @@ can legitimately take longer than that. So non-zero ranks first wait on a key in
 key-value store (torchrun's TCPStore), polling in short rounds and logging how long they have
 waited; only once rank 0 has its result do all ranks enter the broadcast, which then completes
 at once. An exception on rank 0 is announced through the same key, so the other ranks fail
-with rank 0's message instead of waiting until the launcher kills them.
+with rank 0's message instead of waiting until the launcher kills them (a
+:class:`~megatron_m2po.utils.errors.UserError` as a UserError, which ``m2po`` prints in one line).
 
     groups = from_rank0(lambda: driver.generate_step_groups(step), what=f"step {step}'s rollouts")
 """
 
 from __future__ import annotations
 
+import io
 import itertools
 import logging
 import os
+import pickle
 import socket
 import time
 import uuid
@@ -26,11 +29,14 @@ from typing import Any, Callable, Optional, TypeVar
 
 import torch.distributed as dist
 
+from megatron_m2po.utils.errors import UserError
+
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _calls = itertools.count()  # every rank makes the same sequence of calls: the keys agree
 _ERROR = b"error:"
+_USER_ERROR = b"user-error:"  # a UserError: the other ranks raise one too, with rank 0's message
 POLL_S = 30.0
 LOG_EVERY_S = 300.0
 
@@ -66,11 +72,16 @@ def _wait_for_rank0(fn: Callable[[], T], what: str, poll_s: float, log_every_s: 
         try:
             out = fn()
         except BaseException as e:
-            store.set(key, _ERROR + f"{type(e).__name__}: {e}".encode(errors="replace")[:4000])
+            if isinstance(e, UserError):  # every rank says it in one line (megatron_m2po/cli.py)
+                store.set(key, _USER_ERROR + str(e).encode(errors="replace")[:4000])
+            else:
+                store.set(key, _ERROR + f"{type(e).__name__}: {e}".encode(errors="replace")[:4000])
             raise
         store.set(key, b"ok")
         return out
     status = _wait_key(store, key, what, poll_s, log_every_s)
+    if status.startswith(_USER_ERROR):
+        raise UserError(f"rank 0: {status[len(_USER_ERROR):].decode()}")
     if status.startswith(_ERROR):
         raise RuntimeError(f"rank 0 failed while producing {what}: {status[len(_ERROR):].decode()}")
     return None
@@ -89,7 +100,16 @@ def from_rank0(fn: Callable[[], T], *, what: str = "rank 0's result", poll_s: fl
 def scatter_from_rank0(fn: Callable[[], list[T]], *, what: str = "rank 0's result", poll_s: float = POLL_S,
                        log_every_s: float = LOG_EVERY_S) -> T:
     """``fn()`` evaluated on global rank 0 only, returning one (picklable) object per global rank;
-    rank ``r`` returns element ``r`` and receives nothing else (a scatter, not a broadcast)."""
+    rank ``r`` returns element ``r`` and receives nothing else (a scatter, not a broadcast).
+
+    Staging: each rank holds at most one part on its accelerator. Rank 0 pickles and sends the
+    parts one at a time (a part that is one object for several ranks, e.g. the shard of a
+    data-parallel replica, once, to all of them in one batch) and keeps its own; rank ``r``
+    receives into a buffer of its part's size (:func:`_send_parts`, :func:`_recv_part`). Not
+    ``dist.scatter_object_list``: on NCCL it stages on rank 0's GPU one pickled tensor per rank,
+    each ``resize_``-d to the largest (torch ``distributed_c10d.py`` ``scatter_object_list`` /
+    ``_object_to_tensor``), ``world x largest`` bytes, which for a step of routed experts is
+    100-200 GB (docs/moe.md, "What travels")."""
     rank, world = _world()
     if world == 1:
         return fn()[0]
@@ -102,9 +122,60 @@ def scatter_from_rank0(fn: Callable[[], list[T]], *, what: str = "rank 0's resul
         return parts
 
     parts = _wait_for_rank0(checked, what, poll_s, log_every_s)
-    box: list[Any] = [None]
-    dist.scatter_object_list(box, parts if rank == 0 else None, src=0)
-    return box[0]
+    if rank == 0:
+        _send_parts(parts)
+        return parts[0]
+    return _recv_part()
+
+
+def _p2p(ops: list) -> None:
+    """``ops`` as one batch, waited for. Batched, so NCCL runs them on the default group's
+    communicator instead of creating a two-rank one per peer (torch ``distributed_c10d.py``
+    ``batch_isend_irecv``, and ``send_object_list``'s ``use_batch``: "avoids initializing 2-rank
+    communicators"). Its docstring asks that a batch which is a group's first collective involve
+    every rank: the trainer's start-up broadcasts (:func:`from_rank0`) come first."""
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+
+
+def _send_parts(parts: list) -> None:
+    """Rank 0: ``parts[r]`` to rank ``r >= 1``: its pickled size (int64), then its bytes (uint8), on
+    the default group's device. One distinct object at a time, freed before the next."""
+    import torch
+
+    from megatron_m2po.parallel.devices import collective_device
+
+    device = collective_device()
+    peers: dict[int, list[int]] = {}
+    for r in range(1, len(parts)):
+        peers.setdefault(id(parts[r]), []).append(r)
+    largest = 0
+    for ranks in peers.values():
+        f = io.BytesIO()
+        pickle.dump(parts[ranks[0]], f, protocol=pickle.HIGHEST_PROTOCOL)
+        payload = torch.frombuffer(f.getbuffer(), dtype=torch.uint8).to(device)
+        size = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
+        _p2p([dist.P2POp(dist.isend, size, r) for r in ranks])
+        _p2p([dist.P2POp(dist.isend, payload, r) for r in ranks])
+        if device.type == "cuda":  # NCCL's wait only orders streams: finish the sends before staging the next part
+            torch.cuda.current_stream(device).synchronize()
+        largest = max(largest, payload.numel())
+        del payload, size, f
+    log.debug("sent %d distinct parts to %d ranks, the largest %.1f MB", len(peers), len(parts) - 1, largest / 1e6)
+
+
+def _recv_part() -> Any:
+    """Rank ``r >= 1``: the part :func:`_send_parts` sends it."""
+    import torch
+
+    from megatron_m2po.parallel.devices import collective_device
+
+    device = collective_device()
+    size = torch.zeros(1, dtype=torch.int64, device=device)
+    _p2p([dist.P2POp(dist.irecv, size, 0)])
+    buf = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    _p2p([dist.P2POp(dist.irecv, buf, 0)])
+    return pickle.loads(memoryview(buf.cpu().numpy()))
 
 
 def any_rank(flag: bool, group: Optional[Any] = None) -> bool:

@@ -116,6 +116,35 @@ def test_block_causal_mask():
     assert torch.equal(allowed, expect)
 
 
+def test_routed_experts_stay_compact_until_the_router():
+    """Samples keep routed experts in uint8 (ids below 256) or uint16, and so does a micro-batch
+    (uint16 when one of its samples needs it); out-of-range ids are refused naming the sample."""
+    from megatron_m2po.actor.batch import Sample, cp_split
+
+    samples = lib.make_samples(3, seed=4)
+    rng = np.random.default_rng(0)
+    for i, s in enumerate(samples):
+        ids = rng.integers(0, 128 if i < 2 else 300, (s.length - 1, 3, 2))
+        samples[i] = Sample(uid=s.uid, prompt_ids=s.prompt_ids, response_ids=s.response_ids,
+                            behav_logprobs=s.behav_logprobs, advantages=s.advantages, loss_mask=s.loss_mask,
+                            versions=s.versions, routed_experts=ids)
+    assert [s.routed_experts.dtype for s in samples] == [np.uint8, np.uint8, np.uint16]
+    (small,) = make_microbatches(samples, [[0, 1]], packing=True)
+    (mixed,) = make_microbatches(samples, [[0, 2]], pad_multiple=4)
+    assert small.routed_experts.dtype == torch.uint8 and mixed.routed_experts.dtype == torch.uint16
+    assert mixed.routed_experts.shape == (3, 2, mixed.tokens.shape[1], 2)
+    assert torch.equal(mixed.routed_experts[:, 1, :samples[2].length - 1].permute(1, 0, 2).long(),
+                       torch.from_numpy(samples[2].routed_experts.astype(np.int64)))
+    (padded,) = make_microbatches(samples, [[0, 2]], pad_multiple=4)
+    assert cp_split(padded, 2, 1).routed_experts.dtype == torch.uint16  # the CP split keeps it compact
+    s = samples[0]
+    for bad in (-1, 70000):
+        with pytest.raises(ValueError, match=f"sample {s.uid!r}.*{bad}"):
+            Sample(uid=s.uid, prompt_ids=s.prompt_ids, response_ids=s.response_ids, behav_logprobs=s.behav_logprobs,
+                   advantages=s.advantages, loss_mask=s.loss_mask, versions=s.versions,
+                   routed_experts=np.full((s.length - 1, 3, 2), bad))
+
+
 def test_empty_sequences_are_refused():
     samples = lib.make_samples(2, seed=3)
     samples[1].prompt_ids = np.zeros(0, np.int64)
