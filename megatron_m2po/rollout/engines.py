@@ -56,7 +56,7 @@ from megatron_m2po.config import RolloutConfig
 from megatron_m2po.rollout.client import EngineError, SGLangClient, max_running_requests
 from megatron_m2po.rollout.dispatch import DispatchClient, split_limits
 from megatron_m2po.rollout.sglang_version import check_sglang_version
-from megatron_m2po.rollout.launcher import (EngineHandle, EngineSpec, FleetError, Launcher, LocalHandle,
+from megatron_m2po.rollout.launcher import (EngineHandle, EngineSpec, FleetError, FleetSetupError, Launcher, LocalHandle,
                                             LocalLauncher, sglang_python)
 from megatron_m2po.rollout.placement import NodeGPUs, cuda_count, engine_gpus, node_gpus, ray_local_gpus
 from megatron_m2po.rollout.push_timeout import checkpoint_bytes, disk_push_timeout_s
@@ -215,7 +215,7 @@ class EngineFleet:
         cfg = self.cfg
         if self.discovered:
             if not cfg.router_addr:
-                raise FleetError("rollout.launcher=external needs rollout.external_addrs (http://host:port) "
+                raise FleetSetupError("rollout.launcher=external needs rollout.external_addrs (http://host:port) "
                                  "or rollout.router_addr (an sglang-router the engines are registered with)")
             self._start_router()
             self._discover_initial()
@@ -226,7 +226,7 @@ class EngineFleet:
             self._validate_external(self.engines)
         else:
             if cfg.num_engines < 1:
-                raise FleetError(f"rollout.num_engines={cfg.num_engines}: launch at least one engine")
+                raise FleetSetupError(f"rollout.num_engines={cfg.num_engines}: launch at least one engine")
             self._place()
             self.launcher = self.launcher or self._default_launcher()
             try:
@@ -317,7 +317,7 @@ class EngineFleet:
             if alive and _run(_probe(e.url, 5.0)):
                 continue
             if e.handle is None or e.spec is None:
-                raise FleetError(f"external engine {e.url} is not healthy; restart it and call again")
+                raise FleetSetupError(f"external engine {e.url} is not healthy; restart it and call again")
             log.warning("engine %d at %s is dead (process alive=%s); restarting", e.index, e.url, alive)
             if self.router_url and e.router_id:
                 self._unregister(e)
@@ -472,7 +472,7 @@ class EngineFleet:
                 break
             time.sleep(0.5)
         if not urls:
-            raise FleetError(f"rollout.router_addr={self.cfg.router_addr}: the router lists no healthy engine "
+            raise FleetSetupError(f"rollout.router_addr={self.cfg.router_addr}: the router lists no healthy engine "
                              f"after {self.startup_timeout_s:.0f}s (GET /workers); start the engines and register "
                              "them with it (scripts/launch_sglang_fleet.sh), or list them in rollout.external_addrs")
         self.engines = [_Engine(i, u, None) for i, u in enumerate(urls)]
@@ -525,7 +525,7 @@ class EngineFleet:
             except (aiohttp.ClientError, EngineError, asyncio.TimeoutError, ValueError) as ex:
                 problems.append(f"{e.url}: {type(ex).__name__}: {ex}")
         if problems:
-            raise FleetError(f"external engines{where} failed validation:\n  " + "\n  ".join(problems))
+            raise FleetSetupError(f"external engines{where} failed validation:\n  " + "\n  ".join(problems))
 
     # ------------------------------------------------------------------ router
     def _max_pause_s(self) -> float:
@@ -544,7 +544,7 @@ class EngineFleet:
             try:
                 _run(_get_json(self.router_url + "/workers"))
             except (aiohttp.ClientError, EngineError, asyncio.TimeoutError) as ex:
-                raise FleetError(f"rollout.router_addr={cfg.router_addr}: not a reachable sglang-router "
+                raise FleetSetupError(f"rollout.router_addr={cfg.router_addr}: not a reachable sglang-router "
                                  f"(GET /workers failed: {ex})") from None
             return
         port = free_port(cfg.host) if cfg.base_port == 0 else cfg.base_port - 1

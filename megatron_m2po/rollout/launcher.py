@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Iterable, Mapping, Optional, Protocol
 
 from megatron_m2po.utils import lifeline
+from megatron_m2po.utils.errors import UserError
 
 __all__ = ["FleetError", "EngineSpec", "EngineHandle", "Launcher", "LocalHandle", "LocalLauncher",
            "sglang_python", "engine_env", "DROPPED_ENV_VARS", "DROPPED_ENV_PREFIXES"]
@@ -71,6 +72,12 @@ class FleetError(RuntimeError):
     """An engine or the router could not be started, reached or validated."""
 
 
+class FleetSetupError(FleetError, UserError):
+    """What the user configured or pointed at is wrong (external engines that fail validation or
+    are not healthy, a router address that is not an sglang-router, no engines): ``m2po`` ends with
+    the message, no traceback."""
+
+
 def sglang_python() -> str:
     """The interpreter that runs ``sglang.launch_server``: ``$SGLANG_PYTHON`` when set, else this one.
 
@@ -82,7 +89,7 @@ def sglang_python() -> str:
     if not p:
         return sys.executable
     if not (os.path.isfile(p) and os.access(p, os.X_OK)):
-        raise FleetError(f"SGLANG_PYTHON={p} is not an executable file: point it at the python of the venv "
+        raise FleetSetupError(f"SGLANG_PYTHON={p} is not an executable file: point it at the python of the venv "
                          "SGLang is installed in (the image: /opt/sglang/bin/python), or unset it to use "
                          f"{sys.executable}")
     return p

@@ -142,3 +142,24 @@ def test_a_rank0_mistake_reaches_every_rank(tmp_path):
     out = run_distributed(_bad_rows_rank, world_size=2, args=(str(tmp_path / "run"), str(data)), timeout_s=240)
     assert "row 0 (line 1) lacks field(s) ['answer']" in out[0], out
     assert out[1] == f"rank 0: {out[0]}", out
+
+
+def test_external_engine_that_is_not_an_sglang_engine(tmp_path):
+    """Something answers at the address, but not SGLang: the fleet's validation refuses it with its
+    message and exit 2, no traceback (it used to end in a FleetError traceback)."""
+    import functools
+    import http.server
+    import threading
+
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        p = train(tmp_path / "run", "rollout.launcher=external", f"rollout.external_addrs=[{url}]",
+                  "trainer.num_steps=1", "logging.progress=false")
+    finally:
+        server.shutdown()
+    out = p.stdout + p.stderr
+    assert p.returncode == 2 and "Traceback" not in out, out[-4000:]
+    assert "m2po train: external engines" in p.stderr and url in p.stderr, p.stderr[-4000:]
