@@ -47,7 +47,9 @@ forked. On a cluster the trainer joined (``RAY_ADDRESS``), the engine actors are
 trainer (not detached), and Ray ends an actor whose owner died. Ray's own per-node agents
 (``ray::DashboardAgent``, ``ray::RuntimeEnvAgent``, children of the raylet) are slower: they see
 the raylet die within ~2 s but exit only after trying, for 60 s, to report it to the GCS, which
-died too (Ray 2.60 ``ray/_private/process_watcher.py`` ``report_raylet_error_logs``).
+died too (Ray 2.60 ``ray/_private/process_watcher.py`` ``report_raylet_error_logs``): a trainer
+that starts a local cluster also starts a reaper (``utils/reaper.py``), which SIGKILLs them once the
+trainer is gone.
 """
 
 from __future__ import annotations
@@ -88,6 +90,8 @@ def ensure_ray(address: Optional[str] = None, local_gpus: Optional[list[str]] = 
         ray.init(address=address or "auto", **init_kwargs)
         return
     init_kwargs.setdefault("include_dashboard", False)
+    from megatron_m2po.utils.reaper import start_reaper
+    start_reaper()  # Ray's agents outlive their raylet by ~60 s (module docstring)
     # A local cluster's processes die with the thread that starts them (module docstring).
     if local_gpus is None:
         lifeline.on_lifetime_thread(ray.init, **init_kwargs)
