@@ -31,7 +31,8 @@ from typing import Any, Literal, Optional, Union
 
 import yaml
 
-from megatron_m2po.algo.loss_settings import CISPOConfig, GRPOConfig, GSPOConfig, M2POConfig
+from megatron_m2po.algo.loss_settings import (AReaLM2POConfig, CISPOConfig, GRPOConfig, GSPOConfig, IcePopConfig,
+                                             KLConfig, M2POConfig, MISConfig, VCPOConfig)
 
 __all__ = [
     "ConfigError",
@@ -52,6 +53,10 @@ __all__ = [
     "GRPOConfig",
     "GSPOConfig",
     "CISPOConfig",
+    "IcePopConfig",
+    "MISConfig",
+    "AReaLM2POConfig",
+    "VCPOConfig",
     "Config",
     "load_config",
     "config_from_dict",
@@ -105,6 +110,13 @@ class MoEConfig:
         "float32", help="Dtype of the router's logits and softmax (Megatron moe_router_dtype). float32 (default): "
         "with bf16 weights, near-ties between experts otherwise flip with rounding, so the trainer would route "
         "tokens to other experts than the engine; 'model' = the parameter dtype.")
+    routing_imbalance: float = _f(
+        1.6, ge=1.0, help="Planner only (m2po plan; plan/routing.py): token copies the hottest expert-parallel rank "
+        "receives per dispatch, as a multiple of the mean. With the aux loss off and no capacity limit nothing "
+        "balances the experts, so that rank's expert activations and dispatch buffer are this much larger. 1.6 "
+        "(default): the tiny Qwen3-MoE's measured worst layer (1.60 at one expert per rank; its router is untrained) "
+        "and at least the 1.5x reported for dropless MoE; docs/planner.md says why. Measure your checkpoint with "
+        "tools/gpu_check.py --only imbalance --moe-model PATH and set what it reports.")
 
 
 @dataclass
@@ -178,18 +190,25 @@ class AlgoConfig:
     """Policy loss and advantage estimation (docs/design.md §3).
 
     ``loss`` names an entry of the loss registry (``algo/losses.py``); a loss's own settings live
-    in its section (``algo.m2po.*``, ``algo.grpo.*``, ``algo.gspo.*``, ``algo.cispo.*``), or, for a
+    in its section (``algo.m2po.*``, ``algo.grpo.*``, ``algo.gspo.*``, ``algo.cispo.*``, ``algo.icepop.*``,
+    ``algo.mis.*``, ``algo.areal_m2po.*``, ``algo.vcpo.*``), or, for a
     plugin loss that declares a settings dataclass, in ``algo.loss_options``.
     """
 
     loss: str = _f("m2po", help="Policy loss: a name registered with megatron_m2po.algo.losses.register_loss "
-                   "(built in: m2po, grpo, no_tr, gspo, cispo; algo.plugins may register more).")
+                   "(built in: m2po, grpo, no_tr, gspo, cispo, icepop, mis, areal_m2po, vcpo; algo.plugins may "
+                   "register more).")
     plugins: list[str] = _f(factory=list, help="Modules imported when the config is validated (dotted paths, e.g. "
                             "my_pkg.losses), so that their register_loss calls run.")
     m2po: M2POConfig = field(default_factory=M2POConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
     gspo: GSPOConfig = field(default_factory=GSPOConfig)
     cispo: CISPOConfig = field(default_factory=CISPOConfig)
+    icepop: IcePopConfig = field(default_factory=IcePopConfig)
+    mis: MISConfig = field(default_factory=MISConfig)
+    areal_m2po: AReaLM2POConfig = field(default_factory=AReaLM2POConfig)
+    vcpo: VCPOConfig = field(default_factory=VCPOConfig)
+    kl: KLConfig = field(default_factory=KLConfig)  # reference-model KL, any loss (algo/kl.py)
     loss_options: dict[str, Any] = _f(factory=dict, help="Settings of a plugin loss, checked against the settings "
                                       "dataclass it registered (built-in losses read algo.<loss>.*).")
     logratio_clamp: float = _f(20.0, gt=0.0, help="log(pi_theta / pi_behav) is clamped to [-c, c] before exp.")
@@ -303,7 +322,13 @@ class RolloutConfig:
     weight_sync: Literal["disk", "distributed"] = _f("disk", help="How weights reach the engines.")
     weight_sync_dir: str = _f("", help="Shared directory for disk weight sync (default: <run_dir>/weights).")
     weight_sync_bucket_mb: float = _f(512.0, gt=0, help="Bucket size of the distributed weight broadcast.")
-    weight_sync_timeout_s: float = _f(300.0, gt=0, help="Timeout of a weight update (a dead engine cannot hang training).")
+    weight_sync_timeout_s: float = _f(300.0, gt=0, help="Timeout of a weight update (a dead engine cannot hang training); "
+                                      "a disk push's load gets more for a large model (weight_sync_min_gbps).")
+    weight_sync_min_gbps: float = _f(
+        0.2, gt=0, help="Slowest disk read (GB/s) a disk weight push is allowed: the engines' load of a push of B bytes "
+        "times out after weight_sync_timeout_s + B / (this x 1e9) (rollout/push_timeout.py; 64 GB of a 32B model: "
+        "300 + 320 s). 0.2 = a 10 GbE NFS share split among a few nodes; measure yours with tools/gpu_check.py "
+        "--only disk_push.")
     producer: str = _f("megatron_m2po.rollout.producer:default_producer",
                        help="Rollout producer, 'module:function' (slime-style custom rollout functions allowed), or "
                             "'agentic': multi-turn episodes with the environment of rollout.agentic.")

@@ -35,6 +35,9 @@ One optimizer update (``_update``), docs/design.md §3:
    by micro-batch count, gradients *summed* over data parallel ranks) and its grad finaliser is
    called without a token count, so the gradient is exactly ``d/dθ [-(1/N) Σ M r A]`` over the
    mini-batch whatever the TP / PP / DP layout and micro-batch size (tested).
+   With ``algo.kl.coef > 0`` a forward-only pass of the frozen reference (``actor/reference.py``)
+   over the same micro-batches comes first, and each micro-batch's loss adds the reference-KL
+   term (``algo/kl.py``) with the same denominator ``N``, after the loss's mask is taken.
 3. Megatron's optimizer step (Adam, grad clipping, optional distributed optimizer), the LR
    scheduler, ``version += 1``. A loss with a ``step_scale`` (VCPO's ESS rule) scales the
    scheduler's LR of this update only (``_set_update_lr``): the factor comes from what its
@@ -185,7 +188,7 @@ class MegatronActor:
     token_hook: Optional[Callable[[TokenRecord], None]] = None
 
     def __init__(self, cfg: ActorConfig, chunks: list, bridge, ddp_chunks: list, optimizer, scheduler,
-                 *, owns_parallel: bool = False, owns_process_group: bool = False) -> None:
+                 *, owns_parallel: bool = False, owns_process_group: bool = False, reference=None) -> None:
         from megatron.core import parallel_state as ps
 
         self.cfg = cfg
@@ -195,6 +198,8 @@ class MegatronActor:
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.version = 0
+        # The frozen reference policy of algo.kl (actor/reference.py); None with algo.kl.coef = 0.
+        self.reference = reference
         # The previous update's reduced metrics (the same on every rank): the measured correction
         # cost that mask_strategy=auto decides on (actor/mask_correction.py).
         self._mask_hint: Optional[dict[str, float]] = None
@@ -271,6 +276,13 @@ class MegatronActor:
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, hf_path=resolve_model_path(cfg.model)))
         owns_parallel = not ps.model_parallel_is_initialized()
         created = init_parallel(cfg.parallel, cfg.seed) if owns_parallel else False
+        from megatron_m2po.actor.reference import make_reference
+
+        # Built first and moved to host memory at once: the device never holds it next to the
+        # actor's weights, gradients and optimizer state outside its forwards.
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else \
+            torch.device("cpu")
+        reference = make_reference(cfg, device)
         chunks, bridge = build_model(cfg)
         p, o, dtype = cfg.parallel, cfg.optim, cfg.model.dtype
         ddp_cfg = DistributedDataParallelConfig(
@@ -293,7 +305,7 @@ class MegatronActor:
             lr_decay_style=o.lr_schedule, start_wd=o.weight_decay, end_wd=o.weight_decay,
             wd_incr_steps=total, wd_incr_style="constant")
         return cls(cfg, chunks, bridge, ddp_chunks, optimizer, scheduler, owns_parallel=owns_parallel,
-                   owns_process_group=created)
+                   owns_process_group=created, reference=reference)
 
     # ------------------------------------------------------------------------------ schedules
 
@@ -396,11 +408,15 @@ class MegatronActor:
             temperature=self.temperature, compute_entropy=with_entropy, vocab_size=self.vocab_size,
             tf32=self.cfg.parallel.logprob_tf32)
 
-    def _run(self, mbs: list[MicroBatch], loss_fn, *, forward_only: bool) -> list[Any]:
+    def _run(self, mbs: list[MicroBatch], loss_fn, *, forward_only: bool, models: Optional[list] = None) -> list[Any]:
         """Megatron's schedule over ``mbs``; ``loss_fn(mb, model, hidden) -> (loss, n_tokens, payload)``.
 
-        Returns the payloads (last pipeline stage; empty elsewhere).
+        ``models``: the chunks to run instead of the policy's (the frozen reference's, forward
+        only; routing replay applies to the policy's routers only). Returns the payloads (last
+        pipeline stage; empty elsewhere).
         """
+        chunks = self.model if models is None else models
+        replay = self.replay if models is None else None
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         from megatron.core.packed_seq_params import PackedSeqParams
@@ -411,22 +427,22 @@ class MegatronActor:
             if mb.cu_seqlens is not None:  # THD: TE attention on GPU, actor/attention.py on CPU
                 packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=mb.cu_seqlens, cu_seqlens_kv=mb.cu_seqlens,
                                          max_seqlen_q=mb.max_seqlen, max_seqlen_kv=mb.max_seqlen)
-            if self.replay is not None:  # this micro-batch's experts for this chunk's routers, just before its forward
-                self.replay.set(mb.routed_experts, next(i for i, m in enumerate(self.model) if m is model))
+            if replay is not None:  # this micro-batch's experts for this chunk's routers, just before its forward
+                replay.set(mb.routed_experts, next(i for i, m in enumerate(chunks) if m is model))
             out = model(mb.tokens, mb.position_ids, None, packed_seq_params=packed)
             return out, partial(loss_fn, mb, model)
 
-        iters: Any = iter(mbs) if len(self.model) == 1 else [iter(mbs) for _ in self.model]
+        iters: Any = iter(mbs) if len(chunks) == 1 else [iter(mbs) for _ in chunks]
         try:
             return get_forward_backward_func()(
                 forward_step_func=forward_step, data_iterator=iters,
-                model=self.model if len(self.model) > 1 else self.model[0], num_microbatches=len(mbs),
+                model=chunks if len(chunks) > 1 else chunks[0], num_microbatches=len(mbs),
                 # the whole sequence length: Megatron divides it by CP (schedules.get_tensor_shapes)
                 seq_length=max(mb.tokens.shape[1] for mb in mbs) * self.cp_size,
                 micro_batch_size=max(mb.tokens.shape[0] for mb in mbs), forward_only=forward_only)
         finally:
-            if self.replay is not None:
-                self.replay.clear()
+            if replay is not None:
+                replay.clear()
 
     def _forward_logprobs(self, mbs: list[MicroBatch], with_entropy: bool) -> list[dict]:
         def loss_fn(mb, model, hidden):
@@ -509,6 +525,11 @@ class MegatronActor:
         mbs = self._microbatches(samples, mine, plan)
         strategy = self.global_mask.choose(spec, settings)
         records: list[dict] = []
+        # the frozen reference's log-probs of these micro-batches (algo.kl; actor/reference.py)
+        refs: list = [None] * len(mbs)
+        if self.reference is not None:
+            with TIMER.phase("reference"):
+                refs = self.reference.logprobs(self, mbs)
 
         # 1. what the loss needs before the first backward (M2PO: the global mask, from a pre-pass;
         #    with strategy "correct" a provisional mask now and the exact one after step 2)
@@ -521,7 +542,7 @@ class MegatronActor:
         stash: Optional[list] = [] if spec.step_scale is not None else None
 
         # 2. forward-backward with the mask fixed (or provisional, then corrected)
-        it = iter(keeps)
+        it, ref_it = iter(keeps), iter(refs)
         for m in self.model:
             m.zero_grad_buffer()
         self.optimizer.zero_grad()
@@ -531,7 +552,8 @@ class MegatronActor:
             with TIMER.phase("forward_backward"):
                 self._run(mbs, lambda mb, model, hidden: self._policy_loss(
                     mb, model, hidden, next(it), spec=spec, settings=settings, denom=denom, records=records,
-                    strategy=strategy, provisional=provisional, stash=stash), forward_only=False)
+                    strategy=strategy, provisional=provisional, stash=stash, ref_logp=next(ref_it)),
+                    forward_only=False)
             if provisional is not None:
                 with TIMER.phase("mask"):
                     prepass_metrics = self.global_mask.correct(mbs, provisional, plan, samples, mine, spec,
@@ -586,12 +608,15 @@ class MegatronActor:
 
     def _policy_loss(self, mb: MicroBatch, model, hidden: torch.Tensor, keep: Optional[torch.Tensor], *, spec,
                      settings, denom: float, records: list[dict], strategy: Optional[str],
-                     provisional: Optional[list[dict]] = None, stash: Optional[list] = None):
+                     provisional: Optional[list[dict]] = None, stash: Optional[list] = None,
+                     ref_logp: Optional[torch.Tensor] = None):
         """Megatron loss function of one micro-batch: ``(loss, n_tokens, None)``; its metric records
         (each declaring its reduction) go to ``records``. With ``provisional`` (a list), the keep
         mask is the spec's guess (``provisional_keep``) and the micro-batch's log-ratios, guess,
         log-probs and entropy are appended to it; its :class:`TokenRecord` then waits for the exact
-        mask (``GlobalMask.correct``)."""
+        mask (``GlobalMask.correct``). With ``ref_logp`` (the frozen reference's log-probs of the
+        micro-batch) the reference-KL term (``algo/kl.py``) is added to the loss; it does not
+        depend on the keep mask, so a mask correction pass never recomputes it."""
         from megatron_m2po.algo.losses import compute_policy_loss, tis_weights
         from megatron_m2po.algo.metrics import Metric
 
@@ -622,6 +647,12 @@ class MegatronActor:
         mask = mb.loss_mask.to(logp.dtype)
         if a.entropy_coef > 0:
             loss = loss - a.entropy_coef * (ent * mask).sum() / denom
+        if ref_logp is not None:  # after the loss's mask: M2PO's keep comes from logp - behav only
+            from megatron_m2po.algo.kl import reference_kl
+
+            kl_term, kl_metrics = reference_kl(logp, ref_logp, mb.loss_mask, denominator=denom, settings=a.kl)
+            loss = loss + kl_term
+            metrics.update(kl_metrics)
         n = float(mask.sum())
         metrics["policy/entropy"] = Metric(float((ent.detach() * mask).sum() / max(n, 1.0)), "mean", n)
         if mb.engine_logprobs is not None:  # KL(engine || trainer-behaviour), k1 on engine samples
@@ -641,6 +672,10 @@ class MegatronActor:
         if self.is_last_stage:
             out = reduce_metrics(records, group=self.dpcp_group if self.dpcp_size > 1 else None)
             out.update(prepass_metrics)
+            if "loss/kl" in out:
+                from megatron_m2po.algo.kl import penalty_share
+
+                out["ref/penalty_share"] = penalty_share(out)
         if self.pp_size > 1:
             obj = [out]
             dist.broadcast_object_list(obj, src=self.last_stage_rank, group=self.pp_group)
@@ -709,5 +744,7 @@ class MegatronActor:
         """Tear down the parallel state :meth:`from_config` set up (none when the caller did)."""
         if self.replay is not None:
             self.replay.close()
+        if self.reference is not None:
+            self.reference.close()
         if self._owns_parallel:
             destroy_parallel(self._owns_pg)

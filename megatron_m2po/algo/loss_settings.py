@@ -1,6 +1,6 @@
 """Settings of the built-in policy losses: the config sections ``algo.m2po``, ``algo.grpo``,
 ``algo.gspo``, ``algo.cispo``, ``algo.icepop``, ``algo.mis``, ``algo.areal_m2po``, ``algo.vcpo``
-(``megatron_m2po.config.AlgoConfig``).
+(``megatron_m2po.config.AlgoConfig``), and ``algo.kl``, the reference-model KL term every loss takes.
 
 Each loss owns its dataclass; the loss registry (``algo/registry.py``) names it in the loss's
 :class:`~megatron_m2po.algo.registry.LossSpec`. Fields carry ``help`` and numeric ranges
@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
 __all__ = ["M2POConfig", "GRPOConfig", "GSPOConfig", "CISPOConfig", "IcePopConfig", "MISConfig", "AReaLM2POConfig",
-           "VCPOConfig"]
+           "VCPOConfig", "KLConfig", "KL_ESTIMATORS"]
 
 
 def _f(default: Any, *, help: str, ge: float | None = None, gt: float | None = None, le: float | None = None,
@@ -128,3 +128,18 @@ class VCPOConfig:
     base_ess_ratio: float = _f(1.0, gt=0.0, le=1.0, help="ESS ratio at and above which the LR is not reduced.")
     ess_clipped: bool = _f(False, help="Compute the ESS from the truncated weights min(w, C) instead of w "
                            "(the authors' ess_scaling.use_clipped; false in their recipes).")
+
+
+KL_ESTIMATORS = ("k1", "k2", "k3")
+
+
+@dataclass
+class KLConfig:
+    """Reference-model KL (``algo.kl``; every loss; algo/kl.py, actor/reference.py, docs/design.md §3)."""
+
+    coef: float = _f(0.0, ge=0.0, help="Coefficient of the reference-model KL term added to the policy loss "
+                     "(verl actor.kl_loss_coef, slime --kl-coef); 0 = off (no reference model is built).")
+    estimator: Literal["k1", "k2", "k3"] = _f(
+        "k3", help="Per-token estimator of KL(pi_theta || pi_ref) from d = logp - ref_logp (Schulman, "
+        "'Approximating KL divergence'; verl core_algos.kl_penalty): 'k1' = d, 'k2' = d^2 / 2, 'k3' = "
+        "exp(-d) + d - 1 with -d clamped to [-20, 20] and the result to [-10, 10] (verl low_var_kl).")

@@ -32,6 +32,13 @@ What is estimated (bytes per GPU, for every pipeline stage; the verdict uses the
   expert data-parallel group; the MoE layers' router, dispatched-token and expert activations.
 * **overhead** -- fixed: CUDA context, NCCL communicator buffers, cuBLAS/TE workspaces and
   allocator fragmentation (``--overhead-gib``, 3 GiB by default).
+* **lease** (every stage) -- the transient of receiving a step's samples: this rank's part, pickled
+  on its GPU before the step's first forward (:mod:`megatron_m2po.plan.lease`).
+* **reference** (``algo.kl.coef > 0``; :mod:`megatron_m2po.actor.reference`) -- the frozen
+  reference's weights, the stage's parameters at ``param_bytes`` each (no gradients, no optimizer
+  state). They are on the GPU only during the update's reference forward (forward-only, before
+  the forward-backward) and freed before it, so the total counts ``max(activations + logits,
+  reference + logits)`` rather than their sum.
 
 The weight/optimizer term equals Megatron-LM's ``compute_weight_and_optimizer_memory`` (18 bytes
 per parameter, or ``6 + 12/dp`` with the distributed optimizer) and the per-layer activation term
@@ -52,7 +59,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from megatron_m2po.config import Config, ConfigError, load_config
-from megatron_m2po.plan import moe
+from megatron_m2po.plan import lease, moe, routing
 
 GiB = 1024 ** 3
 
@@ -265,6 +272,9 @@ class Layout:
     logprob_chunk_rows: int = 1024
     overhead_gib: float = 3.0
     vocab_divisible_by: int = 128           # Megatron pads the vocab to a multiple of this * tp
+    routing_imbalance: float = 1.0          # MoE: hottest EP rank's token copies / mean (plan/routing.py)
+    lease: lease.LeaseShape = lease.LeaseShape()  # a step's samples, for the lease's transient (plan/lease.py)
+    reference: bool = False                 # algo.kl.coef > 0: a frozen reference copy (actor/reference.py)
 
     @property
     def world_size(self) -> int:
@@ -288,10 +298,14 @@ class StageMemory:
     logits_fused: float
     overhead: float
     in_flight: int
+    lease: float = 0.0  # transient: this rank's part of a step's samples on its GPU (plan/lease.py)
+    reference: float = 0.0  # transient: the frozen reference's weights during its forward (actor/reference.py)
 
     @property
     def total(self) -> float:
-        return self.weights + self.gradients + self.optimizer + self.activations + self.logits + self.overhead
+        # the reference's weights and the forward-backward's activations are never on the GPU together
+        return (self.weights + self.gradients + self.optimizer + max(self.activations, self.reference) + self.logits
+                + self.overhead + self.lease)
 
 
 @dataclass
@@ -383,6 +397,7 @@ def estimate(m: ModelShape, lay: Layout) -> list[StageMemory]:
 
     naive = toks * vocab_p / lay.tp * 14
     fused = min(lay.logprob_chunk_rows, toks) * vocab_p / lay.tp * 12
+    leased = lease.lease_transient_bytes(m, lay)  # every rank receives its replica's shard: every stage
     out = []
     for i in range(lay.pp):
         params = stage_params(m, lay, i, vocab_p)
@@ -398,7 +413,7 @@ def estimate(m: ModelShape, lay: Layout) -> list[StageMemory]:
         if lay.recompute == "full":
             act += full_layer  # the layer being recomputed during backward
         if m.is_moe:  # one layer's token dispatch in flight
-            act += moe.dispatch_buffer_bytes(m, toks, lay.tp, lay.etp or lay.tp)
+            act += moe.dispatch_buffer_bytes(m, toks, lay.tp, lay.etp or lay.tp, routing.hottest_rank_factor(lay))
         logits_naive = logits_fused = 0.0
         if i == lay.pp - 1:
             act += 2 * toks * m.hidden / (lay.tp if sp else 1)  # final-norm output, input of the output layer
@@ -409,7 +424,8 @@ def estimate(m: ModelShape, lay: Layout) -> list[StageMemory]:
             optimizer=params * opt_bytes / opt_shard + experts * opt_bytes / expert_shard, activations=act,
             logits=logits_fused if lay.fused_logprobs else logits_naive,
             logits_naive=logits_naive, logits_fused=logits_fused, overhead=lay.overhead_gib * GiB,
-            in_flight=in_flight))
+            in_flight=in_flight, lease=leased,
+            reference=(params + experts) * lay.param_bytes if lay.reference else 0.0))
     return out
 
 
@@ -420,7 +436,8 @@ def _layer_bytes(m: ModelShape, lay: Layout, toks: float, sp: bool, *, score_ter
                                       dropout=lay.dropout)
     dense = layer_activation_bytes(dataclasses.replace(m, num_experts=0, ffn=0), toks, lay.seq_len, lay.tp,
                                    sequence_parallel=sp, score_term=score_term, dropout=lay.dropout)
-    return moe.layer_activation_bytes(m, toks, lay.tp, lay.etp or lay.tp, dense_part=dense)
+    return moe.layer_activation_bytes(m, toks, lay.tp, lay.etp or lay.tp, dense_part=dense,
+                                      imbalance=routing.hottest_rank_factor(lay))
 
 
 def _divisors(n: int, limit: int) -> list[int]:
@@ -537,7 +554,12 @@ def layout_from_config(cfg: Config, *, nnodes: int = 1, gpus_per_node: int = 8, 
                  node_gpus=node_gpus or max(gpus_per_node, 8), gpu_mem_gib=gpu_mem_gib,
                  param_bytes=4 if cfg.model.dtype == "float32" else 2,
                  dropout=cfg.model.attention_dropout > 0 or cfg.model.hidden_dropout > 0,
-                 logprob_chunk_rows=par.logprob_chunk_rows)
+                 logprob_chunk_rows=par.logprob_chunk_rows, routing_imbalance=cfg.model.moe.routing_imbalance,
+                 lease=lease.LeaseShape(step_samples=cfg.trainer.prompts_per_step * cfg.rollout.n_samples_per_prompt,
+                                        updates=cfg.trainer.num_updates_per_step,
+                                        routed_experts=cfg.rollout.return_routed_experts,
+                                        engine_logprobs=cfg.algo.recompute_behav_logprobs),
+                 reference=cfg.algo.kl.coef > 0)
     for k, v in overrides.items():
         if v is not None:
             setattr(lay, k, v)
@@ -545,8 +567,10 @@ def layout_from_config(cfg: Config, *, nnodes: int = 1, gpus_per_node: int = 8, 
         world = nnodes * lay.gpus_per_node
         model_par = lay.tp * lay.pp * lay.cp
         if world % model_par:
+            need = model_par // math.gcd(model_par, lay.gpus_per_node)  # the fewest nodes that hold whole replicas
             raise PlanError(f"world size {world} ({nnodes} node(s) x {lay.gpus_per_node} GPUs) is not divisible by "
-                            f"tp*pp*cp = {lay.tp}*{lay.pp}*{lay.cp} = {model_par}")
+                            f"tp*pp*cp = {lay.tp}*{lay.pp}*{lay.cp} = {model_par}: plan it on --nnodes {need} (or a "
+                            f"multiple), or give a layout whose tp*pp*cp divides {world}")
         lay.dp = world // model_par
     if lay.num_microbatches is None:
         seqs = cfg.trainer.prompts_per_update * cfg.rollout.n_samples_per_prompt
@@ -643,9 +667,10 @@ def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--list-models", action="store_true", help="Print the built-in shapes and exit.")
     p.add_argument("--gpu-mem-gib", type=float, default=80.0, help="Memory of one GPU (GiB).")
     p.add_argument("--nnodes", type=int, default=None,
-                   help="Training nodes (default 1; with --search and nothing fitting one node, the smallest "
-                        "power-of-two count that fits).")
-    p.add_argument("--gpus-per-node", type=int, default=8, help="Trainer processes (GPUs) per node.")
+                   help="Training nodes (default: a recipe's launch script's NNODES, else 1; with --search and "
+                        "nothing fitting one node, the smallest power-of-two count that fits).")
+    p.add_argument("--gpus-per-node", type=int, default=None,
+                   help="Trainer processes (GPUs) per node (default: a recipe's launch script's GPUS_PER_NODE, else 8).")
     p.add_argument("--node-gpus", type=int, default=None, help="Physical GPUs per node (default max(8, gpus-per-node)).")
     for k in ("tp", "pp", "dp", "cp", "vpp", "ep", "etp"):
         p.add_argument(f"--{k}", type=int, default=None, help=f"Override {k} (dp default: world / (tp*pp*cp)).")
@@ -660,6 +685,9 @@ def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     _bool_flag(p, "flash-attention", "Flash/TE attention (no s x s scores stored; default on).")
     p.add_argument("--overhead-gib", type=float, default=None, help="Fixed overhead per GPU (GiB, default 3).")
     p.add_argument("--json", action="store_true", help="Print the plan as JSON.")
+    p.add_argument("--store-warn-gib", type=float, default=routing.STORE_WARN_GIB,
+                   help="MoE: warn when routing replay stores more than this in the rollout store (GiB; default a "
+                        "quarter of a 2 TB local NVMe; plan/routing.py).")
     p.set_defaults(func=run)
     return p
 
@@ -681,6 +709,22 @@ def config_of(args: argparse.Namespace):
     return load_config(path, overrides)
 
 
+def cluster_of(args: argparse.Namespace) -> tuple[int, int]:
+    """``(nnodes, gpus_per_node)`` of ``m2po plan``: the options, else the defaults of the launch
+    script that runs the config (:func:`~megatron_m2po.plan.recipes.launch_cluster`, said on stderr),
+    else one node of 8 GPUs."""
+    nnodes, gpn = args.nnodes, args.gpus_per_node
+    if (nnodes is None or gpn is None) and args.config and "=" not in args.config:
+        from megatron_m2po.plan.recipes import launch_cluster
+
+        rc = launch_cluster(args.config)
+        if rc is not None:
+            nnodes, gpn = nnodes or rc.nnodes, gpn or rc.gpus_per_node
+            print(f"# {nnodes} node(s) x {gpn} GPUs: the cluster {rc.script.name} launches this recipe on "
+                  "(NNODES, GPUS_PER_NODE); --nnodes / --gpus-per-node plan another", file=sys.stderr)
+    return nnodes or 1, gpn or 8
+
+
 def run(args: argparse.Namespace) -> int:
     if args.list_models:
         for m in MODELS.values():
@@ -698,8 +742,12 @@ def run(args: argparse.Namespace) -> int:
                  "fused_logprobs": "fused_logprobs", "flash_attention": "flash_attention",
                  "overhead_gib": "overhead_gib"}
         kw = {dst: getattr(args, src) for src, dst in names.items()}
-        p = plan_from_config(cfg, m, nnodes=args.nnodes or 1, gpus_per_node=args.gpus_per_node,
+        nnodes, gpus_per_node = cluster_of(args)
+        p = plan_from_config(cfg, m, nnodes=nnodes, gpus_per_node=gpus_per_node,
                              node_gpus=args.node_gpus, gpu_mem_gib=args.gpu_mem_gib, **kw)
+        notes, warns = routing.replay_lines(cfg, m, args.store_warn_gib)
+        p.notes += notes
+        p.warnings += warns
     except PlanError as e:
         print(f"m2po plan: {e}", file=sys.stderr)
         return 1
@@ -748,7 +796,11 @@ def print_plan(p: LayoutPlan) -> None:
                                             + "/".join(str(s.in_flight) for s in shown)),
             ("logits (fused log-prob)", "logits_fused", f"{lay.logprob_chunk_rows} rows x V/tp fp32"),
             ("overhead", "overhead", "CUDA ctx, NCCL, workspaces"),
+            ("lease (step's samples)", "lease", lease.describe(m, lay)),
         ]
+        if lay.reference:  # appended: rows[4] is the logits row
+            rows.append(("reference (algo.kl)", "reference", "frozen weights during its forward; total counts "
+                         "max(activations, reference)"))
         if not lay.fused_logprobs:
             rows[4] = ("logits (naive)", "logits_naive", "T x V/tp: bf16 + fp32 copy + softmax + grad")
         for label, attr, how in rows:

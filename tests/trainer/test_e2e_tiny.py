@@ -127,6 +127,23 @@ def test_tiny_qwen3_moe_trains_on_policy_from_its_first_update(tmp_path):
     assert rows and all(r == 4 + 2 * n * 2 * 2 for n, r in rows)  # 2 layers x top-2, uint16, 4-byte header
 
 
+def test_reference_kl_in_async_mode(tmp_path):
+    """``algo.kl.coef=0.05 algo.kl.estimator=k3`` in async mode (actor/reference.py, algo/kl.py):
+    every update logs ``update/ref/kl`` (= its k3 estimator) and the penalty's share; update 1
+    runs at the base weights, which are the reference's, so its KL is exactly 0; later ones move
+    away from it."""
+    run = tmp_path / "kl"
+    _train(run, "trainer.mode=async", "trainer.num_steps=2", "checkpoint.save_every_steps=0",
+           "algo.kl.coef=0.05", "algo.kl.estimator=k3")
+    ups = _updates(run)
+    assert sorted(ups) == [1, 2, 3, 4]
+    assert ups[1]["ref/kl"] == ups[1]["loss/kl"] == 0.0
+    for u, m in ups.items():
+        assert m["ref/kl"] == m["ref/kl_k3"] and 0 <= m["ref/penalty_share"] <= 1, (u, m)
+        assert m["loss/kl"] == pytest.approx(0.05 * m["ref/kl"], rel=1e-5), (u, m)
+    assert max(m["ref/kl"] for m in ups.values()) > 0
+
+
 def test_sigkill_and_resume_lose_and_duplicate_nothing(tmp_path):
     run = tmp_path / "resume"
     steps = 6

@@ -1,0 +1,103 @@
+"""The frozen reference policy of the reference-model KL (``algo.kl.coef > 0``; algo/kl.py).
+
+:class:`FrozenReference` is a second copy of the *base* model: built by the actor's own
+``actor.model.build_model`` from ``model.hf_path`` (the base HF checkpoint, never a training
+checkpoint: a resumed run keeps the same reference), so it has the actor's layout -- the same
+TP / PP / VPP / CP / EP shards on the same Megatron parallel groups, the same layer spec and
+precision -- with ``requires_grad=False``, in eval mode, with no DDP wrapper, gradient buffer or
+optimizer state. Its log-probs come from the actor's own schedule and fused vocab-parallel
+log-prob path (``MegatronActor._run`` / ``_token_logprobs``, ``parallel/logprobs.py``) over the
+*same micro-batches* as the policy's forward-backward, so every layout and micro-batching gives
+the same reference log-probs as the policy path gives policy log-probs.
+
+Memory: the weights live in host memory between uses. On a GPU each parameter and buffer keeps
+a pinned host copy; :meth:`FrozenReference.logprobs` copies them to the device
+(``non_blocking``), runs the forward and points the modules back at the host copies (the device
+copies are freed; the weights never change, so nothing is copied back). The planner counts the
+device copy while it is resident (``plan/memory.py``, ``reference_bytes``). On the CPU platform
+the "device" is host memory: the copies are the same tensors and moving is a no-op.
+
+Seam for LoRA (issue 41): a reference is anything with ``logprobs(actor, mbs) -> list`` (one
+float tensor per micro-batch on the last pipeline stage, ``[]`` elsewhere) and ``close()``.
+Under LoRA the reference will be the actor's own chunks with the adapters disabled (no copy);
+:func:`make_reference` is the one place that chooses.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+__all__ = ["FrozenReference", "make_reference"]
+
+
+class FrozenReference:
+    """A frozen, host-resident copy of the base model in the actor's layout (module docstring)."""
+
+    def __init__(self, chunks: list, device: torch.device) -> None:
+        self.chunks = chunks
+        self.device = device
+        self._tensors: list[torch.Tensor] = []
+        for chunk in chunks:
+            chunk.eval()
+            for p in chunk.parameters():
+                p.requires_grad_(False)
+            self._tensors += list(chunk.parameters()) + list(chunk.buffers())
+        pin = device.type == "cuda"
+        # the host copies: pinned on a GPU so that the copy to the device runs asynchronously
+        self._host = [t.data.to("cpu").pin_memory() if pin else t.data.to("cpu") for t in self._tensors]
+        self._offload()
+
+    @classmethod
+    def build(cls, cfg: Any, device: torch.device) -> "FrozenReference":
+        """Build it from ``cfg.model.hf_path`` in the current Megatron parallel state (the
+        actor's ``ActorConfig`` with ``hf_path`` resolved)."""
+        from megatron_m2po.actor.model import build_model
+
+        chunks, _ = build_model(cfg)
+        return cls(chunks, device)
+
+    @property
+    def resident(self) -> bool:
+        """Whether the weights are on the device now (only inside :meth:`logprobs` on a GPU)."""
+        return any(t.data.device.type != "cpu" for t in self._tensors)
+
+    def _load(self) -> None:
+        for t, h in zip(self._tensors, self._host):
+            t.data = h.to(self.device, non_blocking=True)
+
+    def _offload(self) -> None:
+        for t, h in zip(self._tensors, self._host):
+            t.data = h
+
+    def logprobs(self, actor, mbs: list) -> list[Optional[torch.Tensor]]:
+        """Reference log-probs of the response tokens of each micro-batch in ``mbs`` (last
+        pipeline stage: one float tensor each, aligned with the actor's ``_token_logprobs`` of
+        the same micro-batch; other stages: ``None`` each). Collective over the actor's groups."""
+        if not mbs:
+            return []
+        self._load()
+        try:
+            def loss_fn(mb, model, hidden):
+                logp, _ = actor._token_logprobs(mb, model, hidden, with_entropy=False)
+                return (torch.zeros((), device=actor.device), torch.tensor(mb.num_tokens, dtype=torch.int),
+                        logp.detach())
+
+            with torch.no_grad():
+                out = actor._run(mbs, loss_fn, forward_only=True, models=self.chunks)
+        finally:
+            self._offload()
+        return list(out) if actor.is_last_stage else [None] * len(mbs)
+
+    def close(self) -> None:
+        self._offload()
+        self.chunks, self._tensors, self._host = [], [], []
+
+
+def make_reference(cfg: Any, device: torch.device) -> Optional[FrozenReference]:
+    """The reference the config asks for: None with ``algo.kl.coef == 0``, else a
+    :class:`FrozenReference` of the base model. (LoRA will return the adapter-disabled actor here.)"""
+    if cfg.algo.kl.coef == 0:
+        return None
+    return FrozenReference.build(cfg, device)
