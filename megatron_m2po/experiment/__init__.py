@@ -19,7 +19,9 @@ directory ``<out>/<arm>``; up to ``--parallel`` arms run at once (default: half 
 live bar per arm follows its ``metrics.jsonl``. The experiment is resumable: an arm whose run
 finished (``<out>/<arm>/experiment_done.json``) is skipped, an interrupted arm re-runs its
 command, which resumes from the arm's last checkpoint. Ctrl-C / SIGTERM forwards SIGTERM to the
-running arms (each checkpoints and exits), so re-running the same command continues.
+running arms (each checkpoints and exits), so re-running the same command continues; a SIGKILL
+takes the arms with it (``utils/lifeline.py``), which then resume from their last checkpoint.
+Every invocation's wall and CPU time go to ``<out>/experiment_time.json`` (:mod:`.timing`).
 
 Afterwards (and with ``--report-only`` on existing runs) it writes one PNG per metric with the
 four curves into ``<out>/figures`` and the paper-style table (best / final held-out accuracy,
@@ -39,16 +41,29 @@ between arms that exceed the seed-to-seed spread (:func:`~.analysis.exceeds_spre
 CONFIG --thresholds 0.01,0.04`` (M2PO at several thresholds) run other lists of arms through the
 same machinery (:mod:`.runner`); ``entropy RUN_DIR`` analyses a run's token dumps (:mod:`.entropy`).
 
+``arena CONFIG`` -- M2PO, GRPO, no trust region and every off-policy loss of
+``algo/offpolicy_losses.py`` at staleness k (default 256), on-policy GRPO as the reference, 3 seeds,
+with a compute estimate before it starts and ``<out>/arena.md`` after (:mod:`.arena`).
+
 Modules: :mod:`.analysis` (pure functions over metrics), :mod:`.figures`, :mod:`.runner`
 (subprocesses, resume, report), :mod:`.commands` (the arms of each command, the CLI),
-:mod:`.entropy`.
+:mod:`.entropy`, :mod:`.arena` (+ :mod:`.arena_report`, :mod:`.arena_calibration`), :mod:`.cost`
+(compute estimates), :mod:`.timing` (wall and CPU time of every invocation).
 """
 
 from megatron_m2po.experiment.analysis import (  # noqa: F401
     SPREAD_Z, TR_KEY, ArmAggregate, ArmSummary, CollapseRule, SeedStat, aggregate_seeds, collapse_verdict,
     exceeds_spread, format_seed_table, format_table, pooled_base_reward, seed_stat, step_records, summarize_arm)
 from megatron_m2po.experiment.commands import (  # noqa: F401
-    ARMS, FAST_K, FAST_OVERRIDES, Arm, plan, plan_staleness_sweep, plan_threshold_sweep, register)
+    ARMS, FAST_K, FAST_OVERRIDES, Arm, plan, plan_staleness_sweep, plan_threshold_sweep)
 from megatron_m2po.experiment.figures import FIGURES, write_figures, write_sweep_figure  # noqa: F401
 from megatron_m2po.experiment.runner import (  # noqa: F401
     DONE_FILE, SPEC_FILE, ArmRun, MetricsTail, Variant, execute, mark_finished, plan_runs, report)
+
+
+def register(sub) -> None:
+    """``m2po experiment ...`` (megatron_m2po/cli.py): the commands of :mod:`.commands` and ``arena``."""
+    from megatron_m2po.experiment.arena import register as register_arena
+    from megatron_m2po.experiment.commands import register as register_commands
+
+    register_arena(register_commands(sub))

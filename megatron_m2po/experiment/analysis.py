@@ -7,8 +7,17 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
-# Trust-region statistic per loss: the fraction of tokens the loss clips / masks.
-TR_KEY = {"grpo": "loss/clip_frac", "m2po": "m2po/mask_frac"}
+# Trust-region statistic per loss: the fraction of tokens the loss clips / masks / truncates
+# (the metric names of algo/losses.py and algo/offpolicy_losses.py), and what it is called.
+TR_KEY = {"grpo": "loss/clip_frac", "gspo": "loss/clip_frac", "cispo": "loss/clip_frac", "m2po": "m2po/mask_frac",
+          "icepop": "icepop/mask_frac", "mis": "mis/mask_frac", "areal_m2po": "areal_m2po/mask_frac",
+          "vcpo": "vcpo/is_trunc_frac"}
+TR_KIND = {"grpo": "clip", "gspo": "clip", "cispo": "clip", "vcpo": "trunc"}  # the others mask
+
+
+def tr_kind(loss: str) -> str:
+    """What ``loss`` does to the tokens its :data:`TR_KEY` counts: ``clip``, ``mask`` or ``trunc``."""
+    return TR_KIND.get(loss, "mask")
 
 
 @dataclass(frozen=True)
@@ -165,7 +174,7 @@ def format_table(rows: Sequence[ArmSummary], rule: CollapseRule = CollapseRule()
         if s.loss == "no_tr":
             tr += " (none)"
         elif s.tr_key:
-            tr += " clip" if s.loss == "grpo" else " mask"
+            tr += " " + tr_kind(s.loss)
         lines.append(f"| {s.label} | {s.staleness} | {s.updates} | {best} | {_fmt(s.final_acc)} | "
                      f"{_fmt(s.base_reward)} | {_fmt(s.final_reward)} | {tr} | {_fmt(s.stale_tr_frac, pct=True)} | "
                      f"{_kl(s.mean_kl_k3)} | {_fmt(s.collapsed)} |")
@@ -223,10 +232,21 @@ def exceeds_spread(a: SeedStat, b: SeedStat, z: float = SPREAD_Z) -> Optional[bo
     ``None`` when either arm has fewer than two seeds (no spread to compare with). Two arms whose
     seeds all agree exactly (std 0) differ as soon as their means differ.
     """
+    se = diff_se(a, b)
+    return None if se is None else abs(a.mean - b.mean) > z * se
+
+
+def diff_se(a: SeedStat, b: SeedStat) -> Optional[float]:
+    """Welch's standard error of ``mean_a - mean_b``, ``sqrt(std_a^2 / n_a + std_b^2 / n_b)``;
+    ``None`` when either has fewer than two seeds."""
     if a.n < 2 or b.n < 2 or a.mean is None or b.mean is None or a.std is None or b.std is None:
         return None
-    se = math.sqrt(a.std ** 2 / a.n + b.std ** 2 / b.n)
-    return abs(a.mean - b.mean) > z * se
+    return math.sqrt(a.std ** 2 / a.n + b.std ** 2 / b.n)
+
+
+def mean_se(s: SeedStat) -> Optional[float]:
+    """Standard error of the mean over seeds, ``std / sqrt(n)``; ``None`` with fewer than two seeds."""
+    return None if s.std is None or s.n < 2 else s.std / math.sqrt(s.n)
 
 
 @dataclass
@@ -302,8 +322,7 @@ def seed_differences(aggs: Sequence[ArmAggregate], z: float = SPREAD_Z
                     continue
                 judged = True
                 if verdict:
-                    se = math.sqrt(sa.std ** 2 / sa.n + sb.std ** 2 / sb.n)
-                    out.append((title, a.label, b.label, sa.mean - sb.mean, se))
+                    out.append((title, a.label, b.label, sa.mean - sb.mean, diff_se(sa, sb)))
     return out if judged else None
 
 

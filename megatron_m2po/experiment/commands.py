@@ -124,12 +124,12 @@ def plan_threshold_sweep(config: str, overrides: Sequence[str], thresholds: Sequ
 # The command line
 
 
-def _common(p: argparse.ArgumentParser, fast_help: str) -> None:
+def _common(p: argparse.ArgumentParser, fast_help: str, seeds_default: int = 1) -> None:
     p.add_argument("config", help="YAML config shared by every arm (e.g. examples/staleness_tiny.yaml)")
     p.add_argument("overrides", nargs="*", help="section.key=value overrides applied to every arm")
-    p.add_argument("--seeds", type=int, default=1,
-                   help="Runs per arm, at seeds trainer.seed + 0 .. N-1 (default 1); with N > 1 the figures show "
-                        "the mean and a min-max band and the table mean ± std")
+    p.add_argument("--seeds", type=int, default=seeds_default,
+                   help=f"Runs per arm, at seeds trainer.seed + 0 .. N-1 (default {seeds_default}); with N > 1 the "
+                        "figures show the mean and a min-max band and the table mean ± std")
     p.add_argument("--parallel", type=int, default=None, help="Runs at once (default: max(1, cores // 2))")
     p.add_argument("--out", default=None, help="Experiment directory (default: the config's trainer.run_dir)")
     p.add_argument("--figures", default=None, help="Where the PNGs go (default: <out>/figures)")
@@ -149,7 +149,9 @@ def _csv(kind):
     return parse
 
 
-def register(sub: argparse._SubParsersAction) -> None:
+def register(sub: argparse._SubParsersAction) -> argparse._SubParsersAction:
+    """``m2po experiment`` with the commands of this module and ``entropy``; returns its subparsers
+    (the package's ``register`` adds ``arena``, which builds on this module)."""
     from megatron_m2po.experiment.entropy import register as register_entropy
 
     p = sub.add_parser("experiment", help="Experiments built from several training runs.")
@@ -183,6 +185,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--k", type=int, default=None, help="Staleness of every arm (default: trainer.stale_k)")
     t.set_defaults(func=run_threshold_sweep)
     register_entropy(esub)
+    return esub
 
 
 def _go(args: argparse.Namespace, runs: list[ArmRun], spec: dict[str, Any], **report_kw) -> int:

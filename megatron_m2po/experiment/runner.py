@@ -28,7 +28,8 @@ from typing import Any, Optional, Sequence
 
 from megatron_m2po.experiment.analysis import (
     TR_KEY, ArmAggregate, ArmSummary, CollapseRule, aggregate_seeds, format_seed_table, format_table,
-    pooled_base_reward, summarize_arm)
+    pooled_base_reward, summarize_arm, tr_kind)
+from megatron_m2po.experiment.timing import TIME_FILE, TimeLedger, children_cpu, fmt_duration
 
 DONE_FILE = "experiment_done.json"
 SPEC_FILE = "experiment.json"
@@ -92,7 +93,7 @@ class MetricsTail:
     def describe(self, loss: str) -> str:
         parts = []
         for key, name in (("rollout/reward_mean", "reward"), ("eval/synthetic/acc", "eval acc"),
-                          (TR_KEY.get(loss, ""), "clip" if loss == "grpo" else "mask"),
+                          (TR_KEY.get(loss, ""), tr_kind(loss)),
                           ("staleness/mean", "stale")):
             v = self.last.get(key)
             if isinstance(v, (int, float)):
@@ -116,8 +117,10 @@ class ArmRun:
     status: str = "pending"  # pending | skipped | running | done | failed | stopped
     rc: Optional[int] = None
     wall_s: float = 0.0
+    cpu_s: Optional[float] = None  # of the ended process and what it reaped (timing.children_cpu)
     expected_steps: int = 0
     config_sha256: str = ""
+    parallel: int = 0  # runs at once when it ran (its cost depends on it)
 
     def __post_init__(self) -> None:
         self.tail = MetricsTail(self.run_dir / "metrics.jsonl")
@@ -149,21 +152,31 @@ class ArmRun:
         return True
 
     def start(self, env: dict[str, str]) -> None:
+        from megatron_m2po.utils.lifeline import popen
+
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.log_file = open(self.run_dir / "train.log", "ab")
         self.log_file.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(self.command)}\n".encode())
         self.log_file.flush()
         # Own session: a terminal Ctrl-C reaches only the experiment, which forwards SIGTERM so
-        # every arm can checkpoint before it exits.
-        self.proc = subprocess.Popen(self.command, stdout=self.log_file, stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True)
+        # every arm can checkpoint before it exits. And it dies with the experiment (SIGKILL,
+        # its own children with it: utils/lifeline.py): a killed experiment leaves no run behind
+        # that would hold its run directory's lock when the experiment is started again.
+        self.proc = popen(self.command, stdout=self.log_file, stderr=subprocess.STDOUT, env=env,
+                          start_new_session=True)
         self.started = time.monotonic()
         self.status = "running"
 
     def check(self) -> bool:
-        """True when the process has ended (status updated)."""
-        if self.proc is None or self.proc.poll() is None:
+        """True when the process has ended (status updated). The only place the process is reaped,
+        so that its CPU time is the growth of ``RUSAGE_CHILDREN`` across that ``waitpid``."""
+        if self.proc is None:
             return False
+        before = children_cpu()
+        if self.proc.poll() is None:
+            return False
+        if self.cpu_s is None:
+            self.cpu_s = round(children_cpu() - before, 1)
         self.rc = self.proc.returncode
         self.wall_s = time.monotonic() - self.started
         self.log_file.close()
@@ -172,8 +185,8 @@ class ArmRun:
             self.status = "done"
             self.done_file.write_text(json.dumps({
                 "arm": self.arm.name, "overrides": self.overrides, "config_sha256": self.config_sha256,
-                "command": self.command, "rc": self.rc,
-                "wall_s": round(self.wall_s, 1), "finished_at": time.strftime("%Y-%m-%d %H:%M:%S")}, indent=2))
+                "command": self.command, "rc": self.rc, "wall_s": round(self.wall_s, 1), "cpu_s": self.cpu_s,
+                "parallel": self.parallel, "finished_at": time.strftime("%Y-%m-%d %H:%M:%S")}, indent=2))
         elif self.rc == 0:
             self.status = "stopped"  # it checkpointed on a signal before the last step
         else:
@@ -181,7 +194,7 @@ class ArmRun:
         return True
 
 
-def _run_arms(runs: list[ArmRun], parallel: int, progress: bool) -> None:
+def _run_arms(runs: list[ArmRun], parallel: int, progress: bool, ledger: Optional[TimeLedger] = None) -> None:
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -189,20 +202,28 @@ def _run_arms(runs: list[ArmRun], parallel: int, progress: bool) -> None:
     pending = [r for r in runs if r.status == "pending"]
     active: list[ArmRun] = []
 
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                               TimeRemainingColumn)
 
     live = progress and sys.stderr.isatty()
     bars = Progress(TextColumn("{task.fields[arm]:<22}"), BarColumn(bar_width=28), MofNCompleteColumn(),
-                    TimeElapsedColumn(), TextColumn("{task.fields[status]:<8} {task.fields[info]}"),
+                    TimeElapsedColumn(), TimeRemainingColumn(),
+                    TextColumn("{task.fields[status]:<8} {task.fields[info]}"),
                     disable=not live, refresh_per_second=2)
-    tasks = {id(r): bars.add_task("", total=r.expected_steps, arm=r.tag, status=r.status,
-                                  info="", completed=r.expected_steps if r.status == "skipped" else 0)
+    # One bar for the whole experiment (steps of every run), then one per run while it runs.
+    overall = OverallProgress(runs)
+    total_task = bars.add_task("", total=overall.total, arm="all runs", status="", info=overall.runs_finished(),
+                               completed=overall.done_steps())
+    tasks = {id(r): bars.add_task("", total=r.expected_steps, arm=r.tag, status=r.status, info="",
+                                  visible=len(runs) <= 8,  # many runs: only the running ones
+                                  completed=r.expected_steps if r.status == "skipped" else 0)
              for r in runs}
     last_print: dict[int, float] = {}
 
     def refresh(r: ArmRun) -> None:
         new = r.tail.poll()
-        bars.update(tasks[id(r)], completed=r.tail.steps_done, status=r.status, info=r.tail.describe(r.arm.loss))
+        bars.update(tasks[id(r)], completed=r.tail.steps_done, status=r.status, info=r.tail.describe(r.arm.loss),
+                    visible=len(runs) <= 8 or r.status == "running")
         now = time.monotonic()
         if not live and progress and new and now - last_print.get(id(r), 0.0) > 30:
             last_print[id(r)] = now
@@ -218,6 +239,7 @@ def _run_arms(runs: list[ArmRun], parallel: int, progress: bool) -> None:
             while pending or active:
                 while pending and len(active) < parallel:
                     r = pending.pop(0)
+                    r.parallel = parallel
                     r.start(env)
                     active.append(r)
                     if not live and progress:
@@ -230,7 +252,13 @@ def _run_arms(runs: list[ArmRun], parallel: int, progress: bool) -> None:
                         if not live and progress:
                             print(f"[{r.tag}] {r.status} (rc={r.rc}) after {r.wall_s:.0f}s; log: "
                                   f"{r.run_dir / 'train.log'}", file=sys.stderr, flush=True)
-                time.sleep(1.0)
+                            overall.force = True
+                bars.update(total_task, completed=overall.done_steps(), info=overall.runs_finished())
+                if not live and progress and overall.due():  # every minute and when a run ends
+                    print(f"[all runs] {overall.describe()}", file=sys.stderr, flush=True)
+                if ledger is not None:
+                    ledger.tick([r.proc.pid for r in active if r.proc is not None])
+                time.sleep(1.0)  # poll interval of the runs' metrics files and processes
     except KeyboardInterrupt:
         print("experiment: stopping the running arms (each checkpoints first); re-run the same command to "
               "continue", file=sys.stderr, flush=True)
@@ -240,27 +268,61 @@ def _run_arms(runs: list[ArmRun], parallel: int, progress: bool) -> None:
         signal.signal(signal.SIGTERM, old)
 
 
+class OverallProgress:
+    """Steps done over all runs of one invocation, and an ETA from this invocation's own rate."""
+
+    def __init__(self, runs: list[ArmRun], every_s: float = 60.0):
+        self.runs, self.every_s = runs, every_s
+        self.total = sum(r.expected_steps for r in runs)
+        self.t0 = time.monotonic()
+        self.start_steps = self.done_steps()
+        self._last = self.t0
+        self.force = False  # print at the next due() whatever the time
+
+    def done_steps(self) -> int:
+        return sum(r.expected_steps if r.status in ("skipped", "done") else min(r.tail.steps_done, r.expected_steps)
+                   for r in self.runs)
+
+    def runs_finished(self) -> str:
+        return f"{sum(1 for r in self.runs if r.status in ('skipped', 'done'))}/{len(self.runs)} runs finished"
+
+    def describe(self) -> str:
+        done = self.done_steps()
+        elapsed = time.monotonic() - self.t0
+        rate = (done - self.start_steps) / elapsed if elapsed > 0 else 0.0
+        eta = f", eta {fmt_duration((self.total - done) / rate)}" if rate > 0 and done < self.total else ""
+        pct = 100.0 * done / self.total if self.total else 100.0
+        return f"{done}/{self.total} steps ({pct:.1f}%), {self.runs_finished()}, elapsed {fmt_duration(elapsed)}{eta}"
+
+    def due(self) -> bool:
+        now = time.monotonic()
+        if now - self._last < self.every_s and not self.force:
+            return False
+        self._last, self.force = now, False
+        return True
+
+
 def _stop_all(active: list[ArmRun], grace_s: float = 180.0) -> None:
-    """SIGTERM (finish the step, checkpoint, exit); a second SIGTERM, then SIGKILL, if it hangs."""
+    """SIGTERM (finish the step, checkpoint, exit); a second SIGTERM, then SIGKILL, if it hangs.
+    Waits by polling :meth:`ArmRun.check`, the one place a run is reaped (its CPU time)."""
+    def wait(runs: list[ArmRun], timeout: float) -> list[ArmRun]:
+        deadline = time.monotonic() + timeout
+        left = [r for r in runs if r.proc is not None and not r.check()]
+        while left and time.monotonic() < deadline:
+            time.sleep(0.2)  # poll interval; check() decides
+            left = [r for r in left if not r.check()]
+        return left
+
     for r in active:
-        if r.proc and r.proc.poll() is None:
+        if r.proc is not None and not r.check():
             r.proc.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    for r in active:
-        if r.proc is None:
-            continue
-        try:
-            r.proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            r.proc.send_signal(signal.SIGTERM)  # the trainer's second signal aborts the step
-            try:
-                r.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                r.proc.kill()
-                r.proc.wait()
-        r.check()
-
-
+    left = wait(active, grace_s)
+    for r in left:
+        r.proc.send_signal(signal.SIGTERM)  # the trainer's second signal aborts the step
+    left = wait(left, 30.0)
+    for r in left:
+        r.proc.kill()
+    wait(left, 30.0)
 
 
 # --------------------------------------------------------------------------------------------
@@ -320,22 +382,39 @@ def _cores() -> int:
         return os.cpu_count() or 1
 
 
-def execute(runs: list[ArmRun], spec: dict[str, Any], *, parallel: Optional[int], progress: bool) -> None:
-    """Run every run that did not finish before (resumable; see the module docstring)."""
-    out_dir = Path(spec["out"])
+def resolve_parallel(parallel: Optional[int]) -> int:
+    """``--parallel``: runs at once (default ``max(1, cores // 2)``)."""
     parallel = parallel if parallel is not None else max(1, _cores() // 2)
     if parallel < 1:
         raise ValueError(f"--parallel={parallel}: run at least one arm at a time")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / SPEC_FILE).write_text(json.dumps(spec, indent=2) + "\n")
+    return parallel
+
+
+def skip_finished(runs: list[ArmRun], progress: bool) -> None:
+    """Mark the runs that finished before with the same settings ``skipped`` (ValueError for a
+    finished run with other settings: :meth:`ArmRun.finished_before`)."""
     for r in runs:
-        if r.finished_before():
+        if r.status == "pending" and r.finished_before():
             r.status = "skipped"
             r.tail.poll()
             if progress:
                 print(f"[{r.tag}] finished before: skipped ({r.done_file})", file=sys.stderr)
+
+
+def execute(runs: list[ArmRun], spec: dict[str, Any], *, parallel: Optional[int], progress: bool) -> None:
+    """Run every run that did not finish before (resumable; see the module docstring). Each
+    invocation's wall and CPU time go to ``<out>/experiment_time.json`` (:class:`TimeLedger`)."""
+    out_dir = Path(spec["out"])
+    parallel = resolve_parallel(parallel)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / SPEC_FILE).write_text(json.dumps(spec, indent=2) + "\n")
+    skip_finished(runs, progress)
     t0 = time.monotonic()
-    _run_arms(runs, parallel, progress=progress)
+    ledger = TimeLedger(out_dir / TIME_FILE, parallel=parallel)
+    try:
+        _run_arms(runs, parallel, progress=progress, ledger=ledger)
+    finally:
+        ledger.close()
     spec["last_invocation_wall_s"] = round(time.monotonic() - t0, 1)
     (out_dir / SPEC_FILE).write_text(json.dumps(spec, indent=2) + "\n")
 
@@ -373,7 +452,8 @@ def report(runs: list[ArmRun], spec: dict[str, Any], out_dir: Path, figures_dir:
             continue
         s = summarize_arm(data[id(r)], arm=r.arm.name, label=r.arm.label, loss=r.arm.loss, staleness=r.arm.k,
                           rule=rule, base_reward=base)
-        s.extra = {"seed": r.seed, "status": r.status, "wall_s": _wall_of(r), "expected_steps": r.expected_steps}
+        s.extra = {"seed": r.seed, "status": r.status, "wall_s": _done_value(r, "wall_s", r.wall_s),
+                   "cpu_s": _done_value(r, "cpu_s", r.cpu_s), "expected_steps": r.expected_steps}
         by_arm.setdefault(r.arm.name, []).append((r, s))
     if not by_arm:
         raise ValueError(f"no run of {out_dir} has a metrics.jsonl yet; run the experiment first")
@@ -401,10 +481,11 @@ def report(runs: list[ArmRun], spec: dict[str, Any], out_dir: Path, figures_dir:
     return aggs
 
 
-def _wall_of(r: ArmRun) -> Optional[float]:
-    if r.wall_s:
-        return round(r.wall_s, 1)
+def _done_value(r: ArmRun, key: str, now: Optional[float]) -> Optional[float]:
+    """``key`` of this invocation's run (``now``), else of its done file (a run finished before)."""
+    if now:
+        return round(now, 1)
     try:
-        return json.loads(r.done_file.read_text()).get("wall_s")
+        return json.loads(r.done_file.read_text()).get(key)
     except (OSError, ValueError):
         return None
