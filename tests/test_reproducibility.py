@@ -94,7 +94,7 @@ def _compare_metrics(a: list[dict], b: list[dict], rel: float, skip: tuple[str, 
 
 
 def test_rerun_with_the_same_seed_reproduces_the_first_steps(tmp_path):
-    """Engine behaviour log-probs (the default): identical rollouts, metrics equal to 1e-5 relative.
+    """Engine behaviour log-probs (the default): identical rollouts, metrics equal to 1e-2 relative.
 
     Measured (seed 11, 3 steps = 6 updates, the two runs side by side, twice, on 2 cores at load
     average ~20): token ids, rewards, advantages, staleness and both trust-region decisions
@@ -102,9 +102,15 @@ def test_rerun_with_the_same_seed_reproduces_the_first_steps(tmp_path):
     the trainer's log-probs after 5 updates by 4.8e-6, logged metrics by at most 2.1e-5 relative
     among values above 1e-4 (``loss/policy`` ~7e-4) and 1.2e-8 absolute below (the KL of the
     on-policy first update, ~1e-7, is rounding); ``m2po/n_trust`` by 1-2 tokens at the on-policy
-    update (not compared). Tolerances: 1e-4 on dumped floats, 1e-4 relative or 1e-6 absolute on
-    metrics. One such run alone took 24 s on the quiet 2-core machine; the test (two runs side by
-    side) took 87 s at load average ~20."""
+    update (not compared). Measured again on a later machine (11 pairs, the code of two commits,
+    quiet and loaded): the engines' rounding reaches the weights through Adam's first step, whose
+    update m / sqrt(v) is the gradient's sign, so a parameter whose gradient is within rounding of 0
+    moves by +-lr either way: dumped log-probs then differed by up to 2.4e-4 and the mask's
+    boundary value (``m2po/threshold_value``, an order statistic) by up to 3.5e-4 relative at the
+    second update, in 7 of the 11 pairs, and the divergence grows with the updates (``policy/kl_k1``
+    1.1e-3 relative at the sixth). Tolerances: 1e-3 on dumped floats, 1e-2 relative or 1e-6 absolute
+    on metrics; token ids, rewards, advantages and every mask decision stay exact. One such run alone took 24 s on the quiet 2-core
+    machine; the test (two runs side by side) took 87 s at load average ~20."""
     _train_all(tmp_path, {"a": [f"trainer.seed={SEED}"], "b": [f"trainer.seed={SEED}"]})
     da, db = _dumps(tmp_path / "a"), _dumps(tmp_path / "b")
     assert len(da) == len(db) == 3
@@ -112,7 +118,7 @@ def test_rerun_with_the_same_seed_reproduces_the_first_steps(tmp_path):
         for f in EXACT_FIELDS:
             assert np.array_equal(x[f], y[f]), f"step {step}: {f} differs between the runs"
         for f in FLOAT_FIELDS:
-            np.testing.assert_allclose(x[f], y[f], rtol=0, atol=1e-4, err_msg=f"step {step}: {f}")
+            np.testing.assert_allclose(x[f], y[f], rtol=0, atol=1e-3, err_msg=f"step {step}: {f}")
         for f in ("grpo_clipped", "m2po_masked", "keep"):
             assert np.array_equal(x[f], y[f]), f"step {step}: {f} differs between the runs"
     ma, mb = _metrics(tmp_path / "a"), _metrics(tmp_path / "b")
@@ -122,7 +128,7 @@ def test_rerun_with_the_same_seed_reproduces_the_first_steps(tmp_path):
         assert {k: ra.get(k) for k in rollout} == {k: rb.get(k) for k in rollout}  # exactly the same rollouts
     # n_trust counts the tokens whose log-ratio has the advantage's sign: at an on-policy update
     # the log-ratio is the engine's rounding (~1e-7), so its sign is not reproducible.
-    bad = _compare_metrics(ma, mb, rel=1e-4, skip=("m2po/n_trust",))
+    bad = _compare_metrics(ma, mb, rel=1e-2, skip=("m2po/n_trust",))
     assert not bad, "\n".join(bad[:20])
     _dump_matches_metrics(da, ma)
 
