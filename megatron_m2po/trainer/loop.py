@@ -455,6 +455,9 @@ class Trainer:
         self._install_signal_handlers()
         self._resume()
         cfg = self.cfg
+        if self.rank == 0:
+            log.info("training steps %d..%d; SIGINT / SIGTERM: the step finishes, a checkpoint is written, the run "
+                     "exits", self.start_step + 1, cfg.trainer.num_steps)
         self._catch_up()          # exact schedules: steps scheduled before the resume point, never generated
         self._start_continuous()  # async: the engines generate from now on
         step = self.start_step

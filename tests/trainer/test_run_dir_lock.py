@@ -78,6 +78,10 @@ def test_a_live_run_dir_is_refused_and_a_sigkilled_holder_does_not_block_the_res
         procs.append(third)
         _wait_serving(third, port, tmp_path / "third.log")
         assert (run / ".lock").read_text().startswith(f"pid={third.pid} host={socket.gethostname()} ")
+        # its stop handlers are in once it says it trains (before that a SIGTERM is the default one)
+        wait_until(lambda: "SIGINT / SIGTERM: the step finishes" in (tmp_path / "third.log").read_text(errors="replace"),
+                   what="the third run training (its stop handlers installed)", timeout=240,
+                   hopeless=lambda: third.poll() is not None and f"it exited ({third.returncode})")
         third.send_signal(signal.SIGTERM)  # a stop while it waits for data: nothing to checkpoint, exit 0
         assert third.wait(timeout=120) == 0, (tmp_path / "third.log").read_text(errors="replace")[-4000:]
     finally:
