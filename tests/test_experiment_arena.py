@@ -167,10 +167,10 @@ from pathlib import Path
 from megatron_m2po.experiment.runner import ArmRun, Variant
 # a run that outlives the test unless it dies with its experiment (the sleeps stand for long work)
 r = ArmRun(arm=Variant("x", "x", "grpo", 0), seed=0, run_dir=Path(sys.argv[1]), overrides=[],
-           command=[sys.executable, "-c", "import time; time.sleep(600)"])
+           command=[sys.executable, "-c", "import time; time.sleep(600)"])  # elapsed time is the behaviour under test (a deliberate hang)
 r.start(dict(os.environ))
 Path(sys.argv[2]).write_text(str(r.proc.pid))
-time.sleep(600)
+time.sleep(600)  # elapsed time is the behaviour under test (a deliberate hang until killed)
 """
 
 

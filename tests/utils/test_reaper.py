@@ -17,9 +17,9 @@ PARENT = """
 import subprocess, sys, time
 from megatron_m2po.utils.reaper import start_reaper
 start_reaper(interval_s=0.1, state_file=sys.argv[1])
-child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"], start_new_session=True)
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"], start_new_session=True)  # elapsed time is the behaviour under test (a deliberate hang)
 print(child.pid, flush=True)
-time.sleep(300)
+time.sleep(300)  # elapsed time is the behaviour under test (a deliberate hang until SIGKILLed)
 """
 
 
