@@ -58,7 +58,26 @@ exec {sys.executable} -m megatron_m2po.standins.cpu_worker "${{args[@]}}"
     return str(path)
 
 
-class FakeEngine:
+class ThreadedApp:
+    """An aiohttp app served on a free loopback port from a thread of its own (``url``; ``close()``)."""
+
+    def serve(self, app: web.Application) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.loop = asyncio.new_event_loop()
+        self.runner = web.AppRunner(app)
+        self.loop.run_until_complete(self.runner.setup())
+        self.loop.run_until_complete(web.TCPSite(self.runner, "127.0.0.1", self.port).start())
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+class FakeEngine(ThreadedApp):
     """An engine's HTTP surface that EngineFleet and sglang-router check (health, model info, server
     info), served from a thread: an engine whose ``/server_info`` the test chooses."""
 
@@ -73,16 +92,4 @@ class FakeEngine:
         for route, body in (("/health", None), ("/health_generate", None), ("/model_info", model_info),
                             ("/get_model_info", model_info), ("/server_info", server_info)):
             app.router.add_get(route, answer(body))
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.loop = asyncio.new_event_loop()
-        self.runner = web.AppRunner(app)
-        self.loop.run_until_complete(self.runner.setup())
-        self.loop.run_until_complete(web.TCPSite(self.runner, "127.0.0.1", self.port).start())
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-
-    def close(self) -> None:
-        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
+        self.serve(app)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 
 import pytest
 import torch
@@ -16,7 +15,7 @@ from megatron_m2po.rollout.push_timeout import checkpoint_bytes, disk_push_timeo
 from megatron_m2po.rollout.weight_stage import WeightSyncError
 from megatron_m2po.rollout.weight_sync import DiskWeightSync
 from megatron_m2po.trainer.weight_push import WeightPushController
-from megatron_m2po.utils.net import free_port
+from rollout_testlib import ThreadedApp
 
 
 def test_the_timeout_adds_the_read_of_the_models_bytes_at_the_floor():
@@ -28,7 +27,7 @@ def test_the_timeout_adds_the_read_of_the_models_bytes_at_the_floor():
         disk_push_timeout_s(1e9, 300.0, 0.0)
 
 
-class _SlowLoadEngine:
+class _SlowLoadEngine(ThreadedApp):
     """An engine's weight-update surface whose ``/update_weights_from_disk`` takes ``load_s``."""
 
     def __init__(self, load_s: float) -> None:
@@ -44,19 +43,7 @@ class _SlowLoadEngine:
         for route in ("/pause_generation", "/continue_generation"):
             app.router.add_post(route, ok)
         app.router.add_post("/update_weights_from_disk", load)
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.loop = asyncio.new_event_loop()
-        self.runner = web.AppRunner(app)
-        self.loop.run_until_complete(self.runner.setup())
-        self.loop.run_until_complete(web.TCPSite(self.runner, "127.0.0.1", self.port).start())
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-
-    def close(self) -> None:
-        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
+        self.serve(app)
 
 
 class _Store:
