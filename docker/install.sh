@@ -37,7 +37,7 @@
 # preloads it (LD_PRELOAD) for every process; a preloaded library answers the NEEDED libnccl.so.2
 # of both torches. --check-nccl (run by the Dockerfile after it sets LD_PRELOAD) asks both Pythons'
 # torch.cuda.nccl.version() and stops the build when they differ, naming both. At run time the
-# trainer compares again when a weight-update group forms (the plugin below, rollout/nccl_handshake.py).
+# trainer compares again when a weight-update group forms (the plugin below, weights/nccl_handshake.py).
 # The engine venv also gets megatron_m2po's SGLang plugin (entry point sglang.srt.plugins), which
 # states each engine rank's NCCL version in the group's store.
 set -euo pipefail

@@ -17,7 +17,7 @@ import argparse
 import importlib
 import sys
 
-from megatron_m2po.config import ConfigError
+from megatron_m2po.utils.settings import ConfigError
 from megatron_m2po.utils.errors import UserError, debug_enabled
 
 # name -> module defining register(subparsers)
@@ -25,7 +25,7 @@ COMMANDS: dict[str, str] = {
     "train": "megatron_m2po.trainer.cli",
     "eval": "megatron_m2po.evaluation",
     "store": "megatron_m2po.store.cli",
-    "convert": "megatron_m2po.actor.convert",
+    "convert": "megatron_m2po.weights.convert",
     "plan": "megatron_m2po.plan.search",  # extends plan.memory.register with --search
     "experiment": "megatron_m2po.experiment",
     "config": "megatron_m2po.config_cli",

@@ -60,7 +60,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
-from megatron_m2po.config import Config, apply_overrides, config_from_dict, config_to_dict, load_config
+from megatron_m2po.config import apply_overrides, Config, config_from_dict, config_to_dict, load_config
 from megatron_m2po.utils.net import free_port
 from megatron_m2po.utils.standin import load_standin
 

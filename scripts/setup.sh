@@ -8,7 +8,8 @@ PY=${PYTHON:-python3}
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q -c constraints-cpu.txt -e ".[test]"
 # SGLang 0.5.23's wheel (source only, never installed): tests/rollout/test_sglang_contract.py
-# checks the client and the CPU worker against it. Keep in step with rollout/sglang_version.py.
+# checks the client and tests/standins/test_cpu_worker_sglang_contract.py the CPU worker against
+# it. Keep in step with rollout/sglang_version.py.
 SGLANG_WHEEL_DIR=.cache/sglang-wheel
 if ! ls "$SGLANG_WHEEL_DIR"/sglang-0.5.23-*.whl >/dev/null 2>&1; then
     .venv/bin/python -m pip download -q --no-deps sglang==0.5.23 -d "$SGLANG_WHEEL_DIR"

@@ -1,6 +1,11 @@
+import ast
+from pathlib import Path
+
 import pytest
 
-from megatron_m2po.config import ConfigError, config_to_dict, dump_config, load_config
+import megatron_m2po
+from megatron_m2po.config import (AgenticConfig, AlgoConfig, Config, ConfigError, ParallelConfig, RewardConfig,
+                                  RolloutConfig, StoreConfig, TrainerConfig, config_to_dict, dump_config, load_config)
 
 
 def test_defaults_validate():
@@ -84,3 +89,51 @@ def test_routing_replay_cross_field_checks(overrides, message):
                             "rollout.use_router=false", "model.tiny_family=qwen3_moe", "parallel.recompute=full",
                             "parallel.pipeline_parallel=2", "parallel.virtual_pipeline_parallel=2"])
     assert (ok.parallel.recompute, ok.parallel.pipeline_parallel) == ("full", 2)
+
+
+# Each section lives next to the code that reads it and checks its own fields; Config.validate adds
+# only the rules that span sections.
+SETTINGS_MODULES = ["actor/settings.py", "algo/settings.py", "algo/loss_settings.py", "rollout/settings.py",
+                    "store/settings.py", "data/settings.py", "rewards/settings.py", "trainer/settings.py"]
+
+
+@pytest.mark.parametrize("section, message", [
+    (ParallelConfig(sequence_parallel=True), "parallel.sequence_parallel=true needs parallel.tensor_parallel > 1"),
+    (ParallelConfig(tensor_parallel=0), "parallel.tensor_parallel=0 is out of range: must be >= 1"),
+    (AlgoConfig(tis=True), "algo.tis=true needs algo.recompute_behav_logprobs=true"),
+    (AlgoConfig(loss="nope"), "algo.loss='nope'"),
+    (RolloutConfig(launcher="external"), "rollout.launcher=external needs rollout.external_addrs"),
+    (RolloutConfig(agentic=AgenticConfig(max_turns=0)), "rollout.agentic.max_turns=0 is out of range"),
+    (RewardConfig(url="http://h:1/score"), "reward.url='http://h:1/score' is only read with reward.fn=http"),
+    (StoreConfig(serve_port=70000), "store.serve_port=70000 is out of range: must be <= 65535"),
+    (TrainerConfig(prompts_per_step=10, prompts_per_update=4), "trainer.prompts_per_step=10 must be a multiple of"),
+])
+def test_each_section_checks_its_own_fields(section, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(".", r"\.")):
+        section.validate()
+
+
+def test_config_adds_only_the_rules_across_sections():
+    rollout, trainer = RolloutConfig(source="external"), TrainerConfig(mode="sync")
+    rollout.validate()
+    trainer.validate()  # each fine on its own, refused together
+    with pytest.raises(ConfigError, match="rollout.source=external needs trainer.mode=async"):
+        Config(rollout=rollout, trainer=trainer).validate()
+
+
+@pytest.mark.parametrize("path", SETTINGS_MODULES)
+def test_settings_modules_import_only_the_machinery(path):
+    """Any layer may import a section, so a settings module imports (at module level) only the stdlib,
+    the machinery of utils/settings.py and other settings modules."""
+    tree = ast.parse((Path(megatron_m2po.__file__).parent / path).read_text())
+    ours = [n.module for n in tree.body if isinstance(n, ast.ImportFrom) and (n.module or "").startswith("megatron_m2po")]
+    ours += [a.name for n in tree.body if isinstance(n, ast.Import) for a in n.names if a.name.startswith("megatron_m2po")]
+    assert all(m == "megatron_m2po.utils.settings" or m.endswith("settings") for m in ours), ours
+
+
+def test_config_reexports_the_sections_from_their_homes():
+    from megatron_m2po import config
+    from megatron_m2po.rollout import settings as rollout_settings
+    from megatron_m2po.utils import settings as machinery
+
+    assert config.RolloutConfig is rollout_settings.RolloutConfig and config.ConfigError is machinery.ConfigError

@@ -1,8 +1,12 @@
 """The package's layering (docs/design.md §2), checked on the source: no import cycles, and
 
-    algo/, parallel/          at the bottom: nothing from actor/ rollout/ trainer/ store/
+    algo/, parallel/          at the bottom: nothing from actor/ rollout/ weights/ trainer/ store/
     actor/ (Megatron) | rollout/   side by side: neither imports the other
-    trainer/                  above both; CLI shells and the experiment on top
+    weights/                  above both (the push from the actor's stages to the engines)
+    rollout_service/          rank 0's rollout side, above rollout/ and weights/; not the actor
+    trainer/                  on top of all of them; CLI shells and the experiment above it
+    */settings.py             config sections: leaves every layer may read (they import only the
+                              settings machinery, utils/settings.py, and each other)
     standins/                 the CPU stand-ins: production never imports them; it names them
                               only in utils/standin.py (the seam), and calls that seam only from
                               the modules in SEAM_CALLERS
@@ -99,9 +103,14 @@ def _sub(module: str) -> str:
     return parts[1] if len(parts) > 1 else ""
 
 
+def _is_settings(module: str) -> bool:
+    """A config section's module (``rollout/settings.py``, ``algo/loss_settings.py``): a leaf any layer reads."""
+    return module.rsplit(".", 1)[-1].endswith("settings")
+
+
 def _violations(graph: dict[str, set[str]], src: tuple[str, ...], banned: tuple[str, ...]) -> list[str]:
     return sorted(f"{a} -> {b}" for a, deps in graph.items() if _sub(a) in src
-                  for b in deps if _sub(b) in banned)
+                  for b in deps if _sub(b) in banned and not _is_settings(b))
 
 
 @pytest.fixture(scope="module")
@@ -122,7 +131,31 @@ def test_actor_and_rollout_do_not_import_each_other(graph):
 
 
 def test_algo_and_parallel_are_the_bottom_layer(graph):
-    assert _violations(graph, ("algo", "parallel"), ("actor", "rollout", "trainer", "store")) == []
+    assert _violations(graph, ("algo", "parallel"),
+                       ("actor", "rollout", "weights", "rollout_service", "trainer", "store")) == []
+
+
+def test_weights_sit_above_actor_and_rollout(graph):
+    assert f"{PKG}.weights.push" in graph, "the weights package is not where this test looks"
+    assert _violations(graph, ("actor", "rollout"), ("weights",)) == []
+    assert _violations(graph, ("weights",), ("rollout_service", "trainer")) == []
+
+
+def test_the_rollout_service_is_rank0s_side_below_the_trainer(graph):
+    assert f"{PKG}.rollout_service.service" in graph, "the rollout service is not where this test looks"
+    assert _violations(graph, ("rollout_service",), ("trainer", "actor")) == []
+    below = ("algo", "parallel", "actor", "rollout", "weights", "store", "data", "rewards", "utils")
+    assert _violations(graph, below, ("rollout_service",)) == []
+
+
+def test_settings_modules_are_leaves(graph):
+    """A config section imports only the settings machinery and other sections (at module level or
+    not, except the loss registry, which the algo section asks by name when it validates)."""
+    allowed = {f"{PKG}.utils.settings", f"{PKG}.algo.losses", f"{PKG}.algo.registry"}
+    bad = sorted(f"{a} -> {b}" for a, deps in graph.items() if _is_settings(a)
+                 for b in deps if not _is_settings(b) and b not in allowed)
+    assert [a for a in graph if _is_settings(a)], "no settings modules found"
+    assert bad == []
 
 
 def test_the_graph_sees_function_level_and_relative_imports(tmp_path):

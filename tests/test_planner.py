@@ -210,6 +210,8 @@ def test_qwen25_32b_tp1_rejected_naming_weights_and_tp():
     assert not p.ok
     msg = p.errors[0]
     assert "> budget 80.0 GiB" in msg and "weights" in msg and "parallel.tensor_parallel" in msg
+    assert (p.refusal.cause, p.refusal.message, p.refusal.need) == ("weights", msg, p.worst.total)
+    assert p.refusal.budget == p.layout.budget_gib * GiB == 80 * GiB
 
 
 def test_7b_tp2_fits_and_tp1_without_distributed_optimizer_is_rejected():
@@ -219,8 +221,12 @@ def test_7b_tp2_fits_and_tp1_without_distributed_optimizer_is_rejected():
     assert not bad.ok
     assert "optimizer states" in bad.errors[0] and "use_distributed_optimizer" in bad.errors[0]
     # the number quoted is the real optimizer footprint: 12 B/param of the whole model
-    quoted = float(bad.errors[0].split("optimizer states ")[1].split(" GiB")[0])
-    assert quoted == pytest.approx(bad.worst.optimizer / GiB, abs=0.05)
+    assert bad.refusal.cause == "optimizer" and bad.refusal.message == bad.errors[0]
+    assert bad.refusal.figure == bad.worst.optimizer
+    assert f"optimizer states {bad.refusal.figure / GiB:.1f} GiB" in bad.errors[0]
+    with pytest.raises(P.MemoryPlanError) as refused:
+        bad.raise_if_infeasible()
+    assert refused.value.refusal == bad.refusal and str(refused.value) == bad.errors[0]
 
 
 def test_divisibility_and_node_limits_are_named():
@@ -559,6 +565,7 @@ def test_search_excludes_what_does_not_fit(search32):
     tp1 = [c for c in res.rejected if c.layout.tp == 1 and c.layout.pp == 1]
     assert tp1 and not [c for c in res.ranked if c.layout.tp == 1 and c.layout.pp == 1]
     assert all("weights" in c.plan.errors[0] for c in tp1)    # 32B in bf16 with fp32 grads: 196 GiB per GPU
+    assert all(c.plan.refusal.cause == "weights" for c in tp1)
     # a layout plan() accepts but that leaves less than the headroom is out too
     tight = [c for c in res.rejected if c.plan.ok]
     assert tight and all(0.9 * 80 < c.memory_gib for c in tight)

@@ -24,11 +24,11 @@ One optimizer update (``_update``), docs/design.md §3:
    forward, which runs at the same weights). The actor never branches on a loss name: it asks
    the registered :class:`~megatron_m2po.algo.losses.LossSpec`. With
    ``algo.m2po.mask_strategy=correct`` (or ``auto`` choosing it) there is no pre-pass: step 2 runs
-   with the spec's provisional mask, then ``GlobalMask.correct`` takes the exact mask from that
-   forward's log-ratios and forward-backwards the difference on the changed sequences only, and
-   the grad finaliser runs once after both (``actor/mask_correction.py``).
+   with the spec's provisional mask and step 3 corrects it.
 2. forward-backward over the micro-batches with the mask fixed (``_policy_loss``; metrics in
-   ``_update_metrics``). The loss of a micro-batch is
+   ``_update_metrics``), Megatron's grad finaliser held back: the actor gives the schedules no
+   ``finalize_model_grads_func``, so the gradients stay as the backward passes summed them. The
+   loss of a micro-batch is
    ``sum(...) / N`` with ``N`` the response-token count (``loss_mask``) of the whole mini-batch.
    Every rank holds the global plan, so ``N`` is computed locally and equals the DP x CP
    all-reduce of the per-rank counts. Megatron is told ``calculate_per_token_loss`` (no division
@@ -38,7 +38,13 @@ One optimizer update (``_update``), docs/design.md §3:
    With ``algo.kl.coef > 0`` a forward-only pass of the frozen reference (``actor/reference.py``)
    over the same micro-batches comes first, and each micro-batch's loss adds the reference-KL
    term (``algo/kl.py``) with the same denominator ``N``, after the loss's mask is taken.
-3. Megatron's optimizer step (Adam, grad clipping, optional distributed optimizer), the LR
+3. The mask's gradient correction (strategy ``correct`` only; ``GlobalMask.correct``,
+   ``actor/mask_correction.py`` says why it is exact): the exact mask from step 2's log-ratios,
+   and one more forward-backward of the difference on the changed sequences only, whose
+   gradients add to step 2's.
+4. Megatron's grad finaliser (``_finalize_grads``: data-parallel, sequence-parallel and
+   tied-embedding reductions), called explicitly, once over the gradients of steps 2 and 3.
+5. Megatron's optimizer step (Adam, grad clipping, optional distributed optimizer), the LR
    scheduler, ``version += 1``. A loss with a ``step_scale`` (VCPO's ESS rule) scales the
    scheduler's LR of this update only (``_set_update_lr``): the factor comes from what its
    objective stashed during step 2, reduced over the data-parallel group on the last stage and
@@ -70,7 +76,10 @@ import torch.distributed as dist
 from megatron_m2po.actor.batch import (BatchPlan, MicroBatch, RolloutBatch, ShardedBatch, balanced_shards, cp_pad_multiple,
                                        cp_split, dp_shard, group_microbatches, make_microbatches)
 from megatron_m2po.actor.global_mask import GlobalMask, TokenRecord
-from megatron_m2po.config import AlgoConfig, Config, ModelConfig, OptimConfig, ParallelConfig
+from megatron_m2po.actor.settings import ModelConfig, OptimConfig, ParallelConfig
+from megatron_m2po.algo.settings import AlgoConfig
+from megatron_m2po.config import Config
+from megatron_m2po.parallel.groups import is_last, last_rank, nontrivial, process_groups
 from megatron_m2po.utils.timing import TIMER
 
 __all__ = ["ActorConfig", "MegatronActor", "init_parallel", "destroy_parallel"]
@@ -188,9 +197,9 @@ class MegatronActor:
     token_hook: Optional[Callable[[TokenRecord], None]] = None
 
     def __init__(self, cfg: ActorConfig, chunks: list, bridge, ddp_chunks: list, optimizer, scheduler,
-                 *, owns_parallel: bool = False, owns_process_group: bool = False, reference=None) -> None:
-        from megatron.core import parallel_state as ps
-
+                 *, pg=None, owns_parallel: bool = False, owns_process_group: bool = False, reference=None) -> None:
+        from megatron_m2po.actor.mask_correction import check_dropout
+        from megatron_m2po.actor.model import is_moe
         self.cfg = cfg
         self.chunks = chunks            # unwrapped GPTModel chunks of this pipeline rank
         self.bridge = bridge
@@ -198,60 +207,64 @@ class MegatronActor:
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.version = 0
+        # The layout: Megatron-Core's ProcessGroupCollection (parallel/groups.py; None: the groups
+        # of parallel_state). Ranks and sizes are read from its groups, never copied. Samples are
+        # sharded over data-parallel replicas (dp); the CP ranks of a replica split each sequence;
+        # token-level reductions (loss metrics, the global mask) run over dp_cp.
+        self.pg = pg if pg is not None else process_groups()
         # The frozen reference policy of algo.kl (actor/reference.py); None with algo.kl.coef = 0.
         self.reference = reference
         # The previous update's reduced metrics (the same on every rank): the measured correction
-        # cost that mask_strategy=auto decides on (actor/mask_correction.py).
-        self._mask_hint: Optional[dict[str, float]] = None
-        self.global_mask = GlobalMask(self)  # the global-mask steps (actor/global_mask.py)
-        self._deferred_finalize: Optional[list] = None  # set: the schedules' grad finalising is held back
+        # cost that mask_strategy=auto decides on (actor/mask_correction.py); checkpoints keep it.
+        self.mask_hint: Optional[dict[str, float]] = None
+        # the global-mask steps (actor/global_mask.py), through this actor's MaskHost interface
+        self.global_mask = GlobalMask(self, moe=is_moe(bridge.hf_config))
         self._owns_parallel = owns_parallel  # from_config initialised Megatron's parallel state
         self._owns_pg = owns_process_group
         self._tconfig = chunks[0].config
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else \
             torch.device("cpu")
-        self.tp_size = ps.get_tensor_model_parallel_world_size()
-        self.tp_rank = ps.get_tensor_model_parallel_rank()
-        self.tp_group = ps.get_tensor_model_parallel_group()
-        self.pp_size = ps.get_pipeline_model_parallel_world_size()
-        self.pp_group = ps.get_pipeline_model_parallel_group()
-        self.cp_size = ps.get_context_parallel_world_size()
-        self.cp_rank = ps.get_context_parallel_rank()
-        self.cp_group = ps.get_context_parallel_group()
-        # Samples are sharded over data-parallel replicas (dp_*); the CP ranks of a replica split
-        # each sequence. Token-level reductions (loss metrics, the global mask) run over DP x CP.
-        self.dp_size = ps.get_data_parallel_world_size()
-        self.dp_rank = ps.get_data_parallel_rank()
-        self.dp_group = ps.get_data_parallel_group()
-        self.dpcp_size = ps.get_data_parallel_world_size(with_context_parallel=True)
-        self.dpcp_group = ps.get_data_parallel_group(with_context_parallel=True)
-        self.is_last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)
-        self.last_stage_rank = ps.get_pipeline_model_parallel_last_rank()
         self.vocab_size = int(bridge.hf_config.vocab_size)
         self.temperature = float(cfg.temperature)
-        # Megatron hooks: exact loss scaling (see module doc) and DDP grad sync control.
-        from megatron.core.distributed import finalize_model_grads
-
-        def _finalize(model, num_tokens=None, **kwargs):
-            if self._deferred_finalize is not None:  # mask_strategy=correct: once, after the corrections
-                if not self._deferred_finalize:
-                    self._deferred_finalize.append((model, kwargs))
-                return None
-            return finalize_model_grads(model, None, **kwargs)
-
-        self._tconfig.finalize_model_grads_func = _finalize
+        # Megatron hooks: exact loss scaling (see module doc) and DDP grad sync control. No
+        # finalize_model_grads_func: the schedules then leave the gradients as the backward
+        # passes summed them (megatron-core 0.16.1 pipeline_parallel/schedules.py calls it only
+        # when set), and the update finalises them itself, once (``_finalize_grads``, step 4).
+        self._tconfig.finalize_model_grads_func = None
         self._tconfig.no_sync_func = [m.no_sync for m in ddp_chunks] if len(ddp_chunks) > 1 else ddp_chunks[0].no_sync
         self._tconfig.grad_scale_func = optimizer.scale_loss
-        from megatron_m2po.actor.mask_correction import check_dropout
-
         check_dropout(cfg.algo.m2po.mask_strategy, cfg.model.attention_dropout, cfg.model.hidden_dropout)
         self.replay = None  # routing replay (actor/routing_replay.py) with algo.routing_replay=rollout
         if cfg.algo.routing_replay == "rollout":
             from megatron_m2po.actor.routing_replay import RoutingReplay
 
             self.replay = RoutingReplay(chunks, num_layers=int(bridge.hf_config.num_hidden_layers),
-                                        tp_size=self.tp_size, tp_rank=self.tp_rank,
+                                        tp_size=dist.get_world_size(self.pg.tp), tp_rank=self.tp_rank,
                                         sequence_parallel=bool(self._tconfig.sequence_parallel))
+
+    # ------------------------------------------------------------------------------- layout
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's data-parallel replica: which shard of a mini-batch it trains on (:meth:`shards`)."""
+        return dist.get_rank(self.pg.dp)
+
+    @property
+    def tp_rank(self) -> int:
+        """This rank's tensor-parallel rank (its slice of the vocabulary and of each layer)."""
+        return dist.get_rank(self.pg.tp)
+
+    @property
+    def is_last_stage(self) -> bool:
+        """Whether this rank holds the last pipeline stage: the one that computes log-probs and losses."""
+        return is_last(self.pg.pp)
+
+    @property
+    def schedule_multiple(self) -> int:
+        """What a training pass's micro-batch count must be a multiple of: the pipeline size under
+        Megatron's interleaved schedule (more than one chunk per rank), else 1
+        (``mask_correction.pad_for_schedule`` says why)."""
+        return dist.get_world_size(self.pg.pp) if len(self.model) > 1 else 1
 
     # ---------------------------------------------------------------------------------- build
 
@@ -304,8 +317,8 @@ class MegatronActor:
             lr_warmup_steps=o.warmup_updates, lr_decay_steps=max(total, o.warmup_updates + 1),
             lr_decay_style=o.lr_schedule, start_wd=o.weight_decay, end_wd=o.weight_decay,
             wd_incr_steps=total, wd_incr_style="constant")
-        return cls(cfg, chunks, bridge, ddp_chunks, optimizer, scheduler, owns_parallel=owns_parallel,
-                   owns_process_group=created, reference=reference)
+        return cls(cfg, chunks, bridge, ddp_chunks, optimizer, scheduler, pg=process_groups(),
+                   owns_parallel=owns_parallel, owns_process_group=created, reference=reference)
 
     # ------------------------------------------------------------------------------ schedules
 
@@ -322,9 +335,10 @@ class MegatronActor:
             raise ValueError(f"sample {name} has {int(plan.lengths[i])} tokens (response "
                              f"{int(plan.response_lengths[i])}), more than the model's max_position_embeddings={limit}; "
                              "lower rollout.max_new_tokens or the prompt length")
+        dp = dist.get_world_size(self.pg.dp)
         if self.cfg.parallel.balance_data_parallel:
-            return balanced_shards(plan.lengths.tolist(), self.dp_size, int(self.bridge.hf_config.hidden_size))
-        return [list(dp_shard(len(plan), self.dp_size, r)) for r in range(self.dp_size)]
+            return balanced_shards(plan.lengths.tolist(), dp, int(self.bridge.hf_config.hidden_size))
+        return [list(dp_shard(len(plan), dp, r)) for r in range(dp)]
 
     def _shards(self, samples: list) -> list[list[int]]:
         """:meth:`shards` of a list of samples (an over-long sample is named by its uid)."""
@@ -342,17 +356,17 @@ class MegatronActor:
         if p.expert_parallel > 1:  # MoE all-to-alls: the same micro-batch count on every data-parallel rank
             from megatron_m2po.actor.moe_plan import same_microbatch_count
 
-            groups = same_microbatch_count(groups, lengths, len(indices), self.dp_group, self.device)
+            groups = same_microbatch_count(groups, lengths, len(indices), self.pg.dp, self.device)
         if self.replay is not None:
             for i in indices:
                 if samples[i].routed_experts is None:
                     raise ValueError(f"sample {samples[i].uid!r} has no routed experts but algo.routing_replay=rollout "
                                      "replays them for every token (rollout.return_routed_experts=true)")
-        if self.pp_size > 1:
+        if dist.get_world_size(self.pg.pp) > 1:
             # Every stage of a replica computes the same plan from the same data; the schedule
             # deadlocks if they ever disagree, so check it (one tiny collective per pass).
             n = torch.tensor([len(groups), -len(groups)], dtype=torch.int64, device=self.device)
-            dist.all_reduce(n, op=dist.ReduceOp.MAX, group=self.pp_group)
+            dist.all_reduce(n, op=dist.ReduceOp.MAX, group=self.pg.pp)
             assert int(n[0]) == -int(n[1]) == len(groups), "pipeline stages disagree on the micro-batch count"
         return self.make_microbatches(samples, groups, None if plan is None else plan.response_lengths)
 
@@ -367,10 +381,11 @@ class MegatronActor:
         predicting row, so it reaches no log-prob, mask, loss or token count."""
         p = self.cfg.parallel
         tp = p.tensor_parallel if p.sequence_parallel else 1
-        cp = cp_pad_multiple(self.cp_size, p.tensor_parallel, p.sequence_parallel)
+        cp_size = dist.get_world_size(self.pg.cp)
+        cp = cp_pad_multiple(cp_size, p.tensor_parallel, p.sequence_parallel)
         if p.packing:
             return tp, cp
-        return (cp if self.cp_size > 1 else tp), 1
+        return (cp if cp_size > 1 else tp), 1
 
     def make_microbatches(self, samples, groups: list[list[int]], response_lengths=None) -> list[MicroBatch]:
         """``batch.make_microbatches`` with this layout's padding, cut to this CP rank's part
@@ -378,7 +393,8 @@ class MegatronActor:
         pad, seq_pad = self.pad_multiples()
         mbs = make_microbatches(samples, groups, pad_multiple=pad, packing=self.cfg.parallel.packing,
                                 response_lengths=response_lengths, seq_multiple=seq_pad)
-        return self._to_device([cp_split(mb, self.cp_size, self.cp_rank) for mb in mbs])
+        cp = self.pg.cp
+        return self._to_device([cp_split(mb, dist.get_world_size(cp), dist.get_rank(cp)) for mb in mbs])
 
     def _to_device(self, mbs: list[MicroBatch]) -> list[MicroBatch]:
         for mb in mbs:
@@ -390,8 +406,15 @@ class MegatronActor:
                     setattr(mb, name, t.to(self.device))
         return mbs
 
-    def _token_logprobs(self, mb: MicroBatch, model, hidden: torch.Tensor, with_entropy: bool):
-        """Log-probs (and entropy) of the response tokens of ``mb`` from last-stage hidden states [S, B, H]."""
+    # The passes below are the actor's part of the mask strategy's and the reference's seam
+    # (``global_mask.MaskHost``): they run Megatron's schedule over micro-batches and turn the
+    # last stage's hidden states into log-probs.
+
+    def token_logprobs(self, mb: MicroBatch, model, hidden: torch.Tensor, with_entropy: bool):
+        """``(logp, entropy)`` float [T] of the response tokens of ``mb`` from last-stage hidden
+        states [S, B, H] of ``model`` (entropy None without ``with_entropy``), at the rollout
+        temperature, vocab-parallel over the tensor-parallel group (``parallel/logprobs.py``).
+        Differentiable: a training loss function calls it on the hidden states it is given."""
         from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
         from megatron_m2po.actor.model import output_weight
@@ -403,17 +426,20 @@ class MegatronActor:
         rows = hidden[mb.row_pos, mb.row_seq]
         weight = output_weight(_unwrap(model))
         return fused_logprobs_entropy(
-            rows, weight, mb.targets, tp_group=self.tp_group if self.tp_size > 1 else None,
-            vocab_start=self.tp_rank * weight.shape[0], chunk_rows=self.cfg.parallel.logprob_chunk_rows,
-            temperature=self.temperature, compute_entropy=with_entropy, vocab_size=self.vocab_size,
+            rows, weight, mb.targets, tp_group=nontrivial(self.pg.tp), vocab_start=self.tp_rank * weight.shape[0],
+            chunk_rows=self.cfg.parallel.logprob_chunk_rows, temperature=self.temperature, compute_entropy=with_entropy, vocab_size=self.vocab_size,
             tf32=self.cfg.parallel.logprob_tf32)
 
-    def _run(self, mbs: list[MicroBatch], loss_fn, *, forward_only: bool, models: Optional[list] = None) -> list[Any]:
+    def run_schedule(self, mbs: list[MicroBatch], loss_fn, *, forward_only: bool,
+                     models: Optional[list] = None) -> list[Any]:
         """Megatron's schedule over ``mbs``; ``loss_fn(mb, model, hidden) -> (loss, n_tokens, payload)``.
 
         ``models``: the chunks to run instead of the policy's (the frozen reference's, forward
         only; routing replay applies to the policy's routers only). Returns the payloads (last
-        pipeline stage; empty elsewhere).
+        pipeline stage; empty elsewhere). With ``forward_only=False`` the gradients are summed
+        into the DDP buffers and left unfinalised (no ``finalize_model_grads_func``): the update
+        finalises them once after all of its passes (``_finalize_grads``). Collective over the
+        actor's groups.
         """
         chunks = self.model if models is None else models
         replay = self.replay if models is None else None
@@ -438,20 +464,24 @@ class MegatronActor:
                 forward_step_func=forward_step, data_iterator=iters,
                 model=chunks if len(chunks) > 1 else chunks[0], num_microbatches=len(mbs),
                 # the whole sequence length: Megatron divides it by CP (schedules.get_tensor_shapes)
-                seq_length=max(mb.tokens.shape[1] for mb in mbs) * self.cp_size,
+                seq_length=max(mb.tokens.shape[1] for mb in mbs) * dist.get_world_size(self.pg.cp),
                 micro_batch_size=max(mb.tokens.shape[0] for mb in mbs), forward_only=forward_only)
         finally:
             if replay is not None:
                 replay.clear()
 
-    def _forward_logprobs(self, mbs: list[MicroBatch], with_entropy: bool) -> list[dict]:
+    def forward_logprobs(self, mbs: list[MicroBatch], with_entropy: bool) -> list[dict]:
+        """Forward-only log-probs of ``mbs`` at the current weights: one ``{"logp", "entropy"}``
+        (detached float [T]; entropy None without ``with_entropy``) per micro-batch on the last
+        pipeline stage, ``[]`` elsewhere. Collective over the actor's groups."""
+
         def loss_fn(mb, model, hidden):
-            logp, ent = self._token_logprobs(mb, model, hidden, with_entropy)
+            logp, ent = self.token_logprobs(mb, model, hidden, with_entropy)
             return (torch.zeros((), device=self.device), torch.tensor(mb.num_tokens, dtype=torch.int),
                     {"logp": logp.detach(), "entropy": None if ent is None else ent.detach()})
 
         with torch.no_grad():
-            return self._run(mbs, loss_fn, forward_only=True)
+            return self.run_schedule(mbs, loss_fn, forward_only=True)
 
     def _gather_to_all(self, samples: list, shard_values: list[torch.Tensor], mbs: list[MicroBatch]) -> torch.Tensor:
         """Flat per-token values of all samples on every rank: one SUM all-reduce over the world.
@@ -480,7 +510,7 @@ class MegatronActor:
         if not samples:
             return ([], []) if with_entropy else []
         mbs = self._microbatches(samples, self._shards(samples)[self.dp_rank])
-        outs = self._forward_logprobs(mbs, with_entropy) if mbs else []
+        outs = self.forward_logprobs(mbs, with_entropy) if mbs else []
         lp = self._gather_to_all(samples, [o["logp"] for o in outs], mbs)
         ent = self._gather_to_all(samples, [o["entropy"] for o in outs], mbs) if with_entropy else None
         lengths = np.cumsum([0] + [s.response_ids.shape[0] for s in samples])
@@ -505,23 +535,14 @@ class MegatronActor:
         return self._update(BatchPlan.of(mini.samples), mini.samples)
 
     def _update(self, plan: BatchPlan, samples) -> dict[str, float]:
-        """One optimizer update over the mini-batch of ``plan`` (module docstring, steps 1-3);
+        """One optimizer update over the mini-batch of ``plan`` (module docstring, steps 1-5);
         ``samples[i]`` holds at least this rank's shard."""
         from megatron_m2po.algo.losses import loss_settings, resolve_loss
 
         spec = resolve_loss(self.cfg.algo)
         settings = loss_settings(spec, self.cfg.algo)
-        if len(plan) < self.dp_size:
-            raise ValueError(f"an optimizer mini-batch of {len(plan)} samples cannot be split over "
-                             f"{self.dp_size} data-parallel ranks; use at least {self.dp_size} samples per update")
+        mine = self._own_shard(plan, samples)
         denom = float(plan.num_response_tokens)  # global N (identical on all ranks: from the global plan)
-        if denom == 0:
-            raise ValueError("the optimizer mini-batch has no response tokens with loss_mask=1")
-        mine = self.shards(plan)[self.dp_rank]
-        missing = [i for i in mine if i not in samples] if isinstance(samples, dict) else []
-        if missing:
-            raise ValueError(f"data-parallel rank {self.dp_rank} was sent a shard without mini-batch samples "
-                             f"{missing[:5]}: send each rank actor.shards(plan)[its dp rank]")
         mbs = self._microbatches(samples, mine, plan)
         strategy = self.global_mask.choose(spec, settings)
         records: list[dict] = []
@@ -532,51 +553,79 @@ class MegatronActor:
                 refs = self.reference.logprobs(self, mbs)
 
         # 1. what the loss needs before the first backward (M2PO: the global mask, from a pre-pass;
-        #    with strategy "correct" a provisional mask now and the exact one after step 2)
-        keeps, prepass_metrics = [None] * len(mbs), {}
+        #    with strategy "correct" a provisional mask now and the exact one in step 3)
+        keeps, mask_metrics = [None] * len(mbs), {}
         if strategy == "prepass":
             with TIMER.phase("mask"):
-                keeps, prepass_metrics = self.global_mask.prepass(
+                keeps, mask_metrics = self.global_mask.prepass(
                     mbs, spec, settings, plan, records, measure=getattr(settings, "mask_strategy", None) == "auto")
         provisional: Optional[list[dict]] = [] if strategy == "correct" else None
         stash: Optional[list] = [] if spec.step_scale is not None else None
 
-        # 2. forward-backward with the mask fixed (or provisional, then corrected)
+        # 2. forward-backward with the mask fixed (or provisional); the gradients stay unfinalised
         it, ref_it = iter(keeps), iter(refs)
         for m in self.model:
             m.zero_grad_buffer()
         self.optimizer.zero_grad()
-        self._deferred_finalize = [] if provisional is not None else None
         # Timed on the host without added syncs (utils/timing.py says what that means on a GPU).
-        try:
-            with TIMER.phase("forward_backward"):
-                self._run(mbs, lambda mb, model, hidden: self._policy_loss(
-                    mb, model, hidden, next(it), spec=spec, settings=settings, denom=denom, records=records,
-                    strategy=strategy, provisional=provisional, stash=stash, ref_logp=next(ref_it)),
-                    forward_only=False)
-            if provisional is not None:
-                with TIMER.phase("mask"):
-                    prepass_metrics = self.global_mask.correct(mbs, provisional, plan, samples, mine, spec,
-                                                               settings, denom, records)
-                deferred = self._deferred_finalize
-        finally:
-            self._deferred_finalize = None
-        if provisional is not None:  # the schedules' grad finalising, once over all the gradients
-            (model_list, kwargs), = deferred
-            self._tconfig.finalize_model_grads_func(model_list, None, **kwargs)
+        with TIMER.phase("forward_backward"):
+            self.run_schedule(mbs, lambda mb, model, hidden: self._policy_loss(
+                mb, model, hidden, next(it), spec=spec, settings=settings, denom=denom, records=records,
+                strategy=strategy, provisional=provisional, stash=stash, ref_logp=next(ref_it)),
+                forward_only=False)
 
-        # 3. optimizer step
+        # 3. the mask's gradient correction (strategy "correct"): the exact mask, and the gradient
+        #    of (exact - provisional) added to the unfinalised gradients (actor/mask_correction.py)
+        if provisional is not None:
+            with TIMER.phase("mask"):
+                mask_metrics = self.global_mask.correct(mbs, provisional, plan, samples, mine, spec, settings,
+                                                        denom, records)
+
+        # 4. Megatron's grad finaliser, once over the gradients of every pass
+        with TIMER.phase("forward_backward"):
+            self._finalize_grads()
+
+        # 5. optimizer step
         scale, scale_metrics = self._step_scale(spec, settings, stash)
-        prepass_metrics = {**prepass_metrics, **scale_metrics}
         self._set_update_lr(scale)
         with TIMER.phase("optimizer"):
             ok, grad_norm, _ = self.optimizer.step()
         if not ok:
             raise RuntimeError("the optimizer step was skipped (non-finite gradients)")
         self.version += 1
-        out = self._update_metrics(plan, records, prepass_metrics, grad_norm)
-        self._mask_hint = out
+        out = self._update_metrics(plan, records, {**mask_metrics, **scale_metrics}, grad_norm)
+        self.mask_hint = out
         return out
+
+    def _own_shard(self, plan: BatchPlan, samples) -> list[int]:
+        """This rank's mini-batch indices (``shards(plan)[dp_rank]``), after checking that the
+        mini-batch can be split and trained on and that ``samples`` holds them."""
+        dp = dist.get_world_size(self.pg.dp)
+        if len(plan) < dp:
+            raise ValueError(f"an optimizer mini-batch of {len(plan)} samples cannot be split over "
+                             f"{dp} data-parallel ranks; use at least {dp} samples per update")
+        if plan.num_response_tokens == 0:
+            raise ValueError("the optimizer mini-batch has no response tokens with loss_mask=1")
+        mine = self.shards(plan)[self.dp_rank]
+        missing = [i for i in mine if i not in samples] if isinstance(samples, dict) else []
+        if missing:
+            raise ValueError(f"data-parallel rank {self.dp_rank} was sent a shard without mini-batch samples "
+                             f"{missing[:5]}: send each rank actor.shards(plan)[its dp rank]")
+        return mine
+
+    def _finalize_grads(self) -> None:
+        """Megatron's gradient finaliser over the gradients every pass of this update summed into
+        the DDP buffers: the data-parallel all-reduce (or reduce-scatter for the distributed
+        optimizer), the tensor-parallel all-reduce of the sequence-parallel and other non-TP
+        parameters, the tied-embedding all-reduce across pipeline stages (megatron-core 0.16.1
+        ``distributed/finalize_model_grads.py``). It is what the schedules call after their last
+        backward when ``config.finalize_model_grads_func`` is set (``pipeline_parallel/schedules.py``,
+        with the same process groups); the actor leaves it unset so that the correction pass of
+        step 3 can add to the gradients first. No token count: the loss is already divided by
+        the global ``N`` (module docstring), so nothing is rescaled."""
+        from megatron.core.distributed import finalize_model_grads
+
+        finalize_model_grads(self.model, None, pg_collection=self.pg)
 
     def _step_scale(self, spec, settings, stash: Optional[list]) -> tuple[float, dict[str, float]]:
         """The factor on this update's scheduled LR (``LossSpec.step_scale``; 1.0 without one) and
@@ -587,13 +636,20 @@ class MegatronActor:
             return 1.0, {}
         scale, metrics = 1.0, {}
         if self.is_last_stage:
-            scale, m = spec.step_scale(stash or [], settings, group=self.dp_group if self.dp_size > 1 else None)
+            scale, m = spec.step_scale(stash or [], settings, group=nontrivial(self.pg.dp))
             metrics = {k: float(v.value) for k, v in m.items()}
-        if self.pp_size > 1:
-            obj = [(scale, metrics)]
-            dist.broadcast_object_list(obj, src=self.last_stage_rank, group=self.pp_group)
-            scale, metrics = obj[0]
+        scale, metrics = self._from_last_stage((scale, metrics))
         return float(scale), metrics
+
+    def _from_last_stage(self, obj: Any) -> Any:
+        """The last pipeline stage's ``obj`` on every stage (a picklable object; one broadcast over
+        the pipeline group, none without pipelining)."""
+        pp = self.pg.pp
+        if dist.get_world_size(pp) == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=last_rank(pp), group=pp)
+        return box[0]
 
     def _set_update_lr(self, scale: float) -> None:
         """Step the LR scheduler (update u runs at the LR of step u + 1, so warm-up starts above 0)
@@ -621,7 +677,7 @@ class MegatronActor:
         from megatron_m2po.algo.metrics import Metric
 
         a = self.cfg.algo
-        logp, ent = self._token_logprobs(mb, model, hidden, with_entropy=True)
+        logp, ent = self.token_logprobs(mb, model, hidden, with_entropy=True)
         behav, adv = mb.behav_logprobs.to(logp.dtype), mb.advantages.to(logp.dtype)
         metrics: dict = {}
         if keep is None and spec.needs_microbatch_mask(settings):  # this micro-batch on this rank only
@@ -641,7 +697,7 @@ class MegatronActor:
             tis = tis_weights(behav, mb.engine_logprobs.to(logp.dtype), a.tis_cap)
         loss, lm = compute_policy_loss(spec.name, logp, behav, adv, mb.loss_mask, denominator=denom, algo_cfg=a,
                                        keep=keep, seq_index=mb.seq_index, tis_weight=tis,
-                                       seq_group=self.cp_group if self.cp_size > 1 else None,
+                                       seq_group=nontrivial(self.pg.cp),
                                        num_seqs=len(mb.sample_index), stash=stash)
         metrics.update(lm)
         mask = mb.loss_mask.to(logp.dtype)
@@ -667,20 +723,15 @@ class MegatronActor:
         """Metrics of one update: reduced on the last stage's DP x CP group as each record declares,
         then shared with the other pipeline stages."""
         from megatron_m2po.algo.metrics import reduce_metrics
-
         out: dict[str, float] = {}
         if self.is_last_stage:
-            out = reduce_metrics(records, group=self.dpcp_group if self.dpcp_size > 1 else None)
+            out = reduce_metrics(records, group=nontrivial(self.pg.dp_cp))
             out.update(prepass_metrics)
             if "loss/kl" in out:
                 from megatron_m2po.algo.kl import penalty_share
 
                 out["ref/penalty_share"] = penalty_share(out)
-        if self.pp_size > 1:
-            obj = [out]
-            dist.broadcast_object_list(obj, src=self.last_stage_rank, group=self.pp_group)
-            out = obj[0]
-        out = dict(out)
+        out = dict(self._from_last_stage(out))
         if grad_norm is not None:
             out["optim/grad_norm"] = float(grad_norm)
         out["optim/lr"] = float(self.optimizer.param_groups[0]["lr"])
@@ -705,28 +756,6 @@ class MegatronActor:
         from megatron_m2po.actor.model import iter_hf_weights
 
         return iter_hf_weights(self.chunks, self.bridge)
-
-    def stage_layout(self):
-        """This rank's part in a weight push from every stage (``hf_export.StageLayout``)."""
-        from megatron_m2po.actor.hf_export import stage_layout
-
-        return stage_layout()
-
-    def iter_stage_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """``(hf_name, full tensor)`` of this rank's pipeline stage only, tensor-parallel shards gathered
-        within the stage; empty on ranks that do not export (data-parallel replicas after the first)."""
-        from megatron_m2po.actor.hf_export import iter_stage_hf_weights
-
-        if not self.stage_layout().exports:
-            return iter(())
-        return iter_stage_hf_weights(self.chunks, self.bridge)
-
-    def export_hf(self, path: str) -> None:
-        """HF safetensors + config + tokenizer files of the current weights; every pipeline stage
-        writes its own shards (collective: all ranks call it)."""
-        from megatron_m2po.actor.hf_export import export_hf_stages
-
-        export_hf_stages(self.chunks, self.bridge, path)
 
     def save_checkpoint(self, path: str, extra_state: Optional[dict] = None) -> None:
         """Atomic checkpoint (weights, optimizer, RNG, version, ``extra_state``); updates ``<parent>/latest``."""

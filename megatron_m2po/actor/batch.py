@@ -38,7 +38,7 @@ class Sample:
             (``store.types.Trajectory``), replayed by the forward with ``algo.routing_replay=rollout``
             (``actor/routing_replay.py``). Kept compact all the way to the router: 48 layers x top-8
             are 384 B a token in uint8 against 3 KB in int64, and a step's samples travel to every
-            rank (``trainer/rank0.py``); only the targets of one layer of one micro-batch are widened.
+            rank (``parallel/rank0.py``); only the targets of one layer of one micro-batch are widened.
     """
 
     uid: str

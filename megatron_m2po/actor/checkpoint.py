@@ -122,11 +122,11 @@ def save_checkpoint(actor, path: str, extra_state: dict[str, Any]) -> None:
     if rank == 0:
         meta = {"format": _FORMAT, "version": actor.version, "scheduler": actor.scheduler.state_dict(),
                 "adam_step": _adam_step(actor.optimizer),
-                "world_size": dist.get_world_size(), "tensor_parallel": actor.tp_size,
-                "pipeline_parallel": actor.pp_size, "hf_path": actor.cfg.model.hf_path,
+                "world_size": dist.get_world_size(), "tensor_parallel": dist.get_world_size(actor.pg.tp),
+                "pipeline_parallel": dist.get_world_size(actor.pg.pp), "hf_path": actor.cfg.model.hf_path,
                 "expert_layout": _expert_layout(actor),
                 # the previous update's metrics: mask_strategy=auto's choice (the same on every rank)
-                "mask_hint": actor._mask_hint}
+                "mask_hint": actor.mask_hint}
         (tmp / "actor.json").write_text(json.dumps(meta, indent=1))
         (tmp / "extra_state.json").write_text(extra_json)
     fault_point("checkpoint_write")  # <name>.tmp complete, not renamed: a crash here keeps the previous `latest`
@@ -287,7 +287,7 @@ def load_checkpoint(actor, path: str, *, model_only: bool = False) -> dict[str, 
     _restore_adam_steps(actor.optimizer, meta.get("adam_step"))
     actor.scheduler.load_state_dict(meta["scheduler"])
     actor.version = int(meta["version"])
-    actor._mask_hint = meta.get("mask_hint")
+    actor.mask_hint = meta.get("mask_hint")
     rng_file = ckpt / "rng" / f"rank_{dist.get_rank()}.pt"
     if rng_file.is_file() and meta.get("world_size") == dist.get_world_size():
         _set_rng_state(torch.load(rng_file, weights_only=False))

@@ -43,6 +43,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 __all__ = ["LocalGroupedMLP"]
@@ -84,15 +85,17 @@ class _GroupedWeights(torch.nn.Module):
         if metadata.get("singleton_local_shards", False):
             raise NotImplementedError("singleton_local_shards checkpoints of the local-spec experts")
         n = len(self._parameters)
-        ep_size, ep_rank = self._groups.ep.size(), self._groups.ep.rank()
+        groups = self._groups
+        ep_size, ep_rank = dist.get_world_size(groups.ep), dist.get_rank(groups.ep)
+        expt_dp_rank = dist.get_rank(groups.expt_dp)
         out = {}
         for i in range(n):
             offsets = (*sharded_offsets, (len(sharded_offsets), ep_rank * n + i, ep_size * n))
             sub = make_sharded_tensors_for_checkpoint(
                 {"weight": getattr(self, f"weight{i}")}, prefix, {"weight": self._partition_dim}, offsets,
-                tp_group=self._groups.expt_tp, dp_cp_group=metadata["dp_cp_group"])
+                tp_group=groups.expt_tp, dp_cp_group=metadata["dp_cp_group"])
             sh = sub[f"{prefix}weight"]
-            sh.replica_id = (*sh.replica_id[:2], self._groups.expt_dp.rank())  # replication along DP modulo EP
+            sh.replica_id = (*sh.replica_id[:2], expt_dp_rank)  # replication along DP modulo EP
             out[f"{prefix}weight{i}"] = sh
         return out
 
@@ -138,7 +141,7 @@ class LocalGroupedMLP(torch.nn.Module):
 
         out = {}
         n = self.num_local_experts
-        ep_size, ep_rank = self._pg.ep.size(), self._pg.ep.rank()
+        ep_size, ep_rank = dist.get_world_size(self._pg.ep), dist.get_rank(self._pg.ep)
         for name, module in (("linear_fc1", self.linear_fc1), ("linear_fc2", self.linear_fc2)):
             sub = module.sharded_state_dict(f"{name}.", sharded_offsets, metadata)
             if name == "linear_fc1" and self.config.gated_linear_unit:

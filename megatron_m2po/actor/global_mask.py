@@ -10,22 +10,29 @@ provisional one. The token dump (``trainer/token_dump.py``) and the tests read u
 update (``algo.m2po.mask_strategy``): which strategy (``choose``), the forward-only pre-pass
 (``prepass``), or the provisional guess per micro-batch (``guess``) followed by the exact
 selection and the correction forward-backward (``correct``, ``actor/mask_correction.py`` says why it
-is exact). It uses the actor's schedules and process groups; the layout-free parts live in
-``actor/mask_correction.py``.
+is exact). The layout-free parts live in ``actor/mask_correction.py``.
+
+:class:`MaskHost` is everything :class:`GlobalMask` uses of the actor: its config and process
+groups, the previous update's metrics, the observer hook, its micro-batching, and three passes
+(run Megatron's schedule over micro-batches, log-probs from the last stage's hidden states, a
+forward-only log-prob pass). ``MegatronActor`` implements it with public members; the frozen reference
+(``actor/reference.py``) uses the same passes. A strategy built on this interface (for
+example a LoRA or colocated actor's) needs nothing else from the actor.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Any, Callable, Optional, Protocol
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from megatron_m2po.actor.batch import BatchPlan, MicroBatch, group_microbatches
+from megatron_m2po.parallel.groups import last_rank, nontrivial
 
-__all__ = ["TokenRecord", "GlobalMask"]
+__all__ = ["TokenRecord", "MaskHost", "GlobalMask"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -52,19 +59,73 @@ class TokenRecord:
     keep: Optional[torch.Tensor]
 
 
+class MaskHost(Protocol):
+    """What the global-mask steps need from the actor (``MegatronActor`` is one).
+
+    Attributes:
+        cfg: the actor's config sections (``ActorConfig``: ``algo``, ``model``, ``parallel``).
+        pg: Megatron-Core's ``ProcessGroupCollection`` of the layout (``parallel/groups.py``);
+            the steps reduce over ``dp_cp`` (the mask), ``cp`` (the differences of a sequence),
+            ``pp`` (the cuts, to every stage) and ``dp`` (the correction count under EP).
+        device: where micro-batches and their tensors live.
+        version: the weight version the update trains from.
+        mask_hint: the previous update's reduced metrics (None before the first), which
+            ``mask_strategy=auto`` decides on.
+        token_hook: the observer of training updates (:class:`TokenRecord`), or None.
+        is_last_stage: whether this rank holds the last pipeline stage (the one with losses).
+        schedule_multiple: what a training pass's micro-batch count must be a multiple of.
+    """
+
+    cfg: Any
+    pg: Any
+    device: Any
+    version: int
+    mask_hint: Optional[dict[str, float]]
+    token_hook: Optional[Callable[[TokenRecord], None]]
+
+    @property
+    def is_last_stage(self) -> bool: ...
+
+    @property
+    def schedule_multiple(self) -> int: ...
+
+    def pad_multiples(self) -> tuple[int, int]:
+        """``(pad_multiple, seq_multiple)`` of this layout's micro-batches."""
+
+    def make_microbatches(self, samples, groups: list[list[int]], response_lengths=None) -> list[MicroBatch]:
+        """Micro-batches of ``samples`` grouped as ``groups``, padded and cut for this rank, on the device."""
+
+    def run_schedule(self, mbs: list[MicroBatch], loss_fn, *, forward_only: bool,
+                     models: Optional[list] = None) -> list[Any]:
+        """Megatron's schedule over ``mbs`` with ``loss_fn(mb, model, hidden)``; gradients of a
+        training pass stay unfinalised (the update finalises them once)."""
+
+    def token_logprobs(self, mb: MicroBatch, model, hidden: torch.Tensor, with_entropy: bool):
+        """``(logp, entropy)`` of the response tokens of ``mb`` from last-stage hidden states."""
+
+    def forward_logprobs(self, mbs: list[MicroBatch], with_entropy: bool) -> list[dict]:
+        """Forward-only ``{"logp", "entropy"}`` per micro-batch (last stage; ``[]`` elsewhere)."""
+
+
 class GlobalMask:
     """The global-mask steps of one actor's updates. Collective where the actor's passes are:
-    every rank of the job calls the same methods in the same order."""
+    every rank of the job calls the same methods in the same order.
 
-    def __init__(self, actor) -> None:
+    Args:
+        actor: the :class:`MaskHost` whose updates take the mask.
+        moe: whether the model is a mixture of experts (its router's auxiliary losses rule the
+            correction out, :meth:`choose`).
+    """
+
+    def __init__(self, actor: MaskHost, *, moe: bool = False) -> None:
         self.actor = actor
+        self.moe = moe
 
     def choose(self, spec, settings) -> Optional[str]:
         """How this update takes the global mask: None (the loss takes none), "prepass" or
         "correct" (``algo.m2po.mask_strategy``; ``mask_correction.choose_strategy``). The same on
         every rank (a function of config and the previous update's reduced metrics)."""
         from megatron_m2po.actor.mask_correction import choose_strategy
-        from megatron_m2po.actor.model import is_moe
 
         if not spec.needs_global_mask_prepass(settings):
             return None
@@ -77,7 +138,7 @@ class GlobalMask:
         a = self.actor
         m = a.cfg.model
         moe = m.moe
-        if (moe.aux_loss_coeff > 0 or moe.z_loss_coeff > 0) and is_moe(a.bridge.hf_config):
+        if (moe.aux_loss_coeff > 0 or moe.z_loss_coeff > 0) and self.moe:
             # the router's auxiliary losses add their gradient in every forward-backward: a
             # correction pass would add it again for the sequences it re-runs
             if configured == "correct":
@@ -85,7 +146,7 @@ class GlobalMask:
                                  f"z_loss_coeff={moe.z_loss_coeff}: the correction pass would add the router's "
                                  "auxiliary loss gradient a second time; use prepass or set both to 0")
             return "prepass"
-        return choose_strategy(configured, a._mask_hint, recompute=a.cfg.parallel.recompute,
+        return choose_strategy(configured, a.mask_hint, recompute=a.cfg.parallel.recompute,
                                dropout=m.attention_dropout > 0 or m.hidden_dropout > 0)
 
     def prepass(self, mbs: list[MicroBatch], spec, settings, plan: BatchPlan, records: list[dict], *,
@@ -98,7 +159,7 @@ class GlobalMask:
         strategy would have recomputed (``mask/*``, from the same log-ratios), which ``auto`` reads.
         """
         a = self.actor
-        outs = a._forward_logprobs(mbs, with_entropy=False)
+        outs = a.forward_logprobs(mbs, with_entropy=False)
         if not a.is_last_stage:
             return [None] * len(mbs), {}
         c = a.cfg.algo.logratio_clamp
@@ -126,7 +187,7 @@ class GlobalMask:
         order = torch.cat([mb.token_index for mb in mbs])
         keep, metrics = spec.token_mask(
             torch.cat(deltas), torch.cat([mb.advantages for mb in mbs]), torch.cat([mb.loss_mask for mb in mbs]),
-            order_key=order, group=a.dpcp_group if a.dpcp_size > 1 else None, settings=settings)
+            order_key=order, group=nontrivial(a.pg.dp_cp), settings=settings)
         return list(torch.split(keep, [mb.num_tokens for mb in mbs])), {k: float(m.value) for k, m in metrics.items()}
 
     def stats(self, mbs: list[MicroBatch], guess: list[torch.Tensor], keeps: list[torch.Tensor], plan: BatchPlan,
@@ -161,8 +222,8 @@ class GlobalMask:
         from megatron_m2po.actor.mask_correction import diff_by_sample
         from megatron_m2po.parallel.devices import collective_device
 
-        a = self.actor
-        if a.cp_size == 1:
+        cp = self.actor.pg.cp
+        if dist.get_world_size(cp) == 1:
             return diff_by_sample(mbs, guess, keeps)
         offsets = np.concatenate([[0], np.cumsum(np.asarray(plan.response_lengths, np.int64))])
         order = [i for mb in mbs for i in mb.sample_index]  # the same on every CP rank of a replica
@@ -172,9 +233,8 @@ class GlobalMask:
         for mb, g, k in zip(mbs, guess, keeps):
             shift = torch.tensor([base[i] - int(offsets[i]) for i in mb.sample_index], dtype=torch.int64)
             flat[mb.token_index.cpu() + shift[mb.seq_index.cpu()]] = (k.to(torch.int8) - g.to(torch.int8)).cpu()
-        dev = collective_device(a.cp_group)
-        total = flat.to(dev)
-        dist.all_reduce(total, group=a.cp_group)
+        total = flat.to(collective_device(cp))
+        dist.all_reduce(total, group=cp)
         parts = torch.split(total.cpu(), rlen.tolist())
         return {i: d for i, d in zip(order, parts) if bool(d.any())}
 
@@ -199,9 +259,10 @@ class GlobalMask:
                 for mb, p, k in zip(mbs, provisional, keeps):
                     a.token_hook(TokenRecord(a.version, "correct", mb, p["logp"], p["entropy"], k))
         cut = changed_lengths(diffs)
-        if a.pp_size > 1:  # the cuts of this replica's shard, to every stage (0 = unchanged)
-            t = torch.tensor([cut.get(i, 0) for i in mine], dtype=torch.int64, device=collective_device(a.pp_group))
-            dist.broadcast(t, src=a.last_stage_rank, group=a.pp_group)
+        pp = a.pg.pp
+        if dist.get_world_size(pp) > 1:  # the cuts of this replica's shard, to every stage (0 = unchanged)
+            t = torch.tensor([cut.get(i, 0) for i in mine], dtype=torch.int64, device=collective_device(pp))
+            dist.broadcast(t, src=last_rank(pp), group=pp)
             cut = {i: int(r) for i, r in zip(mine, t.tolist()) if r > 0}
         expert = a.cfg.parallel.expert_parallel > 1
         if not cut and not expert:
@@ -216,7 +277,7 @@ class GlobalMask:
                                     seq_multiple=seq_pad) if cut else []
         # (diffs: last stage only; other stages never compute a loss)
         weights = [torch.cat([diffs[i][:cut[i]] for i in g]) if a.is_last_stage else None for g in groups]
-        target = schedule_count(len(groups), a.pp_size if len(a.model) > 1 else 1)
+        target = schedule_count(len(groups), a.schedule_multiple)
         if expert:
             target = self.expert_count(target)
             if not target:
@@ -228,11 +289,11 @@ class GlobalMask:
         for i, sm in short.items():
             lengths[i] = sm.length
         fix = a.make_microbatches(short, groups, plan.response_lengths)
-        if a.cp_size > 1 and diffs:  # each CP rank weighs the tokens it holds of the cut sequences
+        if dist.get_world_size(a.pg.cp) > 1 and diffs:  # each CP rank weighs the tokens it holds of the cut sequences
             offsets = np.concatenate([[0], np.cumsum(np.asarray(plan.response_lengths, np.int64))])
             weights = [_held(w, g, mb, offsets, cut) for w, g, mb in zip(weights, groups, fix)]
         it = iter([None if w is None else w.to(a.device) for w in weights])
-        a._run(fix, lambda mb, model, hidden: self.correction_loss(
+        a.run_schedule(fix, lambda mb, model, hidden: self.correction_loss(
             mb, model, hidden, next(it), spec=spec, denom=denom, records=records), forward_only=False)
         return metrics
 
@@ -252,11 +313,11 @@ class GlobalMask:
         stage takes the same maximum. A rank with nothing to correct joins with zero-weight fillers."""
         from megatron_m2po.parallel.devices import collective_device
 
-        a = self.actor
-        if a.dp_size == 1:
+        dp = self.actor.pg.dp
+        if dist.get_world_size(dp) == 1:
             return n
-        t = torch.tensor([n], dtype=torch.int64, device=collective_device(a.dp_group))
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=a.dp_group)
+        t = torch.tensor([n], dtype=torch.int64, device=collective_device(dp))
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=dp)
         return int(t[0])
 
     def correction_loss(self, mb: MicroBatch, model, hidden: torch.Tensor, weight: Optional[torch.Tensor], *,
@@ -271,7 +332,7 @@ class GlobalMask:
 
         a = self.actor
         algo = a.cfg.algo
-        logp, _ = a._token_logprobs(mb, model, hidden, with_entropy=False)
+        logp, _ = a.token_logprobs(mb, model, hidden, with_entropy=False)
         behav, adv = mb.behav_logprobs.to(logp.dtype), mb.advantages.to(logp.dtype)
         tis = None
         if algo.tis and mb.engine_logprobs is not None:

@@ -25,7 +25,6 @@ splitting; this module adds what it lacks:
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import shutil
 from pathlib import Path
@@ -47,7 +46,6 @@ __all__ = [
     "build_model",
     "output_weight",
     "iter_hf_weights",
-    "export_hf",
     "TOKENIZER_FILES",
 ]
 
@@ -367,32 +365,6 @@ def iter_hf_weights(chunks, bridge) -> Iterator[tuple[str, torch.Tensor]]:
             continue
         seen.add(name)
         yield name, tensor.detach()
-
-
-def export_hf(chunks, bridge, out_dir: str, *, tokenizer_src: Optional[str] = None) -> None:
-    """Write HF safetensors + config (+ tokenizer files from ``tokenizer_src``); rank 0 writes.
-
-    Collective (every rank calls it). The directory is complete when ``config.json`` exists: weights
-    are written first, into a temporary sibling directory that is renamed at the end.
-    """
-    from safetensors.torch import save_file
-
-    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-    tensors = {}
-    for name, t in iter_hf_weights(chunks, bridge):
-        if rank == 0:
-            tensors[name] = t.to("cpu", copy=True).contiguous()
-    if rank != 0:
-        return
-    out = Path(out_dir)
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    with open(tmp / "model.safetensors.index.json", "w") as f:
-        json.dump({"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
-                   "weight_map": {k: "model.safetensors" for k in sorted(tensors)}}, f, indent=1)
-    publish_hf_dir(tmp, out, bridge, tokenizer_src)
 
 
 def publish_hf_dir(tmp: Path, out: Path, bridge, tokenizer_src: Optional[str]) -> None:

@@ -6,7 +6,8 @@ checkpoint: a resumed run keeps the same reference), so it has the actor's layou
 TP / PP / VPP / CP / EP shards on the same Megatron parallel groups, the same layer spec and
 precision -- with ``requires_grad=False``, in eval mode, with no DDP wrapper, gradient buffer or
 optimizer state. Its log-probs come from the actor's own schedule and fused vocab-parallel
-log-prob path (``MegatronActor._run`` / ``_token_logprobs``, ``parallel/logprobs.py``) over the
+log-prob path (the actor's ``run_schedule`` / ``token_logprobs``, the passes of its
+``global_mask.MaskHost`` interface; ``parallel/logprobs.py``) over the
 *same micro-batches* as the policy's forward-backward, so every layout and micro-batching gives
 the same reference log-probs as the policy path gives policy log-probs.
 
@@ -73,19 +74,20 @@ class FrozenReference:
 
     def logprobs(self, actor, mbs: list) -> list[Optional[torch.Tensor]]:
         """Reference log-probs of the response tokens of each micro-batch in ``mbs`` (last
-        pipeline stage: one float tensor each, aligned with the actor's ``_token_logprobs`` of
-        the same micro-batch; other stages: ``None`` each). Collective over the actor's groups."""
+        pipeline stage: one float tensor each, aligned with the actor's ``token_logprobs`` of
+        the same micro-batch; other stages: ``None`` each). Collective over the actor's groups;
+        ``actor`` is a ``global_mask.MaskHost`` (its passes, device and stage are all it uses)."""
         if not mbs:
             return []
         self._load()
         try:
             def loss_fn(mb, model, hidden):
-                logp, _ = actor._token_logprobs(mb, model, hidden, with_entropy=False)
+                logp, _ = actor.token_logprobs(mb, model, hidden, with_entropy=False)
                 return (torch.zeros((), device=actor.device), torch.tensor(mb.num_tokens, dtype=torch.int),
                         logp.detach())
 
             with torch.no_grad():
-                out = actor._run(mbs, loss_fn, forward_only=True, models=self.chunks)
+                out = actor.run_schedule(mbs, loss_fn, forward_only=True, models=self.chunks)
         finally:
             self._offload()
         return list(out) if actor.is_last_stage else [None] * len(mbs)

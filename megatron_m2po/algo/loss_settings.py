@@ -1,26 +1,24 @@
 """Settings of the built-in policy losses: the config sections ``algo.m2po``, ``algo.grpo``,
 ``algo.gspo``, ``algo.cispo``, ``algo.icepop``, ``algo.mis``, ``algo.areal_m2po``, ``algo.vcpo``
-(``megatron_m2po.config.AlgoConfig``), and ``algo.kl``, the reference-model KL term every loss takes.
+(``megatron_m2po.algo.settings.AlgoConfig``), and ``algo.kl``, the reference-model KL term every loss takes.
 
 Each loss owns its dataclass; the loss registry (``algo/registry.py``) names it in the loss's
 :class:`~megatron_m2po.algo.registry.LossSpec`. Fields carry ``help`` and numeric ranges
 (``ge``/``gt``/``le``/``lt``) in their metadata, which the config loader enforces; ``check()``
-holds the cross-field rules (ValueError naming the keys). No torch and no config import here,
-so that ``config.py`` can build its tree from these classes without an import cycle.
+holds the cross-field rules (ValueError naming the keys). No torch and no config import here
+(only the settings machinery of ``utils/settings.py``), so that ``algo/settings.py`` and
+``config.py`` can build the tree from these classes without an import cycle.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Literal, Optional
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+from megatron_m2po.utils.settings import setting as _f
 
 __all__ = ["M2POConfig", "GRPOConfig", "GSPOConfig", "CISPOConfig", "IcePopConfig", "MISConfig", "AReaLM2POConfig",
            "VCPOConfig", "KLConfig", "KL_ESTIMATORS"]
-
-
-def _f(default: Any, *, help: str, ge: float | None = None, gt: float | None = None, le: float | None = None,
-       lt: float | None = None) -> Any:
-    return field(default=default, metadata={"help": help, "ge": ge, "gt": gt, "le": le, "lt": lt})
 
 
 @dataclass

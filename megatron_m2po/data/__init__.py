@@ -11,46 +11,26 @@ Trainer-facing API (contracts in :mod:`megatron_m2po.data.dataset`)::
 
 Templates: :data:`PAPER_TEMPLATE` (docs/design.md §3), "chat", "raw", "synthetic"
 (:mod:`megatron_m2po.data.templates`); the synthetic task's canonical response format is
-:func:`synthetic_response` (prompt ``"3+14-2="``, response ``"\\boxed{15}"``).
-"""
+:func:`synthetic_response` (prompt ``"3+14-2="``, response ``"\boxed{15}"``).
 
-from megatron_m2po.data.dataset import (
-    SYNTHETIC_EVAL_NAME,
-    PromptDataset,
-    PromptItem,
-    build_eval_sets,
-    build_prompt_dataset,
-    make_items,
-)
-from megatron_m2po.data.io import PromptRow, load_rows, validate_rows, write_jsonl
-from megatron_m2po.data.synthetic import SyntheticTask, evaluate_expression, synthetic_splits
-from megatron_m2po.data.templates import (
-    PAPER_TEMPLATE,
-    SYNTHETIC_TEMPLATE,
-    TEMPLATES,
-    render_prompt,
-    synthetic_response,
-    tokenize_prompts,
-)
+The names below load their module on first use, so importing a section of the config
+(``data/settings.py``) does not import the whole package."""
 
-__all__ = [
-    "PromptItem",
-    "PromptDataset",
-    "build_prompt_dataset",
-    "build_eval_sets",
-    "make_items",
-    "SYNTHETIC_EVAL_NAME",
-    "PromptRow",
-    "load_rows",
-    "validate_rows",
-    "write_jsonl",
-    "SyntheticTask",
-    "evaluate_expression",
-    "synthetic_splits",
-    "PAPER_TEMPLATE",
-    "SYNTHETIC_TEMPLATE",
-    "TEMPLATES",
-    "render_prompt",
-    "synthetic_response",
-    "tokenize_prompts",
-]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_WHERE = {
+    **{n: "dataset" for n in ('PromptItem', 'PromptDataset', 'build_prompt_dataset', 'build_eval_sets', 'make_items', 'SYNTHETIC_EVAL_NAME')},
+    **{n: "io" for n in ('PromptRow', 'load_rows', 'validate_rows', 'write_jsonl')},
+    **{n: "synthetic" for n in ('SyntheticTask', 'evaluate_expression', 'synthetic_splits')},
+    **{n: "templates" for n in ('PAPER_TEMPLATE', 'SYNTHETIC_TEMPLATE', 'TEMPLATES', 'render_prompt', 'synthetic_response', 'tokenize_prompts')},
+}
+__all__ = list(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)

@@ -76,7 +76,8 @@ def plan_arena(config: str, overrides: Sequence[str], *, k: Optional[int] = None
                out: Optional[str] = None, fast: bool = False) -> tuple[list[ArmRun], dict[str, Any]]:
     """The arena's runs (nothing runs): ``arms`` of :func:`arena_variants` (default all), each
     ``updates`` optimizer updates long at ``seeds`` seeds."""
-    from megatron_m2po.config import ConfigError, load_config
+    from megatron_m2po.config import load_config
+    from megatron_m2po.utils.settings import ConfigError
 
     k = k if k is not None else (FAST_K if fast else ARENA_K)
     updates = updates if updates is not None else (FAST_UPDATES if fast else ARENA_UPDATES)

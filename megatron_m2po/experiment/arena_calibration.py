@@ -27,7 +27,8 @@ CALIBRATION_DIR = "calibration"
 def plan_calibration(config: str, base_overrides: Sequence[str], *, k: int, lrs: Sequence[float],
                      stale_updates: int, out: Path, target: float) -> tuple[list[ArmRun], dict[str, Any]]:
     """GRPO s=k at each lr of ``lrs`` for ``k + stale_updates`` updates (rounded up to whole steps)."""
-    from megatron_m2po.config import ConfigError, load_config
+    from megatron_m2po.config import load_config
+    from megatron_m2po.utils.settings import ConfigError
 
     if not lrs or any(lr <= 0 for lr in lrs) or len(set(lrs)) != len(lrs):
         raise ConfigError(f"--calibrate-lr={','.join(f'{x:g}' for x in lrs)}: give distinct learning rates > 0, "

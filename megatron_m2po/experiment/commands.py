@@ -66,7 +66,8 @@ def _base(config: str, overrides: Sequence[str], fast: bool) -> list[str]:
 
 
 def _default_k(config: str, base: list[str], k: Optional[int], fast: bool) -> int:
-    from megatron_m2po.config import ConfigError, load_config
+    from megatron_m2po.config import load_config
+    from megatron_m2po.utils.settings import ConfigError
 
     if k is None:
         k = FAST_K if fast else load_config(config, base).trainer.stale_k
@@ -78,7 +79,7 @@ def _default_k(config: str, base: list[str], k: Optional[int], fast: bool) -> in
 def plan(config: str, overrides: Sequence[str], arms: Sequence[str], k: Optional[int], out: Optional[str],
          fast: bool, seeds: int = 1) -> tuple[list[ArmRun], dict[str, Any]]:
     """The staleness experiment's runs: the chosen arms of :data:`ARMS` at staleness ``k``."""
-    from megatron_m2po.config import ConfigError
+    from megatron_m2po.utils.settings import ConfigError
 
     unknown = [a for a in arms if a not in ARMS]
     if unknown or not arms:
@@ -92,7 +93,7 @@ def plan(config: str, overrides: Sequence[str], arms: Sequence[str], k: Optional
 def plan_staleness_sweep(config: str, overrides: Sequence[str], ks: Sequence[int], out: Optional[str], fast: bool,
                          seeds: int = 1, loss: str = "grpo") -> tuple[list[ArmRun], dict[str, Any]]:
     """GRPO (or ``loss``) at each staleness of ``ks`` (paper Fig. 2)."""
-    from megatron_m2po.config import ConfigError
+    from megatron_m2po.utils.settings import ConfigError
 
     if not ks or any(k < 0 for k in ks) or len(set(ks)) != len(ks):
         raise ConfigError(f"--ks={','.join(map(str, ks))}: give distinct staleness values >= 0, e.g. 0,4,8,16,32")
@@ -106,7 +107,7 @@ def plan_staleness_sweep(config: str, overrides: Sequence[str], ks: Sequence[int
 def plan_threshold_sweep(config: str, overrides: Sequence[str], thresholds: Sequence[float], k: Optional[int],
                          out: Optional[str], fast: bool, seeds: int = 1) -> tuple[list[ArmRun], dict[str, Any]]:
     """M2PO at staleness ``k`` with each threshold τ of ``thresholds`` (paper Fig. 7)."""
-    from megatron_m2po.config import ConfigError
+    from megatron_m2po.utils.settings import ConfigError
 
     if not thresholds or any(t <= 0 for t in thresholds) or len(set(thresholds)) != len(thresholds):
         raise ConfigError(f"--thresholds={','.join(map(str, thresholds))}: give distinct values > 0, "

@@ -128,7 +128,8 @@ class ArmRun:
     @property
     def tag(self) -> str:
         """Short name for progress lines: the arm, and the seed when the arm has several."""
-        return self.arm.name + (f"/seed {self.seed}" if self.run_dir.name.startswith("seed_") else "")
+        seeded = Path(self.run_dir).name.startswith("seed_")  # the arm runs several seeds
+        return self.arm.name + (f"/seed {self.seed}" if seeded else "")
 
     @property
     def done_file(self) -> Path:
@@ -343,7 +344,8 @@ def plan_runs(config: str, base_overrides: Sequence[str], variants: Sequence[Var
     ``base_overrides`` apply to every run (the experiment's and the user's, in that order);
     ``spec`` is merged into the returned experiment description.
     """
-    from megatron_m2po.config import ConfigError, load_config
+    from megatron_m2po.config import load_config
+    from megatron_m2po.utils.settings import ConfigError
 
     if seeds < 1:
         raise ConfigError(f"--seeds={seeds}: run each arm at least once")

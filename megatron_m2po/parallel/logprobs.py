@@ -56,7 +56,6 @@ be in ``[0, vocab_size)``; anything else raises ``ValueError``.
 
 How the actor calls it (Megatron-Core ``GPTModel`` on the last pipeline stage)::
 
-    from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
     from megatron.core.tensor_parallel.utils import VocabUtility
 
@@ -69,14 +68,14 @@ How the actor calls it (Megatron-Core ``GPTModel`` on the last pipeline stage)::
     # 2. Keep response rows only: position i predicts token i + 1.
     weight = (model.shared_embedding_or_output_weight()     # = actor.model.output_weight(model)
               if model.share_embeddings_and_output_weights else model.output_layer.weight)
-    tp_rank, tp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+    tp_rank, tp_size = pg.tp.rank(), pg.tp.size()   # pg: the actor's ProcessGroupCollection
     vocab_start, _ = VocabUtility.vocab_range_from_per_partition_vocab_size(
         weight.shape[0], tp_rank, tp_size)     # = tp_rank * V_padded / TP
     logp, entropy = fused_logprobs_entropy(
         hidden_rows,                # [T, H], response positions only, flattened over the batch
         weight,                     # [V_padded / TP, H], bf16 on GPU
         target_ids,                 # [T] int64, the next tokens
-        tp_group=ps.get_tensor_model_parallel_group(),
+        tp_group=pg.tp,
         vocab_start=vocab_start,
         vocab_size=hf_config.vocab_size,   # true vocab; excludes Megatron's padding
         chunk_rows=1024,

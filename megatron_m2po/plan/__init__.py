@@ -9,13 +9,14 @@ The command is registered by :mod:`megatron_m2po.plan.search` (``register`` / ``
 extends the memory module's parser with ``--search``.
 """
 
-from megatron_m2po.plan.memory import (MODELS, GiB, Layout, LayoutPlan, ModelShape, PlanError, StageMemory,
-                                       estimate, layout_from_config, model_shape, plan, plan_from_config,
-                                       stage_params)
+from megatron_m2po.plan.memory import (MODELS, GiB, Layout, LayoutPlan, MemoryPlanError, MemoryRefusal, ModelShape,
+                                       PlanError, StageMemory, estimate, layout_from_config, model_shape, plan,
+                                       plan_from_config, stage_params)
 from megatron_m2po.plan.search import (Candidate, CostModel, SearchResult, Workload, packing_of,
                                        parallel_section, search_config, step_time)
 
-__all__ = ["MODELS", "GiB", "Layout", "LayoutPlan", "ModelShape", "PlanError", "StageMemory", "estimate",
-           "layout_from_config", "model_shape", "plan", "plan_from_config", "stage_params", "Candidate",
+__all__ = ["MODELS", "GiB", "Layout", "LayoutPlan", "MemoryPlanError", "MemoryRefusal", "ModelShape", "PlanError",
+           "StageMemory", "estimate", "layout_from_config", "model_shape", "plan", "plan_from_config", "stage_params",
+           "Candidate",
            "CostModel", "SearchResult", "Workload", "packing_of", "parallel_section", "search_config",
            "step_time"]

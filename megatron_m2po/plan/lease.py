@@ -2,7 +2,7 @@
 
 Rank 0 leases a training step and sends every rank the samples of its data-parallel shard, with
 the plans of the step's optimizer mini-batches (``trainer/batching.py`` ``shard_step``,
-``trainer/rank0.py`` ``scatter_from_rank0``). The part travels pickled through a uint8 tensor on
+``parallel/rank0.py`` ``scatter_from_rank0``). The part travels pickled through a uint8 tensor on
 the default group's device, the GPU under NCCL: rank 0 stages one part at a time, every other
 rank a buffer of its own part (every stage, TP and CP rank of a replica receives the whole shard).
 So every stage holds one part transiently before the step's first forward, and the planner adds

@@ -58,17 +58,45 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from megatron_m2po.config import Config, ConfigError, load_config
+from megatron_m2po.config import Config, load_config
+from megatron_m2po.utils.settings import ConfigError
 from megatron_m2po.plan import lease, moe, routing
 
 GiB = 1024 ** 3
 
-__all__ = ["ModelShape", "MODELS", "Layout", "StageMemory", "LayoutPlan", "PlanError", "model_shape",
+__all__ = ["ModelShape", "MODELS", "Layout", "StageMemory", "LayoutPlan", "PlanError", "MemoryRefusal",
+           "MemoryPlanError", "model_shape",
            "estimate", "plan", "plan_from_config", "stage_params", "resolve_model", "config_of", "register", "run"]
 
 
 class PlanError(ValueError):
     """The layout cannot run: the message names the limit and what to change."""
+
+
+@dataclass(frozen=True)
+class MemoryRefusal:
+    """The memory check's refusal in figures, so that a caller (a test, a search ranking rejects)
+    reads numbers instead of parsing :attr:`message`, the text ``m2po plan`` prints.
+
+    ``cause`` is the term the suggested fix is about: ``weights`` (weights + fp32 gradients exceed
+    the budget on their own), ``optimizer`` (unsharded optimizer states), ``states`` (weights +
+    gradients + optimizer states), ``logits`` or ``activations``; ``figure`` is that term's bytes,
+    the number the message quotes first after the cause."""
+
+    stage: int
+    need: float     # bytes the stage needs
+    budget: float   # bytes one GPU gives the trainer
+    cause: str
+    figure: float
+    message: str
+
+
+class MemoryPlanError(PlanError):
+    """A layout refused for memory: :attr:`refusal` holds the figures of the message."""
+
+    def __init__(self, message: str, refusal: "MemoryRefusal") -> None:
+        super().__init__(message)
+        self.refusal = refusal
 
 
 # ------------------------------------------------------------------------------------------------
@@ -316,6 +344,7 @@ class LayoutPlan:
     errors: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    refusal: Optional[MemoryRefusal] = None  # the memory check's error of ``errors``, in figures
 
     @property
     def worst(self) -> StageMemory:
@@ -326,6 +355,8 @@ class LayoutPlan:
         return not self.errors
 
     def raise_if_infeasible(self) -> "LayoutPlan":
+        if self.errors and self.refusal is not None:
+            raise MemoryPlanError("; ".join(self.errors), self.refusal)
         if self.errors:
             raise PlanError("; ".join(self.errors))
         return self
@@ -495,7 +526,8 @@ def plan(m: ModelShape, lay: Layout) -> LayoutPlan:
     worst = p.worst
     budget = lay.budget_gib * GiB
     if worst.total > budget:
-        p.errors.append(_memory_message(worst, lay, budget, experts=m.is_moe))
+        p.refusal = _memory_refusal(worst, lay, budget, experts=m.is_moe)
+        p.errors.append(p.refusal.message)
     return p
 
 
@@ -503,25 +535,29 @@ def _g(x: float) -> str:
     return f"{x / GiB:.1f} GiB"
 
 
-def _memory_message(s: StageMemory, lay: Layout, budget: float, experts: bool = False) -> str:
+def _memory_refusal(s: StageMemory, lay: Layout, budget: float, experts: bool = False) -> MemoryRefusal:
     head = (f"stage {s.stage} needs {_g(s.total)} > budget {_g(budget)}"
             + (f" ({lay.gpu_mem_gib:g} GiB GPU - {lay.reserved_gib:g} GiB for colocated engines)"
                if lay.reserved_gib else ""))
     states = s.weights + s.gradients + s.optimizer
     shard = lay.dp * lay.cp
     if s.weights + s.gradients + s.overhead > budget:
+        cause, figure = "weights", s.weights
         fix = (f"weights {_g(s.weights)} + fp32 gradients {_g(s.gradients)} exceed the budget on their own: raise "
                f"parallel.tensor_parallel or parallel.pipeline_parallel (they scale as 1/(tp*pp))"
                + ("; the experts' also as 1/(ep*etp): raise parallel.expert_parallel" if experts else ""))
     elif not lay.distributed_optimizer and (s.optimizer > 0.3 * budget or states + s.overhead > budget):
+        cause, figure = "optimizer", s.optimizer
         fix = (f"optimizer states {_g(s.optimizer)} > budget share: enable parallel.use_distributed_optimizer "
                f"(shards them over dp*cp = {shard}: {_g(s.optimizer / shard)}) or raise data parallel")
         if shard == 1:
             fix += "; with dp*cp = 1 only more tensor/pipeline parallelism helps"
     elif states + s.overhead > budget:
+        cause, figure = "states", states
         fix = (f"weights+gradients+optimizer states {_g(states)} exceed the budget: raise data parallel (the "
                f"distributed optimizer shards over dp*cp = {shard}) or tensor/pipeline parallelism")
     elif s.logits > 0.25 * budget:
+        cause, figure = "logits", s.logits
         fix = (f"logits {_g(s.logits)}: use the fused log-prob (fused_logprobs) or fewer tokens per micro-batch")
     else:
         hints = []
@@ -530,8 +566,10 @@ def _memory_message(s: StageMemory, lay: Layout, budget: float, experts: bool = 
         if lay.tp > 1 and not lay.sequence_parallel:
             hints.append("parallel.sequence_parallel=true")
         hints += ["fewer tokens per micro-batch (parallel.micro_batch_size)", "more tensor/pipeline parallelism"]
+        cause, figure = "activations", s.activations
         fix = f"activations {_g(s.activations)} ({s.in_flight} micro-batch(es) in flight): use " + ", ".join(hints)
-    return f"{head}; {fix}"
+    return MemoryRefusal(stage=s.stage, need=s.total, budget=budget, cause=cause, figure=figure,
+                         message=f"{head}; {fix}")
 
 
 # ------------------------------------------------------------------------------------------------

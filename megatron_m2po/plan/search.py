@@ -259,6 +259,124 @@ def cp_comm_time(m: ModelShape, lay: Layout, tokens_mb: float, attn_fwd_s: float
     return layers * fwd, layers * (forwards * fwd + bwd)
 
 
+@dataclass(frozen=True)
+class _MicroBatchWork:
+    """How one DP rank's share of an update splits into micro-batches, and one micro-batch's work on one GPU."""
+
+    n: int                  # micro-batches per update per data-parallel rank
+    tokens_all: float       # one micro-batch's tokens over all CP ranks
+    tokens: float           # this GPU's share (2 of 2 cp chunks per sequence)
+    attn_sq: float          # sum of L_i^2 over the micro-batch, / cp (causal work is balanced by the chunk pairing)
+
+
+def _micro_batch_work(lay: Layout, work: Workload, budget_k: int, cm: CostModel) -> _MicroBatchWork:
+    """Packed: the rank's mean tokens over budgets filled to ``pack_fill``; padded: ``budget_k``
+    sequences padded to the longest of them (``E[max of k]``)."""
+    seqs_rank = work.sequences / lay.dp
+    mean, sq, emax = _len_stats(work.seq_len, cm.mean_len_frac, budget_k)
+    n_mb = _micro_batches(work, lay.dp, budget_k, cm)
+    if work.packing:
+        tokens_mb = seqs_rank * mean / n_mb
+        attn_sq_mb = seqs_rank / n_mb * sq          # sum of L_i^2 over the micro-batch
+    else:
+        tokens_mb = budget_k * emax                 # k sequences padded to the longest
+        attn_sq_mb = budget_k * emax * emax
+    return _MicroBatchWork(n=n_mb, tokens_all=tokens_mb, tokens=tokens_mb / lay.cp, attn_sq=attn_sq_mb / lay.cp)
+
+
+def _micro_batch_times(m: ModelShape, lay: Layout, work: Workload, mb: _MicroBatchWork, cm: CostModel
+                       ) -> dict[str, float]:
+    """Seconds of one micro-batch's forward + backward on one GPU of the slowest (last) stage, by
+    component (``compute``, ``recompute``, ``tp_comm``, ``cp_comm``, ``ep_comm``, ``pp_comm``,
+    ``overhead``), and ``forward``: the same micro-batch forward only (the global mask's pre-pass)."""
+    tp, pp, cp, vpp = lay.tp, lay.pp, lay.cp, lay.vpp or 1
+    layers = m.layers / pp
+    h = m.hidden
+    tokens_mb = mb.tokens
+    # forward FLOPs on one GPU for one micro-batch (the last stage also runs the output layer)
+    # (norms are not matmuls; an MoE's expert GEMMs are in moe.comm_times, at their own efficiency)
+    dense_fwd = (moe.forward_flops(m, tokens_mb, tp, layers)[0] if m.is_moe
+                 else 2 * tokens_mb * m.matmul_params() * layers / tp)
+    # the slowest stage is the last: it runs the output layer, on response rows only
+    head_fwd = 2 * tokens_mb * work.response_frac * h * m.vocab / tp
+    attn_fwd = 2 * m.q_size * mb.attn_sq * layers / tp   # QK^T and AV, causal half
+    peak = cm.peak_tflops * 1e12
+    g_eff = cm.gemm_eff * tokens_mb / (tokens_mb + cm.gemm_half_tokens)
+    # forward + backward = 3 forwards for the GEMMs; the fused log-prob recomputes the logits in its
+    # backward (+1); flash attention's backward is 2.5 forwards (attention_train_s)
+    compute = (3 * dense_fwd + 4 * head_fwd) / (peak * g_eff) + attention_train_s(attn_fwd, cm)
+    recompute = recompute_time(lay.recompute, dense_fwd / (peak * g_eff), attn_fwd / (peak * cm.attn_eff))
+    ep_comm = expert_fwd = 0.0
+    if m.is_moe:
+        mt = moe.comm_times(m, lay, tokens_mb, layers, cm, lambda span: _bw(span, lay.gpus_per_node, cm))
+        compute += mt["expert_compute"]
+        recompute += mt["expert_recompute"]
+        ep_comm = mt["ep_comm"]
+        # the experts' forward and the forward all-to-alls
+        expert_fwd = mt["expert_compute"] / 3 + ep_comm / (3 if lay.recompute == "full" else 2)
+    # TP: 2 all-reduces (or all-gather + reduce-scatter with SP, same volume) per layer forward,
+    # 2 backward, 2 more in a full recompute; each moves T*h bf16 values.
+    tp_comm = 0.0
+    if tp > 1:
+        n_coll = layers * moe.tp_collectives_per_layer(m, lay.recompute == "full")
+        tp_comm = n_coll * 2 * (tp - 1) / tp * tokens_mb * h * 2 / _bw(tp, lay.gpus_per_node, cm)
+    cp_fwd, cp_comm = cp_comm_time(m, lay, mb.tokens_all, attn_fwd / (peak * cm.attn_eff), work.cp_comm_type, cm)
+    # PP: activations of the micro-batch forward and their gradient backward, per chunk boundary
+    pp_comm = 0.0
+    if pp > 1:
+        pp_comm = 2 * vpp * tokens_mb * h * 2 / _bw(tp * cp * lay.dp + 1, lay.gpus_per_node, cm)
+    overhead = cm.layer_overhead_s * layers
+    forward = ((dense_fwd + head_fwd) / (peak * g_eff) + attn_fwd / (peak * cm.attn_eff)
+               + (tp_comm / 2 if lay.recompute != "full" else tp_comm / 3) + cp_fwd
+               + pp_comm / 2
+               + overhead / 3)
+    if m.is_moe:
+        forward += expert_fwd
+    return {"compute": compute, "recompute": recompute, "tp_comm": tp_comm, "cp_comm": cp_comm, "ep_comm": ep_comm,
+            "pp_comm": pp_comm, "overhead": overhead, "forward": forward}
+
+
+def _mask_time(lay: Layout, work: Workload, n_mb: int, forward_mb: float, t_mb: float, cm: CostModel) -> float:
+    """M2PO's global mask: a forward-only pass over the mini-batch first (its own fill and drain),
+    or a forward-backward of the changed sequences after it (mask_correction_frac of the tokens,
+    packed into micro-batches of the same budget, one more fill and drain); auto takes the less."""
+    if not work.prepass:
+        return 0.0
+    pp, vpp = lay.pp, lay.vpp or 1
+    prepass = forward_mb * (n_mb + (pp - 1) / vpp)
+    redo = cm.mask_correction_frac * n_mb  # micro-batches' worth of tokens re-run
+    correct = t_mb * (redo + min(redo, 1.0) * (pp - 1) / vpp)
+    options = {"prepass": prepass, "correct": correct, "auto": min(prepass, correct)}
+    # (under expert parallelism every rank runs as many correction micro-batches as the one
+    # with the most, zero-weight fillers on the others: charged at the mean share, as above)
+    return options[work.mask_strategy]
+
+
+def _gradient_sync_and_optimizer(m: ModelShape, lay: Layout, cm: CostModel) -> tuple[float, float]:
+    """``(dp_comm, optimizer)`` seconds of one update on the stage with the most parameters.
+
+    DP: gradients (fp32) reduced over dp; the distributed optimizer reduce-scatters them and
+    all-gathers the bf16 parameters instead of one all-reduce."""
+    vocab_p = padded_vocab(m.vocab, lay.tp, lay.vocab_divisible_by)
+    params = max(stage_params(m, lay, i, vocab_p) for i in range(lay.pp))
+    dp_comm = 0.0
+    dpcp = lay.dp * lay.cp  # Megatron's DDP reduces gradients over data x context parallel ranks
+    if dpcp > 1:
+        bw = _bw(lay.tp * dpcp, lay.gpus_per_node, cm)
+        if lay.distributed_optimizer:
+            dp_comm = (dpcp - 1) / dpcp * params * (4 + lay.param_bytes) / bw
+        else:
+            dp_comm = 2 * (dpcp - 1) / dpcp * params * 4 / bw
+    # Adam: read grad, master, m, v (16 B), write master, m, v (12 B) and the bf16 weight
+    shard = dpcp if lay.distributed_optimizer else 1
+    optimizer = params / shard * (28 + lay.param_bytes) / (cm.hbm_gbs * 1e9)
+    if m.is_moe:  # expert parameters: over the expert data-parallel group
+        e_comm, e_opt = moe.expert_dp_times(m, lay, cm, lambda span: _bw(span, lay.gpus_per_node, cm))
+        dp_comm += e_comm
+        optimizer += e_opt
+    return dp_comm, optimizer
+
+
 def step_time(m: ModelShape, lay: Layout, work: Workload, budget_k: int, cm: CostModel = CostModel()
               ) -> tuple[int, dict[str, float]]:
     """Estimated seconds of one training step of ``work`` under ``lay`` (per-component breakdown).
@@ -273,99 +391,17 @@ def step_time(m: ModelShape, lay: Layout, work: Workload, budget_k: int, cm: Cos
     FLOPs; the price is the exposed part of the K/V exchange (``cp_comm``, :func:`cp_comm_time`)
     and gradients / optimizer states reduced and sharded over ``dp * cp``.
     """
-    tp, pp, dp, vpp, cp = lay.tp, lay.pp, lay.dp, lay.vpp or 1, lay.cp
-    seqs_rank = work.sequences / dp
-    mean, sq, emax = _len_stats(work.seq_len, cm.mean_len_frac, budget_k)
-    if work.packing:
-        tokens_rank = seqs_rank * mean
-        n_mb = max(1, math.ceil(tokens_rank / (budget_k * work.seq_len * cm.pack_fill)))
-        tokens_mb = tokens_rank / n_mb
-        attn_sq_mb = seqs_rank / n_mb * sq          # sum of L_i^2 over the micro-batch
-    else:
-        n_mb = max(1, math.ceil(seqs_rank / budget_k))
-        tokens_mb = budget_k * emax                 # k sequences padded to the longest
-        attn_sq_mb = budget_k * emax * emax
-    layers = m.layers / pp
-    h = m.hidden
-    tokens_mb_all = tokens_mb
-    tokens_mb = tokens_mb / cp                      # this GPU's share (2 of 2 cp chunks per sequence)
-    attn_sq_mb = attn_sq_mb / cp                    # causal work is balanced by the chunk pairing
-    # forward FLOPs on one GPU for one micro-batch (the last stage also runs the output layer)
-    # (norms are not matmuls; an MoE's expert GEMMs are in moe.comm_times, at their own efficiency)
-    dense_fwd = (moe.forward_flops(m, tokens_mb, tp, layers)[0] if m.is_moe
-                 else 2 * tokens_mb * m.matmul_params() * layers / tp)
-    # the slowest stage is the last: it runs the output layer, on response rows only
-    head_fwd = 2 * tokens_mb * work.response_frac * h * m.vocab / tp
-    attn_fwd = 2 * m.q_size * attn_sq_mb * layers / tp   # QK^T and AV, causal half
-    peak = cm.peak_tflops * 1e12
-    g_eff = cm.gemm_eff * tokens_mb / (tokens_mb + cm.gemm_half_tokens)
-    # forward + backward = 3 forwards for the GEMMs; the fused log-prob recomputes the logits in its
-    # backward (+1); flash attention's backward is 2.5 forwards (attention_train_s)
-    compute = (3 * dense_fwd + 4 * head_fwd) / (peak * g_eff) + attention_train_s(attn_fwd, cm)
-    recompute = recompute_time(lay.recompute, dense_fwd / (peak * g_eff), attn_fwd / (peak * cm.attn_eff))
-    ep_comm = 0.0
-    bw_of = lambda span: _bw(span, lay.gpus_per_node, cm)  # noqa: E731
-    if m.is_moe:
-        mt = moe.comm_times(m, lay, tokens_mb, layers, cm, bw_of)
-        compute += mt["expert_compute"]
-        recompute += mt["expert_recompute"]
-        ep_comm = mt["ep_comm"]
-    # TP: 2 all-reduces (or all-gather + reduce-scatter with SP, same volume) per layer forward,
-    # 2 backward, 2 more in a full recompute; each moves T*h bf16 values.
-    tp_comm = 0.0
-    if tp > 1:
-        n_coll = layers * moe.tp_collectives_per_layer(m, lay.recompute == "full")
-        tp_comm = n_coll * 2 * (tp - 1) / tp * tokens_mb * h * 2 / _bw(tp, lay.gpus_per_node, cm)
-    cp_fwd, cp_comm = cp_comm_time(m, lay, tokens_mb_all, attn_fwd / (peak * cm.attn_eff), work.cp_comm_type, cm)
-    # PP: activations of the micro-batch forward and their gradient backward, per chunk boundary
-    pp_comm = 0.0
-    if pp > 1:
-        pp_comm = 2 * vpp * tokens_mb * h * 2 / _bw(tp * cp * dp + 1, lay.gpus_per_node, cm)
-    overhead = cm.layer_overhead_s * layers
-    t_mb = compute + recompute + tp_comm + cp_comm + ep_comm + pp_comm + overhead
-    bubble = t_mb * (pp - 1) / vpp                  # 1F1B: (pp - 1) micro-batch times, / vpp interleaved
-    # M2PO's global mask: a forward-only pass over the mini-batch first (its own fill and drain),
-    # or a forward-backward of the changed sequences after it (mask_correction_frac of the tokens,
-    # packed into micro-batches of the same budget, one more fill and drain); auto takes the less.
-    mask = 0.0
-    if work.prepass:
-        fwd_mb = ((dense_fwd + head_fwd) / (peak * g_eff) + attn_fwd / (peak * cm.attn_eff)
-                  + (tp_comm / 2 if lay.recompute != "full" else tp_comm / 3) + cp_fwd
-                  + pp_comm / 2
-                  + overhead / 3)
-        if m.is_moe:  # the experts' forward and the forward all-to-alls
-            fwd_mb += mt["expert_compute"] / 3 + ep_comm / (3 if lay.recompute == "full" else 2)
-        prepass = fwd_mb * (n_mb + (pp - 1) / vpp)
-        redo = cm.mask_correction_frac * n_mb  # micro-batches' worth of tokens re-run
-        correct = t_mb * (redo + min(redo, 1.0) * (pp - 1) / vpp)
-        options = {"prepass": prepass, "correct": correct, "auto": min(prepass, correct)}
-        # (under expert parallelism every rank runs as many correction micro-batches as the one
-        # with the most, zero-weight fillers on the others: charged at the mean share, as above)
-        mask = options[work.mask_strategy]
-    # DP: gradients (fp32) reduced over dp; the distributed optimizer reduce-scatters them and
-    # all-gathers the bf16 parameters instead of one all-reduce.
-    vocab_p = padded_vocab(m.vocab, tp, lay.vocab_divisible_by)
-    params = max(stage_params(m, lay, i, vocab_p) for i in range(pp))
-    dp_comm = 0.0
-    dpcp = dp * cp  # Megatron's DDP reduces gradients over data x context parallel ranks
-    if dpcp > 1:
-        bw = _bw(tp * dpcp, lay.gpus_per_node, cm)
-        if lay.distributed_optimizer:
-            dp_comm = (dpcp - 1) / dpcp * params * (4 + lay.param_bytes) / bw
-        else:
-            dp_comm = 2 * (dpcp - 1) / dpcp * params * 4 / bw
-    # Adam: read grad, master, m, v (16 B), write master, m, v (12 B) and the bf16 weight
-    shard = dpcp if lay.distributed_optimizer else 1
-    optimizer = params / shard * (28 + lay.param_bytes) / (cm.hbm_gbs * 1e9)
-    if m.is_moe:  # expert parameters: over the expert data-parallel group
-        e_comm, e_opt = moe.expert_dp_times(m, lay, cm, bw_of)
-        dp_comm += e_comm
-        optimizer += e_opt
+    mb = _micro_batch_work(lay, work, budget_k, cm)
+    n_mb, one = mb.n, _micro_batch_times(m, lay, work, mb, cm)
+    t_mb = (one["compute"] + one["recompute"] + one["tp_comm"] + one["cp_comm"] + one["ep_comm"] + one["pp_comm"]
+            + one["overhead"])
+    bubble = t_mb * (lay.pp - 1) / (lay.vpp or 1)  # 1F1B: (pp - 1) micro-batch times, / vpp interleaved
+    mask = _mask_time(lay, work, n_mb, one["forward"], t_mb, cm)
+    dp_comm, optimizer = _gradient_sync_and_optimizer(m, lay, cm)
     if cm.overlap_comm:
-        tp_comm = cp_comm = pp_comm = dp_comm = 0.0
-    t = {"compute": n_mb * compute, "recompute": n_mb * recompute, "tp_comm": n_mb * tp_comm, "cp_comm": n_mb * cp_comm,
-         "ep_comm": n_mb * ep_comm, "pp_comm": n_mb * pp_comm, "overhead": n_mb * overhead, "bubble": bubble, "mask": mask,
-         "dp_comm": dp_comm, "optimizer": optimizer}
+        one["tp_comm"] = one["cp_comm"] = one["pp_comm"] = dp_comm = 0.0
+    t = {k: n_mb * one[k] for k in ("compute", "recompute", "tp_comm", "cp_comm", "ep_comm", "pp_comm", "overhead")}
+    t.update(bubble=bubble, mask=mask, dp_comm=dp_comm, optimizer=optimizer)
     t["update"] = sum(t.values())
     t["step"] = t["update"] * work.updates_per_step
     return n_mb, t

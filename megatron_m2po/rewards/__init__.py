@@ -1,4 +1,4 @@
-"""Rewards: math-verify scoring of the last ``\\boxed{}`` answer, custom reward functions by
+"""Rewards: math-verify scoring of the last ``\boxed{}`` answer, custom reward functions by
 dotted path, and a process pool with per-call timeouts (docs/design.md §3, paper appendix B).
 
 Trainer-facing API (see :mod:`megatron_m2po.rewards.registry` for the full contract)::
@@ -9,26 +9,24 @@ Trainer-facing API (see :mod:`megatron_m2po.rewards.registry` for the full contr
     reward.close()
 
 Pure helpers usable anywhere: :func:`extract_last_boxed`, :func:`grade_math` (no timeout).
-"""
 
-from megatron_m2po.rewards.extract import extract_last_boxed
-from megatron_m2po.rewards.math_grader import grade_math
-from megatron_m2po.rewards.registry import (
-    BUILTIN_REWARDS,
-    RewardFunction,
-    RewardResult,
-    batch_reward,
-    check_reward_target,
-    get_reward_fn,
-)
+The names below load their module on first use, so importing a section of the config
+(``rewards/settings.py``) does not import the whole package."""
 
-__all__ = [
-    "get_reward_fn",
-    "RewardFunction",
-    "RewardResult",
-    "batch_reward",
-    "check_reward_target",
-    "BUILTIN_REWARDS",
-    "extract_last_boxed",
-    "grade_math",
-]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_WHERE = {
+    **{n: "registry" for n in ('get_reward_fn', 'RewardFunction', 'RewardResult', 'batch_reward', 'check_reward_target', 'BUILTIN_REWARDS')},
+    **{n: "extract" for n in ('extract_last_boxed',)},
+    **{n: "math_grader" for n in ('grade_math',)},
+}
+__all__ = list(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)

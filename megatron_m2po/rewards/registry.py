@@ -53,7 +53,7 @@ import logging
 import time
 from typing import Callable
 
-from megatron_m2po.config import ConfigError
+from megatron_m2po.utils.settings import ConfigError
 from megatron_m2po.rewards.pool import ScorerSpec, ScoringPool, load_target
 from megatron_m2po.rewards.result import STATUSES, RewardResult  # noqa: F401 - re-exported
 

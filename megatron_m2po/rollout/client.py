@@ -23,7 +23,7 @@ wheel's source):
   update with ``flush_cache`` true (the default, also for ``/update_weights_from_disk``) fails
   after loading when requests are still running or queued; the weight pushes pause with retract
   (which empties the running batch) so their updates can flush the prefix cache
-  (``rollout/weight_sync.py``).
+  (``weights/transport.py``).
 - 0.5.23 ``utils/weight_versions.py``: ``meta_info["weight_versions"]`` = spans
   ``[{"version", "start", "end"}, ...]`` over the output tokens of a request that lived through
   weight updates (``GenerateOutput.token_weight_versions`` expands them per token).

@@ -33,7 +33,7 @@ Policy (close to what users get from the router's ``cache_aware`` policy where i
 - **Fleet-wide calls** (abort, pause / continue, flush_cache, weight version, health, loads,
   server info, disk weight updates) go to every engine; an abort of one ``rid`` goes to the engine
   that runs it. Distributed weight updates need a rank offset per engine: use
-  :class:`~megatron_m2po.rollout.weight_sync.DistributedWeightSync` with the fleet's engine URLs.
+  :class:`~megatron_m2po.weights.distributed.DistributedWeightSync` with the fleet's engine URLs.
 """
 
 from __future__ import annotations
@@ -355,11 +355,11 @@ class DispatchClient(SGLangClient):
 
     async def init_weights_update_group(self, *a, **kw) -> dict:
         raise EngineError(self.base_url, "/init_weights_update_group", "each engine needs its own rank_offset: use "
-                          "DistributedWeightSync(fleet.engine_urls) (rollout/weight_sync.py)")
+                          "DistributedWeightSync(fleet.engine_urls) (weights/distributed.py)")
 
     async def update_weights_from_distributed(self, *a, **kw) -> dict:
         raise EngineError(self.base_url, "/update_weights_from_distributed", "use DistributedWeightSync"
-                          "(fleet.engine_urls) (rollout/weight_sync.py): the groups are per engine")
+                          "(fleet.engine_urls) (weights/distributed.py): the groups are per engine")
 
     async def close(self) -> None:
         for c in self._clients.values():

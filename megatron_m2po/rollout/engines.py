@@ -52,7 +52,7 @@ from typing import Callable, Iterable, Optional
 
 import aiohttp
 
-from megatron_m2po.config import RolloutConfig
+from megatron_m2po.rollout.settings import RolloutConfig
 from megatron_m2po.rollout.client import EngineError, SGLangClient, max_running_requests
 from megatron_m2po.rollout.dispatch import DispatchClient, split_limits
 from megatron_m2po.rollout.sglang_version import check_sglang_version

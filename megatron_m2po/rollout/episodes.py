@@ -68,7 +68,7 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from megatron_m2po.config import AgenticConfig
+from megatron_m2po.rollout.settings import AgenticConfig
 from megatron_m2po.rollout.group_ids import trajectory_uid
 from megatron_m2po.rollout.producer import ProducerContext, _sample, request_seed, routed_rows
 from megatron_m2po.rollout.routing_versions import RoutedRows, keep_replayable, response_routing_version

@@ -3,7 +3,7 @@
 A GRPO group whose rewards are all equal has advantage zero for every sample: it adds no
 gradient, only dilutes the step (and the token-mean denominator). ``rollout.filter=zero_variance``
 drops such groups before they reach the store's training queue, and the generators make up for
-them with more prompts (:mod:`megatron_m2po.trainer.generation`; docs/design.md §3a). Dropped
+them with more prompts (:mod:`megatron_m2po.rollout_service.groups`; docs/design.md §3a). Dropped
 groups are counted, never silent: :class:`FilterCounters` feeds ``rollout/filtered_groups``.
 
 Groups with an unscored trajectory (reward ``None``, scored later through the store) are kept:

@@ -28,7 +28,8 @@ import os
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
-from megatron_m2po.config import Config, RolloutConfig
+from megatron_m2po.config import Config
+from megatron_m2po.rollout.settings import RolloutConfig
 
 __all__ = ["NodeGPUs", "node_gpus", "engine_gpus", "check_weight_sync_placement", "ray_local_gpus",
            "stage_sender_ranks", "placement", "cuda_count"]
@@ -112,7 +113,7 @@ def engine_gpus(r: RolloutConfig, node: NodeGPUs) -> list[list[int]]:
 
 def stage_sender_ranks(world: int, pipeline_parallel: int) -> list[int]:
     """Global rank of each pipeline stage's weight sender: tensor-, context- and data-parallel rank 0
-    of the stage (``actor/hf_export.py`` ``stage_layout``); Megatron-Core 0.16's default rank order
+    of the stage (``weights/hf_export.py`` ``stage_layout``); Megatron-Core 0.16's default rank order
     ``tp-cp-ep-dp-pp`` puts stage ``p`` at ranks ``p * world/PP ..``."""
     return [p * (world // pipeline_parallel) for p in range(pipeline_parallel)]
 

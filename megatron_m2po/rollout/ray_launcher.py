@@ -68,7 +68,7 @@ from megatron_m2po.utils import lifeline
 from megatron_m2po.utils.net import free_port
 
 if TYPE_CHECKING:
-    from megatron_m2po.config import RolloutConfig
+    from megatron_m2po.rollout.settings import RolloutConfig
 
 log = logging.getLogger("m2po.ray_launcher")
 
@@ -146,7 +146,7 @@ class EngineProcess:
         cmd = _with_flag(cmd, "--port", str(port))
         self.url = f"http://{self.node_ip if host in _WILDCARD else host}:{port}"
         self.log_path = Path(log_path)
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        Path(log_path).parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as logf:
             logf.write(f"\n=== launch (ray actor on {self.node_ip}) {' '.join(cmd)}\n".encode())
             logf.flush()

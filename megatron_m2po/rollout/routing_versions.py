@@ -9,7 +9,7 @@ computed the token's behaviour log-prob. What SGLang 0.5.23 returns (``srt/state
   ``host_cache.buffer[out_cache_loc] = ...``) and read once, when the request finishes
   (``batch_result_processor.py`` ``_maybe_collect_routed_experts`` -> ``get_topk``: the slots of
   ``req_to_token[req][start_len : seqlen - 1]``); nothing is returned before the finish;
-- every weight push pauses with ``retract`` (``rollout/weight_sync.py``): ``retract_all`` ->
+- every weight push pauses with ``retract`` (``weights/transport.py``): ``retract_all`` ->
   ``release_req`` frees the request's KV (``release_kv_cache(..., checkpoint=False)``, nothing kept
   in the radix tree, which the push's update then flushes) and ``Req.reset_for_retract`` drops
   ``routed_experts``; on ``continue_generation`` the request is prefilled again, prompt and output so

@@ -16,7 +16,7 @@ So both ends of a weight-update group state their NCCL version through the group
   ``WeightUpdater.init_weights_update_group``, ``model_runner_components/weight_updater.py``; it
   runs before the HTTP answer of ``/init_weights_update_group`` goes back);
 - the trainer's sender (group rank 0) sets its own key and, once every engine has answered,
-  compares (:func:`megatron_m2po.rollout.nccl_handshake.check_group`): a mismatch fails the push at
+  compares (:func:`megatron_m2po.weights.nccl_handshake.check_group`): a mismatch fails the push at
   once with one line naming both versions, before any collective runs.
 
 An engine without the plugin states nothing; the trainer then says so once and NCCL's own check

@@ -11,7 +11,7 @@ import logging
 import secrets
 from typing import Optional
 
-from megatron_m2po.config import StoreConfig
+from megatron_m2po.store.settings import StoreConfig
 from megatron_m2po.rollout.filters import FilterCounters, split_groups
 from megatron_m2po.store.store import RolloutStore
 from megatron_m2po.utils.background_loop import BackgroundLoop

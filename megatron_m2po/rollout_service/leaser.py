@@ -7,7 +7,8 @@
 
 Both wait at most ``trainer.wait_timeout_s``, log what they wait for, and end on a stop request
 (:class:`~.waiting.StopRequested`). While waiting they ask the generators (``sources``: objects
-with ``raise_failed()`` and ``idle()``, :mod:`.generation`) whether generation failed or stopped.
+with ``raise_failed()`` and ``idle()``: :mod:`.scheduled`, :mod:`.continuous`) whether generation
+failed or stopped.
 """
 
 from __future__ import annotations
@@ -16,11 +17,12 @@ import threading
 import time
 from typing import Any, Callable, Optional, Protocol, Sequence
 
-from megatron_m2po.config import StoreConfig, TrainerConfig
+from megatron_m2po.store.settings import StoreConfig
+from megatron_m2po.trainer.settings import TrainerConfig
 from megatron_m2po.rollout import group_ids
 from megatron_m2po.store.store import Lease, NotReadyError, RolloutStore, bounded
 from megatron_m2po.store.types import Group
-from megatron_m2po.trainer.waiting import StopRequested, WaitNotes
+from megatron_m2po.rollout_service.waiting import StopRequested, WaitNotes
 
 
 class GenerationSource(Protocol):
@@ -38,8 +40,8 @@ class Leaser:
     policy (``max_staleness``, ``order``, ``retire_overage``). ``stop_event`` ends a wait.
     ``sources``: the generators feeding the store (none: the store holds all there will be).
     ``producers``: who makes the data, for the wait messages (default: the engines).
-    ``on_leased(step)``: called after :meth:`take_async` leased a step (the async generator's
-    over-sampling cap counts from there)."""
+    ``on_leased(step)``: called after :meth:`take_async` leased a step (continuous generation's
+    over-sampling cap counts from there: :meth:`.ContinuousGeneration.leased`)."""
 
     def __init__(self, trainer: TrainerConfig, store_cfg: StoreConfig, store: RolloutStore, *,
                  stop_event: threading.Event, sources: Sequence[GenerationSource] = (),

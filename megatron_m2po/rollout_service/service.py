@@ -1,23 +1,54 @@
-"""The rank-0 rollout side: it builds and wires the parts, and shuts them down.
+"""The rank-0 rollout side as one service: the training loop's only way to its data.
 
-Only global rank 0 builds a :class:`RolloutDriver`; every rank runs the actor. The driver never
-takes part in a collective: its parts return data (groups, evaluation results) and the trainer
-loop shares it and runs the actor on every rank. The parts, each with one job:
+Only global rank 0 builds a :class:`RolloutService`; every rank runs the actor. The service never
+takes part in a collective: it returns data (groups, evaluation results) and the training loop
+(:mod:`megatron_m2po.trainer.loop`) shares it and runs the actor on every rank. Rank 0's loops and
+queues (the layout follows torchtitan's RL controller, whose module header draws its loops)::
 
-* ``weights`` (:class:`~.weight_push.WeightPushController`): the engines' weight version, pushes,
-  engine restarts and refits;
-* ``generator`` (:class:`~.generation.StepGenerator`): the groups of scheduled steps (sync /
-  stale_k); ``producer_loop`` (:class:`~.generation.AsyncProducerLoop`): continuous generation
+    main thread: the training loop's calls       background event loop "m2po-rollout"         engines
+    ======================================       ====================================         =======
+
+    generate(step, background) ----------------> ScheduledGeneration --+
+    sample(step) -> groups; put(groups)            (sync / stale_k)     |   GroupSampler
+                                                                        +-> producer(ctx, prompts) ---> EngineFleet
+    start_continuous() / stop_continuous() ----> ContinuousGeneration --+   ids, rollout.filter  <---- (SGLang)
+                                                   (async, up to its capacity)   |                          ^
+                                                                                 | put_groups               |
+                                                                                 v                          |
+                                                  +--------------------------------------+                  |
+    lease(step, version[, generated_at]) <------- | RolloutStore (sqlite): groups,       | <-- IngestionServer
+      (Leaser: waits, asks the generators         | leases, acks, quarantine, the        |     (HTTP) <-- external
+       whether they failed or went idle)          | trainer's version, the resume cursor |     producers   |
+    ack(lease) ---------------------------------> |                                      |                  |
+    state_dict() / load_state_dict() / rewind() > +--------------------------------------+                  |
+      (dataset position + store cursor)                             ^ set_version                           |
+                                                                    |                                       |
+    weights (WeightPushController; every rank pushes through one) --+-- drain scheduled generation, then  --+
+      send every stage's layers; check_engines(): dead engines relaunched and refit
+    evaluate(step) ---------> Evaluator: drain, then the held-out sets through the producer
+    request_stop() ---------> the stop event: every interruptible wait ends at once (StopRequested)
+    filter_metrics(), engine_loads() --> rollout.filter's counts; the engines' load now
+
+The parts, each with one job, are private and handed to each other when they are built:
+
+* ``_weights`` (:class:`~megatron_m2po.weights.push.WeightPushController`): the engines' weight
+  version, pushes, engine restarts and refits;
+* ``_sampler`` (:class:`~.groups.GroupSampler`): prompts in, groups with deterministic ids out;
+* ``_scheduled`` (:class:`~.scheduled.ScheduledGeneration`): the groups of scheduled steps (sync /
+  stale_k); ``_continuous`` (:class:`~.continuous.ContinuousGeneration`): continuous generation
   (async mode with engines; None for external producers, who push on their own);
-* ``leaser`` (:class:`~.leaser.Leaser`): a step's groups from the store, and their acks;
-* ``ingestion`` (:class:`~.ingestion.IngestionServer`): the store's HTTP ingestion for external
+* ``_leaser`` (:class:`~.leaser.Leaser`): a step's groups from the store, and their acks;
+* ``_ingestion`` (:class:`~.ingestion.IngestionServer`): the store's HTTP ingestion for external
   producers (``rollout.source=external``; else None);
-* ``evaluator`` (:class:`~.evaluation.Evaluator`): held-out accuracy.
+* ``_evaluator`` (:class:`~.evaluation.Evaluator`): held-out accuracy.
 
 They share the store, the prompt stream, the producer, the SGLang client and one background event
-loop (generation runs there, overlapping training whenever the schedule allows). Group ids are
-deterministic (:mod:`megatron_m2po.rollout.group_ids`): a resumed run re-draws the same prompts for
-the same steps and generates only the groups the store lacks.
+loop (generation runs there, overlapping training whenever the schedule allows). Two pairs need
+each other, and are joined once, explicitly, after both exist: the fleet refits a restarted engine
+through the push controller, and the push controller drains scheduled generation before it
+changes the engines' weights. Group ids are deterministic (:mod:`megatron_m2po.rollout.group_ids`):
+a resumed run re-draws the same prompts for the same steps and generates only the groups the store
+lacks.
 """
 
 from __future__ import annotations
@@ -29,24 +60,27 @@ import threading
 from pathlib import Path
 from typing import Any, Optional
 
-from megatron_m2po.config import Config, RolloutConfig
+from megatron_m2po.config import Config
+from megatron_m2po.rollout.settings import RolloutConfig
 from megatron_m2po.data.dataset import build_eval_sets, build_prompt_dataset
 from megatron_m2po.rewards import get_reward_fn
 from megatron_m2po.rollout.client import SGLangClient
 from megatron_m2po.rollout.dispatch import DispatchClient
 from megatron_m2po.rollout.engines import EngineFleet
-from megatron_m2po.rollout.placement import cuda_count, node_gpus, placement
 from megatron_m2po.rollout.episodes import make_episode_producer
+from megatron_m2po.rollout.placement import cuda_count, node_gpus, placement
 from megatron_m2po.rollout.producer import load_producer
-from megatron_m2po.rollout.weight_sync import export_fp8_dir
-from megatron_m2po.store.store import RolloutStore
-from megatron_m2po.store.types import RoutingSpec
-from megatron_m2po.trainer.evaluation import Evaluator
-from megatron_m2po.trainer.generation import AsyncProducerLoop, GroupMaker, StepGenerator
-from megatron_m2po.trainer.ingestion import IngestionServer
-from megatron_m2po.trainer.leaser import Leaser
-from megatron_m2po.trainer.weight_push import WeightPushController, build_weight_sync
+from megatron_m2po.rollout_service.continuous import ContinuousGeneration
+from megatron_m2po.rollout_service.evaluation import Evaluator
+from megatron_m2po.rollout_service.groups import GroupSampler
+from megatron_m2po.rollout_service.ingestion import IngestionServer
+from megatron_m2po.rollout_service.leaser import Leaser
+from megatron_m2po.rollout_service.scheduled import ScheduledGeneration
+from megatron_m2po.store.store import Lease, RolloutStore
+from megatron_m2po.store.types import Group, RoutingSpec
 from megatron_m2po.utils.background_loop import BackgroundLoop
+from megatron_m2po.weights.fp8 import export_fp8_dir
+from megatron_m2po.weights.push import WeightPushController, build_weight_sync
 
 log = logging.getLogger(__name__)
 
@@ -63,75 +97,96 @@ def routing_spec(model_path: str, *, required: bool) -> RoutingSpec:
     return RoutingSpec(int(hf.num_hidden_layers), int(hf.num_experts_per_tok), int(hf.num_experts), required)
 
 
-class RolloutDriver:
-    """Rank-0 coordination of rollout generation and the rollout store (the parts above)."""
+class RolloutService:
+    """Rank 0's rollout side behind one interface (the diagram above); its parts are private.
+
+    The training loop calls: :meth:`generate` / :meth:`sample` / :meth:`put` / :meth:`missing_steps`
+    (scheduled steps), :meth:`start_continuous` / :meth:`stop_continuous`, :meth:`lease` /
+    :meth:`ack`, :meth:`mark_step_start` / :meth:`state_dict` / :meth:`load_state_dict` /
+    :meth:`rewind` (checkpoints and restarts), :meth:`evaluate`, :meth:`request_stop`,
+    :meth:`filter_metrics` / :meth:`engine_loads`, :meth:`close`; and it takes :attr:`weights`
+    once (every rank pushes through its controller)."""
 
     def __init__(self, cfg: Config, model_path: str, tokenizer: Any):
         self.cfg, self.model_path = cfg, model_path
         run_dir = Path(cfg.trainer.run_dir)
         # The data first: a mistake in it (a bad row, a prompt too long) is found before the store is created.
-        self.dataset = build_prompt_dataset(cfg.data, tokenizer, cfg.trainer.seed)
+        self._dataset = build_prompt_dataset(cfg.data, tokenizer, cfg.trainer.seed)
         eval_sets = build_eval_sets(cfg.data, tokenizer, cfg.trainer.seed) if cfg.trainer.eval_every_steps else {}
-        self.store = RolloutStore.from_config(cfg.store, run_dir=str(run_dir))
+        self._store = RolloutStore.from_config(cfg.store, run_dir=str(run_dir))
         if cfg.rollout.return_routed_experts:  # every put (ours and external producers') is checked by it
-            self.store.set_routing(routing_spec(model_path, required=cfg.algo.routing_replay == "rollout"))
-        self.reward = get_reward_fn(cfg.reward)
-        self.sync_dir = cfg.resolved_path(cfg.rollout.weight_sync_dir, "weights")
-        # Set by the trainer's signal handler: waits for data return at once (StopRequested).
-        self.stop_event = threading.Event()
-        self.external = cfg.rollout.source == "external"
-        self.fleet: Optional[EngineFleet] = None
+            self._store.set_routing(routing_spec(model_path, required=cfg.algo.routing_replay == "rollout"))
+        self._reward = get_reward_fn(cfg.reward)
+        self._sync_dir = cfg.resolved_path(cfg.rollout.weight_sync_dir, "weights")
+        # Set by the trainer's signal handler (request_stop): waits for data return at once (StopRequested).
+        self._stop_event = threading.Event()
+        self._external = cfg.rollout.source == "external"
+        self._fleet: Optional[EngineFleet] = None
         self._bg = BackgroundLoop("m2po-rollout")  # the producer runs here
-        self.client: Optional[SGLangClient] = None
-        self.weights = WeightPushController()  # replaced by rank 0's controller once the engines run
-        self.generator: Optional[StepGenerator] = None
-        self.ingestion: Optional[IngestionServer] = None
-        self.producer_loop: Optional[AsyncProducerLoop] = None
+        self._client: Optional[SGLangClient] = None
+        self._weights = WeightPushController()  # replaced by rank 0's controller once the engines run
+        self._scheduled: Optional[ScheduledGeneration] = None
+        self._ingestion: Optional[IngestionServer] = None
+        self._continuous: Optional[ContinuousGeneration] = None
+        # The dataset position at the start of the step being trained (mark_step_start).
+        self._step_start_dataset: Optional[dict] = None
         try:
             self._start_engines(run_dir)
-            self.weights = WeightPushController(
-                build_weight_sync(cfg.rollout, self.engine_urls, sync_dir=str(self.sync_dir),
-                                  base_model_dir=model_path, external=self.external),
-                fleet=self.fleet, store=self.store, bg=self._bg, drain=lambda: self.generator.wait_generation())
-            maker = GroupMaker(cfg.rollout, seed=cfg.trainer.seed, tokenizer=tokenizer, reward=self.reward,
-                               producer=build_producer(cfg.rollout), client=self.client, store=self.store,
-                               engine_version=lambda: self.weights.version)
-            self.filter_counters = maker.counters
-            self.generator = StepGenerator(cfg.trainer, maker=maker, dataset=self.dataset, store=self.store,
-                                           bg=self._bg, stop_event=self.stop_event)
-            producers = None
-            if self.external:
-                # rollout.filter applies at ingestion: dropped groups are acknowledged, not stored.
-                self.ingestion = IngestionServer(cfg.store, self.store, self._bg, group_filter=cfg.rollout.filter,
-                                                 counters=maker.counters)
-                url = self.ingestion.start(str(self.sync_dir), base_model=model_path)
-                producers = f"external producers push to {url}/v1/groups"
-                if self.store.current_version is None:
-                    self.store.set_version(0)
-            else:
-                self.producer_loop = AsyncProducerLoop(cfg.trainer, cfg.store, maker=maker, dataset=self.dataset,
-                                                       store=self.store, bg=self._bg,
-                                                       stop_timeout_s=cfg.rollout.request_timeout_s)
-            self.leaser = Leaser(cfg.trainer, cfg.store, self.store, stop_event=self.stop_event,
-                                 sources=[self.generator] + ([self.producer_loop] if self.producer_loop else []),
-                                 producers=producers,
-                                 on_leased=self.producer_loop.leased if self.producer_loop else None)
-            self.evaluator = Evaluator(eval_sets, samples=cfg.trainer.eval_samples, correct=cfg.reward.correct,
-                                       maker=maker, bg=self._bg, drain=self.generator.wait_generation,
-                                       wait=lambda fut, what: self.generator.wait(fut, what, interruptible=True))
+            self._build_parts(tokenizer, eval_sets)
         except BaseException:
             self.close()  # no engine processes left behind
             raise
+
+    def _build_parts(self, tokenizer: Any, eval_sets: dict[str, list]) -> None:
+        """The parts, in the order they need each other (the module docstring)."""
+        cfg = self.cfg
+        self._weights = WeightPushController(
+            build_weight_sync(cfg.rollout, self.engine_urls, sync_dir=str(self._sync_dir),
+                              base_model_dir=self.model_path, external=self._external),
+            fleet=self._fleet, store=self._store, bg=self._bg)
+        if self._fleet is not None:
+            self._fleet.refit_fn = self._weights.refit  # a restarted engine gets the current weights
+        self._sampler = GroupSampler(cfg.rollout, seed=cfg.trainer.seed, tokenizer=tokenizer, reward=self._reward,
+                                     producer=build_producer(cfg.rollout), client=self._client, store=self._store,
+                                     weights=self._weights)
+        self._scheduled = ScheduledGeneration(cfg.trainer, sampler=self._sampler, dataset=self._dataset,
+                                              store=self._store, bg=self._bg, stop_event=self._stop_event)
+        self._weights.drain = self._scheduled.drain  # a push waits for scheduled generation in flight
+        self._filter_counters = self._sampler.counters  # counted where groups are made or ingested
+        producers = None
+        if self._external:
+            # rollout.filter applies at ingestion: dropped groups are acknowledged, not stored.
+            self._ingestion = IngestionServer(cfg.store, self._store, self._bg, group_filter=cfg.rollout.filter,
+                                              counters=self._filter_counters)
+            url = self._ingestion.start(str(self._sync_dir), base_model=self.model_path)
+            producers = f"external producers push to {url}/v1/groups"
+            if self._store.current_version is None:
+                self._store.set_version(0)
+        else:
+            self._continuous = ContinuousGeneration(cfg.trainer, cfg.store, sampler=self._sampler,
+                                                    dataset=self._dataset, store=self._store, bg=self._bg,
+                                                    stop_timeout_s=cfg.rollout.request_timeout_s)
+        self._leaser = Leaser(cfg.trainer, cfg.store, self._store, stop_event=self._stop_event,
+                              sources=[self._scheduled] + ([self._continuous] if self._continuous else []),
+                              producers=producers,
+                              on_leased=self._continuous.leased if self._continuous else None)
+        self._evaluator = Evaluator(eval_sets, samples=cfg.trainer.eval_samples, correct=cfg.reward.correct,
+                                    sampler=self._sampler, bg=self._bg, scheduled=self._scheduled)
+
+    @property
+    def weights(self) -> WeightPushController:
+        """Rank 0's weight-push controller (the training loop takes it once and pushes through it)."""
+        return self._weights
 
     # ------------------------------------------------------------------ engines
     def _start_engines(self, run_dir: Path) -> None:
         """The engine fleet and the client the producer samples with (none for external producers
         without ``rollout.external_addrs``)."""
         cfg = self.cfg
-        if self.external and not cfg.rollout.external_addrs:
+        if self._external and not cfg.rollout.external_addrs:
             return
         # FP8 engines start from a block-FP8 export of the base model: SGLang 0.5.23 reloads
-        # only block-FP8 parameters (rollout/fp8.py); `--quantization fp8` on the float
+        # only block-FP8 parameters (weights/fp8.py); `--quantization fp8` on the float
         # model would quantise per channel, and the first weight push would fail.
         engine_model = self._fp8_base(run_dir) if cfg.rollout.fp8_weights else self.model_path
         # Engines on this node go after the trainer's GPUs; impossible layouts fail here, before
@@ -139,27 +194,26 @@ class RolloutDriver:
         node = node_gpus(count=cuda_count(), trainer_on_gpu=cuda_count() is not None)
         if cfg.rollout.launcher == "local":
             placement(cfg, node)
-        # refit_fn is bound late: the push controller needs the started fleet's URLs first.
-        self.fleet = EngineFleet(cfg.rollout, engine_model, run_dir=str(run_dir),
-                                 refit_fn=lambda url: self.weights.refit(url), node=node,
-                                 on_concurrency=self._resize_client, on_engines=self._reset_engines)
-        self.fleet.start()
+        # No refit_fn yet: the push controller needs the started fleet's URLs first (_build_parts joins them).
+        self._fleet = EngineFleet(cfg.rollout, engine_model, run_dir=str(run_dir), node=node,
+                                  on_concurrency=self._resize_client, on_engines=self._reset_engines)
+        self._fleet.start()
         self._bg.submit(self._open_client()).result()
 
     async def _open_client(self) -> None:
         # sglang-router's client, or without a router a DispatchClient over the engines (rollout/dispatch.py)
-        self.client = self.fleet.client()
+        self._client = self._fleet.client()
 
     def _resize_client(self, concurrency: int) -> None:
         """The fleet's derived concurrency changed (engines joined or left): the client follows."""
-        if self.client is not None and not isinstance(self.client, DispatchClient):
-            self._bg.submit(self.client.set_concurrency(concurrency)).result(timeout=30)
+        if self._client is not None and not isinstance(self._client, DispatchClient):
+            self._bg.submit(self._client.set_concurrency(concurrency)).result(timeout=30)
 
     def _reset_engines(self, limits: dict[str, int]) -> None:
         """No router: the fleet's engines changed (restart, admission) or were re-checked; the
         dispatching client sends requests to these (and to engines it had marked down again)."""
-        if isinstance(self.client, DispatchClient):
-            self._bg.submit(self.client.set_engines(limits)).result(timeout=30)
+        if isinstance(self._client, DispatchClient):
+            self._bg.submit(self._client.set_engines(limits)).result(timeout=30)
 
     def _fp8_base(self, run_dir: Path) -> str:
         """``<run_dir>/engine_base_fp8``: the base model in block FP8 (kept for a resume)."""
@@ -176,7 +230,7 @@ class RolloutDriver:
 
     @property
     def engine_urls(self) -> list[str]:
-        return self.fleet.engine_urls if self.fleet is not None else []
+        return self._fleet.engine_urls if self._fleet is not None else []
 
     def engine_loads(self) -> dict[str, float]:
         """Metrics of the engines' load now (``/v1/loads``, SGLang 0.5.23 ``entrypoints/v1_loads.py``),
@@ -201,19 +255,96 @@ class RolloutDriver:
                 for name, key in (("running_reqs", "num_running_reqs"), ("queued_reqs", "num_waiting_reqs"),
                                   ("used_tokens", "num_used_tokens"))}
 
-    # ------------------------------------------------------------------ generation
+    # ------------------------------------------------------------------ scheduled generation
+    def generate(self, step: int, *, background: bool) -> None:
+        """Generate and store the missing groups of scheduled step ``step`` (sync / stale_k); unless
+        ``background``, wait for them (a stop request ends the wait: StopRequested)."""
+        self._scheduled.generate(step, background=background)
+
+    def sample(self, step: int) -> list[Group]:
+        """The missing groups of scheduled step ``step``, generated now and returned unstored: the
+        trainer fills in its own behaviour log-probs on every rank, then :meth:`put` stores them."""
+        return self._scheduled.sample(step)
+
+    def put(self, groups: list[Group]) -> None:
+        """Store groups :meth:`sample` returned."""
+        self._scheduled.put(groups)
+
+    def missing_steps(self, steps: list[int]) -> list[int]:
+        """Those of ``steps`` whose groups the store does not hold completely (never generated)."""
+        return self._scheduled.missing_steps(steps)
+
+    # ------------------------------------------------------------------ continuous generation
+    def start_continuous(self) -> None:
+        """Async mode: generate continuously (bounded by the store's admission control) until
+        :meth:`stop_continuous` or :meth:`close`; external producers push on their own."""
+        if self._continuous is not None:
+            self._continuous.start()
+
+    def stop_continuous(self) -> None:
+        """Stop continuous generation (the batches in flight finish first)."""
+        if self._continuous is not None:
+            self._continuous.stop()
+
+    # ------------------------------------------------------------------ leases
+    def lease(self, step: int, version: int, *, generated_at: Optional[int] = None) -> tuple[list[Group], Lease]:
+        """Lease the groups step ``step`` trains on, the trainer at ``version``; returns (groups, lease).
+
+        ``generated_at``: exactly the step's groups generated at that version (sync / stale_k,
+        :meth:`.Leaser.take_step`); None: any within ``store.max_staleness`` (async,
+        :meth:`.Leaser.take_async`). Bounded by ``trainer.wait_timeout_s``; a stop request ends
+        the wait (StopRequested)."""
+        if generated_at is None:
+            return self._leaser.take_async(step, version)
+        return self._leaser.take_step(step, version, generated_at)
+
+    def ack(self, lease: Lease) -> None:
+        """The lease's groups are consumed (the step trained on them)."""
+        self._leaser.ack(lease)
+
+    # ------------------------------------------------------------------ evaluation, stop, metrics
+    def evaluate(self, step: int) -> dict[str, float]:
+        """``eval/<set>/acc`` on the held-out sets after ``step`` steps, with the engines' weights
+        (scheduled generation drained first); a stop request ends it (StopRequested)."""
+        return self._evaluator.evaluate(step)
+
+    def request_stop(self) -> None:
+        """The trainer was asked to stop (its signal handler): every interruptible wait for data
+        ends at once with StopRequested."""
+        self._stop_event.set()
+
     def filter_metrics(self) -> dict[str, float]:
         """``rollout.filter``'s counts since the previous call (one step's log line; sums):
         ``rollout/{generated,filtered,surplus}_groups``, ``rollout/oversample_rounds``. Counted
         where groups are made (or ingested), so in stale_k they belong to the steps generated since
         the previous log line, not only to the step logged. {} without a filter."""
-        return self.filter_counters.take() if self.cfg.rollout.filter != "none" else {}
+        return self._filter_counters.take() if self.cfg.rollout.filter != "none" else {}
 
-    def start_continuous(self) -> None:
-        """Async mode: generate continuously (bounded by the store's admission control) until
-        :meth:`close`; external producers push on their own."""
-        if self.producer_loop is not None:
-            self.producer_loop.start()
+    # ------------------------------------------------------------------ checkpoints and restarts
+    def mark_step_start(self) -> None:
+        """A step begins: remember the dataset position before its generation events draw prompts
+        (:meth:`state_dict` ``at_step_start``)."""
+        self._step_start_dataset = self._dataset.state_dict()
+
+    def state_dict(self, *, at_step_start: bool = False) -> dict:
+        """What a resume needs of the rollout side: the dataset position and the store cursor.
+
+        Scheduled generation in flight is waited for first, so the cursor covers it.
+        ``at_step_start``: a stop request ended the wait for a step whose generation events drew
+        its prompts at its start, and the resumed step draws them again: the position recorded is
+        the one from :meth:`mark_step_start`, and generation started at the step's version may stay
+        in flight (the resumed step generates what is missing at that same version)."""
+        if at_step_start:
+            dataset = self._step_start_dataset
+        else:
+            dataset = self._dataset.state_dict()
+            self._scheduled.drain()
+        return {"dataset": dataset, "store_cursor": self._store.cursor_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """The dataset position of a :meth:`state_dict`; the store cursor is restored by
+        :meth:`rewind`, which runs at every start (with a checkpoint or without)."""
+        self._dataset.load_state_dict(state["dataset"])
 
     # ------------------------------------------------------------------ restarts
     def rewind(self, cursor: Optional[dict], version: int, *, retire_ahead: bool) -> dict[str, int]:
@@ -232,15 +363,15 @@ class RolloutDriver:
         """
         fresh = cursor is None
         if fresh:
-            cursor = {"store_id": self.store.store_id, "acked_through": 0, "unacked": [], "version": 0}
-        replays = self.store.restore_cursor(cursor, strict=not fresh)
+            cursor = {"store_id": self._store.store_id, "acked_through": 0, "unacked": [], "version": 0}
+        replays = self._store.restore_cursor(cursor, strict=not fresh)
         # Published weights of lost versions: a push of that version must write the re-run's
         # weights, not reuse these (DiskWeightSync reuses a complete v<N>); producers must not load them.
-        for d in self.sync_dir.glob("v*"):
+        for d in self._sync_dir.glob("v*"):
             n = d.name[1:].removesuffix(".tmp")
             if n.isdigit() and int(n) > version:
                 shutil.rmtree(d, ignore_errors=True)
-        retired = self.store.retire_ahead(version) if retire_ahead else []
+        retired = self._store.retire_ahead(version) if retire_ahead else []
         if replays or retired:
             log.info("restart from %s (version %d): %d recorded lease(s) will be replayed; %d unconsumed group(s) "
                      "made by weights newer than version %d retired", "the base model" if fresh else "a checkpoint",
@@ -249,19 +380,20 @@ class RolloutDriver:
 
     # ------------------------------------------------------------------ teardown
     def close(self) -> None:
-        if self.producer_loop is not None:
-            self.producer_loop.stop()
-        if self.generator is not None:
-            self.generator.cancel()
-        if self.client is not None:
+        """Stop generating and serving, then shut the engines, the reward and the store down."""
+        self.stop_continuous()
+        if self._scheduled is not None:
+            self._scheduled.cancel()
+        if self._client is not None:
             try:
-                self._bg.submit(self.client.close()).result(timeout=10)
+                self._bg.submit(self._client.close()).result(timeout=10)
             except Exception:  # noqa: BLE001 - best effort at shutdown
                 pass
-        if self.ingestion is not None:
-            self.ingestion.close()
+        if self._ingestion is not None:
+            self._ingestion.close()
         self._bg.close()
-        closers = (self.weights.close, self.fleet.stop if self.fleet else None, self.reward.close, self.store.close)
+        closers = (self._weights.close, self._fleet.stop if self._fleet else None, self._reward.close,
+                   self._store.close)
         for closer in closers:
             if closer is None:
                 continue

@@ -169,9 +169,28 @@ def enable() -> None:
     if torch.cuda.is_available():
         raise RuntimeError("cpu_platform.enable() called on a machine with CUDA: the emulation must never "
                            "replace the real GPU path; do not call it when torch.cuda.is_available()")
-    cuda = torch.cuda
+    _answer_device_queries(torch.cuda)
+    _cpu_generator_plays_cuda(torch.cuda)
+    _moves_stay_on_cpu()
+    _null_streams(torch.cuda)
 
-    # 1. device queries, synchronisation, memory statistics
+    # 4. device-argument rewriting, for the rest of the process
+    _MODE = _CpuDeviceMode()
+    _MODE.__enter__()
+
+    # 8. collectives refuse host tensors on groups that are NCCL in production
+    collective_audit.install()
+    moe_cpu.install()  # 9. what Megatron's MoE layer needs that gloo / a TE-less install lack (standins/moe_cpu.py)
+    # 10. weight-update groups compare NCCL versions as NCCL does (standins/nccl_emulation.py)
+    nccl_emulation.enable(nccl_emulation.trainer_version())
+
+    _mode_in_backward(_MODE)
+    _megatron_rng_on_cpu()
+    _ENABLED = True
+
+
+def _answer_device_queries(cuda: Any) -> None:
+    """1. device queries, synchronisation, memory statistics."""
     cuda.current_device = lambda: 0
     cuda.device_count = lambda: 1
     cuda.set_device = lambda *a, **k: None
@@ -184,7 +203,9 @@ def enable() -> None:
     cuda.get_device_capability = lambda *a, **k: (0, 0)
     cuda.get_device_name = lambda *a, **k: "cpu (emulated cuda)"
 
-    # 2. RNG: the CPU default generator plays the CUDA generator
+
+def _cpu_generator_plays_cuda(cuda: Any) -> None:
+    """2. RNG: the CPU default generator plays the CUDA generator."""
     cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
     cuda.set_rng_state = lambda new_state, device="cuda": torch.set_rng_state(new_state)
     cuda.random.get_rng_state = cuda.get_rng_state
@@ -196,15 +217,17 @@ def enable() -> None:
     cuda.random.manual_seed_all = cuda.manual_seed
     cuda.initial_seed = torch.initial_seed
 
-    # 3. .cuda() / pin_memory
+
+def _moves_stay_on_cpu() -> None:
+    """3. ``.cuda()`` / ``pin_memory``, and 5. the CUDA type names."""
     torch.Tensor.cuda = lambda self, *a, **k: collective_audit.to_accelerator(self)
     torch.nn.Module.cuda = lambda self, *a, **k: collective_audit.to_accelerator_module(self)
     torch.Tensor.pin_memory = lambda self, *a, **k: self
-
-    # 5. CUDA type names
     torch.Tensor.type = _tensor_type(torch.Tensor.type)
 
-    # 6. streams, events, nvtx
+
+def _null_streams(cuda: Any) -> None:
+    """6. streams, events, nvtx."""
     cuda.Stream = _NullStream
     cuda.Event = _NullStream
     cuda.current_stream = lambda *a, **k: _NullStream()
@@ -214,36 +237,28 @@ def enable() -> None:
     cuda.nvtx.range_pop = lambda *a, **k: None
     cuda.nvtx.range = lambda *a, **k: contextlib.nullcontext()
 
-    # 4. device-argument rewriting, for the rest of the process
-    _MODE = _CpuDeviceMode()
-    _MODE.__enter__()
 
-    # 8. collectives refuse host tensors on groups that are NCCL in production
-    collective_audit.install()
-    moe_cpu.install()  # 9. what Megatron's MoE layer needs that gloo / a TE-less install lack (standins/moe_cpu.py)
-    # 10. weight-update groups compare NCCL versions as NCCL does (standins/nccl_emulation.py)
-    nccl_emulation.enable(nccl_emulation.trainer_version())
-
-    # 7. the same rewriting inside custom autograd Functions' backward
+def _mode_in_backward(mode: _CpuDeviceMode) -> None:
+    """7. the same rewriting inside custom autograd Functions' backward."""
     from torch.autograd import function as autograd_function
 
     backward_apply = autograd_function.BackwardCFunction.apply
 
     def apply_with_mode(self, *args):
-        if _MODE in torch.overrides._get_current_function_mode_stack():
+        if mode in torch.overrides._get_current_function_mode_stack():
             return backward_apply(self, *args)
-        with _MODE:
+        with mode:
             return backward_apply(self, *args)
 
     autograd_function.BackwardCFunction.apply = apply_with_mode
 
-    # 2 (Megatron side): its own copies of the CUDA RNG accessors
+
+def _megatron_rng_on_cpu() -> None:
+    """2 (Megatron side): its own copies of the CUDA RNG accessors."""
     try:
         from megatron.core.tensor_parallel import random as mrandom
     except ImportError:  # megatron not installed: the torch-level layer is still useful
-        mrandom = None
-    if mrandom is not None:
-        mrandom._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state()
-        mrandom._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state)
-        logging.getLogger(mrandom.__name__).addFilter(_RngWarningFilter())
-    _ENABLED = True
+        return
+    mrandom._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state()
+    mrandom._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state)
+    logging.getLogger(mrandom.__name__).addFilter(_RngWarningFilter())

@@ -43,6 +43,17 @@ class _Node:
         self.children: dict[int, _Node] = {}
         self.last_access = 0
 
+    def leaves(self) -> list["_Node"]:
+        """The nodes below this one that have no children: what eviction may drop."""
+        out, stack = [], list(self.children.values())
+        while stack:
+            n = stack.pop()
+            if n.children:
+                stack.extend(n.children.values())
+            else:
+                out.append(n)
+        return out
+
 
 def _slice(kv: KV, a: int, b: Optional[int] = None) -> KV:
     return [(k[:, a:b], v[:, a:b]) for k, v in kv]
@@ -143,14 +154,7 @@ class PrefixCache:
         """Drop least-recently-used leaves until the budget holds; returns the tokens evicted."""
         evicted = 0
         while self.bytes > self.max_bytes:
-            leaves, stack = [], list(self.root.children.values())
-            while stack:
-                n = stack.pop()
-                if n.children:
-                    stack.extend(n.children.values())
-                else:
-                    leaves.append(n)
-            for leaf in sorted(leaves, key=lambda n: n.last_access):
+            for leaf in sorted(self.root.leaves(), key=lambda n: n.last_access):
                 if self.bytes <= self.max_bytes:
                     break
                 del leaf.parent.children[leaf.key[0]]

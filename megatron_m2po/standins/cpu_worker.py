@@ -168,6 +168,35 @@ class _Batch:
         self.last = torch.cat([self.last, other.last])
 
 
+def _unique_rows(seqs: list[_Seq], ctxs: list[list[int]]) -> tuple[list[int], list[_Seq], list[list[int]]]:
+    """``(row of each sequence, representative sequence of each row, context of each row)``: rows
+    with the same context and prompt log-prob start are one row of the prefill."""
+    key_of = [(tuple(c), s.logprob_start_len if s.return_logprob else -1) for s, c in zip(seqs, ctxs)]
+    uniq: dict[tuple, int] = {}
+    rows = [uniq.setdefault(k, len(uniq)) for k in key_of]
+    first: dict[int, int] = {}
+    for i, r in enumerate(rows):
+        first.setdefault(r, i)
+    return rows, [seqs[first[r]] for r in range(len(uniq))], [ctxs[first[r]] for r in range(len(uniq))]
+
+
+def _prefill_inputs(rctx: list[list[int]], plen: list[int], P: int, E: int
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(ids [U, E], mask [U, P + E], positions [U, E])``: each row's uncached tokens left-padded in
+    the last ``E`` columns; the mask also marks its cached prefix, right-aligned in the first ``P``."""
+    U = len(rctx)
+    ids = torch.zeros(U, E, dtype=torch.long)
+    mask = torch.zeros(U, P + E, dtype=torch.long)
+    pos = torch.zeros(U, E, dtype=torch.long)
+    for u, (c, n) in enumerate(zip(rctx, plen)):
+        e = len(c) - n
+        ids[u, E - e:] = torch.tensor(c[n:])
+        pos[u, E - e:] = torch.arange(n, len(c))
+        mask[u, P - n:P] = 1
+        mask[u, P + E - e:] = 1
+    return ids, mask, pos
+
+
 def _cache_tensors(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
     if hasattr(cache, "layers"):  # transformers >= 4.56
         return [(layer.keys, layer.values) for layer in cache.layers]
@@ -185,8 +214,8 @@ class Engine:
 
         self.model_path = model_path
         self.config = AutoConfig.from_pretrained(model_path)
-        self.fp8 = None  # FP8 linears (megatron_m2po.rollout.fp8.FP8Linears) when serving FP8
-        from megatron_m2po.rollout.fp8 import FP8Linears, fp8_block_of, is_fp8_config
+        self.fp8 = None  # FP8 linears (megatron_m2po.weights.fp8.FP8Linears) when serving FP8
+        from megatron_m2po.weights.fp8 import FP8Linears, fp8_block_of, is_fp8_config
         fp8_ckpt = is_fp8_config(self.config)
         if quantization not in (None, "fp8"):
             raise ValueError(f"quantization={quantization!r}: the CPU worker supports only 'fp8'")
@@ -290,6 +319,40 @@ class Engine:
         while self.paused:
             await self.resumed.wait()
 
+    def pause(self) -> None:
+        """The tokenizer manager's ``is_pause`` (every pause mode): new requests wait in
+        :meth:`wait_resumed` until :meth:`resume`."""
+        self.paused = True
+        self.resumed.clear()
+
+    def resume(self) -> None:
+        """continue_generation: both pause flags off, held requests and the scheduler go on."""
+        self.paused = self.sched_paused = False
+        self.resumed.set()
+        self.wake.set()
+
+    def hold(self, rids: list[str]) -> None:
+        """Requests that arrived while paused: registered (an abort by rid marks them), not yet
+        sent to the scheduler (tokenizer_manager.py ``rid_to_state`` before the pause wait)."""
+        self.held.update((r, False) for r in rids)
+
+    def release(self, rids: list[str]) -> dict[str, bool]:
+        """Stop holding ``rids``: rid -> ``abort_sent`` (True when an abort by rid hit it while held)."""
+        return {r: self.held.pop(r, False) for r in rids}
+
+    async def abort_all_and_wait(self) -> None:
+        """pause_generation(mode="abort"): abort every request and return once none is live (a
+        request that arrives meanwhile is aborted too)."""
+        while self.live:
+            self.abort(None, True)
+            await asyncio.gather(*(asyncio.shield(s.future) for s in list(self.live.values())),
+                                 return_exceptions=True)
+
+    def slow_down(self, forward_sleep_time: Optional[float]) -> None:
+        """SGLang's /slow_down: sleep this long before each forward step (None: not at all)."""
+        self.forward_sleep_time = forward_sleep_time
+        self.wake.set()
+
     async def _run(self) -> None:
         while True:
             await self.wake.wait()
@@ -382,7 +445,7 @@ class Engine:
             self.prefix_cache.insert(ctx, entries, 0)
         self.prefix_cache.evict()
 
-    def _retract_all(self) -> None:
+    def retract_all(self) -> None:
         """pause_generation(mode="retract") (scheduler.py pause_generation): running requests go
         back to the waiting queue with their output so far and are prefilled again on resume. Their KV
         is dropped, not kept in the prefix cache (schedule_batch.py ``release_req`` ->
@@ -411,46 +474,12 @@ class Engine:
         the batch: cached prefixes right-aligned in the first ``P`` columns, the computed tokens
         left-padded in the last ``E``; the mask marks both, positions are absolute."""
         ctxs = [s.prompt + s.output for s in seqs]
-        key_of = [(tuple(c), s.logprob_start_len if s.return_logprob else -1) for s, c in zip(seqs, ctxs)]
-        uniq: dict[tuple, int] = {}
-        rows = [uniq.setdefault(k, len(uniq)) for k in key_of]
-        first = {}
-        for i, r in enumerate(rows):
-            first.setdefault(r, i)
-        reps = [seqs[first[r]] for r in range(len(uniq))]
-        rctx = [ctxs[first[r]] for r in range(len(uniq))]
-        matched = []
-        for s, c in zip(reps, rctx):
-            # schedule_batch.py Req._compute_max_prefix_len: the last token is always computed, and
-            # prompt log-probs from logprob_start_len need the logits from there on.
-            limit = len(c) - 1
-            if s.return_logprob and s.logprob_start_len >= 0:
-                limit = min(limit, s.logprob_start_len)
-            matched.append(self.prefix_cache.match(c, limit))
+        rows, reps, rctx = _unique_rows(seqs, ctxs)
+        matched = [self._match_prefix(s, c) for s, c in zip(reps, rctx)]
         plen = [n for n, _ in matched]
         P, E = max(plen), max(len(c) - n for c, n in zip(rctx, plen))
-        U = len(rctx)
-        ids = torch.zeros(U, E, dtype=torch.long)
-        mask = torch.zeros(U, P + E, dtype=torch.long)
-        pos = torch.zeros(U, E, dtype=torch.long)
-        for u, (c, n) in enumerate(zip(rctx, plen)):
-            e = len(c) - n
-            ids[u, E - e:] = torch.tensor(c[n:])
-            pos[u, E - e:] = torch.arange(n, len(c))
-            mask[u, P - n:P] = 1
-            mask[u, P + E - e:] = 1
-        past = None
-        n_kv = self.config.num_hidden_layers
-        if P:
-            layers = next(kv for _, kv in matched if kv is not None)[:n_kv]  # (+ the routing entry)
-            past = []
-            for j, (k0, v0) in enumerate(layers):
-                k = k0.new_zeros(U, k0.shape[0], P, k0.shape[2])
-                v = v0.new_zeros(U, v0.shape[0], P, v0.shape[2])
-                for u, (n, kv) in enumerate(matched):
-                    if n:
-                        k[u, :, P - n:], v[u, :, P - n:] = kv[j]
-                past.append((k, v))
+        ids, mask, pos = _prefill_inputs(rctx, plen, P, E)
+        past = self._cached_past(matched, P)
         self.prefill_tokens += sum(len(c) - n for c, n in zip(rctx, plen))
         if self.routing is not None:
             self.routing.begin()
@@ -459,20 +488,12 @@ class Engine:
         kv = _cache_tensors(out.past_key_values)
         logits = out.logits.float()
         routed = self._prefill_routing(matched, rctx, E) if self.routing is not None else None
-        for u, (s, c, n) in enumerate(zip(reps, rctx, plen)):
-            e = len(c) - n
-            entries = [(k[u, :, P + E - e:], v[u, :, P + E - e:]) for k, v in kv]
-            if routed is not None:
-                entries.append(self.routing.cache_entry(routed[u][n:]))
-            self.prefix_cache.insert(c, entries, n)
-            if s.return_logprob and s.input_logprobs is None and 0 <= s.logprob_start_len < len(s.prompt):
-                s.input_logprobs = _input_logprobs(s, logits[u, E - e:], n)
-        self.prefix_cache.evict()
+        self._keep_prefilled(reps, rctx, plen, kv, logits, routed, P, E)
         for s, r in zip(seqs, rows):
             # schedule_batch.py: cached tokens are counted once, never after a retraction.
             if s.retractions == 0:
                 s.cached_tokens += plen[r]
-            if routed is not None:  # a retracted request's KV and routing are computed anew (_retract_all):
+            if routed is not None:  # a retracted request's KV and routing are computed anew (retract_all):
                 # the rows captured before the retraction are gone, as in SGLang
                 s.routed = [routed[r]]
             if s.input_logprobs is None and reps[r].input_logprobs is not None and s is not reps[r]:
@@ -484,6 +505,46 @@ class Engine:
         b.pos = torch.tensor([len(c) for c in ctxs], dtype=torch.long)
         b.last = self._sample(seqs, logits[:, -1].index_select(0, idx))
         return b
+
+    def _match_prefix(self, s: _Seq, ctx: list[int]) -> tuple[int, Any]:
+        """The longest cached prefix of ``ctx`` that the prefill may reuse: schedule_batch.py
+        ``Req._compute_max_prefix_len``: the last token is always computed, and prompt log-probs
+        from logprob_start_len need the logits from there on."""
+        limit = len(ctx) - 1
+        if s.return_logprob and s.logprob_start_len >= 0:
+            limit = min(limit, s.logprob_start_len)
+        return self.prefix_cache.match(ctx, limit)
+
+    def _cached_past(self, matched: list, P: int) -> Optional[list[tuple[torch.Tensor, torch.Tensor]]]:
+        """The matched prefixes' KV per layer, ``[U, H, P, D]``, each right-aligned in the first ``P``
+        columns (None when nothing matched)."""
+        if not P:
+            return None
+        U = len(matched)
+        layers = next(kv for _, kv in matched if kv is not None)[:self.config.num_hidden_layers]  # (+ routing)
+        past = []
+        for j, (k0, v0) in enumerate(layers):
+            k = k0.new_zeros(U, k0.shape[0], P, k0.shape[2])
+            v = v0.new_zeros(U, v0.shape[0], P, v0.shape[2])
+            for u, (n, kv) in enumerate(matched):
+                if n:
+                    k[u, :, P - n:], v[u, :, P - n:] = kv[j]
+            past.append((k, v))
+        return past
+
+    def _keep_prefilled(self, reps: list[_Seq], rctx: list, plen: list[int], kv: list, logits: torch.Tensor,
+                        routed: Optional[list[torch.Tensor]], P: int, E: int) -> None:
+        """Insert each unique row's computed KV (and routing) into the prefix cache, and take its
+        prompt log-probs from the prefill's logits."""
+        for u, (s, c, n) in enumerate(zip(reps, rctx, plen)):
+            e = len(c) - n
+            entries = [(k[u, :, P + E - e:], v[u, :, P + E - e:]) for k, v in kv]
+            if routed is not None:
+                entries.append(self.routing.cache_entry(routed[u][n:]))
+            self.prefix_cache.insert(c, entries, n)
+            if s.return_logprob and s.input_logprobs is None and 0 <= s.logprob_start_len < len(s.prompt):
+                s.input_logprobs = _input_logprobs(s, logits[u, E - e:], n)
+        self.prefix_cache.evict()
 
     def _prefill_routing(self, matched: list, rctx: list, E: int) -> list[torch.Tensor]:
         """Routed experts ``[len(context), layers, top_k]`` of each unique prefill row: the cached
@@ -709,7 +770,7 @@ class Engine:
 
         FP8 engines take FP8 pairs (``.weight`` float8 + ``.weight_scale_inv`` per block, or
         ``.weight_scale`` per tensor) by SGLang 0.5.23's rules for the format (per-tensor FP8 loads
-        once); see ``megatron_m2po/rollout/fp8.py``."""
+        once); see ``megatron_m2po/weights/fp8.py``."""
         if self.fp8 is not None:
             named = self.fp8.convert(named)
         params = dict(self.model.named_parameters())
@@ -743,6 +804,17 @@ class Engine:
             self.fp8.after_loading()
         return n
 
+    def weights_by_name(self, name: str, truncate_size: int) -> Optional[list]:
+        """SGLang 0.5.23 models/llama.py ``get_weights_by_name``: the parameter as float32 nested
+        lists, its first ``truncate_size`` rows; a tied lm_head.weight answers with
+        embed_tokens.weight; None for an unknown name."""
+        params = dict(self.model.named_parameters())
+        if name == "lm_head.weight" and getattr(self.config, "tie_word_embeddings", False):
+            name = "model.embed_tokens.weight"
+        if name not in params:
+            return None
+        return params[name].detach().to(torch.float32).numpy().tolist()[:truncate_size]
+
     def init_group(self, req: dict) -> None:
         backend = req.get("backend", "nccl")
         if backend != "gloo":
@@ -758,6 +830,11 @@ class Engine:
         if os.environ.get(PLUGIN_ENV, "1") != "0":
             # What the m2po SGLang plugin's hook does after SGLang's join (rollout/sglang_plugin.py).
             sglang_plugin.publish(pg, int(req["rank_offset"]), sglang_plugin.local_nccl_version("gloo"))
+
+    def drop_group(self, name: str) -> Any:
+        """Forget weight-update group ``name``; returns it (None if there is none) for the caller
+        to destroy outside the model thread."""
+        return self.groups.pop(name, None)
 
     def receive(self, req: dict) -> list[tuple[str, torch.Tensor]]:
         name = req.get("group_name", _DEFAULT_GROUP)

@@ -13,7 +13,6 @@ import time
 import uuid
 from typing import Optional
 
-import torch
 from aiohttp import web
 
 from megatron_m2po.parallel.side_group import destroy_side_group
@@ -122,10 +121,10 @@ class WorkerApp:
                                       "worker; use return_logprob (sampled tokens) and logprob_start_len")
         ids, text = req.get("input_ids"), req.get("text")
         if ids is None and text is not None:
-            if self.engine.tokenizer is None:
+            tokenizer = self.engine.tokenizer
+            if tokenizer is None:
                 raise RequestError("text input needs a tokenizer in the model dir; send input_ids")
-            ids = ([self.engine.tokenizer.encode(t) for t in text] if isinstance(text, list)
-                   else self.engine.tokenizer.encode(text))
+            ids = [tokenizer.encode(t) for t in text] if isinstance(text, list) else tokenizer.encode(text)
         if ids is None:
             raise RequestError("one of input_ids / text is required")
         batch = bool(ids) and isinstance(ids[0], list)
@@ -200,11 +199,11 @@ class WorkerApp:
             reqs, batch = self._expand(req)
             if self.engine.paused:  # tokenizer_manager.py generate_request: rid registered, then the wait
                 held = [r["rid"] for r in reqs]
-                self.engine.held.update((r, False) for r in held)
+                self.engine.hold(held)
                 try:
                     await self.engine.wait_resumed()
                 finally:
-                    sent = {r: self.engine.held.pop(r, False) for r in held}
+                    sent = self.engine.release(held)
             else:
                 sent = {}
             seqs = [self.engine.make_seq(r.pop("input_ids"), r.pop("params"), r.pop("rid"), **r) for r in reqs]
@@ -342,20 +341,11 @@ class WorkerApp:
                     "accelerator": None, "num_accelerators": 1, "loads": [self.engine.load()]})
 
     # SGLang 0.5.23 http_server.py /get_weights_by_name (GetWeightsByNameReqInput {name,
-    # truncate_size=100}) -> models/llama.py get_weights_by_name: the parameter as float32 nested
-    # lists, its first truncate_size rows; a tied lm_head.weight answers with embed_tokens.weight;
-    # an unknown name is a 400 {"error": {"message": "Get parameter by name failed"}}.
-    def _weights_by_name(self, name: str, truncate_size: int):
-        params = dict(self.engine.model.named_parameters())
-        if name == "lm_head.weight" and getattr(self.engine.config, "tie_word_embeddings", False):
-            name = "model.embed_tokens.weight"
-        if name not in params:
-            return None
-        return params[name].detach().to(torch.float32).numpy().tolist()[:truncate_size]
-
+    # truncate_size=100}) -> Engine.weights_by_name; an unknown name is a 400
+    # {"error": {"message": "Get parameter by name failed"}}.
     async def get_weights_by_name(self, request):
         req = await _body(request)
-        out = await self.engine.run_model(self._weights_by_name, str(req.get("name", "")),
+        out = await self.engine.run_model(self.engine.weights_by_name, str(req.get("name", "")),
                                           int(req.get("truncate_size", 100)))
         if out is None:
             return _ok({"error": {"message": "Get parameter by name failed"}}, 400)
@@ -415,25 +405,19 @@ class WorkerApp:
         mode = req.get("mode", "abort")
         if mode not in ("abort", "retract", "in_place"):
             return _err(f"Invalid mode: {mode!r}. Expected one of ['abort', 'retract', 'in_place'].")
-        self.engine.paused = True
-        self.engine.resumed.clear()
+        self.engine.pause()
         if mode == "abort":
-            while self.engine.live:
-                self.engine.abort(None, True)
-                await asyncio.gather(*(asyncio.shield(s.future) for s in list(self.engine.live.values())),
-                                     return_exceptions=True)
+            await self.engine.abort_all_and_wait()
         else:
             async with self.engine.step_lock:  # returns only after the current step ends
                 self.engine.sched_paused = True
                 if mode == "retract":
-                    await self.engine.run_model(self.engine._retract_all)
+                    await self.engine.run_model(self.engine.retract_all)
             self.engine.note_receive()
         return _ok({"message": "Generation paused successfully.", "status": "ok"})
 
     async def continue_generation(self, request):
-        self.engine.paused = self.engine.sched_paused = False
-        self.engine.resumed.set()
-        self.engine.wake.set()
+        self.engine.resume()
         self.engine.note_receive()
         return _ok({"message": "Generation continued successfully.", "status": "ok"})
 
@@ -443,8 +427,7 @@ class WorkerApp:
         t = req.get("forward_sleep_time")
         if t is not None and (not isinstance(t, (int, float)) or t < 0):
             return _ok({"error": {"message": f"forward_sleep_time must be a number >= 0 or null, got {t!r}"}}, 400)
-        self.engine.forward_sleep_time = float(t) if t else None
-        self.engine.wake.set()
+        self.engine.slow_down(float(t) if t else None)
         return _ok({})
 
     # -- weights ----------------------------------------------------------------------------------
@@ -542,7 +525,7 @@ class WorkerApp:
         req = await _body(request)
         name = req.get("group_name", _DEFAULT_GROUP)
         async with self.group_ops:
-            pg = self.engine.groups.pop(name, None)
+            pg = self.engine.drop_group(name)
         if pg is None:
             return _ok({"success": False, "message": f"group {name!r} does not exist"}, 400)
         destroy_side_group(pg)  # weight_updater.py: torch.distributed.destroy_process_group(pg)

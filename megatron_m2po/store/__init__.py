@@ -18,13 +18,23 @@ Trainer side::
     extra_state["store_cursor"] = store.cursor_state()   # in the checkpoint
     ...
     store.restore_cursor(extra_state["store_cursor"])    # on resume: exact replay
-"""
 
-from megatron_m2po.store.store import (Bounded, ConflictError, CorruptGroupError, ExactStaleK, Fifo, Lease,
-                                       NotReadyError, PutResult, RolloutStore, StoreFullError, bounded,
-                                       exact_stale_k, fifo)
-from megatron_m2po.store.types import Group, Trajectory
+The names below load their module on first use, so importing a section of the config
+(``store/settings.py``) does not import the whole package."""
 
-__all__ = ["RolloutStore", "Lease", "PutResult", "Group", "Trajectory", "exact_stale_k", "bounded", "fifo",
-           "ExactStaleK", "Bounded", "Fifo", "NotReadyError", "ConflictError", "StoreFullError",
-           "CorruptGroupError"]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_WHERE = {
+    **{n: "store" for n in ('RolloutStore', 'Lease', 'PutResult', 'exact_stale_k', 'bounded', 'fifo', 'ExactStaleK', 'Bounded', 'Fifo', 'NotReadyError', 'ConflictError', 'StoreFullError', 'CorruptGroupError')},
+    **{n: "types" for n in ('Group', 'Trajectory')},
+}
+__all__ = list(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)

@@ -29,7 +29,8 @@ import os
 import sqlite3
 import sys
 
-from megatron_m2po.config import StoreConfig, load_config
+from megatron_m2po.config import load_config
+from megatron_m2po.store.settings import StoreConfig
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -239,7 +239,7 @@ def _migrate_1_to_2(conn: sqlite3.Connection, path: str) -> None:
         conn.execute("ALTER TABLE trajectories ADD COLUMN checksum TEXT")
     rowids = [r[0] for r in conn.execute("SELECT rowid FROM trajectories WHERE response IS NOT NULL")]
     for rowid in rowids:  # one row in memory at a time
-        row = conn.execute(f"SELECT {_ROW_COLS} FROM trajectories WHERE rowid=?", (rowid,)).fetchone()
+        row = conn.execute(f"SELECT {ROW_COLS} FROM trajectories WHERE rowid=?", (rowid,)).fetchone()
         conn.execute("UPDATE trajectories SET checksum=? WHERE rowid=?", (row_checksum(*row), rowid))
     n = len(rowids)
     set_meta(conn, "schema_version", str(SCHEMA_VERSION))
@@ -306,13 +306,13 @@ def routed_array(b: Optional[bytes], rows: int) -> Optional[np.ndarray]:
     return np.frombuffer(b[4:], "<u2").reshape(rows, layers, k).astype(np.int32)
 
 
-def _checksum_blobs(blobs: Sequence[Optional[bytes]], routed: Optional[bytes]) -> tuple:
+def checksum_blobs(blobs: Sequence[Optional[bytes]], routed: Optional[bytes]) -> tuple:
     """The blobs row_checksum covers: the routed experts only when present (schema-2 rows hash as before)."""
     return tuple(blobs) if routed is None else (*blobs, routed)
 
 
 # Columns row_checksum() covers, in its argument order.
-_ROW_COLS = "uid, idx, reward, finish_reason, metadata, min_version, prompt, response, logp, vruns, mask, recomputed"
+ROW_COLS = "uid, idx, reward, finish_reason, metadata, min_version, prompt, response, logp, vruns, mask, recomputed"
 
 
 def row_checksum(uid: str, idx: int, reward: Optional[float], finish_reason: str, metadata: str, min_version: int,
@@ -369,7 +369,7 @@ def insert_group(conn: sqlite3.Connection, g: Group, *, digest: str, state: str,
                      "min_version, prompt, response, logp, vruns, mask, recomputed, routed, checksum) "
                      "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
                      (scal[0], seq, *scal[1:], *blobs, routed,
-                      row_checksum(*scal, *_checksum_blobs(blobs, routed))))
+                      row_checksum(*scal, *checksum_blobs(blobs, routed))))
         del blobs, mask, rec, routed
         conn.execute(
             "INSERT INTO version_stats (version, trajectories, prompt_tokens) VALUES (?, 1, ?) "
@@ -403,7 +403,7 @@ def load_group(conn: sqlite3.Connection, seq: int) -> Group:
         return CorruptGroupError(seq, gid, why)
 
     routed_col = ", routed" if _has_routed(conn) else ", NULL"
-    rows = conn.execute(f"SELECT {_ROW_COLS}{routed_col}, checksum FROM trajectories WHERE group_seq=? ORDER BY idx",
+    rows = conn.execute(f"SELECT {ROW_COLS}{routed_col}, checksum FROM trajectories WHERE group_seq=? ORDER BY idx",
                         (seq,)).fetchall()
     if len(rows) != n_traj:
         raise bad(f"{len(rows)} stored trajectories, {n_traj} written")
@@ -412,7 +412,7 @@ def load_group(conn: sqlite3.Connection, seq: int) -> Group:
         (uid, idx, reward, fr, md, min_v, prompt, resp, logp, vruns, mask, rec), routed, cs = r[:-2], r[-2], r[-1]
         if idx != i:
             raise bad(f"trajectory positions are not 0..{n_traj - 1} (found {idx} at {i})")
-        if cs is None or row_checksum(*r[:6], *_checksum_blobs(r[6:12], routed)) != cs:
+        if cs is None or row_checksum(*r[:6], *checksum_blobs(r[6:12], routed)) != cs:
             raise bad(f"trajectory {uid!r} fails its checksum (stored data changed since it was written)")
         if any(b is None for b in (prompt, resp, logp, vruns)) or len(prompt) % 4 or len(resp) % 4 or len(vruns) % 16:
             raise bad(f"trajectory {uid!r} has arrays of impossible lengths")

@@ -40,7 +40,7 @@ from megatron_m2po.store.types import Group, RoutingSpec
 from megatron_m2po.utils.faults import fault_point
 
 if TYPE_CHECKING:
-    from megatron_m2po.config import StoreConfig
+    from megatron_m2po.store.settings import StoreConfig
 
 log = logging.getLogger(__name__)
 
@@ -435,9 +435,9 @@ class RolloutStore:
                     raise ValueError(f"set_rewards: uid {uid!r} belongs to a {row[1]} group; only pending groups "
                                      "are scored (rewards of served data never change)")
                 # The row checksum covers the reward: check the row as written, then rewrite both.
-                cur = c.execute(f"SELECT {db._ROW_COLS}, routed, checksum FROM trajectories WHERE uid=?",
+                cur = c.execute(f"SELECT {db.ROW_COLS}, routed, checksum FROM trajectories WHERE uid=?",
                                 (uid,)).fetchone()
-                blobs = db._checksum_blobs(cur[6:12], cur[12])
+                blobs = db.checksum_blobs(cur[6:12], cur[12])
                 if db.row_checksum(*cur[:6], *blobs) != cur[-1]:
                     reason = f"trajectory {uid!r} fails its checksum (stored data changed since it was written)"
                     db.quarantine_group(c, row[0], row[2], reason, time.time())

@@ -37,7 +37,7 @@ def groups_to_batch(groups: list[Group], *, advantage: str = "grpo", adv_eps: fl
 
 def shard_step(batch: RolloutBatch, num_updates: int, shards: Callable[..., list[list[int]]], dp_of: list[int],
                meta: Any) -> tuple[list[list[Sample]], list[tuple[Any, list[ShardedBatch]]]]:
-    """A step as each global rank receives it (``trainer/rank0.py`` ``scatter_from_rank0``).
+    """A step as each global rank receives it (``parallel/rank0.py`` ``scatter_from_rank0``).
 
     ``batch`` is split into ``num_updates`` optimizer mini-batches in order; ``shards(plan, uids=...)``
     (the actor's :meth:`~megatron_m2po.actor.actor.MegatronActor.shards`) assigns each mini-batch's

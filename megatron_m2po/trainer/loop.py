@@ -1,11 +1,12 @@
 """The training loop: generate -> score -> store -> train -> push weights -> checkpoint.
 
 Every rank runs :class:`Trainer`; global rank 0 also owns the rollout side (:class:`_Lead`: the
-:class:`~megatron_m2po.trainer.driver.RolloutDriver`, metric logging, progress). The driver issues
-no collectives: it returns data, and the loop shares it with every rank (:meth:`Trainer._from_rank0`;
+:class:`~megatron_m2po.rollout_service.service.RolloutService`, metric logging, progress). The
+service issues no collectives: it returns data, and the loop shares it with every rank (:meth:`Trainer._from_rank0`;
 a step's rollouts are scattered: each rank receives its data-parallel shard and the mini-batches'
 plans, :meth:`Trainer._fetch_step`) and runs the actor's collectives (log-prob recompute, weight gathers, checkpoints) on all of them.
-The engines' weight version is the push controller's (:mod:`.weight_push`; every rank holds one).
+The engines' weight version is the push controller's (:mod:`megatron_m2po.weights.push`; every rank
+holds one, and the loop takes rank 0's from the service once).
 The trainer creates the process group and destroys it when the run ends, however it ends.
 
 Modes (docs/design.md §3), each a schedule object (:mod:`.schedule`: what to generate, what to
@@ -28,7 +29,7 @@ trainer waits for a step's rollouts ends the wait: the checkpoint is then of the
 before it. A second signal raises KeyboardInterrupt at once.
 
 Restarts (docs/design.md §5b): every start, with or without a checkpoint, rewinds
-the store to the resume point (:meth:`RolloutDriver.rewind`), so the same command always
+the store to the resume point (:meth:`RolloutService.rewind`), so the same command always
 finishes, whatever point the previous run died at.
 """
 
@@ -39,7 +40,7 @@ import logging
 import signal
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar
 
 import numpy as np
 import torch.distributed as dist
@@ -48,36 +49,40 @@ from megatron_m2po.actor.actor import ActorConfig, MegatronActor, destroy_parall
 from megatron_m2po.actor.batch import RolloutBatch, ShardedBatch
 from megatron_m2po.actor.checkpoint import latest_checkpoint
 from megatron_m2po.config import Config, config_to_dict, dump_config
+from megatron_m2po.parallel.rank0 import any_rank, check_shared_run_dir, from_rank0, scatter_from_rank0
 from megatron_m2po.trainer.batching import groups_to_batch, rollout_metrics, shard_step, trajectory_to_sample
 from megatron_m2po.trainer.preflight import claim_checked_run_dir
-from megatron_m2po.trainer.rank0 import any_rank, check_shared_run_dir, from_rank0, scatter_from_rank0
 from megatron_m2po.trainer.run_lock import RunDirLock
 from megatron_m2po.trainer.run_report import finished_message, finished_step, run_summary
 from megatron_m2po.trainer.schedule import make_schedule
 from megatron_m2po.trainer.token_dump import TokenDump
-from megatron_m2po.trainer.weight_push import WeightPushController
+from megatron_m2po.weights.hf_export import export_hf
+from megatron_m2po.weights.push import WeightPushController
 from megatron_m2po.utils.faults import fault_point
 from megatron_m2po.utils.hf_dir import resolve_model_path
 from megatron_m2po.utils.timing import TIMER
+
+if TYPE_CHECKING:
+    from megatron_m2po.rollout_service.service import RolloutService
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
 class _Lead:
-    """Global rank 0's part of the run: rollout driver, run directory, metrics, progress."""
+    """Global rank 0's part of the run: rollout service, run directory, metrics, progress."""
 
     def __init__(self, cfg: Config, model_path: str) -> None:
         from transformers import AutoTokenizer
 
-        from megatron_m2po.trainer.driver import RolloutDriver
+        from megatron_m2po.rollout_service.service import RolloutService
         from megatron_m2po.utils.logging import MetricsLogger, TrainProgress
 
         self.logger = self.progress = None
         run_dir = Path(cfg.trainer.run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(dump_config(cfg))
-        self.driver = RolloutDriver(cfg, model_path, AutoTokenizer.from_pretrained(model_path))
+        self.service = RolloutService(cfg, model_path, AutoTokenizer.from_pretrained(model_path))
         try:
             self.logger = MetricsLogger(str(run_dir), config_dict=config_to_dict(cfg),
                                         wandb_project=cfg.logging.wandb_project,
@@ -96,7 +101,7 @@ class _Lead:
         self.progress.update(step + 1, metrics)
 
     def close(self) -> None:
-        for c in (self.driver, self.progress, self.logger):
+        for c in (self.service, self.progress, self.logger):
             if c is None:
                 continue
             try:
@@ -109,6 +114,14 @@ class _Stopped:
     """What rank 0 shares instead of a step's data when a stop request ended its wait."""
 
 
+@dataclasses.dataclass
+class _Ended:
+    """A run that stopped on request: ``heading`` of its summary (None: it stopped while waiting for
+    a step's data, and prints none)."""
+
+    heading: Optional[str]
+
+
 class Trainer:
     """One training run over all ranks."""
 
@@ -119,9 +132,9 @@ class Trainer:
         self._stop_requested = False
         self.actor: Optional[MegatronActor] = None
         self.lead: Optional[_Lead] = None  # global rank 0 only
-        self.driver = None                 # self.lead.driver
+        self.service: Optional[RolloutService] = None  # global rank 0: the lead's rollout service
         self.token_dump: Optional[TokenDump] = None
-        # The engines' weights: rank 0's push controller (the driver's), a follower elsewhere; every
+        # The engines' weights: rank 0's push controller (the service's), a follower elsewhere; every
         # rank tracks the same version.
         self.weights = WeightPushController.follower()
         self._run_lock = run_lock  # global rank 0: one run per run directory (trainer/run_lock.py)
@@ -158,19 +171,17 @@ class Trainer:
             # the other ranks at once, instead of leaving them waiting for rank 0's next result.
             self._from_rank0(lambda: self._build_lead(cfg), what="the rollout side (data, store, engines)")
             if self.lead is not None:
-                self.driver = self.lead.driver
-                self.weights = self.driver.weights
+                self.service = self.lead.service
+                self.weights = self.service.weights
         except BaseException:
             self.close()
             raise
         self.start_step = 0
         # Rank 0: the whole mini-batches of the step being trained, when its tokens are dumped.
         self._full_minibatches: Optional[list[RolloutBatch]] = None
-        # Rank 0: a stop request ended a wait for data in this step; the dataset position at the
-        # step's start, before its generation events drew prompts (a checkpoint of the finished
-        # steps must not record those draws: the resumed step repeats them).
+        # Rank 0: a stop request ended a wait for data in this step.
         self._wait_stopped = False
-        self._boundary_dataset: Optional[dict] = None
+        self._t_mark = 0.0  # where the current step's wall time started (the previous log line)
 
     def _claim_run_dir(self, cfg: Config) -> None:
         """Global rank 0: the run directory created if needed and locked, and the start-up checks
@@ -183,7 +194,7 @@ class Trainer:
 
     def _from_rank0(self, fn: Callable[[], T], what: str = "rank 0's result") -> T:
         """``fn()`` evaluated on global rank 0 only; every rank gets its result, waiting without
-        a collective that could time out (:func:`~megatron_m2po.trainer.rank0.from_rank0`)."""
+        a collective that could time out (:func:`~megatron_m2po.parallel.rank0.from_rank0`)."""
         return from_rank0(fn, what=what)
 
     # ------------------------------------------------------------------ signals
@@ -192,8 +203,8 @@ class Trainer:
             if self._stop_requested:
                 raise KeyboardInterrupt
             self._stop_requested = True
-            if self.driver is not None:
-                self.driver.stop_event.set()  # a wait for data ends at once
+            if self.service is not None:
+                self.service.request_stop()  # a wait for data ends at once
             log.warning("received %s: finishing the current step (or ending the wait for its data), then "
                         "checkpointing and exiting", signal.Signals(signum).name)
         for s in (signal.SIGINT, signal.SIGTERM):
@@ -212,13 +223,12 @@ class Trainer:
             self.start_step = int(extra["step"])
             self.schedule.load_state_dict(extra)
         if self.lead:
-            d = self.driver
             if extra is not None:
-                d.dataset.load_state_dict(extra["dataset"])
+                self.service.load_state_dict(extra)
             # A run that died before its first checkpoint (or during its write) left leases and, in
             # async mode, groups of weights that are gone: rewound here as after a checkpoint.
-            r = d.rewind(extra["store_cursor"] if extra is not None else None, self.actor.version,
-                         retire_ahead=self.schedule.retires_ahead)
+            r = self.service.rewind(extra["store_cursor"] if extra is not None else None, self.actor.version,
+                                    retire_ahead=self.schedule.retires_ahead)
             if ckpt is not None:
                 log.info("resumed from %s at step %d (version %d); %d lease(s) will be replayed, %d group(s) "
                          "retired", ckpt, self.start_step, self.actor.version, r["replays"], r["retired"])
@@ -240,16 +250,11 @@ class Trainer:
 
     def _rollout_state(self, step: int, at_boundary: bool = False) -> dict:
         """Rank 0: what a resume needs besides the actor (dataset position, store cursor)."""
-        dataset = self.driver.dataset.state_dict()
-        if at_boundary and self.schedule.redraws_step_prompts:
-            # Generation started at the step's version may still be in flight: the resumed step
-            # re-draws the same prompts and generates what is missing at that same version.
-            dataset = self._boundary_dataset
-        else:
-            self.driver.generator.wait_generation()
+        # A step stopped at its start whose prompts the resumed step re-draws: the dataset position
+        # from before its generation events (RolloutService.state_dict).
+        rollout = self.service.state_dict(at_step_start=at_boundary and self.schedule.redraws_step_prompts)
         # The schedule's part: mode, stale_k, and the catch-up bookkeeping.
-        return {"step": step, "dataset": dataset, "store_cursor": self.driver.store.cursor_state(),
-                **self.schedule.state_dict()}
+        return {"step": step, **rollout, **self.schedule.state_dict()}
 
     def _prune_checkpoints(self) -> None:
         import shutil
@@ -261,13 +266,11 @@ class Trainer:
 
     # ------------------------------------------------------------------ weights
     def _push_weights(self) -> float:
-        """All ranks: push the actor's weights to the engines (:meth:`WeightPushController.push`:
+        """All ranks: push the actor's weights to the engines (:meth:`WeightPushController.push_actor`:
         every pipeline stage sends its own layers, rank 0 drives the push, a push that engines'
         deaths broke is repeated once after they are relaunched); returns seconds."""
-        layout = self.actor.stage_layout()
         t0 = time.perf_counter()
-        self.weights.push(self.actor.iter_stage_hf_weights, self.actor.version, stage=layout.stage,
-                          n_stages=layout.n_stages, sender=layout.sender)
+        self.weights.push_actor(self.actor)
         return time.perf_counter() - t0
 
     def _generation_events(self) -> dict[str, float]:
@@ -286,7 +289,7 @@ class Trainer:
         past = self.schedule.catch_up_candidates(v, self.start_step)
         if not past:
             return
-        missing = self._from_rank0(lambda: self.driver.generator.missing_steps(past), what="the steps to catch up")
+        missing = self._from_rank0(lambda: self.service.missing_steps(past), what="the steps to catch up")
         # Present ones were caught up from this same checkpoint before a crash: also at version v.
         self.schedule.mark_caught_up(past, v)
         if not missing:
@@ -307,7 +310,7 @@ class Trainer:
         if self.actor.version > 0 or off:
             self._push_weights()
         if self.lead:
-            self.driver.start_continuous()
+            self.service.start_continuous()
 
     def _generate_steps(self, steps: list[int], version: int) -> dict[str, float]:
         """Generate the rollouts of ``steps`` with the weights of ``version`` (all ranks). A stop
@@ -327,27 +330,27 @@ class Trainer:
             # The trainer's own log-probs of the generated tokens at this version: every rank
             # takes part, so generation is synchronous here.
             for s in steps:
-                groups = self._from_rank0(lambda step=s: self._stoppable(lambda: self.driver.generator.generate_step_groups(step)),
+                groups = self._from_rank0(lambda step=s: self._stoppable(lambda: self.service.sample(step)),
                                           what=f"the generation of step {s}")
                 if isinstance(groups, _Stopped):
                     self._wait_stopped = True
                     return
                 self._recompute_behaviour(groups)
                 if self.lead:
-                    self.driver.generator.put_groups(groups)
+                    self.service.put(groups)
             return
         if self.lead:
             # On-policy data is needed right away; stale data overlaps with training (schedule.background).
-            gen = self.driver.generator
+            background = self.schedule.background
             for s in steps:
-                if isinstance(self._stoppable(lambda step=s: gen.generate_for_step(step, background=self.schedule.background)),
+                if isinstance(self._stoppable(lambda step=s: self.service.generate(step, background=background)),
                               _Stopped):
                     self._wait_stopped = True  # rank 0 only: the step's lease shares it with every rank
                     break
 
     def _stoppable(self, fn: Callable[[], T]) -> T | _Stopped:
         """Rank 0: ``fn()``, or a :class:`_Stopped` marker when a stop request ended its wait."""
-        from megatron_m2po.trainer.waiting import StopRequested
+        from megatron_m2po.rollout_service.waiting import StopRequested
         try:
             return fn()
         except StopRequested as e:
@@ -371,11 +374,11 @@ class Trainer:
         leased: dict[str, Any] = {}
 
         def lease() -> list:
-            got = _Stopped() if self._wait_stopped else self._stoppable(lambda: self.schedule.lease(self.driver.leaser, step))
+            got = _Stopped() if self._wait_stopped else self._stoppable(lambda: self.schedule.lease(self.service, step))
             if isinstance(got, _Stopped):
                 return [(None, got)] * len(self._dp_of)
             groups, leased["lease"] = got
-            meta = {**rollout_metrics(groups, correct_reward=self.cfg.reward.correct), **self.driver.filter_metrics()}
+            meta = {**rollout_metrics(groups, correct_reward=self.cfg.reward.correct), **self.service.filter_metrics()}
             batch = groups_to_batch(groups, advantage=self.cfg.algo.advantage, adv_eps=self.cfg.algo.adv_eps,
                                     use_recomputed=self.cfg.algo.recompute_behav_logprobs)
             minis, parts = shard_step(batch, self.U, self.actor.shards, self._dp_of, meta)
@@ -397,15 +400,34 @@ class Trainer:
         inside a step, stale_k with ``k`` not a multiple of ``U``), train, push when the schedule
         says; acknowledge the lease."""
         t0 = time.perf_counter()
-        extra: dict[str, float] = {}
         if self.lead:
-            self._boundary_dataset = self.driver.dataset.state_dict()
-        extra.update(self._generation_events())
+            self.service.mark_step_start()  # the dataset position before the step's generation events
+        extra = self._generation_events()
         with TIMER.phase("data_wait"):
             fetched = self._fetch_step(step)
         if fetched is None:
             return None
         minibatches, lease, rollout = fetched
+        per_update, ages, age_counts = self._train_updates(step, minibatches, extra)
+        if self.lead:
+            self.service.ack(lease)
+        step_s = time.perf_counter() - t0
+        metrics = _step_metrics(per_update, ages, age_counts)
+        metrics.update(extra)
+        if rollout:
+            metrics.update(rollout)
+        n_tokens = sum(int(mb.plan.lengths.sum()) for mb in minibatches)
+        metrics["perf/step_s"] = step_s
+        metrics["perf/tokens_per_s"] = n_tokens / step_s
+        metrics["train/version"] = float(self.actor.version)
+        metrics["train/step"] = float(step)
+        return metrics, per_update
+
+    def _train_updates(self, step: int, minibatches: list[ShardedBatch], extra: dict[str, float]
+                       ) -> tuple[list[dict], list[np.ndarray], list[np.ndarray]]:
+        """The step's optimizer updates (all ranks), one mini-batch each: the generation events due
+        at its version first, a push after it when the schedule says (its seconds added to
+        ``extra``). Returns the updates' metrics and their token ages (with counts)."""
         per_update, ages, age_counts = [], [], []
         dump = self.token_dump if self.token_dump is not None and self.token_dump.wants(step) else None
         if dump:
@@ -428,30 +450,14 @@ class Trainer:
                 extra["sync/weight_s"] = extra.get("sync/weight_s", 0.0) + self._push_weights()
         if dump:
             dump.write()
-        if self.lead:
-            self.driver.leaser.ack(lease)
-        step_s = time.perf_counter() - t0
-        metrics = _step_metrics(per_update, ages, age_counts)
-        metrics.update(extra)
-        if rollout:
-            metrics.update(rollout)
-        n_tokens = sum(int(mb.plan.lengths.sum()) for mb in minibatches)
-        metrics["perf/step_s"] = step_s
-        metrics["perf/tokens_per_s"] = n_tokens / step_s
-        metrics["train/version"] = float(self.actor.version)
-        metrics["train/step"] = float(step)
-        return metrics, per_update
+        return per_update, ages, age_counts
 
     # ------------------------------------------------------------------ run
     def run(self) -> int:
+        """Train from the resume point to ``trainer.num_steps``, or until a stop request; the rollout
+        side, the actor and the process group are closed however it ends. Returns the exit code."""
         if self.finished is not None:
-            try:
-                if self.rank == 0:
-                    print(finished_message(self.cfg, self.finished), flush=True)
-                    self._print_summary(None)
-            finally:
-                self.close()
-            return 0
+            return self._run_finished()
         self._install_signal_handlers()
         self._resume()
         cfg = self.cfg
@@ -460,60 +466,82 @@ class Trainer:
                      "exits", self.start_step + 1, cfg.trainer.num_steps)
         self._catch_up()          # exact schedules: steps scheduled before the resume point, never generated
         self._start_continuous()  # async: the engines generate from now on
-        step = self.start_step
         # Where the time goes (utils/timing.py): a step's wall time runs from the previous step's
         # log line to its own, so the previous step's checkpoint counts in this one.
         TIMER.reset(trace=cfg.logging.trace, pid=self.rank)
-        t_mark = time.perf_counter()
+        self._t_mark = time.perf_counter()
         ended: Optional[str] = None  # the summary's heading, once the run ended as planned
         try:
             for step in range(self.start_step, cfg.trainer.num_steps):
-                # Relaunched engines that wait for weights (distributed sync) get them now.
-                if self._from_rank0(lambda: self.weights.check_engines(), what="the engine check"):
-                    self._push_weights()
-                trained = self._train_step(step)
-                if trained is None:  # a stop request ended the wait for this step's data
-                    if step > self.start_step:
-                        self._save(step, at_boundary=True)
-                    log.warning("stopped while waiting for the data of step %d, after %d finished step(s); resume "
-                                "with the same command", step, step)
-                    return 0
-                metrics, per_update = trained
-                if cfg.trainer.eval_every_steps and (step + 1) % cfg.trainer.eval_every_steps == 0:
-                    metrics.update(self._evaluate(step + 1))
-                now = time.perf_counter()
-                metrics.update(TIMER.take_step(now - t_mark))
-                t_mark = now
-                if self.lead:
-                    metrics.update(TIMER.counters(self.driver.engine_loads()))
-                    metrics.update(self.weights.take_metrics())  # this step's pushes: GB, GB/s
-                if self.lead:
-                    self.lead.log_step(step, self.actor.version, metrics, per_update)
-                fault_point("step_end")  # logged, not yet checkpointed
-                fault_point("worker_dies")
-                done = step + 1
-                stop = any_rank(self._stop_requested)
-                every = cfg.checkpoint.save_every_steps
-                if stop or (every and done % every == 0) or done == cfg.trainer.num_steps:
-                    self._save(done)
-                if stop:
-                    log.warning("stopped after step %d on request; resume with the same command", done)
-                    ended = (f"stopped after step {done} of {cfg.trainer.num_steps} (resume with the same command) "
-                             f"in {self.run_dir}")
+                end = self._run_step(step)
+                if end is not None:  # stopped on request
+                    ended = end.heading
                     return 0
             if cfg.checkpoint.export_hf_at_end:
                 out = self.run_dir / "final_hf"
-                self.actor.export_hf(str(out))
+                export_hf(self.actor, str(out))
                 if self.lead:
                     log.info("final weights exported to %s", out)
             ended = f"run complete: {cfg.trainer.num_steps} steps in {self.run_dir}"
             return 0
         finally:
-            TIMER.finish(time.perf_counter() - t_mark)
+            TIMER.finish(time.perf_counter() - self._t_mark)
             self._report_time()
             if ended is not None and self.lead:
                 self._print_summary(ended)
             self.close()
+
+    def _run_step(self, step: int) -> Optional[_Ended]:
+        """One step of the run (all ranks): train, evaluate when due, log, checkpoint when due; an
+        :class:`_Ended` when the run stops here on request."""
+        cfg = self.cfg
+        # Relaunched engines that wait for weights (distributed sync) get them now.
+        if self._from_rank0(lambda: self.weights.check_engines(), what="the engine check"):
+            self._push_weights()
+        trained = self._train_step(step)
+        if trained is None:  # a stop request ended the wait for this step's data
+            if step > self.start_step:
+                self._save(step, at_boundary=True)
+            log.warning("stopped while waiting for the data of step %d, after %d finished step(s); resume "
+                        "with the same command", step, step)
+            return _Ended(None)
+        metrics, per_update = trained
+        if cfg.trainer.eval_every_steps and (step + 1) % cfg.trainer.eval_every_steps == 0:
+            metrics.update(self._evaluate(step + 1))
+        self._log_step(step, metrics, per_update)
+        fault_point("step_end")  # logged, not yet checkpointed
+        fault_point("worker_dies")
+        done = step + 1
+        stop = any_rank(self._stop_requested)
+        every = cfg.checkpoint.save_every_steps
+        if stop or (every and done % every == 0) or done == cfg.trainer.num_steps:
+            self._save(done)
+        if not stop:
+            return None
+        log.warning("stopped after step %d on request; resume with the same command", done)
+        return _Ended(f"stopped after step {done} of {cfg.trainer.num_steps} (resume with the same command) "
+                      f"in {self.run_dir}")
+
+    def _log_step(self, step: int, metrics: dict, per_update: list[dict]) -> None:
+        """The step's wall time and phases (every rank's timer); rank 0 adds the engines' load and
+        this step's pushes, and logs."""
+        now = time.perf_counter()
+        metrics.update(TIMER.take_step(now - self._t_mark))
+        self._t_mark = now
+        if self.lead:
+            metrics.update(TIMER.counters(self.service.engine_loads()))
+            metrics.update(self.weights.take_metrics())  # this step's pushes: GB, GB/s
+            self.lead.log_step(step, self.actor.version, metrics, per_update)
+
+    def _run_finished(self) -> int:
+        """:meth:`run` of a run that finished before this start: say so (rank 0) and close."""
+        try:
+            if self.rank == 0:
+                print(finished_message(self.cfg, self.finished), flush=True)
+                self._print_summary(None)
+        finally:
+            self.close()
+        return 0
 
     def _print_summary(self, heading: Optional[str]) -> None:
         """Rank 0: where the run's outputs are and how reward moved (:func:`~.run_report.run_summary`)."""
@@ -544,7 +572,7 @@ class Trainer:
         if self.weights.version != self.actor.version:
             self._push_weights()
         with TIMER.phase("evaluation"):
-            out = self._from_rank0(lambda: self._stoppable(lambda: self.driver.evaluator.evaluate(step)),
+            out = self._from_rank0(lambda: self._stoppable(lambda: self.service.evaluate(step)),
                                    what="the evaluation")
         return {} if isinstance(out, _Stopped) else out  # stopped: the step's checkpoint comes first
 

@@ -5,7 +5,7 @@ Global rank 0 runs :func:`check_start` once, inside
 directory locked, nothing in it read or written yet, no engine, store or actor started); a
 failure removes what the claim created. A single process does it before Megatron-Core is
 imported (``trainer/cli.py``); under torchrun rank 0 does it in the trainer, and its failure reaches every
-rank (``trainer/rank0.py``). Each check looks and creates nothing: a
+rank (``parallel/rank0.py``). Each check looks and creates nothing: a
 file's existence and first byte, a trial bind of a port, one HTTP GET with a 5 s deadline.
 Each failure is one :class:`~megatron_m2po.utils.errors.UserError` naming the setting, its
 value, what is wrong and what to do. What cannot be seen in advance (a data file's rows, an
@@ -18,7 +18,10 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from megatron_m2po.config import Config, DataConfig, RolloutConfig, StoreConfig
+from megatron_m2po.config import Config
+from megatron_m2po.data.settings import DataConfig
+from megatron_m2po.rollout.settings import RolloutConfig
+from megatron_m2po.store.settings import StoreConfig
 from megatron_m2po.trainer.run_lock import RunDirLock, claim_run_dir
 from megatron_m2po.utils.errors import UserError
 from megatron_m2po.utils.net import bind_error, unreachable

@@ -22,8 +22,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from megatron_m2po.config import TrainerConfig
-    from megatron_m2po.trainer.leaser import Leaser
+    from megatron_m2po.trainer.settings import TrainerConfig
+    from megatron_m2po.rollout_service.service import RolloutService
 
 
 def generation_version(step: int, updates_per_step: int, k: int) -> int:
@@ -86,8 +86,8 @@ class RunSchedule:
         """Steps (ascending, none before ``start_step``) to generate with the weights of ``version``."""
         return []
 
-    def lease(self, leaser: "Leaser", step: int) -> tuple[list, Any]:
-        """Rank 0: lease the groups ``step`` trains on; returns (groups, lease)."""
+    def lease(self, service: "RolloutService", step: int) -> tuple[list, Any]:
+        """Rank 0: lease the groups ``step`` trains on from the rollout service; returns (groups, lease)."""
         raise NotImplementedError
 
     def push_after_update(self, version: int) -> bool:
@@ -137,8 +137,8 @@ class ExactSchedule(RunSchedule):
     def steps_to_generate(self, version: int, start_step: int) -> list[int]:
         return [s for s in events_at(version, self.updates_per_step, self.k, self.num_steps) if s >= start_step]
 
-    def lease(self, leaser: "Leaser", step: int) -> tuple[list, Any]:
-        return leaser.take_step(step, step * self.updates_per_step, self.generated_at(step))
+    def lease(self, service: "RolloutService", step: int) -> tuple[list, Any]:
+        return service.lease(step, step * self.updates_per_step, generated_at=self.generated_at(step))
 
     def catch_up_candidates(self, version: int, start_step: int) -> list[int]:
         # Steps the checkpointed run scheduled at their exact version, and those it caught up itself, are not.
@@ -168,8 +168,8 @@ class AsyncSchedule(RunSchedule):
         super().__init__(trainer)
         self.sync_every_updates = trainer.sync_every_updates
 
-    def lease(self, leaser: "Leaser", step: int) -> tuple[list, Any]:
-        return leaser.take_async(step, step * self.updates_per_step)
+    def lease(self, service: "RolloutService", step: int) -> tuple[list, Any]:
+        return service.lease(step, step * self.updates_per_step)
 
     def push_after_update(self, version: int) -> bool:
         return version % self.sync_every_updates == 0

@@ -17,7 +17,7 @@ from megatron_m2po.utils.errors import UserError
 if TYPE_CHECKING:
     import torch
 
-    from megatron_m2po.config import ModelConfig
+    from megatron_m2po.actor.settings import ModelConfig
 
 __all__ = ["resolve_model_path", "iter_safetensors", "write_stage_shards", "assemble_shards"]
 

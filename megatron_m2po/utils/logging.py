@@ -365,7 +365,8 @@ class TrainProgress:
     def message(self, text: str) -> None:
         """A line printed above the live bar (or logged)."""
         if self._progress is not None:
-            self._progress.console.log(text)
+            console = self._progress.console
+            console.log(text)
         else:
             log.info("%s", text)
 

@@ -8,6 +8,9 @@
 actor checkpoint (any TP / PP it was written with: model tensors reshard) and writes HF safetensors +
 config + tokenizer files; the architecture comes from ``--hf`` or the ``hf_path`` recorded in the
 checkpoint. Both run in one process on CPU (gloo) or under torchrun with the given layout.
+
+It lives in weights/ because ``mcore-to-hf`` writes through the package's one HF exporter
+(:func:`megatron_m2po.weights.hf_export.export_hf`: every pipeline stage writes its own shards).
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ def mcore_to_hf(ckpt: str, out: str, *, hf: str | None = None, tp: int = 1, pp: 
                 dtype: str = "float32") -> None:
     from megatron_m2po.actor.actor import MegatronActor
     from megatron_m2po.actor.checkpoint import resolve_checkpoint
+    from megatron_m2po.weights.hf_export import export_hf
 
     path = resolve_checkpoint(ckpt)
     if path is None:
@@ -55,7 +59,7 @@ def mcore_to_hf(ckpt: str, out: str, *, hf: str | None = None, tp: int = 1, pp: 
     actor = MegatronActor.from_config(_config(hf, tp, pp, dtype))
     try:
         actor.load_checkpoint(str(path), model_only=True)
-        actor.export_hf(out)
+        export_hf(actor, out)
     finally:
         actor.close()
 

@@ -29,7 +29,7 @@ DeepSeek-V3 / Qwen3-FP8 layout, ``rollout.fp8_block_size``). SGLang refuses at s
 quantised linear to be multiples. Embeddings, ``lm_head``, norms, biases and router gates stay in
 the trainer's dtype; skipped linears are listed in ``ignored_layers``.
 
-Engines start from a block-FP8 export of the base model (``weight_sync.export_fp8_dir``), not from
+Engines start from a block-FP8 export of the base model (:func:`export_fp8_dir`), not from
 the float model with ``--quantization fp8``: SGLang quantises a float checkpoint online per channel
 or per tensor, which replaces the parameters as above.
 
@@ -51,10 +51,16 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Iterable, Iterator, Optional, Sequence
 
 import torch
+
+from megatron_m2po.utils.hf_dir import iter_safetensors, write_stage_shards
+from megatron_m2po.weights.errors import WeightSyncError
+from megatron_m2po.weights.version_dir import fill_version_dir, seal_version_dir
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3fn value
@@ -198,6 +204,36 @@ def write_fp8_config(model_dir: str | Path, block: Sequence[int] = DEFAULT_BLOCK
     cfg["quantization_config"] = quantization_config(block, ignored_layers)
     path.write_text(json.dumps(cfg, indent=2, sort_keys=True))
     return cfg["quantization_config"]
+
+
+def export_fp8_dir(src_dir: str | Path, dst_dir: str | Path, block: tuple[int, int] = DEFAULT_BLOCK,
+                   shard_mb: float = 4096.0) -> str:
+    """Write a block-FP8 copy of an HF model directory (the base model FP8 engines start from).
+
+    The same stream and layout as a disk push with ``fp8=True`` (:func:`quantize_named`, shards of
+    at most ``shard_mb``, :mod:`~megatron_m2po.weights.version_dir` at version 0), written next to
+    ``dst_dir`` and renamed to it once complete. A linear the block does not divide fails it with a
+    :class:`~megatron_m2po.weights.errors.WeightSyncError` naming ``rollout.fp8_block_size``, as
+    such a push fails."""
+    block = check_block(block)
+    dst = Path(dst_dir)
+    if dst.exists():
+        raise ValueError(f"export_fp8_dir: {dst} already exists")
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".fp8-export-", dir=dst.parent))
+    try:
+        skipped: list[str] = []
+        stream = quantize_named(iter_safetensors(str(src_dir)), block=block, skipped=skipped)
+        try:
+            files = write_stage_shards(stream, tmp, 0, int(shard_mb * 2**20))
+            fill_version_dir(tmp, files, str(src_dir))
+        except ValueError as e:
+            raise WeightSyncError(f"exporting {src_dir} as block FP8 failed: {e}") from None
+        write_fp8_config(tmp, block, skipped)
+        seal_version_dir(tmp, dst, 0)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return str(dst)
 
 
 # --------------------------------------------------------------------------- CPU worker side

@@ -1,4 +1,5 @@
-"""HF-named weights of this rank's pipeline stage only, for weight pushes from every stage.
+"""The one HF exporter: HF-named weights of this rank's pipeline stage only, for weight pushes and
+HF directories written by every stage.
 
 ``model.iter_hf_weights`` (mbridge's ``export_weights``) walks the whole model on every rank:
 each stage's tensors are broadcast over the pipeline group so that rank 0 ends up with all of
@@ -21,6 +22,11 @@ SGLang 0.5.23's ``Qwen3MoeForCausalLM.load_weights`` maps onto its fused experts
 -> ``experts.w13_`` shard w1, ``up_proj`` -> w3, ``down_proj`` -> ``experts.w2_``). Expert-parallel
 groups span data-parallel ranks, so with EP > 1 every rank iterates (the expert gathers need each
 EP rank) and data-parallel rank 0's tensor-parallel rank 0 of each stage sends.
+
+No rank ever holds the whole model (docs/design.md §1b): an HF directory (:func:`export_hf`: the
+final weights, ``m2po convert mcore-to-hf``) is written the way a disk push writes it, every stage
+its own shards. The functions that take the actor use its public ``chunks`` and ``bridge`` only,
+so the actor does not know this package (actor/ sits below weights/).
 """
 
 from __future__ import annotations
@@ -30,7 +36,8 @@ from typing import Iterator, Optional
 
 import torch
 
-__all__ = ["StageLayout", "stage_layout", "iter_stage_hf_weights", "export_hf_stages"]
+__all__ = ["StageLayout", "stage_layout", "iter_stage_hf_weights", "stage_hf_weights", "export_hf_stages",
+           "export_hf"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +57,21 @@ def stage_layout() -> StageLayout:
     exports = first or ps.get_expert_model_parallel_world_size() > 1
     return StageLayout(ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size(),
                        exports, first and ps.get_tensor_model_parallel_rank() == 0)
+
+
+def stage_hf_weights(actor) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(hf_name, full tensor)`` of ``actor``'s pipeline stage on this rank, tensor-parallel shards
+    gathered within the stage (:func:`iter_stage_hf_weights`); empty on ranks that do not export
+    (data-parallel replicas after the first)."""
+    if not stage_layout().exports:
+        return iter(())
+    return iter_stage_hf_weights(actor.chunks, actor.bridge)
+
+
+def export_hf(actor, out_dir: str) -> None:
+    """HF safetensors + config + tokenizer files of ``actor``'s current weights; every pipeline stage
+    writes its own shards (:func:`export_hf_stages`; collective: all ranks call it)."""
+    export_hf_stages(actor.chunks, actor.bridge, out_dir)
 
 
 def _unwrap(module):

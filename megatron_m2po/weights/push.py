@@ -2,9 +2,9 @@
 
 Every rank holds a :class:`WeightPushController`; its ``version`` (the weight version the engines
 hold) is the same on all of them, because every rank takes part in every push
-(:func:`~megatron_m2po.rollout.weight_stage.push_from_stages`: each pipeline stage sends its own
+(:func:`~megatron_m2po.weights.stage.push_from_stages`: each pipeline stage sends its own
 layers) and every rank sees the same outcome. Global rank 0's controller also drives the push
-(:meth:`begin` / :meth:`finish`, through the weight sync of ``rollout.weight_sync``) and looks
+(:meth:`begin` / :meth:`finish`, through the transport of ``rollout.weight_sync``) and looks
 after the engines between pushes: dead ones are relaunched and refit (:meth:`check_engines`).
 
 A push never changes the engines' weights while a generation that must be tagged with the old
@@ -16,13 +16,16 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, Iterable
 
-from megatron_m2po.config import RolloutConfig
+from megatron_m2po.rollout.settings import RolloutConfig
+from megatron_m2po.parallel.rank0 import from_rank0
 from megatron_m2po.rollout.client import SGLangClient
-from megatron_m2po.rollout.weight_stage import NcclVersionMismatch, PushPlan, WeightSyncError, push_from_stages
-from megatron_m2po.rollout.weight_sync import DiskWeightSync, DistributedWeightSync
-from megatron_m2po.trainer.rank0 import from_rank0
 from megatron_m2po.utils.faults import fault_point
 from megatron_m2po.utils.timing import TIMER
+from megatron_m2po.weights.disk import DiskWeightSync
+from megatron_m2po.weights.distributed import DistributedWeightSync
+from megatron_m2po.weights.errors import NcclVersionMismatch, WeightSyncError
+from megatron_m2po.weights.hf_export import stage_hf_weights, stage_layout
+from megatron_m2po.weights.stage import PushPlan, push_from_stages
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +103,13 @@ class WeightPushController:
                     log.warning("weight push of version %d failed (%s); pushing again to every engine", version, e)
         # Every rank alike (rank 0's finish() recorded it already, as soon as the engines held it).
         self.version = version
+
+    def push_actor(self, actor) -> None:
+        """All ranks: push ``actor``'s weights at its version, every pipeline stage sending its own
+        layers (:func:`~megatron_m2po.weights.hf_export.stage_layout` says who sends)."""
+        layout = stage_layout()
+        self.push(lambda: stage_hf_weights(actor), actor.version, stage=layout.stage, n_stages=layout.n_stages,
+                  sender=layout.sender)
 
     # ------------------------------------------------------------------ rank 0
     def begin(self, version: int, n_stages: int) -> PushPlan:

@@ -1,7 +1,7 @@
 """The stage side of a weight push: every pipeline stage sends (or writes) its own layers.
 
-A push is planned by the controller on trainer rank 0 (:mod:`megatron_m2po.rollout.weight_sync`:
-pause, session, group names, directories) as a :class:`PushPlan`; each stage's sender (its
+A push is planned by the transport on trainer rank 0 (:mod:`megatron_m2po.weights.disk`,
+:mod:`megatron_m2po.weights.distributed`: pause, session, group names, directories) as a :class:`PushPlan`; each stage's sender (its
 tensor-parallel rank 0 of data-parallel replica 0) runs :func:`run_stage` on the stage's own
 HF-named tensors and returns a :class:`StageResult`; the controller finishes the push with every
 stage's result. :func:`push_from_stages` is that whole exchange over the default process group
@@ -45,33 +45,16 @@ import torch
 
 from megatron_m2po.parallel.side_group import broadcast, destroy_side_group, new_side_group
 from megatron_m2po.rollout.client import SGLangClient
-from megatron_m2po.rollout.fp8 import quantize_named
-from megatron_m2po.rollout.nccl_handshake import MISMATCH, check_group, mismatch_message, nccl_refusal_message
 from megatron_m2po.utils.background_loop import BackgroundLoop
-from megatron_m2po.utils.errors import UserError
 from megatron_m2po.utils.hf_dir import write_stage_shards
 from megatron_m2po.utils.net import free_port
+from megatron_m2po.weights.errors import NcclVersionMismatch, WeightSyncError, weight_sync_error
+from megatron_m2po.weights.fp8 import quantize_named
+from megatron_m2po.weights.nccl_handshake import check_group, mismatch_message, nccl_refusal_message
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PushPlan", "StageResult", "WeightSyncError", "NcclVersionMismatch", "weight_sync_error", "run_stage", "push_from_stages", "each_engine"]
-
-
-class WeightSyncError(RuntimeError):
-    """A weight push failed; the message names the engines concerned."""
-
-
-class NcclVersionMismatch(WeightSyncError, UserError):
-    """The trainer and an engine run different NCCL builds: no push can ever succeed, so the push
-    is not retried (:mod:`megatron_m2po.rollout.nccl_handshake`); ``m2po`` ends with its one line."""
-
-
-def weight_sync_error(message: str) -> WeightSyncError:
-    """The error of a push failure reported as text (across ranks): its kind comes from the text."""
-    at = message.find(MISMATCH)
-    if at >= 0:
-        return NcclVersionMismatch(message[at:].splitlines()[0])
-    return WeightSyncError(message)
+__all__ = ["PushPlan", "StageResult", "run_stage", "push_from_stages", "each_engine", "forget_groups"]
 
 
 @dataclass(slots=True)
@@ -85,7 +68,7 @@ class PushPlan:
     timeout_s: float
     push_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     fp8: bool = False
-    fp8_block: tuple[int, int] = (128, 128)  # weight_block_size of the block-FP8 export (rollout/fp8.py)
+    fp8_block: tuple[int, int] = (128, 128)  # weight_block_size of the block-FP8 export (weights/fp8.py)
     # disk
     tmp_dir: str = ""
     shard_bytes: int = 0

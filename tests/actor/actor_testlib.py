@@ -135,7 +135,7 @@ def snapshot(actor):
     return ([p.detach().clone() for m in actor.model for p in m.parameters()],
             [[p.detach().clone() for g in o.param_groups for p in g["params"]] for o in inner],
             [copy.deepcopy(o.state_dict()) for o in inner], copy.deepcopy(actor.scheduler.state_dict()),
-            actor.version, copy.deepcopy(actor._mask_hint))
+            actor.version, copy.deepcopy(actor.mask_hint))
 
 
 def restore(actor, snap) -> None:
@@ -150,7 +150,7 @@ def restore(actor, snap) -> None:
                 p.copy_(v)
             o.load_state_dict(copy.deepcopy(st))
     actor.scheduler.load_state_dict(copy.deepcopy(sched))
-    actor.version, actor._mask_hint = version, copy.deepcopy(hint)
+    actor.version, actor.mask_hint = version, copy.deepcopy(hint)
 
 
 class Recorder:

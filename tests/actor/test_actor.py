@@ -92,7 +92,7 @@ def _gathered_mask(rec, update):
 def _norm_grads(actor):
     """{name: gradient} of the norm weights (replicated over TP), one dict per TP rank of this
     model replica (pipeline-parallel layouts: {}, their local layer names differ per stage)."""
-    if actor.pp_size > 1:
+    if torch.distributed.get_world_size(actor.pg.pp) > 1:
         return [{}]
     grads = {}
     for chunk in actor.model:
@@ -326,7 +326,9 @@ def _checkpoint_resume(rank, world_size, root, dist_opt):
     m_b = actor.train_step(b2, 2)
     w_b = {k: v.numpy().copy() for k, v in actor.iter_hf_weights()}
     export = os.path.join(root, f"export_{dist_opt}")
-    actor.export_hf(export)
+    from megatron_m2po.weights.hf_export import export_hf
+
+    export_hf(actor, export)
     actor.close()
     same = all(np.array_equal(w_a[k], w_b[k]) for k in w_a)
     exported = lib.read_safetensors_dir(export) if rank == 0 else None

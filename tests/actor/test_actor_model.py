@@ -1,4 +1,5 @@
-"""Model building through mbridge: HF weights in, logits equal to HF, HF weights out bit-exactly."""
+"""Model building through mbridge: HF weights in, logits equal to HF, HF weights out bit-exactly (through
+the one HF exporter, ``weights/hf_export.py``: every pipeline stage writes its own shards)."""
 
 import os
 
@@ -16,6 +17,7 @@ def _logits_and_roundtrip(rank, world_size, root):
 
     from megatron_m2po.actor import model as M
     from megatron_m2po.config import Config
+    from megatron_m2po.weights.hf_export import export_hf_stages
 
     out = {}
     for kind, tie in CASES:
@@ -31,7 +33,7 @@ def _logits_and_roundtrip(rank, world_size, root):
             logits = hidden.transpose(0, 1) @ M.output_weight(m).T
             ref = tr.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()(ids).logits
         exp = os.path.join(root, f"export_{kind}_{tie}")
-        M.export_hf(chunks, bridge, exp)
+        export_hf_stages(chunks, bridge, exp)
         a, b = lib.read_safetensors_dir(d), lib.read_safetensors_dir(exp)
         out[(kind, tie)] = (float((logits - ref).abs().max()), sorted(set(a) ^ set(b)),
                             all(torch.equal(a[k], b[k]) for k in a if k in b),
@@ -49,6 +51,7 @@ def test_logits_match_hf_and_export_roundtrip_is_bit_exact(tmp_path):
 def _roundtrip_parallel(rank, world_size, root):
     from megatron_m2po.actor import model as M
     from megatron_m2po.config import Config
+    from megatron_m2po.weights.hf_export import export_hf_stages
 
     res = []
     for kind, tie, tp, pp in [("qwen2", True, 2, 1), ("qwen3", False, 1, 2), ("llama", False, 2, 1)]:
@@ -63,7 +66,7 @@ def _roundtrip_parallel(rank, world_size, root):
         chunks, bridge = M.build_model(cfg)
         names = [n for n, _ in M.iter_hf_weights(chunks, bridge)]
         exp = os.path.join(root, f"export_{kind}_{tp}_{pp}")
-        M.export_hf(chunks, bridge, exp)
+        export_hf_stages(chunks, bridge, exp)
         torch.distributed.barrier()
         a, b = lib.read_safetensors_dir(d), lib.read_safetensors_dir(exp)
         res.append((kind, tp, pp, sorted(set(a) ^ set(b)), all(torch.equal(a[k], b[k]) for k in a if k in b),

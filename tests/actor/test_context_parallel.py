@@ -95,7 +95,7 @@ def _cp_logprobs(rank, world_size, root, layouts):
         cfg = lib.actor_config(d, tp=tp, mbs=2)
         cfg.parallel.context_parallel, cfg.parallel.sequence_parallel, cfg.parallel.packing = cp, sp, packing
         actor = MegatronActor.from_config(ActorConfig.from_config(cfg, total_updates=100))
-        assert actor.cp_size == cp
+        assert torch.distributed.get_world_size(actor.pg.cp) == cp
         lps, ents = actor.compute_logprobs(RolloutBatch(samples), with_entropy=True)
         actor.close()
         hf = max(float(np.abs(lp - lib.hf_logprobs(d, s.prompt_ids, s.response_ids)).max())

@@ -42,7 +42,7 @@ def _grad(actor, p):
         if p in opt.model_param_gbuf_map:  # this rank owns part of p
             r = opt._get_model_param_range_map(p)["param"]
             full[r.start:r.end] = g.view(-1)[r.start:r.end]
-    torch.distributed.all_reduce(full, group=actor.dp_group)
+    torch.distributed.all_reduce(full, group=actor.pg.dp)
     return full.view_as(g).numpy()
 
 

@@ -208,6 +208,7 @@ def test_expert_layout_checks():
     # mask_strategy=correct runs under EP (test_mask_strategy.py); not with a router aux / z loss,
     # whose gradient a correction pass would add again: auto takes the pre-pass then
     from megatron_m2po.actor.global_mask import GlobalMask
+    from megatron_m2po.actor.model import is_moe
     from megatron_m2po.algo.losses import get_loss, loss_settings
 
     cfg = Config()
@@ -216,7 +217,7 @@ def test_expert_layout_checks():
     spec = get_loss("m2po")
     settings = loss_settings(spec, cfg.algo)
     hf = types.SimpleNamespace(model_type="qwen3_moe", num_experts=4)
-    mask = GlobalMask(types.SimpleNamespace(cfg=cfg, bridge=types.SimpleNamespace(hf_config=hf), _mask_hint=None))
+    mask = GlobalMask(types.SimpleNamespace(cfg=cfg, mask_hint=None), moe=is_moe(hf))
     assert mask.choose(spec, settings) == "correct"
     cfg.model.moe.z_loss_coeff = 1e-3
     with pytest.raises(ValueError, match="mask_strategy='correct' with model.moe.aux_loss_coeff=0.0, z_loss_coeff=0.001"):
@@ -251,16 +252,17 @@ def test_expert_layout_checks():
 
 def _export_job(rank, world_size, root, layouts):
     from megatron_m2po.actor.actor import ActorConfig, MegatronActor
+    from megatron_m2po.weights.hf_export import export_hf, stage_hf_weights, stage_layout
 
     d = _moe_dir(root, seed=7)
     src = lib.read_safetensors_dir(d)
     out = []
     for ep, tp, pp in layouts:
         actor = MegatronActor.from_config(ActorConfig.from_config(_moe_config(d, ep, tp, pp), total_updates=10))
-        layout = actor.stage_layout()
-        names = [n for n, _ in actor.iter_stage_hf_weights()]
+        layout = stage_layout()
+        names = [n for n, _ in stage_hf_weights(actor)]
         exp = os.path.join(root, f"export_ep{ep}_tp{tp}_pp{pp}")
-        actor.export_hf(exp)  # every stage writes its own shards
+        export_hf(actor, exp)  # every stage writes its own shards
         torch.distributed.barrier()
         actor.close()
         got = lib.read_safetensors_dir(exp)

@@ -12,7 +12,7 @@ PG_TIMEOUT_S = 2.0
 
 
 def _slow_rank0(rank, world_size):
-    from megatron_m2po.trainer import rank0
+    from megatron_m2po.parallel import rank0
 
     def work():
         # Longer than the process group's collective timeout: a broadcast entered by the other
@@ -26,7 +26,7 @@ def _slow_rank0(rank, world_size):
 
 
 def _failing_rank0(rank, world_size):
-    from megatron_m2po.trainer import rank0
+    from megatron_m2po.parallel import rank0
 
     def work():
         raise ValueError("the store is full")
@@ -52,7 +52,7 @@ def test_rank0_failure_reaches_the_other_ranks():
 
 
 def _scatter(rank, world_size):
-    from megatron_m2po.trainer import rank0
+    from megatron_m2po.parallel import rank0
 
     def work():
         time.sleep(3 * PG_TIMEOUT_S)  # outlasting the collective timeout: elapsed time is the behaviour under test
@@ -78,7 +78,7 @@ def _run_dir_per_node(rank, world_size, root, run_dir):
     """Each simulated node starts in its own working directory (nothing shared but ``root``)."""
     import os
 
-    from megatron_m2po.trainer import rank0
+    from megatron_m2po.parallel import rank0
 
     node = os.path.join(root, f"node{rank}")
     os.makedirs(node, exist_ok=True)

@@ -25,7 +25,7 @@ from megatron_m2po.rollout.dispatch import DispatchClient, split_limits
 from megatron_m2po.rollout.engines import EngineFleet
 from megatron_m2po.rollout.launcher import FleetError
 from megatron_m2po.rollout.producer import ProducerContext, default_producer
-from megatron_m2po.rollout.weight_sync import DiskWeightSync
+from megatron_m2po.weights.disk import DiskWeightSync
 from test_routed_experts import LAYERS, TOP_K, _Chars, _reference, _tiny_moe
 from waiting import async_wait_until
 

@@ -20,7 +20,7 @@ import torch
 
 from megatron_m2po.rollout.external import (Completion, ExternalProducer, SlimeRolloutAdapter, latest_weights,
                                             make_group, slime_samples_to_groups)
-from megatron_m2po.rollout.weight_sync import DiskWeightSync
+from megatron_m2po.weights.disk import DiskWeightSync
 from megatron_m2po.store.client import StoreClient, StoreClientError
 from megatron_m2po.store.store import RolloutStore, bounded
 

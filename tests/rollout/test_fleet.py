@@ -12,7 +12,9 @@ import torch
 from megatron_m2po.config import RolloutConfig
 from megatron_m2po.rollout.client import EngineError, SGLangClient
 from megatron_m2po.rollout.engines import EngineFleet
-from megatron_m2po.rollout.weight_sync import DiskWeightSync, DistributedWeightSync, WeightSyncError
+from megatron_m2po.weights.disk import DiskWeightSync
+from megatron_m2po.weights.distributed import DistributedWeightSync
+from megatron_m2po.weights.errors import WeightSyncError
 from rollout_testlib import hf_logprobs
 from waiting import async_wait_until
 

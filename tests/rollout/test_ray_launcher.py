@@ -15,7 +15,7 @@ from megatron_m2po.config import RolloutConfig  # noqa: E402
 from megatron_m2po.rollout.client import SGLangClient  # noqa: E402
 from megatron_m2po.rollout.engines import EngineFleet, FleetError  # noqa: E402
 from megatron_m2po.rollout.ray_launcher import RayHandle, RayLauncher  # noqa: E402
-from megatron_m2po.rollout.weight_sync import DiskWeightSync  # noqa: E402
+from megatron_m2po.weights.disk import DiskWeightSync  # noqa: E402
 from rollout_testlib import hf_logprobs  # noqa: E402
 from waiting import wait_until  # noqa: E402
 

@@ -23,7 +23,7 @@ import torch
 from megatron_m2po.config import RolloutConfig
 from megatron_m2po.rollout.client import EngineError, SGLangClient
 from megatron_m2po.rollout.engines import EngineFleet
-from test_sglang_contract import _wheel
+from sglang_source import wheel as _wheel
 from waiting import async_wait_until
 
 LAYERS, TOP_K = 2, 2
@@ -207,7 +207,7 @@ def test_agentic_episode_routing_covers_every_position(workers):
 
 
 # ------------------------------------------------------------------ routing across a weight push
-# The trainer pushes with a retract pause and a cache flush (rollout/weight_sync.py). SGLang 0.5.23
+# The trainer pushes with a retract pause and a cache flush (weights/transport.py). SGLang 0.5.23
 # then prefills a retracted request again under the new weights and returns only the rows captured
 # from that prefill on (schedule_batch.py Req.reset_for_retract, state_capturer/base.py get_topk);
 # an agentic turn after a push finds nothing cached. Tokens sampled before the push were computed
@@ -237,7 +237,7 @@ def new_gates(workers, tmp_path_factory):
 def push(workers, tmp_path):
     """``push(path, version)`` with the trainer's disk sync (retract pause, flush); the engine gets the
     base weights back afterwards, so the module's other tests see them."""
-    from megatron_m2po.rollout.weight_sync import DiskWeightSync
+    from megatron_m2po.weights.disk import DiskWeightSync
 
     d, url, _ = workers
     sync = DiskWeightSync([url], str(tmp_path / "sync"), base_model_dir=d, timeout_s=60)

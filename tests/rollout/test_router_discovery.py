@@ -1,7 +1,7 @@
 """Router-only external fleets behind the real sglang-router 0.3.2: engines are discovered from
 its ``GET /workers``, version-checked, refit on every push (disk and distributed), and engines
 that join or leave the router are picked up at the next push (``EngineFleet.refresh``, which
-``trainer/weight_push.py`` ``WeightPushController.begin`` calls before every push)."""
+``weights/push.py`` ``WeightPushController.begin`` calls before every push)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ from megatron_m2po.rollout.client import SGLangClient
 from megatron_m2po.rollout.engines import EngineFleet, FleetError
 from megatron_m2po.rollout.launcher import EngineSpec, LocalLauncher
 from megatron_m2po.rollout.sglang_version import SUPPORTED_SGLANG
-from megatron_m2po.rollout.weight_sync import DiskWeightSync, DistributedWeightSync
+from megatron_m2po.weights.disk import DiskWeightSync
+from megatron_m2po.weights.distributed import DistributedWeightSync
 from megatron_m2po.utils.net import free_port
 from waiting import wait_until
 

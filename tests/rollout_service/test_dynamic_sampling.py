@@ -24,9 +24,12 @@ from megatron_m2po.rollout.producer import ProducerContext
 from megatron_m2po.store.codec import encode_json
 from megatron_m2po.store.store import RolloutStore
 from megatron_m2po.store.types import Group, Trajectory
-from megatron_m2po.trainer.generation import AsyncProducerLoop, GroupMaker, StepGenerator
-from megatron_m2po.trainer.leaser import Leaser
+from megatron_m2po.rollout_service.continuous import ContinuousGeneration
+from megatron_m2po.rollout_service.groups import GroupSampler
+from megatron_m2po.rollout_service.leaser import Leaser
+from megatron_m2po.rollout_service.scheduled import ScheduledGeneration
 from megatron_m2po.utils.background_loop import BackgroundLoop
+from megatron_m2po.weights.push import WeightPushController
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "data"))
 from m2po_char_tokenizer import build_char_tokenizer  # noqa: E402
@@ -80,15 +83,15 @@ def side(tmp_path):
         s.close()
 
 
-def _maker(side, store, producer=keyed_producer, **rollout) -> GroupMaker:
+def _sampler(side, store, producer=keyed_producer, **rollout) -> GroupSampler:
     r = RolloutConfig(n_samples_per_prompt=2, filter="zero_variance", **rollout)
-    return GroupMaker(r, seed=side.trainer.seed, tokenizer=side.tok, reward=None, producer=producer, client=None,
-                      store=store, engine_version=lambda: 0)
+    return GroupSampler(r, seed=side.trainer.seed, tokenizer=side.tok, reward=None, producer=producer, client=None,
+                        store=store, weights=WeightPushController.follower())  # engines at version 0
 
 
-def _generator(side, store, producer=keyed_producer, **rollout) -> StepGenerator:
-    return StepGenerator(side.trainer, maker=_maker(side, store, producer, **rollout), dataset=side.dataset(),
-                         store=store, bg=side.bg, stop_event=side.stop)
+def _generator(side, store, producer=keyed_producer, **rollout) -> ScheduledGeneration:
+    return ScheduledGeneration(side.trainer, sampler=_sampler(side, store, producer, **rollout),
+                               dataset=side.dataset(), store=store, bg=side.bg, stop_event=side.stop)
 
 
 def test_zero_variance_is_all_rewards_equal_and_unscored_groups_are_kept():
@@ -116,14 +119,14 @@ def test_a_filtered_step_is_full_informative_deterministic_and_not_regenerated_o
     leaser = Leaser(side.trainer, StoreConfig(), store, stop_event=side.stop, sources=[gen])
     steps = {}
     for s in range(3):
-        gen.generate_for_step(s, background=True)
+        gen.generate(s, background=True)
         groups, lease = leaser.take_step(s, version=0, generated_at=0)
         leaser.ack(lease)
         steps[s] = groups
         # Full, every group informative, all of this step.
         assert len(groups) == N and all(has_reward_variance(g) for g in groups), s
         assert all(g.group_id.startswith(f"s{s:06d}-g") for g in groups)
-    totals = gen.maker.counters.totals
+    totals = gen.sampler.counters.totals
     # Every generated group is either trained or counted as dropped / surplus; nothing is silent.
     assert totals["generated_groups"] == 3 * N + totals["filtered_groups"] + totals["surplus_groups"]
     assert totals["filtered_groups"] > 0 and totals["oversample_rounds"] >= 3, totals
@@ -137,7 +140,7 @@ def test_a_filtered_step_is_full_informative_deterministic_and_not_regenerated_o
     gen2 = _generator(side, other)
     leaser2 = Leaser(side.trainer, StoreConfig(), other, stop_event=side.stop, sources=[gen2])
     for s in range(3):
-        gen2.generate_for_step(s)
+        gen2.generate(s)
         groups, lease = leaser2.take_step(s, version=0, generated_at=0)
         leaser2.ack(lease)
         assert [g.group_id for g in groups] == [g.group_id for g in steps[s]]
@@ -146,17 +149,17 @@ def test_a_filtered_step_is_full_informative_deterministic_and_not_regenerated_o
     # A resumed run finds step 2's groups (whatever their positions) and generates nothing.
     again = _generator(side, other)
     again.dataset.next_prompts(2 * N)
-    assert again.generate_for_step(2).result(timeout=30) == 0 and again.missing_steps([2, 3]) == [3]
-    assert again.maker.counters.totals["generated_groups"] == 0
+    assert again.generate(2).result(timeout=30) == 0 and again.missing_steps([2, 3]) == [3]
+    assert again.sampler.counters.totals["generated_groups"] == 0
 
 
 def test_recomputed_behaviour_path_gets_the_filtered_groups_unstored(side):
     store = side.store()
     gen = _generator(side, store)
-    groups = gen.generate_step_groups(0)
+    groups = gen.sample(0)
     assert len(groups) == N and all(has_reward_variance(g) for g in groups)
     assert sum(store.counts().values()) == 0
-    gen.put_groups(groups)
+    gen.put(groups)
     assert gen.missing_steps([0]) == []
 
 
@@ -164,7 +167,7 @@ def test_too_few_informative_groups_stop_the_run_naming_the_step_and_the_setting
     store = side.store()
     gen = _generator(side, store, producer=uniform_producer, filter_max_rounds=2)
     leaser = Leaser(side.trainer, StoreConfig(), store, stop_event=side.stop, sources=[gen])
-    gen.generate_for_step(5, background=True)
+    gen.generate(5, background=True)
     with pytest.raises(RuntimeError, match=r"step 5: rollout.filter=zero_variance found 0 of the 4 informative "
                                            r"groups .* in 12 groups generated \(2 over-sampling round\(s\).*"
                                            r"Raise rollout.filter_max_rounds.*rollout.filter=none"):
@@ -174,9 +177,9 @@ def test_too_few_informative_groups_stop_the_run_naming_the_step_and_the_setting
 
 def test_async_generation_stores_only_informative_groups_and_caps_over_sampling(side):
     store = side.store("a")
-    maker = _maker(side, store)
-    loop = AsyncProducerLoop(side.trainer, StoreConfig(max_staleness=4), maker=maker, dataset=side.dataset(),
-                             store=store, bg=side.bg, stop_timeout_s=30)
+    sampler = _sampler(side, store)
+    loop = ContinuousGeneration(side.trainer, StoreConfig(max_staleness=4), sampler=sampler, dataset=side.dataset(),
+                                store=store, bg=side.bg, stop_timeout_s=30)
     leaser = Leaser(side.trainer, StoreConfig(max_staleness=4), store, stop_event=side.stop, sources=[loop],
                     on_leased=loop.leased)
     loop.start()
@@ -187,14 +190,14 @@ def test_async_generation_stores_only_informative_groups_and_caps_over_sampling(
             assert len(groups) == N and all(has_reward_variance(g) for g in groups)
     finally:
         loop.stop()
-    t = maker.counters.totals
+    t = sampler.counters.totals
     assert t["filtered_groups"] > 0 and sum(store.counts().values()) == t["generated_groups"] - t["filtered_groups"]
 
     # The cap: a task that is always solved fails the waiting step with the setting to change.
     bad = side.store("b")
-    maker = _maker(side, bad, producer=uniform_producer, filter_max_rounds=1)
-    loop = AsyncProducerLoop(side.trainer, StoreConfig(max_staleness=4), maker=maker, dataset=side.dataset(),
-                             store=bad, bg=side.bg, stop_timeout_s=30)
+    sampler = _sampler(side, bad, producer=uniform_producer, filter_max_rounds=1)
+    loop = ContinuousGeneration(side.trainer, StoreConfig(max_staleness=4), sampler=sampler, dataset=side.dataset(),
+                                store=bad, bg=side.bg, stop_timeout_s=30)
     leaser = Leaser(side.trainer, StoreConfig(max_staleness=4), bad, stop_event=side.stop, sources=[loop],
                     on_leased=loop.leased)
     loop.start()
@@ -210,7 +213,7 @@ def test_async_generation_stores_only_informative_groups_and_caps_over_sampling(
 
 
 def test_external_pushes_are_filtered_at_ingestion_acknowledged_and_counted(tmp_path, monkeypatch, side):
-    from megatron_m2po.trainer.ingestion import IngestionServer
+    from megatron_m2po.rollout_service.ingestion import IngestionServer
 
     store = side.store()
     monkeypatch.setenv("M2PO_TEST_INGEST_TOKEN", "tok")

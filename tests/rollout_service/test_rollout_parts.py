@@ -1,5 +1,5 @@
-"""The rank-0 rollout side's parts, each built alone from its own config sections: the step
-generator and the leaser over a real store with a custom producer (the ``rollout.producer``
+"""The rank-0 rollout side's parts, each built alone from its own config sections: scheduled
+generation and the leaser over a real store with a custom producer (the ``rollout.producer``
 extension point: no engines), the weight-push controller with a disk weight sync and no engines,
 and the group-id format (the resume contract)."""
 
@@ -18,14 +18,16 @@ from megatron_m2po.config import DataConfig, RolloutConfig, StoreConfig, Trainer
 from megatron_m2po.data.dataset import build_prompt_dataset
 from megatron_m2po.rollout import group_ids
 from megatron_m2po.rollout.producer import ProducerContext
-from megatron_m2po.rollout.weight_stage import run_stage
-from megatron_m2po.rollout.weight_sync import DiskWeightSync, DistributedWeightSync
+from megatron_m2po.rollout_service.groups import GroupSampler
+from megatron_m2po.rollout_service.leaser import Leaser
+from megatron_m2po.rollout_service.scheduled import ScheduledGeneration
 from megatron_m2po.store.store import RolloutStore
 from megatron_m2po.store.types import Group, Trajectory
-from megatron_m2po.trainer.generation import GroupMaker, StepGenerator
-from megatron_m2po.trainer.leaser import Leaser
-from megatron_m2po.trainer.weight_push import WeightPushController
 from megatron_m2po.utils.background_loop import BackgroundLoop
+from megatron_m2po.weights.disk import DiskWeightSync
+from megatron_m2po.weights.distributed import DistributedWeightSync
+from megatron_m2po.weights.push import WeightPushController
+from megatron_m2po.weights.stage import run_stage
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "data"))
 from m2po_char_tokenizer import build_char_tokenizer  # noqa: E402
@@ -58,7 +60,8 @@ def side(tmp_path):
     tok = build_char_tokenizer()
     store = RolloutStore(str(tmp_path / "s.sqlite"))
     bg = BackgroundLoop("test-rollout")
-    ns = SimpleNamespace(trainer=trainer, tok=tok, store=store, bg=bg, stop=threading.Event(), version=[0],
+    ns = SimpleNamespace(trainer=trainer, tok=tok, store=store, bg=bg, stop=threading.Event(),
+                         weights=WeightPushController.follower(),
                          dataset=lambda: build_prompt_dataset(
                              DataConfig(template="raw", synthetic_num_problems=64, synthetic_eval_size=0), tok,
                              trainer.seed))
@@ -67,19 +70,18 @@ def side(tmp_path):
     store.close()
 
 
-def _generator(side, producer=unnamed_producer, dataset=None) -> StepGenerator:
-    maker = GroupMaker(RolloutConfig(n_samples_per_prompt=2), seed=side.trainer.seed, tokenizer=side.tok,
-                       reward=None, producer=producer, client=None, store=side.store,
-                       engine_version=lambda: side.version[0])
-    return StepGenerator(side.trainer, maker=maker, dataset=dataset or side.dataset(), store=side.store, bg=side.bg,
-                         stop_event=side.stop)
+def _generator(side, producer=unnamed_producer, dataset=None) -> ScheduledGeneration:
+    sampler = GroupSampler(RolloutConfig(n_samples_per_prompt=2), seed=side.trainer.seed, tokenizer=side.tok,
+                           reward=None, producer=producer, client=None, store=side.store, weights=side.weights)
+    return ScheduledGeneration(side.trainer, sampler=sampler, dataset=dataset or side.dataset(), store=side.store,
+                               bg=side.bg, stop_event=side.stop)
 
 
 def test_a_scheduled_step_is_generated_under_its_ids_leased_and_not_generated_again(side):
     gen = _generator(side)
     leaser = Leaser(side.trainer, StoreConfig(), side.store, stop_event=side.stop, sources=[gen])
-    side.version[0] = 0
-    gen.generate_for_step(2, background=True)
+    side.weights.version = 0
+    gen.generate(2, background=True)
     groups, lease = leaser.take_step(2, version=0, generated_at=0)
     assert [g.group_id for g in groups] == group_ids.step_group_ids(2, N) == [f"s000002-g{i:05d}" for i in range(N)]
     assert [t.uid for t in groups[0].trajectories] == ["s000002-g00000-0", "s000002-g00000-1"]
@@ -87,21 +89,21 @@ def test_a_scheduled_step_is_generated_under_its_ids_leased_and_not_generated_ag
     assert gen.idle()
     # A resumed run draws the same prompts for step 2 and finds its groups: nothing is generated.
     again = _generator(side)
-    assert again.generate_for_step(2).result(timeout=5) == 0 and again.idle()
+    assert again.generate(2).result(timeout=5) == 0 and again.idle()
     assert again.missing_steps([2, 3]) == [3]
 
 
 def test_a_producer_error_reaches_the_waiting_leaser(side):
     gen = _generator(side, producer=failing_producer)
     leaser = Leaser(side.trainer, StoreConfig(), side.store, stop_event=side.stop, sources=[gen])
-    gen.generate_for_step(0, background=True)
+    gen.generate(0, background=True)
     # Not "did not arrive within 600s": the leaser asks the generator while it waits.
     with pytest.raises(RuntimeError, match="the reward service is down"):
         leaser.take_step(0, version=0, generated_at=0)
 
 
 def test_a_step_nothing_generates_fails_at_once_and_a_stop_request_ends_the_wait(side):
-    from megatron_m2po.trainer.waiting import StopRequested
+    from megatron_m2po.rollout_service.waiting import StopRequested
 
     gen = _generator(side)
     leaser = Leaser(side.trainer, StoreConfig(), side.store, stop_event=side.stop, sources=[gen])
@@ -158,7 +160,7 @@ def test_ingestion_server_alone_serves_the_store_to_token_holders_and_no_one_set
     import urllib.error
     import urllib.request
 
-    from megatron_m2po.trainer.ingestion import IngestionServer
+    from megatron_m2po.rollout_service.ingestion import IngestionServer
 
     store = RolloutStore(str(tmp_path / "s.sqlite"))
     bg = BackgroundLoop("test-ingestion")
@@ -198,7 +200,7 @@ def test_the_async_loop_keeps_batches_in_flight_up_to_its_capacity(side, tmp_pat
     + 1 = 6), i.e. 4 batches of N groups."""
     import asyncio
 
-    from megatron_m2po.trainer.generation import AsyncProducerLoop
+    from megatron_m2po.rollout_service.continuous import ContinuousGeneration
 
     gate, started, running, peak = threading.Event(), [0], [0], [0]
 
@@ -212,14 +214,14 @@ def test_the_async_loop_keeps_batches_in_flight_up_to_its_capacity(side, tmp_pat
         return await unnamed_producer(ctx, prompts)
 
     trainer = TrainerConfig(prompts_per_step=2 * N, prompts_per_update=N, run_dir=str(tmp_path), wait_timeout_s=600)
-    maker = GroupMaker(RolloutConfig(n_samples_per_prompt=2), seed=trainer.seed, tokenizer=side.tok, reward=None,
-                       producer=gated_producer, client=None, store=side.store, engine_version=lambda: side.version[0])
-    loop = AsyncProducerLoop(trainer, StoreConfig(max_staleness=6), maker=maker, dataset=side.dataset(),
-                             store=side.store, bg=side.bg, stop_timeout_s=60)
+    sampler = GroupSampler(RolloutConfig(n_samples_per_prompt=2), seed=trainer.seed, tokenizer=side.tok, reward=None,
+                           producer=gated_producer, client=None, store=side.store, weights=side.weights)
+    loop = ContinuousGeneration(trainer, StoreConfig(max_staleness=6), sampler=sampler, dataset=side.dataset(),
+                                store=side.store, bg=side.bg, stop_timeout_s=60)
     assert loop.capacity == 4 * N
     # A tighter bound holds less: max_staleness 5 leaves one step of data (2 x 2 - 1 + 1 = 4 <= 5).
-    assert AsyncProducerLoop(trainer, StoreConfig(max_staleness=5), maker=maker, dataset=None, store=side.store,
-                             bg=side.bg, stop_timeout_s=1).capacity == 2 * N
+    assert ContinuousGeneration(trainer, StoreConfig(max_staleness=5), sampler=sampler, dataset=None, store=side.store,
+                                bg=side.bg, stop_timeout_s=1).capacity == 2 * N
     loop.start()
     try:
         wait_until(lambda: started[0] == 4, what="four batches generating at once (the loop's capacity)",

@@ -156,13 +156,13 @@ def test_collectives_refuse_host_tensors_on_accelerator_groups():
 
 def _any_rank_on_platform(rank, world_size):
     from megatron_m2po.standins import cpu_platform as cpu
-    from megatron_m2po.trainer.rank0 import any_rank
+    from megatron_m2po.parallel.rank0 import any_rank
 
     cpu.enable()
     return any_rank(rank == 1), any_rank(False)
 
 
 def test_any_rank_runs_on_an_accelerator_group():
-    """trainer/rank0.any_rank is called by the training loop every step on the default group, which
+    """parallel/rank0.any_rank is called by the training loop every step on the default group, which
     is NCCL on GPUs: its tensor must be on the group's device."""
     assert run_distributed(_any_rank_on_platform, 2, timeout_s=120) == [(True, False), (True, False)]

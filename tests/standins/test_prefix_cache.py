@@ -16,7 +16,8 @@ from megatron_m2po.config import RolloutConfig
 from megatron_m2po.rollout.client import SGLangClient
 from megatron_m2po.standins.cpu_prefix_cache import PrefixCache
 from megatron_m2po.rollout.engines import EngineFleet
-from megatron_m2po.rollout.weight_sync import DiskWeightSync, DistributedWeightSync
+from megatron_m2po.weights.disk import DiskWeightSync
+from megatron_m2po.weights.distributed import DistributedWeightSync
 from rollout_testlib import hf_logprobs
 from waiting import async_wait_until
 

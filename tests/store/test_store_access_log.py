@@ -43,7 +43,7 @@ def test_store_serve_counts_requests_and_logs_them_only_on_request(tmp_path, swi
 @pytest.mark.parametrize("switch", [False, True])
 def test_trainer_console_has_access_lines_only_with_logging_access_log(tmp_path, capsys, switch):
     """The trainer's own server is an ``AppRunner`` with aiohttp's default access logger
-    (trainer/ingestion.py); ``setup_logging(access_log=...)`` (``logging.access_log``) decides."""
+    (rollout_service/ingestion.py); ``setup_logging(access_log=...)`` (``logging.access_log``) decides."""
     root = logging.getLogger()
     saved = (root.level, list(root.handlers), logging.getLogger("aiohttp.access").level)
     setup_logging(0, access_log=switch)

@@ -253,7 +253,7 @@ def test_trainer_step_with_a_quarantined_group_fails_at_once_naming_it(tmp_path)
     """Exact stale-k cannot serve a step one of whose groups is quarantined: the driver says so at
     once (which group, what to do) instead of waiting for the step's timeout."""
     from megatron_m2po.config import Config
-    from megatron_m2po.trainer.leaser import Leaser
+    from megatron_m2po.rollout_service.leaser import Leaser
 
     path = tmp_path / "s.sqlite"
     gids = [f"s000003-g{i:05d}" for i in range(4)]

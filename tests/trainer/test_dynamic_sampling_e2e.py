@@ -68,7 +68,7 @@ def _check_counters(run: Path, made: list[dict], steps: int, *, exact: bool) -> 
     flat = sum(1 for g in made if _flat(g))
     if not exact:
         # Generation goes on while the trainer logs its last step, so the counters cover a prefix of
-        # the groups made: batches are generated one at a time (GroupMaker.store_batch's lock) and the
+        # the groups made: batches are generated one at a time (GroupSampler.store_in_order's lock) and the
         # recorder writes each batch before the filter counts it. Whether that prefix holds a group
         # with equal rewards is chance (async weight versions), so the check is exact on the prefix.
         counted = int(sum(r["rollout/generated_groups"] for r in logged))

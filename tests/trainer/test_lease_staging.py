@@ -3,7 +3,7 @@
 The recipe with routing replay on (``OVERRIDES``): 16 trainer ranks (TP=2 x PP=2 x DP=4), 256
 prompts x 8 samples a step in 4 optimizer mini-batches, sequences up to 1024 + 7168 tokens, 48
 MoE layers routing each token to 8 of 128 experts. The real path runs on 16 gloo ranks
-(``trainer/batching.py`` ``shard_step``, ``trainer/rank0.py`` ``scatter_from_rank0``) with synthetic
+(``trainer/batching.py`` ``shard_step``, ``parallel/rank0.py`` ``scatter_from_rank0``) with synthetic
 routed experts, the recipe's sample counts and every sequence at the longest length divided by
 ``SCALES``; the collective audit (``standins/collective_audit.py``) counts what each rank's largest
 collective call would stage on its GPU under NCCL. A part's bytes are affine in the sequence
@@ -57,7 +57,7 @@ def _lease(rank, world_size, dp_of, hidden, layers, top_k, experts):
     from megatron_m2po.actor.batch import balanced_shards
     from megatron_m2po.standins import collective_audit as audit
     from megatron_m2po.trainer.batching import shard_step
-    from megatron_m2po.trainer.rank0 import scatter_from_rank0
+    from megatron_m2po.parallel.rank0 import scatter_from_rank0
 
     audit.install()
     cfg = _recipe()

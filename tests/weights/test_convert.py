@@ -1,10 +1,12 @@
 """`m2po convert`: HF -> Megatron checkpoint -> HF is bit-exact, through the CLI entry points."""
 
 import os
+import sys
 
 import torch
 
-import actor_testlib as lib
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "actor"))  # actor_testlib
+import actor_testlib as lib  # noqa: E402
 from megatron_m2po.standins.dist_testing import run_distributed
 
 

@@ -17,9 +17,12 @@ from safetensors.torch import load_file, save_file
 from megatron_m2po.config import ConfigError, RolloutConfig, load_config
 from megatron_m2po.rollout.client import SGLangClient
 from megatron_m2po.rollout.engines import EngineFleet
-from megatron_m2po.rollout.fp8 import (FP8_MAX, dequantize_block, fp8_block_of, is_fp8_config, quantize_block,
+from megatron_m2po.weights.fp8 import (FP8_MAX, dequantize_block, fp8_block_of, is_fp8_config, quantize_block,
                                        quantize_tensor)
-from megatron_m2po.rollout.weight_sync import DiskWeightSync, DistributedWeightSync, WeightSyncError, export_fp8_dir
+from megatron_m2po.weights.disk import DiskWeightSync
+from megatron_m2po.weights.distributed import DistributedWeightSync
+from megatron_m2po.weights.errors import WeightSyncError
+from megatron_m2po.weights.fp8 import export_fp8_dir
 from megatron_m2po.utils.hf_dir import iter_safetensors
 from rollout_testlib import hf_logprobs
 

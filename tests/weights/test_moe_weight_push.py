@@ -10,12 +10,15 @@ Before the worker mapped per-expert names onto transformers' fused expert tensor
 from __future__ import annotations
 
 import asyncio
+import os
+import sys
 
 import numpy as np
 import pytest
 import torch
 
-import actor_testlib as lib
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "actor"))  # actor_testlib
+import actor_testlib as lib  # noqa: E402
 from megatron_m2po.config import RolloutConfig
 from megatron_m2po.rollout.client import SGLangClient
 from megatron_m2po.rollout.engines import EngineFleet
@@ -44,13 +47,15 @@ async def _sample(url: str, prompts: list[list[int]]):
 def _push_job(rank, world, hf, url, sync_dir):
     from megatron_m2po.actor.actor import ActorConfig, MegatronActor
     from megatron_m2po.actor.batch import RolloutBatch, Sample
-    from megatron_m2po.rollout.weight_stage import push_from_stages
-    from megatron_m2po.rollout.weight_sync import DiskWeightSync, DistributedWeightSync
+    from megatron_m2po.weights.stage import push_from_stages
+    from megatron_m2po.weights.disk import DiskWeightSync
+    from megatron_m2po.weights.distributed import DistributedWeightSync
+    from megatron_m2po.weights.hf_export import stage_hf_weights, stage_layout
 
     cfg = lib.actor_config(hf)
     cfg.parallel.expert_parallel = 2
     actor = MegatronActor.from_config(ActorConfig.from_config(cfg.validate(), total_updates=10))
-    layout = actor.stage_layout()
+    layout = stage_layout()
     dist_sync = DistributedWeightSync([url], backend="gloo", bucket_mb=0.02, timeout_s=60) if rank == 0 else None
     disk_sync = DiskWeightSync([url], sync_dir, base_model_dir=hf, shard_mb=0.05, timeout_s=60) if rank == 0 else None
     prompts = [list(map(int, np.random.default_rng(i).integers(0, 128, 5))) for i in range(4)]
@@ -61,7 +66,7 @@ def _push_job(rank, world, hf, url, sync_dir):
             with torch.no_grad():
                 for p in actor.chunks[0].parameters():
                     p.add_(0.05 * torch.randn(p.shape, generator=g))
-            push_from_stages(sync, actor.iter_stage_hf_weights(), version, stage=layout.stage,
+            push_from_stages(sync, stage_hf_weights(actor), version, stage=layout.stage,
                              n_stages=layout.n_stages, sender=layout.sender)
             got = [asyncio.run(_sample(url, prompts))] if rank == 0 else [None]
             torch.distributed.broadcast_object_list(got, src=0)

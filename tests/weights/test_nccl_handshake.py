@@ -3,7 +3,7 @@
 NCCL refuses a communicator whose ranks run different builds (``src/init.cc``
 ``initTransportsRank``: "Mismatched NCCL version detected"), at the first collective. The engines
 state their version through the group's store (``rollout/sglang_plugin.py``, an SGLang general
-plugin), the trainer compares when the group forms (``rollout/nccl_handshake.py``) and fails the
+plugin), the trainer compares when the group forms (``weights/nccl_handshake.py``) and fails the
 push at once with one line. On CPU the versions come from ``M2PO_STANDIN_TRAINER_NCCL_VERSION`` /
 ``M2PO_STANDIN_ENGINE_NCCL_VERSION``, and ``standins/nccl_emulation.py`` fails a gloo group's first
 broadcast as NCCL would.
@@ -24,12 +24,12 @@ import torch.multiprocessing as mp
 from megatron_m2po.parallel import side_group
 from megatron_m2po.parallel.side_group import destroy_side_group, new_side_group
 from megatron_m2po.rollout import sglang_plugin
-from megatron_m2po.rollout.nccl_handshake import check_group, nccl_refusal_message
-from megatron_m2po.rollout.weight_stage import NcclVersionMismatch, weight_sync_error
-from megatron_m2po.rollout.weight_sync import DistributedWeightSync
+from megatron_m2po.weights.nccl_handshake import check_group, nccl_refusal_message
+from megatron_m2po.weights.errors import NcclVersionMismatch, weight_sync_error
+from megatron_m2po.weights.distributed import DistributedWeightSync
 from megatron_m2po.standins import nccl_emulation
 from megatron_m2po.utils.net import free_port
-from test_sglang_contract import _wheel
+from sglang_source import wheel as _wheel
 
 WEIGHT_UPDATER = "sglang/srt/model_executor/model_runner_components/weight_updater.py"
 

@@ -1,6 +1,6 @@
 """A disk weight push gives the engines a load timeout that follows the pushed bytes
 (rollout/push_timeout.py), and every push is logged with its size, time and GB/s and counted in the
-step's metrics (trainer/weight_push.py)."""
+step's metrics (weights/push.py)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import torch
 from aiohttp import web
 
 from megatron_m2po.rollout.push_timeout import checkpoint_bytes, disk_push_timeout_s
-from megatron_m2po.rollout.weight_stage import WeightSyncError
-from megatron_m2po.rollout.weight_sync import DiskWeightSync
-from megatron_m2po.trainer.weight_push import WeightPushController
+from megatron_m2po.weights.errors import WeightSyncError
+from megatron_m2po.weights.disk import DiskWeightSync
+from megatron_m2po.weights.push import WeightPushController
 from rollout_testlib import ThreadedApp
 
 
@@ -65,10 +65,10 @@ def test_a_load_slower_than_the_configured_timeout_but_within_the_bytes_budget_s
     sync = DiskWeightSync([engine.url], str(tmp_path / "sync"), timeout_s=CONFIGURED_S, min_gbps=floor)
     ctl = WeightPushController(sync, store=_Store())
     try:
-        from megatron_m2po.rollout.weight_stage import run_stage
+        from megatron_m2po.weights.stage import run_stage
 
         plan = ctl.begin(1, 1)
-        with caplog.at_level(logging.INFO, logger="megatron_m2po.trainer.weight_push"):
+        with caplog.at_level(logging.INFO, logger="megatron_m2po.weights.push"):
             stats = ctl.finish(plan, [run_stage(plan, 0, iter(WEIGHTS))])
     finally:
         sync.close()

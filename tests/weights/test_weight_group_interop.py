@@ -20,7 +20,7 @@ import torch.multiprocessing as mp
 
 from megatron_m2po.parallel.side_group import broadcast, destroy_side_group, new_side_group
 from megatron_m2po.utils.net import free_port
-from test_sglang_contract import _wheel
+from sglang_source import wheel as _wheel
 
 N_ENGINES, N_STAGES = 2, 2
 

@@ -12,11 +12,13 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import sys
 
 import pytest
 import torch
 
-import actor_testlib as lib
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "actor"))  # actor_testlib
+import actor_testlib as lib  # noqa: E402
 from megatron_m2po.config import RolloutConfig
 from megatron_m2po.rollout.client import SGLangClient
 from megatron_m2po.rollout.engines import EngineFleet
@@ -52,11 +54,13 @@ def _perturb(actor, seed: int) -> None:
 
 def _push_job(rank, world, hf, urls, sync_dir, tp, pp):
     from megatron_m2po.actor.actor import ActorConfig, MegatronActor
-    from megatron_m2po.rollout.weight_stage import push_from_stages
-    from megatron_m2po.rollout.weight_sync import DiskWeightSync, DistributedWeightSync
+    from megatron_m2po.weights.stage import push_from_stages
+    from megatron_m2po.weights.disk import DiskWeightSync
+    from megatron_m2po.weights.distributed import DistributedWeightSync
+    from megatron_m2po.weights.hf_export import export_hf, stage_hf_weights, stage_layout
 
     actor = MegatronActor.from_config(ActorConfig.from_config(lib.actor_config(hf, tp=tp, pp=pp), total_updates=10))
-    layout = actor.stage_layout()
+    layout = stage_layout()
     out = {"layout": (layout.stage, layout.n_stages, layout.exports, layout.sender), "checks": []}
     dist_sync = DistributedWeightSync(urls, backend="gloo", bucket_mb=0.02, timeout_s=60) if rank == 0 else None
     disk_sync = (DiskWeightSync(urls, sync_dir, base_model_dir=hf, shard_mb=0.05, timeout_s=60)
@@ -66,7 +70,7 @@ def _push_job(rank, world, hf, urls, sync_dir, tp, pp):
             _perturb(actor, version)
             # the reference: the full model through mbridge's export (every rank iterates)
             ref = {n: t.to("cpu", copy=True) for n, t in actor.iter_hf_weights()}
-            stats = push_from_stages(sync, actor.iter_stage_hf_weights(), version, stage=layout.stage,
+            stats = push_from_stages(sync, stage_hf_weights(actor), version, stage=layout.stage,
                                      n_stages=layout.n_stages, sender=layout.sender)
             if rank != 0:
                 continue
@@ -82,7 +86,7 @@ def _push_job(rank, world, hf, urls, sync_dir, tp, pp):
                 out["ref2"] = {n: t.numpy() for n, t in ref.items()}  # tensors do not cross the queue
         # the final HF export: every stage writes its own shards as well
         export_dir = os.path.join(os.path.dirname(sync_dir), f"export_tp{tp}_pp{pp}")
-        actor.export_hf(export_dir)
+        export_hf(actor, export_dir)
         if rank == 0:
             got = lib.read_safetensors_dir(export_dir)
             out["export"] = (sorted(got) == sorted(ref), all(torch.equal(got[n], ref[n]) for n in ref),

@@ -13,7 +13,9 @@ import torch
 from megatron_m2po.config import RolloutConfig
 from megatron_m2po.rollout.client import SGLangClient
 from megatron_m2po.rollout.engines import EngineFleet
-from megatron_m2po.rollout.weight_sync import DiskWeightSync, DistributedWeightSync, WeightSyncError
+from megatron_m2po.weights.disk import DiskWeightSync
+from megatron_m2po.weights.distributed import DistributedWeightSync
+from megatron_m2po.weights.errors import WeightSyncError
 
 
 def _call(url: str, method: str, *args):

@@ -39,8 +39,9 @@ def _job(rank, world, model_dir, urls, sync_dir, n_layers, bucket_mb, repeats):
     import torch
     from safetensors import safe_open
 
-    from megatron_m2po.rollout.weight_stage import push_from_stages
-    from megatron_m2po.rollout.weight_sync import DiskWeightSync, DistributedWeightSync
+    from megatron_m2po.weights.stage import push_from_stages
+    from megatron_m2po.weights.disk import DiskWeightSync
+    from megatron_m2po.weights.distributed import DistributedWeightSync
 
     path = os.path.join(model_dir, "model.safetensors")
     with safe_open(path, "pt") as f:

@@ -1,0 +1,15 @@
+"""Rank 0's rollout side, behind one service object (:class:`~.service.RolloutService`).
+
+* ``service.py``: the service the training loop calls (its module docstring draws rank 0's loops
+  and queues) and how its parts are built and shut down;
+* ``groups.py``: the sampler of groups (prompts in, groups with deterministic ids out, ``rollout.filter``);
+* ``scheduled.py``: scheduled generation (the steps of sync / stale_k, at their versions);
+* ``continuous.py``: continuous generation (async mode, bounded by the store's staleness);
+* ``leaser.py``: a step's groups leased from the store, and their acks;
+* ``ingestion.py``: the store's HTTP ingestion for external producers;
+* ``evaluation.py``: held-out accuracy with the engines' weights;
+* ``waiting.py``: the bounded, interruptible waits all of them use.
+
+Layering (``tests/test_import_graph.py``): above ``rollout/``, ``store/`` and ``weights/``, below
+``trainer/``, which it never imports.
+"""

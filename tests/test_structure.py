@@ -1,0 +1,104 @@
+"""The package's structure rules (docs/design.md §2), checked on the source with ``ast``:
+
+* no function or method longer than 80 lines;
+* calls of the form ``self.a.b.method(...)`` (a collaborator's part, reached through the
+  collaborator) stay rare (at most :data:`MAX_DEEP_CALLS` in the package: Ray's
+  ``self.actor.method.remote()`` idiom) and none is in the training loop;
+* no module reads a private member (``obj._name``) of a class defined in another module: what a
+  collaborator needs from a class is in its public interface (the mask strategy's ``MaskHost``,
+  for example), so a class can change its insides without breaking another module.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections import defaultdict
+from pathlib import Path
+
+PKG = Path(__file__).resolve().parents[1] / "megatron_m2po"
+MAX_FUNCTION_LINES = 80
+MAX_DEEP_CALLS = 5
+LOOP = "trainer/loop.py"
+
+
+def _trees() -> dict[str, ast.Module]:
+    return {str(p.relative_to(PKG)): ast.parse(p.read_text(), str(p)) for p in sorted(PKG.rglob("*.py"))}
+
+
+def long_functions(trees: dict[str, ast.Module]) -> list[str]:
+    return sorted(f"{mod}:{n.lineno} {n.name} ({n.end_lineno - n.lineno + 1} lines)"
+                  for mod, tree in trees.items() for n in ast.walk(tree)
+                  if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+                  and n.end_lineno - n.lineno + 1 > MAX_FUNCTION_LINES)
+
+
+def _is_deep_call(node: ast.AST) -> bool:
+    """``self.a.b.method(...)``: the callee hangs three attributes below ``self``."""
+    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+        return False
+    v = node.func.value
+    return (isinstance(v, ast.Attribute) and isinstance(v.value, ast.Attribute)
+            and isinstance(v.value.value, ast.Name) and v.value.value.id == "self")
+
+
+def deep_calls(trees: dict[str, ast.Module]) -> list[str]:
+    return sorted(f"{mod}:{n.lineno} {ast.unparse(n.func)}" for mod, tree in trees.items()
+                  for n in ast.walk(tree) if _is_deep_call(n))
+
+
+def _private_members(trees: dict[str, ast.Module]) -> dict[str, set[str]]:
+    """Private member name -> the modules whose classes define it (a ``def _x``, a class-level
+    ``_x = ...`` or a ``self._x = ...`` in one of its methods)."""
+    owners: dict[str, set[str]] = defaultdict(set)
+    for mod, tree in trees.items():
+        for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+            for n in ast.walk(cls):
+                names = []
+                if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    names = [n.name]
+                elif isinstance(n, (ast.Assign, ast.AnnAssign)):
+                    targets = n.targets if isinstance(n, ast.Assign) else [n.target]
+                    names = [t.id if isinstance(t, ast.Name) else t.attr for t in targets
+                             if isinstance(t, ast.Name) or (isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name)
+                                                            and t.value.id == "self")]
+                owners.update({m: owners[m] | {mod} for m in names if m.startswith("_") and not m.startswith("__")})
+    return owners
+
+
+def foreign_private_reads(trees: dict[str, ast.Module]) -> list[str]:
+    owners = _private_members(trees)
+    out = []
+    for mod, tree in trees.items():
+        for n in ast.walk(tree):
+            if not (isinstance(n, ast.Attribute) and n.attr in owners and mod not in owners[n.attr]):
+                continue
+            if isinstance(n.value, ast.Name) and n.value.id in ("self", "cls"):
+                continue  # its own member (a subclass reading its base's is the class's own business)
+            out.append(f"{mod}:{n.lineno} {ast.unparse(n)} (private to {', '.join(sorted(owners[n.attr]))})")
+    return sorted(out)
+
+
+def test_no_function_over_80_lines():
+    assert long_functions(_trees()) == []
+
+
+def test_calls_do_not_reach_through_collaborators():
+    calls = deep_calls(_trees())
+    assert not [c for c in calls if c.startswith(LOOP)], f"the training loop reaches through a collaborator: {calls}"
+    assert len(calls) <= MAX_DEEP_CALLS, f"{len(calls)} calls of the form self.a.b.method(...): {calls}"
+
+
+def test_no_module_reads_another_class_private_members():
+    assert foreign_private_reads(_trees()) == []
+
+
+def test_the_checks_see_what_they_should():
+    """The checkers themselves, on a small source: each rule finds its violation."""
+    src = ast.parse("class A:\n    def __init__(self):\n        self._hint = 1\n"
+                    "    def f(self):\n        return self.b.c.d()\n"
+                    "def g(a):\n    return a._hint\n" + "def h():\n" + "    x = 1\n" * 81)
+    other = ast.parse("def k(a):\n    return a._hint\n")
+    assert deep_calls({"m.py": src}) == ["m.py:5 self.b.c.d"]
+    assert long_functions({"m.py": src}) == ["m.py:8 h (82 lines)"]
+    # Read in its own module: allowed; from another module: reported.
+    assert foreign_private_reads({"m.py": src, "n.py": other}) == ["n.py:2 a._hint (private to m.py)"]
