@@ -110,6 +110,11 @@ class Config:
         if self.rollout.source == "external" and t.mode != "async":
             raise ConfigError(f"rollout.source=external needs trainer.mode=async (got {t.mode!r}): external "
                               "producers push whenever they like, so the store serves under store.max_staleness")
+        if t.mode == "async" and self.rollout.colocate:
+            raise ConfigError("rollout.colocate=true with trainer.mode=async: colocated engines release their memory "
+                              "while the trainer trains, so they cannot generate continuously; use disaggregated "
+                              "engines (rollout.colocate=false, engines on GPUs of their own) for async, or "
+                              "trainer.mode=sync / stale_k with colocate")
         if t.mode == "async" and a.recompute_behav_logprobs:
             raise ConfigError("algo.recompute_behav_logprobs=true needs trainer.mode=sync or stale_k: in async mode the "
                               "trainer's weights are not the ones that generated the data")

@@ -31,8 +31,10 @@ ROOT = Path(__file__).resolve().parents[1] / PKG
 STANDINS = f"{PKG}.standins"
 SEAM = f"{PKG}.utils.standin"  # the one production module that names the stand-ins (loads them by name)
 # Where production needs a stand-in (docs/design.md §2): the CPU platform when there is no CUDA, the
-# tiny base for model.hf_path=tiny and the rehearsal, the CPU worker's engine command line.
-SEAM_CALLERS = {f"{PKG}.actor.actor", f"{PKG}.utils.hf_dir", f"{PKG}.rehearsal", f"{PKG}.rollout.engines"}
+# tiny base for model.hf_path=tiny and the rehearsal, the CPU worker's engine command line, the
+# memory ledger colocated mode's trainer records into on CPU.
+SEAM_CALLERS = {f"{PKG}.actor.actor", f"{PKG}.utils.hf_dir", f"{PKG}.rehearsal", f"{PKG}.rollout.engines",
+                f"{PKG}.trainer.colocated"}
 
 
 def _modules() -> dict[str, Path]:

@@ -288,12 +288,18 @@ def test_recipes_are_feasible_with_paper_hyperparameters(name):
         assert p.layout.pp > 1 and p.layout.sequence_parallel and p.layout.distributed_optimizer
 
 
-def test_colocated_engines_reserve_their_memory_fraction():
+def test_colocated_engines_leave_only_their_residue_while_training():
+    """Colocated engines time-share the GPU (docs/planner.md "Colocated layouts"): while the trainer
+    trains they have released weights and KV and hold only the released engine's residue (before
+    colocated mode they held engine_mem_fraction, 40 GiB here, and this layout was refused)."""
+    from megatron_m2po.plan.colocated import EngineShare
+
     cfg = load_config(EX / "qwen2.5-math-7b.yaml", ["rollout.engine_gpu_ids=[0,1,2,3]", "rollout.colocate=true",
                                                         "rollout.engine_mem_fraction=0.5"])
     p = P.plan_from_config(cfg, P.MODELS["qwen2.5-math-7b"], nnodes=1, gpus_per_node=4)
-    assert p.layout.reserved_gib == 40.0
-    assert not p.ok and "colocated engines" in p.errors[0]
+    residue = EngineShare(mem_fraction=0.5, engine_tp=cfg.rollout.engine_tp, gpu_mem_gib=80.0).residue_bytes()
+    assert p.layout.reserved_gib == pytest.approx(residue / 2**30) and p.layout.reserved_gib < 2
+    assert p.ok and p.colocated.generating.ok and p.colocated.training.ok
     cfg = load_config(EX / "qwen2.5-math-7b.yaml", ["rollout.engine_gpu_ids=[6,7,8,9]"])
     p = P.plan_from_config(cfg, P.MODELS["qwen2.5-math-7b"], nnodes=1, gpus_per_node=4)
     assert any("but this node has 8 GPU(s)" in e for e in p.errors)
@@ -305,10 +311,13 @@ def test_plan_refuses_what_the_trainer_refuses_at_start_up():
     cfg = load_config(EX / "qwen2.5-math-7b.yaml", ["rollout.engine_gpu_ids=[0,1,2,3]"])
     p = P.plan_from_config(cfg, P.MODELS["qwen2.5-math-7b"], nnodes=1, gpus_per_node=4)
     assert any("rollout.colocate=true" in e for e in p.errors), p.errors
-    cfg = load_config(EX / "qwen2.5-math-7b.yaml", ["rollout.engine_gpu_ids=[0,1,2,3]", "rollout.colocate=true",
-                                                        "rollout.weight_sync=distributed"])
-    p = P.plan_from_config(cfg, P.MODELS["qwen2.5-math-7b"], nnodes=1, gpus_per_node=4)
-    assert any("weight sender" in e for e in p.errors), p.errors
+    # Colocated engines with NCCL's weight sync (an engine on a sender's GPU) are refused when the config
+    # loads now (issue 40: colocate time-shares every trainer GPU and uses the colocated transport).
+    from megatron_m2po.utils.settings import ConfigError
+
+    with pytest.raises(ConfigError, match="rollout.weight_sync=distributed"):
+        load_config(EX / "qwen2.5-math-7b.yaml", ["rollout.engine_gpu_ids=[0,1,2,3]", "rollout.colocate=true",
+                                                  "rollout.weight_sync=distributed"])
 
 
 def test_math7b_context_warning():

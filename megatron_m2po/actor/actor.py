@@ -769,6 +769,35 @@ class MegatronActor:
 
         return load_checkpoint(self, path, model_only=model_only)
 
+    # ------------------------------------------------------------------- colocated: offload
+
+    @property
+    def offloaded(self) -> bool:
+        """Whether :meth:`offload` took the training state off the device (until :meth:`reload`)."""
+        off = getattr(self, "_offload", None)
+        return off is not None and off.offloaded
+
+    def offload(self):
+        """Parameters, gradients and optimizer states off the device while colocated engines
+        generate (``actor/offload.py``: Megatron's buffer offload plus the storages it misses).
+        Returns the :class:`~megatron_m2po.actor.offload.OffloadRecord` (bytes released per kind,
+        what stayed resident). Rank-local; nothing may read the weights until :meth:`reload`."""
+        from megatron_m2po.actor.offload import TrainerOffload
+
+        if getattr(self, "_offload", None) is None:
+            self._offload = TrainerOffload(self.model, self.optimizer, self.device)
+        with TIMER.phase("offload"):
+            return self._offload.offload()
+
+    def reload(self):
+        """The state :meth:`offload` took, back on the device bit for bit (gradient buffers zeroed);
+        returns its :class:`~megatron_m2po.actor.offload.OffloadRecord`."""
+        off = getattr(self, "_offload", None)
+        if off is None or not off.offloaded:
+            raise RuntimeError("actor.reload() without a preceding actor.offload()")
+        with TIMER.phase("reload"):
+            return off.reload()
+
     def close(self) -> None:
         """Tear down the parallel state :meth:`from_config` set up (none when the caller did)."""
         if self.replay is not None:

@@ -60,6 +60,7 @@ from typing import Any, Optional
 
 from megatron_m2po.config import Config, load_config
 from megatron_m2po.utils.settings import ConfigError
+from megatron_m2po.plan import colocated as colocated_plan
 from megatron_m2po.plan import lease, moe, routing
 
 GiB = 1024 ** 3
@@ -81,7 +82,9 @@ class MemoryRefusal:
     ``cause`` is the term the suggested fix is about: ``weights`` (weights + fp32 gradients exceed
     the budget on their own), ``optimizer`` (unsharded optimizer states), ``states`` (weights +
     gradients + optimizer states), ``logits`` or ``activations``; ``figure`` is that term's bytes,
-    the number the message quotes first after the cause."""
+    the number the message quotes first after the cause. A colocated layout whose generating phase
+    does not fit (plan/colocated.py) has cause ``generating``: ``need`` is that phase's total and
+    ``figure`` the engine's working set that ``(1 - engine_mem_fraction)`` of the free memory must hold."""
 
     stage: int
     need: float     # bytes the stage needs
@@ -292,7 +295,7 @@ class Layout:
     gpus_per_node: int = 8                  # trainer processes per node
     node_gpus: int = 8                      # physical GPUs per node
     gpu_mem_gib: float = 80.0
-    reserved_gib: float = 0.0               # taken by colocated engines
+    reserved_gib: float = 0.0               # taken by colocated engines while training (plan/colocated.py)
     param_bytes: int = 2                    # 2 = bf16/fp16, 4 = fp32
     flash_attention: bool = True            # TE/flash never stores the s x s scores
     dropout: bool = False                   # RL runs without dropout
@@ -345,6 +348,8 @@ class LayoutPlan:
     warnings: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     refusal: Optional[MemoryRefusal] = None  # the memory check's error of ``errors``, in figures
+    # rollout.colocate=true: the generating and training phases of a shared GPU (plan/colocated.py)
+    colocated: Optional["colocated_plan.ColocatedPhases"] = None
 
     @property
     def worst(self) -> StageMemory:
@@ -537,8 +542,8 @@ def _g(x: float) -> str:
 
 def _memory_refusal(s: StageMemory, lay: Layout, budget: float, experts: bool = False) -> MemoryRefusal:
     head = (f"stage {s.stage} needs {_g(s.total)} > budget {_g(budget)}"
-            + (f" ({lay.gpu_mem_gib:g} GiB GPU - {lay.reserved_gib:g} GiB for colocated engines)"
-               if lay.reserved_gib else ""))
+            + (f" ({lay.gpu_mem_gib:g} GiB GPU - {lay.reserved_gib:.1f} GiB that colocated engines leave "
+               "while training)" if lay.reserved_gib else ""))
     states = s.weights + s.gradients + s.optimizer
     shard = lay.dp * lay.cp
     if s.weights + s.gradients + s.overhead > budget:
@@ -658,9 +663,11 @@ def plan_from_config(cfg: Config, m: ModelShape, **kw: Any) -> LayoutPlan:
         except ValueError as e:
             extra.append(str(e))
         shared = sorted(set(eng) & set(range(lay.gpus_per_node)))
-        if shared:  # colocated: engines hold their memory fraction while training runs
-            lay.reserved_gib = r.engine_mem_fraction * lay.gpu_mem_gib
+        if shared:  # colocated: engines release their memory while training runs (plan/colocated.py)
+            lay.reserved_gib = _engine_share(cfg, lay).residue_bytes() / GiB
     p = plan(m, lay)
+    if eng and lay.reserved_gib and p.stages:
+        _colocated_phases(p, cfg)
     if m.is_moe and p.stages:  # the layout's shape passed plan()'s own checks (no message twice)
         extra += _trainer_config_errors(cfg, lay)
     p.errors = extra + p.errors
@@ -681,6 +688,41 @@ def plan_from_config(cfg: Config, m: ModelShape, **kw: Any) -> LayoutPlan:
         p.warnings.append(f"{seqs} sequences per update do not split evenly into dp={lay.dp} x micro_batch_size="
                           f"{cfg.parallel.micro_batch_size}: some ranks run one more micro-batch")
     return p
+
+
+def _engine_share(cfg: Config, lay: Layout) -> "colocated_plan.EngineShare":
+    r = cfg.rollout
+    return colocated_plan.EngineShare(mem_fraction=r.engine_mem_fraction, engine_tp=r.engine_tp,
+                                      gpu_mem_gib=lay.gpu_mem_gib)
+
+
+def _colocated_phases(p: LayoutPlan, cfg: Config) -> None:
+    """Add the generating and training phases of a shared GPU to ``p`` (plan/colocated.py); a
+    generating phase that does not fit is an error with a :class:`MemoryRefusal` of cause
+    ``generating`` (the training phase is ``plan``'s own check, at a budget less the engines' residue)."""
+    lay = p.layout
+    engine_bytes = 1 if cfg.rollout.fp8_weights else 2  # SGLang serves bf16, or block FP8 with fp8_weights
+    engine_weights = p.model.num_params() * engine_bytes / cfg.rollout.engine_tp
+    ph = colocated_plan.phases(p.worst.total, p.worst.overhead, engine_weights, _engine_share(cfg, lay))
+    p.colocated = ph
+    gen, share = ph.generating, ph.share
+    free = gen.budget - gen.parts["trainer residue (offloaded)"] - gen.parts["engine CUDA context"]
+    problem = ""
+    if ph.kv_bytes <= 0:
+        problem = (f"rollout.engine_mem_fraction={share.mem_fraction:g} of the {_g(free)} free leaves no KV cache "
+                   f"beside the engine's weights {_g(engine_weights)}: raise rollout.engine_tp or the fraction "
+                   f"(at most {ph.max_mem_fraction:.2f})")
+    elif not gen.ok:
+        work = gen.parts["engine working set"]
+        problem = (f"the engine's working set {_g(work)} (SGLang's reserve for activations and CUDA graphs) does not "
+                   f"fit the {_g((1 - share.mem_fraction) * free)} that rollout.engine_mem_fraction={share.mem_fraction:g} "
+                   f"leaves of {_g(free)} free: lower it to at most {ph.max_mem_fraction:.2f}")
+    if problem:
+        msg = f"generating phase needs {_g(gen.total)} > {_g(gen.budget)} GPU; {problem}"
+        if p.refusal is None:
+            p.refusal = MemoryRefusal(stage=p.worst.stage, need=gen.total, budget=gen.budget, cause="generating",
+                                      figure=gen.parts["engine working set"], message=msg)
+        p.errors.append(msg)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -802,7 +844,7 @@ def plan_to_dict(p: LayoutPlan) -> dict:
             "stages": [dict(dataclasses.asdict(s), total=s.total) for s in p.stages],
             "worst_total_gib": p.worst.total / GiB if p.stages else None,
             "budget_gib": p.layout.budget_gib, "ok": p.ok, "errors": p.errors, "warnings": p.warnings,
-            "notes": p.notes}
+            "notes": p.notes, "colocated": colocated_plan.to_dict(p.colocated) if p.colocated else None}
 
 
 def print_plan(p: LayoutPlan) -> None:
@@ -848,6 +890,8 @@ def print_plan(p: LayoutPlan) -> None:
         t.add_row(f"[dim]{alt}[/]", *[f"[dim]{(s.logits_naive if lay.fused_logprobs else s.logits_fused) / GiB:.2f}[/]"
                                       for s in shown], "[dim]not in total[/]")
         con.print(t)
+    if p.colocated is not None:
+        colocated_plan.print_phases(con, p.colocated)
     for n in p.notes:
         con.print(n)
     for w in p.warnings:

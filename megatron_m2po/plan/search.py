@@ -43,12 +43,14 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from megatron_m2po.config import Config
+from megatron_m2po.plan import colocated as colocated_plan
 from megatron_m2po.plan import memory, moe, routing
 from megatron_m2po.plan.memory import (GiB, Layout, LayoutPlan, ModelShape, PlanError, padded_vocab, plan_from_config,
                                        stage_params)
 
 __all__ = ["CostModel", "Workload", "Candidate", "SearchResult", "step_time", "model_flops_per_update",
-           "search_config", "parallel_section", "packing_of", "print_search", "result_to_dict", "register"]
+           "search_config", "parallel_section", "packing_of", "print_search", "result_to_dict", "register",
+           "Placement", "ColocatedComparison", "compare_colocated", "print_comparison"]
 
 
 # tools/benchmarks/global_mask.py on mini-batches of the staleness experiment (staleness_tiny, M2PO
@@ -593,6 +595,123 @@ def search_config(cfg: Config, m: ModelShape, *, nnodes: int = 1, gpus_per_node:
                         rejected=rejected, current=current, tie=tie)
 
 
+# ------------------------------------------------------------------------------------------------
+# Colocated against disaggregated (rollout.colocate=true)
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Placement:
+    """One use of the nodes: every GPU time-shared (colocated), or ``trainer_gpus`` of each node
+    training while the other ``engine_gpus`` generate (disaggregated). A step takes training plus
+    generation plus the colocated switch, or, where the mode lets them overlap (stale_k, async:
+    the engines generate for later updates while the trainer trains), the longer of the two."""
+
+    name: str
+    trainer_gpus: int           # per node
+    engine_gpus: int            # per node
+    train_s: float
+    generation: colocated_plan.GenerationEstimate
+    switch_s: float
+    overlap: bool
+    candidate: Candidate
+
+    @property
+    def step_s(self) -> float:
+        gen = self.generation.seconds
+        return (max(self.train_s, gen) if self.overlap else self.train_s + gen) + self.switch_s
+
+
+@dataclass
+class ColocatedComparison:
+    colocated: Placement
+    splits: list[Placement]     # the disaggregated splits that fit, by trainer GPUs per node
+
+    @property
+    def best_split(self) -> Optional[Placement]:
+        return min(self.splits, key=lambda p: p.step_s) if self.splits else None
+
+
+def _generation(cfg: Config, m: ModelShape, gpus: int, kv_bytes: float, cost: CostModel
+                ) -> colocated_plan.GenerationEstimate:
+    r = cfg.rollout
+    return colocated_plan.generation_time(
+        layers=m.layers, kv_size=m.kv_size, weight_bytes=m.num_params() * (1 if r.fp8_weights else 2) / r.engine_tp,
+        sequences=cfg.trainer.prompts_per_step * r.n_samples_per_prompt, prompt_len=cfg.data.max_prompt_tokens,
+        max_new=r.max_new_tokens, mean_frac=cost.mean_len_frac, gpus=gpus, engine_tp=r.engine_tp, kv_bytes=kv_bytes,
+        hbm_gbs=cost.hbm_gbs)
+
+
+def _disaggregated_kv(cfg: Config, m: ModelShape, gpu_mem_gib: float) -> float:
+    """A dedicated engine rank's KV pool: ``engine_mem_fraction`` (at most what leaves SGLang's working
+    set room) of the GPU less its CUDA context, less its weights."""
+    r = cfg.rollout
+    share = colocated_plan.EngineShare(r.engine_mem_fraction, r.engine_tp, gpu_mem_gib)
+    free = (gpu_mem_gib - colocated_plan.CUDA_CONTEXT_GIB) * GiB
+    frac = min(r.engine_mem_fraction, 1 - share.working_set_bytes() / free)
+    return frac * free - m.num_params() * (1 if r.fp8_weights else 2) / r.engine_tp
+
+
+def compare_colocated(cfg: Config, res: SearchResult, *, nnodes: int, gpus_per_node: int, gpu_mem_gib: float = 80.0,
+                      headroom: float = 0.1, tie: float = 0.02, trainer_gpus: Optional[list[int]] = None
+                      ) -> ColocatedComparison:
+    """``res`` (the colocated search of ``cfg``) against the best disaggregated split of the same
+    nodes: for each ``t`` in ``trainer_gpus`` (default 1 .. gpus_per_node - 1) the fastest trainer
+    layout on ``t`` GPUs per node (the same search) and engines on the other GPUs of every node.
+    Generation: :func:`megatron_m2po.plan.colocated.generation_time`; the colocated switch:
+    the trainer's copied state (weights, main parameters, Adam moments) out and back over the host link."""
+    cost, m, best = res.cost, res.model, res.best
+    overlap = cfg.trainer.mode != "sync"
+    ph = best.plan.colocated
+    assert ph is not None, "compare_colocated needs a colocated search"
+    worst = best.plan.worst
+    col = Placement("colocated", gpus_per_node, gpus_per_node, best.step_s,
+                    _generation(cfg, m, nnodes * gpus_per_node, ph.kv_bytes, cost),
+                    colocated_plan.switch_seconds(worst.weights + worst.optimizer), False, best)
+    r = cfg.rollout
+    splits = []
+    for t in trainer_gpus or range(1, gpus_per_node):
+        engines = (gpus_per_node - t) // r.engine_tp
+        if engines < 1:
+            continue
+        rollout = dataclasses.replace(r, colocate=False, engine_gpu_ids=[], num_engines=engines)
+        try:
+            sub = search_config(dataclasses.replace(cfg, rollout=rollout), m, nnodes=nnodes, gpus_per_node=t,
+                                node_gpus=gpus_per_node, gpu_mem_gib=gpu_mem_gib, cost=cost, headroom=headroom, tie=tie)
+            cand = sub.best
+        except PlanError:
+            continue
+        gen = _generation(cfg, m, nnodes * engines * r.engine_tp, _disaggregated_kv(cfg, m, gpu_mem_gib), cost)
+        splits.append(Placement(f"disaggregated {t}+{gpus_per_node - t}", t, gpus_per_node - t, cand.step_s, gen,
+                                0.0, overlap, cand))
+    return ColocatedComparison(col, splits)
+
+
+def print_comparison(cmp: ColocatedComparison) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console(width=160)
+    t = Table(title="colocated against the disaggregated splits of the same nodes (seconds per step; "
+                    "generation a decode roofline, docs/planner.md)")
+    for col in ("placement", "trainer layout", "train s", "generate s", "switch s", "step s", "engine batch"):
+        t.add_column(col, justify="left" if col in ("placement", "trainer layout") else "right")
+    best = cmp.best_split
+    for p in [cmp.colocated, *cmp.splits]:
+        mark = " (best split)" if best is not None and p is best else ""
+        t.add_row(p.name + mark, p.candidate.label(), f"{p.train_s:.1f}", f"{p.generation.seconds:.1f}",
+                  f"{p.switch_s:.1f}", f"{p.step_s:.1f}", f"{p.generation.batch:.0f}")
+    con.print(t)
+    if best is None:
+        con.print("no disaggregated split of these nodes fits: colocated is the only placement", highlight=False)
+        return
+    c = cmp.colocated
+    winner = "colocated" if c.step_s <= best.step_s else best.name
+    con.print(f"{winner} is faster: colocated {c.step_s:.1f} s/step vs {best.name} {best.step_s:.1f} s/step"
+              f" ({'training and generation overlap there' if best.overlap else 'sync: no overlap in either'})",
+              highlight=False)
+
+
 def _micro_batches(work: Workload, dp: int, k: int, cost: CostModel) -> int:
     seqs_rank = work.sequences / dp
     if work.packing:
@@ -769,10 +888,21 @@ def run(args: argparse.Namespace) -> int:
         print(f"m2po plan --search: {e}", file=sys.stderr)
         return 1
     notes, warns = routing.replay_lines(cfg, m, args.store_warn_gib)
+    cmp = None
+    if res.best.plan.colocated is not None:
+        cmp = compare_colocated(cfg, res, nnodes=res.world // gpn, gpus_per_node=gpn, gpu_mem_gib=args.gpu_mem_gib,
+                                headroom=args.headroom, tie=args.tie)
     if args.json:
-        print(json.dumps(dict(result_to_dict(res, args.top), notes=notes, warnings=warns), indent=2))
+        out = dict(result_to_dict(res, args.top), notes=notes, warnings=warns)
+        if cmp is not None:
+            out["colocated_comparison"] = [dict(placement=p.name, layout=p.candidate.label(), train_s=p.train_s,
+                                                generate_s=p.generation.seconds, switch_s=p.switch_s, step_s=p.step_s)
+                                           for p in [cmp.colocated, *cmp.splits]]
+        print(json.dumps(out, indent=2))
     else:
         print_search(res, args.top)
+        if cmp is not None:
+            print_comparison(cmp)
         for line in notes:
             print(line)
         for line in warns:

@@ -24,6 +24,11 @@ wheel's source):
   after loading when requests are still running or queued; the weight pushes pause with retract
   (which empties the running batch) so their updates can flush the prefix cache
   (``weights/transport.py``).
+- Colocated mode (0.5.23 ``managers/scheduler_components/weight_updater.py``):
+  ``/release_memory_occupation`` and ``/resume_memory_occupation`` {tags: weights | kv_cache |
+  cuda_graph, null = all} (200 with ``null``; release needs an idle engine), and
+  ``/update_weights_from_tensor`` {serialized_named_tensors (base64 per TP rank), load_format,
+  flush_cache, abort_all_requests, weight_version} -> {success, message}, inside an update session.
 - 0.5.23 ``utils/weight_versions.py``: ``meta_info["weight_versions"]`` = spans
   ``[{"version", "start", "end"}, ...]`` over the output tokens of a request that lived through
   weight updates (``GenerateOutput.token_weight_versions`` expands them per token).
@@ -564,6 +569,60 @@ class SGLangClient:
     async def update_weight_version(self, new_version: str, abort_all_requests: bool = False) -> dict:
         return await self.request("POST", "/update_weight_version",
                                   {"new_version": str(new_version), "abort_all_requests": abort_all_requests})
+
+    # ------------------------------------------------------------------ colocated mode
+    async def release_memory_occupation(self, tags: Optional[Sequence[str]] = None,
+                                        timeout_s: Optional[float] = None) -> None:
+        """POST /release_memory_occupation {tags} (0.5.23 ``ReleaseMemoryOccupationReqInput``; the
+        scheduler's ``release_memory_occupation`` in ``managers/scheduler_components/weight_updater.py``).
+
+        ``tags``: ``"weights"``, ``"kv_cache"``, ``"cuda_graph"``; None = all. Only an engine started
+        with ``--enable-memory-saver`` frees anything. SGLang asserts the engine is idle (nothing
+        running; nothing waiting unless paused with ``retract``) and flushes the radix cache with
+        ``kv_cache``; releasing a tag twice, or a busy engine, kills its scheduler: never retried."""
+        await self.request("POST", "/release_memory_occupation", {"tags": _memory_tags(tags)},
+                           timeout_s=timeout_s, retry=False)
+
+    async def resume_memory_occupation(self, tags: Optional[Sequence[str]] = None,
+                                       timeout_s: Optional[float] = None) -> None:
+        """POST /resume_memory_occupation {tags}: map the released memory again (None = all tags).
+        Resuming a tag that is not released kills SGLang's scheduler (``KeyError``): never retried.
+        Weights come back with their old content only with ``--enable-weights-cpu-backup``; without
+        it push the weights (:meth:`update_weights_from_tensor`) before generating."""
+        await self.request("POST", "/resume_memory_occupation", {"tags": _memory_tags(tags)},
+                           timeout_s=timeout_s, retry=False)
+
+    async def update_weights_from_tensor(self, serialized_named_tensors: Sequence[str | bytes], *,
+                                         load_format: Optional[str] = None, flush_cache: bool = True,
+                                         weight_version: Optional[str] = None, abort_all_requests: bool = False,
+                                         timeout_s: Optional[float] = None) -> dict:
+        """POST /update_weights_from_tensor (0.5.23 ``UpdateWeightsFromTensorReqInput``).
+
+        ``serialized_named_tensors``: one ``MultiprocessingSerializer`` payload per engine TP rank
+        (``ForkingPickler`` bytes: CUDA IPC handles on GPUs), as base64 strings (bytes are encoded
+        here); ``load_format`` None (a list of ``(name, tensor)``) or ``"flattened_bucket"``
+        (``{"flattened_tensor", "metadata"}``). Like the distributed update it must run inside a
+        ``begin_weight_update`` / ``end_weight_update`` session, into resumed weights; with
+        ``flush_cache`` it fails after loading when requests still run. Raises ``EngineError``
+        when the engine reports failure; never retried (the engine may have loaded part)."""
+        payload = {"serialized_named_tensors": [p if isinstance(p, str) else base64.b64encode(p).decode("ascii")
+                                                for p in serialized_named_tensors],
+                   "load_format": load_format, "flush_cache": flush_cache, "weight_version": weight_version,
+                   "abort_all_requests": abort_all_requests}
+        return _checked(self, "/update_weights_from_tensor", await self.request(
+            "POST", "/update_weights_from_tensor", payload, timeout_s=timeout_s, retry=False))
+
+
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")  # SGLang 0.5.23 constants.py GPU_MEMORY_ALL_TYPES
+
+
+def _memory_tags(tags: Optional[Sequence[str]]) -> Optional[list[str]]:
+    """SGLang takes any tag and releases nothing for an unknown one: a typo is refused here instead."""
+    if tags is None:
+        return None
+    if isinstance(tags, str) or any(t not in MEMORY_TAGS for t in tags):
+        raise ValueError(f"memory tags {tags!r}: a list of {', '.join(MEMORY_TAGS)} (or None for all)")
+    return list(tags)
 
 
 def _checked(c: SGLangClient, route: str, out: Any) -> dict:

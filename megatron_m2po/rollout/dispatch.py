@@ -31,7 +31,7 @@ Policy (close to what users get from the router's ``cache_aware`` policy where i
   engines on start, every restart check and admission) replaces the set and clears the down marks of
   the engines it lists: they were just checked healthy.
 - **Fleet-wide calls** (abort, pause / continue, flush_cache, weight version, health, loads,
-  server info, disk weight updates) go to every engine; an abort of one ``rid`` goes to the engine
+  server info, disk weight updates, memory release / resume) go to every engine; an abort of one ``rid`` goes to the engine
   that runs it. Distributed weight updates need a rank offset per engine: use
   :class:`~megatron_m2po.weights.distributed.DistributedWeightSync` with the fleet's engine URLs.
 """
@@ -360,6 +360,18 @@ class DispatchClient(SGLangClient):
     async def update_weights_from_distributed(self, *a, **kw) -> dict:
         raise EngineError(self.base_url, "/update_weights_from_distributed", "use DistributedWeightSync"
                           "(fleet.engine_urls) (weights/distributed.py): the groups are per engine")
+
+    async def release_memory_occupation(self, tags: Optional[Sequence[str]] = None,
+                                        timeout_s: Optional[float] = None) -> None:
+        await self._each("release_memory_occupation", tags, timeout_s)
+
+    async def resume_memory_occupation(self, tags: Optional[Sequence[str]] = None,
+                                       timeout_s: Optional[float] = None) -> None:
+        await self._each("resume_memory_occupation", tags, timeout_s)
+
+    async def update_weights_from_tensor(self, *a, **kw) -> dict:
+        raise EngineError(self.base_url, "/update_weights_from_tensor", "each engine takes the handles of the "
+                          "trainer ranks on its own GPUs: call client_for(url).update_weights_from_tensor per engine")
 
     async def close(self) -> None:
         for c in self._clients.values():

@@ -419,6 +419,15 @@ class EngineFleet:
             cmd += ["--max-running-requests", str(cfg.engine_max_running_requests)]
         if cfg.return_routed_experts:  # SGLang captures routed experts only with this server flag
             cmd += ["--enable-return-routed-experts"]
+        if cfg.colocate:
+            # Time-sharing: /release_memory_occupation frees weights and KV only with the memory saver
+            # (SGLang 0.5.23 utils/torch_memory_saver_adapter.py: without it the adapter is a no-op). No
+            # --enable-weights-cpu-backup: every resume of "weights" is followed by a full push.
+            cmd += ["--enable-memory-saver"]
+            # /health must not generate while weights / KV are released (a forward on unmapped memory
+            # kills SGLang's scheduler): SGLang 0.5.23 entrypoints/http_server.py health_generate
+            # answers 200 without one when this is false (environ.py, default true).
+            env = {**env, "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "false"}
         return EngineSpec(i, cfg.host, port, cmd + list(self.extra_engine_args), env, logp)
 
     def _wait_healthy(self, e: _Engine, what: str = "engine") -> None:

@@ -10,7 +10,10 @@ with a ``CUDA_VISIBLE_DEVICES`` of its own).
 
 - ``rollout.launcher=local``, SGLang engines: with ``rollout.engine_gpu_ids`` empty, the engines take
   the GPUs after the trainer's (``LOCAL_WORLD_SIZE ..``), one block of ``engine_tp`` each; too few GPUs
-  is an error. Engine GPUs that are also the trainer's (colocation) need ``rollout.colocate=true``.
+  is an error. Engine GPUs that are also the trainer's (colocation) need ``rollout.colocate=true``;
+  with it and ``engine_gpu_ids`` empty, the engines take the trainer's GPUs ``0 ..`` (time-sharing:
+  docs/design.md §5 "Colocated mode"; the colocated transport refuses a trainer GPU no engine rank
+  shares, ``weights/colocated.py`` ``colocated_assignment``).
 - ``rollout.launcher=ray`` with a Ray cluster this process starts (no ``RAY_ADDRESS``): the cluster
   gets only the node's GPUs after the trainer's (:func:`ray_local_gpus`).
 - ``rollout.weight_sync=distributed``: every pipeline stage's sender (global rank ``p * WORLD_SIZE / PP``:
@@ -91,6 +94,8 @@ def engine_gpus(r: RolloutConfig, node: NodeGPUs) -> list[list[int]]:
                              f"rollout.engine_tp = {r.num_engines} x {r.engine_tp} = {need}: list {need} GPUs")
         if len(set(ids)) != len(ids) or min(ids) < 0:
             raise ValueError(f"rollout.engine_gpu_ids={ids}: each GPU once, indices >= 0")
+    elif r.colocate:  # time-sharing: the engines sit on the trainer's own GPUs, in order
+        ids = list(range(need))
     else:
         ids = list(range(node.trainer, node.trainer + need))
     if node.count is not None and max(ids) >= node.count:

@@ -71,8 +71,13 @@ class RolloutConfig:
     engine_mem_fraction: float = _f(0.7, gt=0.0, le=1.0, help="SGLang --mem-fraction-static.")
     engine_gpu_ids: list[int] = _f(factory=list, help="launcher=local: the node's GPUs for the engines, engine_tp per "
                                    "engine in order; empty = the GPUs after the trainer's (LOCAL_WORLD_SIZE ..).")
-    colocate: bool = _f(False, help="launcher=local: engine_gpu_ids may include the trainer's GPUs (engines share them, "
-                        "holding engine_mem_fraction); without it such a list is refused.")
+    colocate: bool = _f(False, help="Time-share the trainer's GPUs (docs/design.md §5, \"Colocated mode\"): the "
+                        "engines sit on the trainer's GPUs (launcher=local: engine_gpu_ids defaults to them) and are "
+                        "started with --enable-memory-saver; per step they generate while the trainer's parameters, "
+                        "gradients and optimizer states are offloaded, then release weights and KV cache while it "
+                        "trains, and take the new weights in place through /update_weights_from_tensor. Sets "
+                        "rollout.weight_sync=colocated (from disk, the default; distributed is refused). Needs "
+                        "trainer.mode=sync or stale_k (async: use disaggregated engines).")
     ray_cpus_per_engine: float = _f(1.0, ge=0.0, help="launcher=ray: CPUs each engine actor reserves (GPUs = engine_tp for sglang).")
     external_addrs: list[str] = _f(factory=list, help="http://host:port of engines started elsewhere (launcher=external).")
     use_router: bool = _f(True, help="Put sglang-router (cache_aware policy) in front of the engines. false: the "
@@ -96,9 +101,13 @@ class RolloutConfig:
         "KV-cache memory, the CPU worker runs 64). rollout.concurrency=null then derives from what they report.")
     request_timeout_s: float = _f(600.0, gt=0, help="Timeout of one generate request.")
     max_retries: int = _f(3, ge=0, help="Retries with backoff for failed requests.")
-    weight_sync: Literal["disk", "distributed"] = _f("disk", help="How weights reach the engines.")
+    weight_sync: Literal["disk", "distributed", "colocated"] = _f(
+        "disk", help="How weights reach the engines: 'disk' (safetensors in weight_sync_dir, each engine loads them), "
+        "'distributed' (NCCL broadcast from every pipeline stage's sender), 'colocated' (memory handles to engines "
+        "on the trainer's own GPUs, /update_weights_from_tensor; what rollout.colocate=true uses).")
     weight_sync_dir: str = _f("", help="Shared directory for disk weight sync (default: <run_dir>/weights).")
-    weight_sync_bucket_mb: float = _f(512.0, gt=0, help="Bucket size of the distributed weight broadcast.")
+    weight_sync_bucket_mb: float = _f(512.0, gt=0, help="Bucket size of the distributed weight broadcast and of the colocated "
+                                      "hand-over (one extra copy of this size on each sender).")
     weight_sync_timeout_s: float = _f(300.0, gt=0, help="Timeout of a weight update (a dead engine cannot hang training); "
                                       "a disk push's load gets more for a large model (weight_sync_min_gbps).")
     weight_sync_min_gbps: float = _f(
@@ -140,6 +149,7 @@ class RolloutConfig:
                               "(SGLang's weight_block_size; [128, 128] is the usual layout)")
         if self.launcher == "external" and not self.external_addrs and not self.router_addr:
             raise ConfigError("rollout.launcher=external needs rollout.external_addrs (or rollout.router_addr)")
+        self._check_colocate()
         ag = self.agentic
         if self.producer == "agentic" and ":" not in ag.env:
             raise ConfigError(f"rollout.producer=agentic needs rollout.agentic.env='package.module:Name' (got "
@@ -159,3 +169,24 @@ class RolloutConfig:
                               "0.3.2 drops return_routed_experts from /generate requests. Set rollout.use_router=false "
                               "and rollout.router_addr=null: the trainer then dispatches /generate over the engines "
                               "itself (any rollout.num_engines; external engines listed in rollout.external_addrs)")
+
+    def _check_colocate(self) -> None:
+        """``rollout.colocate=true`` time-shares the trainer's GPUs: the transport is ``colocated``
+        (derived from ``disk``, the default; ``distributed`` refused: NCCL refuses an engine rank and a
+        stage sender on one GPU, and the engines' weights are released while the trainer trains)."""
+        if self.colocate:
+            if self.source == "external" or self.launcher == "external":
+                raise ConfigError(f"rollout.colocate=true with rollout.source={self.source}, rollout.launcher="
+                                  f"{self.launcher}: colocated engines are the ones the trainer starts on its own "
+                                  "GPUs; use rollout.launcher=local (or ray) and rollout.source=engines, or "
+                                  "rollout.colocate=false")
+            if self.weight_sync == "distributed":
+                raise ConfigError("rollout.colocate=true with rollout.weight_sync=distributed: colocated engines "
+                                  "take their weights in place from the trainer ranks on their own GPUs "
+                                  "(rollout.weight_sync=colocated, which colocate sets from the default disk); "
+                                  "NCCL refuses a group with two members on one GPU. Remove rollout.weight_sync or "
+                                  "set it to colocated")
+            self.weight_sync = "colocated"
+        elif self.weight_sync == "colocated":
+            raise ConfigError("rollout.weight_sync=colocated needs rollout.colocate=true (engines time-sharing the "
+                              "trainer's GPUs); disaggregated engines use rollout.weight_sync=disk or distributed")

@@ -255,6 +255,43 @@ class RolloutService:
                 for name, key in (("running_reqs", "num_running_reqs"), ("queued_reqs", "num_waiting_reqs"),
                                   ("used_tokens", "num_used_tokens"))}
 
+    # ------------------------------------------------------------------ colocated mode
+    def release_engines(self, tags: tuple[str, ...] = ("weights", "kv_cache")) -> None:
+        """Colocated mode: wait for scheduled generation in flight, then every engine frees ``tags``
+        (``/release_memory_occupation``; SGLang 0.5.23 asserts an idle engine,
+        ``managers/scheduler_components/weight_updater.py`` ``release_memory_occupation``, and kills its
+        scheduler otherwise, so nothing may be generating). Raises naming each engine that refused."""
+        self._scheduled.drain()
+        self._on_engines(lambda c: c.release_memory_occupation(list(tags), timeout_s=self._control_timeout_s),
+                         f"release_memory_occupation {list(tags)}")
+
+    def resume_engines(self, tags: tuple[str, ...]) -> None:
+        """Colocated mode: every engine maps ``tags`` again (``/resume_memory_occupation``). Resumed
+        ``weights`` hold nothing usable (no ``--enable-weights-cpu-backup``): push before generating."""
+        self._on_engines(lambda c: c.resume_memory_occupation(list(tags), timeout_s=self._control_timeout_s),
+                         f"resume_memory_occupation {list(tags)}")
+
+    @property
+    def _control_timeout_s(self) -> float:
+        return self.cfg.rollout.weight_sync_timeout_s
+
+    def _on_engines(self, fn, what: str) -> None:
+        """``fn(client)`` on every engine at once (each engine's own URL: the router forwards no memory
+        calls); a failure anywhere raises RuntimeError naming each engine that failed."""
+        import asyncio
+
+        async def one(url: str):
+            async with SGLangClient(url, max_retries=0, control_timeout_s=self._control_timeout_s) as c:
+                return await fn(c)
+
+        async def each() -> list:
+            return await asyncio.gather(*(one(u) for u in self.engine_urls), return_exceptions=True)
+
+        got = self._bg.submit(each()).result(timeout=self._control_timeout_s + 30)
+        bad = [f"{u}: {type(r).__name__}: {r}" for u, r in zip(self.engine_urls, got) if isinstance(r, BaseException)]
+        if bad:
+            raise RuntimeError(f"{what} failed on {len(bad)}/{len(got)} engine(s):\n  " + "\n  ".join(bad))
+
     # ------------------------------------------------------------------ scheduled generation
     def generate(self, step: int, *, background: bool) -> None:
         """Generate and store the missing groups of scheduled step ``step`` (sync / stale_k); unless

@@ -35,6 +35,11 @@ rule cites the SGLang 0.5.23 source it follows (``docs/sglang.md`` has the map).
   ``/update_weights_from_distributed`` (per-tensor broadcasts, or one uint8 broadcast with
   ``load_format="flattened_bucket"``), ``/destroy_weights_update_group``,
   ``/update_weight_version``, ``/slow_down`` {forward_sleep_time} (SGLang's testing hook),
+  colocated mode's ``/release_memory_occupation`` / ``/resume_memory_occupation`` {tags} (with
+  ``--enable-memory-saver`` the weights' storages really leave; ``--enable-weights-cpu-backup``
+  brings them back bit-identical; a generation while released is refused) and
+  ``/update_weights_from_tensor`` (shared-memory tensors standing in for CUDA IPC):
+  ``cpu_memory_saver.py``, ``tensor_payload.py``, ``cpu_worker_colocated.py``,
   ``/v1/loads`` (``loads[0]``: num_running_reqs, num_waiting_reqs, num_used_tokens, ... plus
   ``num_generated_tokens`` and ``num_held_reqs``). No ``/get_weight_version`` and no
   ``/get_load``: 0.5.23 has neither. sglang-router 0.3.2 probes ``/health``, ``/server_info``
@@ -64,6 +69,7 @@ import glob
 import logging
 import os
 import threading
+from multiprocessing import AuthenticationError
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -75,8 +81,11 @@ from megatron_m2po.parallel.side_group import broadcast, new_side_group
 from megatron_m2po.rollout import sglang_plugin
 from megatron_m2po.standins import nccl_emulation
 from megatron_m2po.standins import sglang_sampling as sampling
+from megatron_m2po.standins.cpu_memory_saver import WEIGHTS, MemorySaver
 from megatron_m2po.standins.cpu_prefix_cache import PrefixCache
 from megatron_m2po.standins.hf_fused_experts import expert_target, is_fused_expert_name
+from megatron_m2po.standins.memory_ledger import MemoryLedger
+from megatron_m2po.standins import tensor_payload
 from megatron_m2po.standins.cpu_worker_http import _DEFAULT_GROUP, RequestError, WorkerApp
 from megatron_m2po.standins.sglang_sampling import Sampling
 from megatron_m2po.utils.hf_dir import iter_safetensors
@@ -209,7 +218,8 @@ class Engine:
     def __init__(self, model_path: str, *, max_running: int = 64, seed: int = 0,
                  weight_version: str = "default", dist_timeout_s: float = 300.0,
                  quantization: Optional[str] = None, prefix_cache_mb: float = 256.0,
-                 enable_return_routed_experts: bool = False) -> None:
+                 enable_return_routed_experts: bool = False, memory_saver: bool = False,
+                 weights_cpu_backup: bool = False, gpu: int = 0, owner: str = "cpu_worker") -> None:
         from transformers import AutoConfig, AutoModelForCausalLM
 
         self.model_path = model_path
@@ -277,13 +287,14 @@ class Engine:
         self.executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="model")
         self.groups: dict[str, Any] = {}
         self.loop: Optional[asyncio.AbstractEventLoop] = None
-        self.wake: Optional[asyncio.Event] = None
-        self.resumed: Optional[asyncio.Event] = None
-        self.step_lock: Optional[asyncio.Lock] = None
+        self.wake, self.resumed, self.step_lock = None, None, None  # asyncio objects of start()
         # Messages the tokenizer manager received from the scheduler (a counter and an event per
         # message): /health succeeds once one arrives after it started (http_server.py).
         self.received = 0
         self.receive_event: Optional[asyncio.Event] = None
+        # --enable-memory-saver: release / resume, recorded in the node's memory ledger (cpu_memory_saver.py)
+        self.memory = MemorySaver(self.model, enabled=memory_saver, cpu_backup=weights_cpu_backup, gpu=gpu,
+                                  kv_bytes=self.prefix_cache.max_bytes, ledger=MemoryLedger.from_env(), owner=owner)
 
     # ---------------------------------------------------------------- scheduler
     async def start(self) -> None:
@@ -394,6 +405,10 @@ class Engine:
 
     @torch.no_grad()
     def _step(self) -> None:
+        refusal = self.memory.refusal()
+        if refusal is not None:  # requests retracted before a release, continued before a resume
+            self._fail_all(refusal)
+            return
         if len(self.batch):
             b = self.batch
             mask = torch.cat([b.mask, torch.ones(len(b), 1, dtype=torch.long)], 1)
@@ -761,6 +776,37 @@ class Engine:
         self.prefix_cache.reset()
         return True
 
+    # ---------------------------------------------------------------- memory occupation
+    def release_memory(self, tags: Optional[list]) -> None:
+        """SGLang's ``release_memory_occupation`` (``cpu_memory_saver.py``); model thread only."""
+        self.memory.release(tags, self.flushable(), self.prefix_cache.reset)
+
+    def resume_memory(self, tags: Optional[list]) -> None:
+        """SGLang's ``resume_memory_occupation`` (``cpu_memory_saver.py``); model thread only."""
+        self.memory.resume(tags)
+
+    def memory_refusal(self, what: str = "a generation", weights_only: bool = False) -> Optional[str]:
+        """Why ``what`` cannot run now (None: it can): its memory is released (``cpu_memory_saver.py``).
+        None while the constructor loads an FP8 checkpoint (nothing is released before the engine runs)."""
+        memory = getattr(self, "memory", None)
+        return None if memory is None else memory.refusal(what, (WEIGHTS,) if weights_only else None)
+
+    def load_serialized(self, payloads: list[bytes], load_format: Optional[str]) -> int:
+        """``/update_weights_from_tensor``'s load: this rank's payload (``tp_worker.py``
+        ``deserialize_own_rank``: index 0, TP=1) read by ``tensor_payload.py``, then :meth:`load_weights`."""
+        if not payloads:
+            raise ValueError("serialized_named_tensors is empty: one payload per engine TP rank is needed "
+                             "(SGLang 0.5.23 indexes it by tp_rank: IndexError)")
+        try:
+            obj = tensor_payload.deserialize(payloads[0])
+        except AuthenticationError:
+            raise ValueError("cannot open the payload's shared-memory tensors (AuthenticationError): the sender "
+                             "used torch's file_descriptor sharing strategy, which only its own children can "
+                             "open; use torch.multiprocessing.set_sharing_strategy('file_system')") from None
+        except (OSError, EOFError) as e:  # e.g. a shared-memory segment its sender already freed
+            raise ValueError(f"cannot open the payload's tensors: {type(e).__name__}: {e}") from None
+        return self.load_weights(tensor_payload.named_tensors(obj, load_format))
+
     # ---------------------------------------------------------------- weights
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Copy tensors into the model in place (HF names); unknown names or shapes fail.
@@ -770,7 +816,10 @@ class Engine:
 
         FP8 engines take FP8 pairs (``.weight`` float8 + ``.weight_scale_inv`` per block, or
         ``.weight_scale`` per tensor) by SGLang 0.5.23's rules for the format (per-tensor FP8 loads
-        once); see ``megatron_m2po/weights/fp8.py``."""
+        once); see ``megatron_m2po/weights/fp8.py``. Refused while the weights are released."""
+        refusal = self.memory_refusal("a weight update", weights_only=True)
+        if refusal is not None:
+            raise ValueError(refusal)
         if self.fp8 is not None:
             named = self.fp8.convert(named)
         params = dict(self.model.named_parameters())
@@ -947,6 +996,18 @@ def _free_port_below_ephemeral(low: int = 22000, high: int = 29999, attempts: in
     return free_port("")
 
 
+def ledger_gpu(base_gpu_id: int) -> int:
+    """The node's GPU index of an engine on ``--base-gpu-id`` (its ``CUDA_VISIBLE_DEVICES`` entry when
+    set), under which it records in the memory ledger (``memory_ledger.py``)."""
+    visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    if not visible:
+        return base_gpu_id
+    if base_gpu_id >= len(visible) or not visible[base_gpu_id].isdigit():
+        raise ValueError(f"--base-gpu-id {base_gpu_id} with CUDA_VISIBLE_DEVICES={','.join(visible)}: the "
+                         "memory ledger needs an integer GPU index there")
+    return int(visible[base_gpu_id])
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model-path", required=True, help="HF model directory (config + safetensors).")
@@ -967,6 +1028,13 @@ def main(argv: Optional[list[str]] = None) -> None:
                         "for them with return_routed_experts.")
     p.add_argument("--quantization", choices=["fp8"], default=None,
                    help="Serve FP8 (modelopt fake quantisation); an FP8 checkpoint is detected from config.json.")
+    p.add_argument("--enable-memory-saver", action="store_true",
+                   help="SGLang's flag: /release_memory_occupation frees the weights / KV (cpu_memory_saver.py).")
+    p.add_argument("--enable-weights-cpu-backup", action="store_true",
+                   help="SGLang's flag: released weights are kept in a CPU copy and come back on resume "
+                        "(without it their content after a resume is undefined: NaN here).")
+    p.add_argument("--base-gpu-id", type=int, default=0,
+                   help="SGLang's flag: the engine's GPU among CUDA_VISIBLE_DEVICES (the memory ledger's GPU).")
     args = p.parse_args(argv)
     if not os.path.isfile(os.path.join(args.model_path, "config.json")):
         p.error(f"--model-path {args.model_path!r} is not an HF model directory (no config.json)")
@@ -981,7 +1049,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     engine = Engine(args.model_path, max_running=args.max_running_requests, seed=args.seed,
                     weight_version=args.weight_version, dist_timeout_s=args.dist_timeout_s,
                     quantization=args.quantization,
-                    enable_return_routed_experts=args.enable_return_routed_experts)
+                    enable_return_routed_experts=args.enable_return_routed_experts,
+                    memory_saver=args.enable_memory_saver, weights_cpu_backup=args.enable_weights_cpu_backup,
+                    gpu=ledger_gpu(args.base_gpu_id), owner=f"cpu_worker@{args.host}:{args.port}")
     log.info("serving %s on http://%s:%d", args.model_path, args.host, args.port)
     web.run_app(WorkerApp(engine).build(), host=args.host, port=args.port, print=None, access_log=None,
                 shutdown_timeout=2.0)

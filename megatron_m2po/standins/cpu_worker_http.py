@@ -17,6 +17,7 @@ from aiohttp import web
 
 from megatron_m2po.parallel.side_group import destroy_side_group
 from megatron_m2po.standins import sglang_sampling as sampling
+from megatron_m2po.standins.cpu_worker_colocated import ColocatedRoutes
 from megatron_m2po.rollout.sglang_version import SUPPORTED_SGLANG
 
 _VERSION = SUPPORTED_SGLANG  # the SGLang version it emulates: server_info's "version" (SGLang's __version__)
@@ -48,7 +49,7 @@ async def _body(request) -> dict:
     return data or {}
 
 
-class WorkerApp:
+class WorkerApp(ColocatedRoutes):
     """SGLang 0.5.23's HTTP routes over one ``cpu_worker.Engine``; :meth:`build` returns the aiohttp app.
 
     The routes, by concern (each group's table is one method):
@@ -59,7 +60,12 @@ class WorkerApp:
     * cache and scheduling: ``/flush_cache``, ``/abort_request``, ``/pause_generation``,
       ``/continue_generation``, ``/slow_down``;
     * weights: the update session (``/begin_weight_update``, ``/end_weight_update``), updates from
-      disk and from a distributed group, the group's set-up and tear-down, ``/update_weight_version``.
+      disk and from a distributed group, the group's set-up and tear-down, ``/update_weight_version``;
+    * colocated mode (``cpu_worker_colocated.py``): ``/release_memory_occupation``,
+      ``/resume_memory_occupation``, ``/update_weights_from_tensor``. While weights or KV are released
+      (``--enable-memory-saver``) a generation -- a health check's too -- is refused (400 naming the
+      released memory; SGLang would read unmapped memory and crash), and so is a weight update while
+      the weights are released.
 
     The state the HTTP layer keeps itself (the rest is the engine's): the deferred cache flush in
     progress, the weight-update session, the lock that serialises weight-update group requests.
@@ -206,6 +212,9 @@ class WorkerApp:
                     sent = self.engine.release(held)
             else:
                 sent = {}
+            refusal = self.engine.memory_refusal()
+            if refusal is not None:  # cpu_memory_saver.py: SGLang would crash on unmapped memory
+                raise RequestError(refusal)
             seqs = [self.engine.make_seq(r.pop("input_ids"), r.pop("params"), r.pop("rid"), **r) for r in reqs]
             for s in seqs:
                 s.abort_sent = sent.get(s.rid, False)
@@ -291,6 +300,8 @@ class WorkerApp:
         in the tokenizer manager, so a paused, quiet server answers 503."""
         if request.path == "/health" and not self.health_generates:
             return web.Response(status=200)
+        if self.engine.memory_refusal() is not None:  # its generation is refused (cpu_memory_saver.py)
+            return web.Response(status=503)
         mark = self.engine.received
 
         async def send() -> None:
@@ -440,6 +451,10 @@ class WorkerApp:
         r.add_post("/destroy_weights_update_group", self._via_scheduler(self.destroy_group))
         r.add_post("/update_weights_from_distributed", self._via_scheduler(self.update_from_distributed))
         r.add_post("/update_weight_version", self.update_weight_version)
+        r.add_post("/update_weights_from_tensor", self._via_scheduler(self.update_weights_from_tensor))
+        for method in ("GET", "POST"):  # http_server.py api_route(methods=["GET", "POST"])
+            r.add_route(method, "/release_memory_occupation", self._via_scheduler(self.release_memory_occupation))
+            r.add_route(method, "/resume_memory_occupation", self._via_scheduler(self.resume_memory_occupation))
 
     async def begin_weight_update(self, request):
         await _body(request)
@@ -483,6 +498,9 @@ class WorkerApp:
         if req.get("abort_all_requests"):
             self.engine.abort(None, True)
         path = req.get("model_path", "")
+        refusal = self.engine.memory_refusal("update_weights_from_disk", weights_only=True)
+        if refusal is not None:
+            return _ok({"success": False, "message": refusal, "num_paused_requests": 0}, 400)
         if not glob.glob(os.path.join(path, "*.safetensors")):  # loader.py _prepare_weights: nothing loaded
             return _ok({"success": False, "message": f"Failed to get weights iterator: Cannot find any model weights "
                         f"with `{path}`.", "num_paused_requests": 0}, 400)

@@ -20,6 +20,12 @@ lease, when to push), so :meth:`Trainer._train_step` tests no mode:
 * ``async`` — engines generate continuously (or external producers push), weights are pushed every
   ``trainer.sync_every_updates`` updates, the store serves under ``store.max_staleness``.
 
+Colocated mode (``rollout.colocate=true``, sync and stale_k): engines and trainer time-share the GPUs;
+the loop asks for the engines where it generates or evaluates (:meth:`Trainer._engines_generate`) and
+for the trainer where it trains, recomputes log-probs, loads or writes a checkpoint
+(:meth:`Trainer._trainer_resident`); :class:`~.colocated.ColocatedPhases` runs the release, reload,
+resume, push and offload between the two.
+
 Updates are run one optimizer mini-batch at a time so that a generation event that falls
 inside a step (``k`` not a multiple of ``U``) happens at exactly the right version.
 
@@ -50,6 +56,7 @@ from megatron_m2po.actor.batch import RolloutBatch, ShardedBatch
 from megatron_m2po.actor.checkpoint import latest_checkpoint
 from megatron_m2po.config import Config, config_to_dict, dump_config
 from megatron_m2po.parallel.rank0 import any_rank, check_shared_run_dir, from_rank0, scatter_from_rank0
+from megatron_m2po.trainer.colocated import ColocatedPhases
 from megatron_m2po.trainer.batching import groups_to_batch, rollout_metrics, shard_step, trajectory_to_sample
 from megatron_m2po.trainer.preflight import claim_checked_run_dir
 from megatron_m2po.trainer.run_lock import RunDirLock
@@ -140,6 +147,8 @@ class Trainer:
         self._run_lock = run_lock  # global rank 0: one run per run directory (trainer/run_lock.py)
         self.finished: Optional[int] = None  # the step count of a run that finished before this start
         self._trace_path: Optional[Path] = None
+        # rollout.colocate=true: engines and trainer time-share the GPUs (trainer/colocated.py)
+        self.colocated: Optional[ColocatedPhases] = None
         self._owns_pg = init_parallel(cfg.parallel, cfg.trainer.seed)
         try:
             self.rank = dist.get_rank()
@@ -167,12 +176,17 @@ class Trainer:
             self._dp_of = [self.actor.dp_rank] * dist.get_world_size()
             if dist.get_world_size() > 1:
                 dist.all_gather_object(self._dp_of, self.actor.dp_rank)
+            if cfg.rollout.colocate:  # the trainer leaves the GPUs before the engines load onto them
+                self.colocated = ColocatedPhases(self.actor, from_rank0=self._from_rank0, rank=self.rank)
+                self.colocated.start()
             # Inside from_rank0: a failure to build the rollout side (data, store, engines) reaches
             # the other ranks at once, instead of leaving them waiting for rank 0's next result.
             self._from_rank0(lambda: self._build_lead(cfg), what="the rollout side (data, store, engines)")
             if self.lead is not None:
                 self.service = self.lead.service
                 self.weights = self.service.weights
+            if self.colocated is not None:
+                self.colocated.attach(self.weights, self.service)
         except BaseException:
             self.close()
             raise
@@ -219,6 +233,7 @@ class Trainer:
             if self.cfg.checkpoint.resume else None
         extra = None
         if ckpt is not None:
+            self._trainer_resident()
             extra = self.actor.load_checkpoint(str(ckpt))
             self.start_step = int(extra["step"])
             self.schedule.load_state_dict(extra)
@@ -240,6 +255,7 @@ class Trainer:
         its wait for data; the checkpoint records the dataset position from before those events."""
         extra = self._from_rank0(lambda: self._rollout_state(step, at_boundary=at_boundary))
         name = f"step_{step:06d}"
+        self._trainer_resident()
         t0 = time.perf_counter()
         with TIMER.phase("checkpoint"):
             self.actor.save_checkpoint(str(self.ckpt_dir / name), extra)
@@ -272,6 +288,22 @@ class Trainer:
         t0 = time.perf_counter()
         self.weights.push_actor(self.actor)
         return time.perf_counter() - t0
+
+    def _engines_generate(self, version: int) -> dict[str, float]:
+        """All ranks: the engines hold the weights of ``version`` and may generate. Colocated: the
+        engines resume and get the weights, the trainer offloads (:meth:`ColocatedPhases.to_engines`);
+        else a push when the engines hold another version. Returns ``sync/weight_s`` of a push."""
+        if self.colocated is not None:
+            secs = self.colocated.to_engines()
+            return {"sync/weight_s": secs} if secs else {}
+        if self.weights.version != version:
+            return {"sync/weight_s": self._push_weights()}
+        return {}
+
+    def _trainer_resident(self) -> None:
+        """All ranks: the trainer's state on the device (colocated: the engines release theirs first)."""
+        if self.colocated is not None:
+            self.colocated.to_trainer()
 
     def _generation_events(self) -> dict[str, float]:
         """Generate what the schedule generates at the actor's version (all ranks; none in async)."""
@@ -317,9 +349,7 @@ class Trainer:
         request that ends a wait for them marks the step stopped (:meth:`_fetch_step`)."""
         if not steps or self._wait_stopped:
             return {}
-        out = {}
-        if self.weights.version != version:
-            out["sync/weight_s"] = self._push_weights()
+        out = self._engines_generate(version)
         with TIMER.phase("generation_wait"):  # on-policy: the trainer waits; stale: only starts it
             self._run_generation(steps)
         return out
@@ -330,11 +360,13 @@ class Trainer:
             # The trainer's own log-probs of the generated tokens at this version: every rank
             # takes part, so generation is synchronous here.
             for s in steps:
+                self._engines_generate(self.actor.version)  # colocated: back to the engines after a recompute
                 groups = self._from_rank0(lambda step=s: self._stoppable(lambda: self.service.sample(step)),
                                           what=f"the generation of step {s}")
                 if isinstance(groups, _Stopped):
                     self._wait_stopped = True
                     return
+                self._trainer_resident()
                 self._recompute_behaviour(groups)
                 if self.lead:
                     self.service.put(groups)
@@ -441,6 +473,7 @@ class Trainer:
             ages.append(self.actor.version - (mb.plan.version_base + np.arange(counts.shape[0]))[present])
             age_counts.append(counts[present])
             update = self.actor.version
+            self._trainer_resident()  # colocated: the engines release, the trainer reloads
             per_update.append(self.actor.train_update(mb))
             fault_point("train_update")  # the step's lease is open, its updates half done
             if dump:  # rank 0 assembles the dump from the whole mini-batch it leased
@@ -478,6 +511,7 @@ class Trainer:
                     ended = end.heading
                     return 0
             if cfg.checkpoint.export_hf_at_end:
+                self._trainer_resident()
                 out = self.run_dir / "final_hf"
                 export_hf(self.actor, str(out))
                 if self.lead:
@@ -569,8 +603,7 @@ class Trainer:
             log.warning("could not report where the time went: %s", e)
 
     def _evaluate(self, step: int) -> dict[str, float]:
-        if self.weights.version != self.actor.version:
-            self._push_weights()
+        self._engines_generate(self.actor.version)
         with TIMER.phase("evaluation"):
             out = self._from_rank0(lambda: self._stoppable(lambda: self.service.evaluate(step)),
                                    what="the evaluation")

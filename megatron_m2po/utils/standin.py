@@ -9,7 +9,10 @@ without GPUs needs a stand-in, production asks for it here, by name:
 * ``tiny_base``: ``model.hf_path=tiny`` builds the tiny base model (``utils/hf_dir.py``), and the
   rehearsal builds one per model family (``rehearsal.py``);
 * ``cpu_worker``: the engine command of ``rollout.engine=cpu_worker`` (``rollout/engines.py``) runs
-  it as ``python -m <standin_module("cpu_worker")>`` in a child process.
+  it as ``python -m <standin_module("cpu_worker")>`` in a child process;
+* ``memory_ledger``: in colocated mode on a run without CUDA the trainer records its resident bytes
+  where the CPU workers record theirs (``trainer/colocated.py``), so a run that would hold both on
+  one GPU past its budget fails as CUDA would.
 
 Loading by name keeps the stand-ins out of every production import: a GPU run never imports them.
 """
@@ -21,7 +24,7 @@ from types import ModuleType
 
 STANDINS = "megatron_m2po.standins"
 # The stand-ins production may reach (the seams above); anything else is a test-only helper.
-SEAMS = ("cpu_platform", "tiny_base", "cpu_worker")
+SEAMS = ("cpu_platform", "tiny_base", "cpu_worker", "memory_ledger")
 
 
 def standin_module(name: str) -> str:

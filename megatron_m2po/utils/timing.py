@@ -40,8 +40,12 @@ from typing import Iterator
 
 # Phases of the trainer's own time (exclusive of each other; their sum is at most the step's wall
 # time). "generation" is the driver's engine-side time: it overlaps the trainer's in stale_k / async.
+# Colocated mode (trainer/colocated.py) adds the time-sharing phases: "release" (engines free weights
+# and KV, after the generation in flight), "reload" / "offload" (the trainer's state back on / off the
+# device, actor/offload.py), "resume" (engines map weights or KV again) and "transfer" (the in-place
+# push through memory handles, instead of "push").
 TRAINER_PHASES = ("push", "generation_wait", "data_wait", "mask", "forward_backward", "optimizer",
-                  "checkpoint", "evaluation")
+                  "checkpoint", "evaluation", "release", "reload", "resume", "transfer", "offload")
 IDLE_PHASES = ("generation_wait", "data_wait")  # the trainer waits for rollouts
 ENGINES_PID = 1_000_000  # the trace's "engines" process (counter tracks); ranks are 0..world-1
 TRACE_FILE = "trace.json"

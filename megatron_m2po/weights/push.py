@@ -21,6 +21,7 @@ from megatron_m2po.parallel.rank0 import from_rank0
 from megatron_m2po.rollout.client import SGLangClient
 from megatron_m2po.utils.faults import fault_point
 from megatron_m2po.utils.timing import TIMER
+from megatron_m2po.weights.colocated import ColocatedWeightSync, colocated_servers, exchange_colocated, run_colocated_stage
 from megatron_m2po.weights.disk import DiskWeightSync
 from megatron_m2po.weights.distributed import DistributedWeightSync
 from megatron_m2po.weights.errors import NcclVersionMismatch, WeightSyncError
@@ -33,8 +34,13 @@ log = logging.getLogger(__name__)
 def build_weight_sync(rollout: RolloutConfig, engine_urls: list[str], *, sync_dir: str, base_model_dir: str,
                       external: bool):
     """Rank 0's weight sync of ``rollout.weight_sync`` (disk for external producers, which load the
-    published ``v<version>`` directories themselves)."""
+    published ``v<version>`` directories themselves; colocated: memory handles to the engines on
+    this node's GPUs, :mod:`megatron_m2po.weights.colocated`)."""
     r = rollout
+    if r.weight_sync == "colocated" and not external:  # engines on the trainer's GPUs: memory handles
+        return ColocatedWeightSync(engine_urls, bucket_mb=r.weight_sync_bucket_mb, timeout_s=r.weight_sync_timeout_s,
+                                   fp8=r.fp8_weights, fp8_block=tuple(r.fp8_block_size),
+                                   servers=_colocated_servers(r, engine_urls))
     if r.weight_sync == "disk" or external:
         return DiskWeightSync(engine_urls, sync_dir, base_model_dir=base_model_dir, timeout_s=r.weight_sync_timeout_s,
                               fp8=r.fp8_weights, fp8_block=tuple(r.fp8_block_size), min_gbps=r.weight_sync_min_gbps)
@@ -48,6 +54,32 @@ def build_weight_sync(rollout: RolloutConfig, engine_urls: list[str], *, sync_di
                                  fp8_block=tuple(r.fp8_block_size))
     sync.connect()
     return sync
+
+
+def _colocated_servers(r: RolloutConfig, engine_urls: list[str]):
+    """The trainer rank on each engine rank's GPU (SGLang engines launched here); None for CPU workers,
+    which rank 0 serves (host memory)."""
+    if r.engine != "sglang" or r.launcher != "local":
+        return None
+    from megatron_m2po.rollout.placement import engine_gpus, node_gpus
+
+    node = node_gpus()
+    return colocated_servers(engine_urls, engine_gpus(r, node), list(range(node.trainer)), node.world)
+
+
+def _colocated_exchange(plan, weights, *, stage: int, sender: bool, group=None):
+    """Every rank's part of a colocated push (``push_from_stages``' ``exchanges``): with several ranks
+    each hands its copy to the engine ranks on its own GPU (:func:`exchange_colocated`); one process is
+    the sender alone and needs no collective (:func:`run_colocated_stage`)."""
+    import torch.distributed as dist
+
+    if dist.get_world_size(group) > 1:
+        return exchange_colocated(plan, weights, stage=stage, sender=sender, group=group)
+    return run_colocated_stage(plan, stage, weights)
+
+
+#: Transports every rank takes part in, by plan kind (push_from_stages runs them instead of run_stage).
+EXCHANGES = {"colocated": _colocated_exchange}
 
 
 class WeightPushController:
@@ -80,18 +112,23 @@ class WeightPushController:
         return self.fleet.engine_urls if self.fleet is not None else []
 
     # ------------------------------------------------------------------ every rank
-    def push(self, weights: Callable[[], Iterable], version: int, *, stage: int, n_stages: int, sender: bool) -> None:
+    def push(self, weights: Callable[[], Iterable], version: int, *, stage: int, n_stages: int, sender: bool,
+             phase: str = "push") -> None:
         """All ranks: every pipeline stage sends its own layers (``weights()``: this rank's stage
         tensors, a fresh iterator per attempt). A push that fails because engines died is repeated
         once after they are relaunched: the repeat loads the current weights into them, then they
-        rejoin the router."""
+        rejoin the router. ``phase``: the timer phase (colocated mode: ``"transfer"``).
+
+        The transport is rank 0's (:func:`build_weight_sync`); its plan reaches every rank, and a
+        colocated plan makes every rank hand its copies to the engine ranks on its own GPU
+        (:func:`~megatron_m2po.weights.stage.push_from_stages` runs :data:`EXCHANGES` for it)."""
         if self.leads and self.fleet is not None and self.fleet.engines:
             fault_point("engine_dies", lambda: self.fleet.engines[0].handle.proc.kill())
         for attempt in (1, 2):
             try:
-                with TIMER.phase("push"):
+                with TIMER.phase(phase):
                     push_from_stages(self if self.leads else None, weights(), version, stage=stage,
-                                     n_stages=n_stages, sender=sender)
+                                     n_stages=n_stages, sender=sender, exchanges=EXCHANGES)
                 break
             except NcclVersionMismatch:
                 raise  # every retry would meet the same two NCCL builds
@@ -104,12 +141,13 @@ class WeightPushController:
         # Every rank alike (rank 0's finish() recorded it already, as soon as the engines held it).
         self.version = version
 
-    def push_actor(self, actor) -> None:
+    def push_actor(self, actor, *, phase: str = "push") -> None:
         """All ranks: push ``actor``'s weights at its version, every pipeline stage sending its own
-        layers (:func:`~megatron_m2po.weights.hf_export.stage_layout` says who sends)."""
+        layers (:func:`~megatron_m2po.weights.hf_export.stage_layout` says who sends); ``phase``:
+        the timer phase (:meth:`push`)."""
         layout = stage_layout()
         self.push(lambda: stage_hf_weights(actor), actor.version, stage=layout.stage, n_stages=layout.n_stages,
-                  sender=layout.sender)
+                  sender=layout.sender, phase=phase)
 
     # ------------------------------------------------------------------ rank 0
     def begin(self, version: int, n_stages: int) -> PushPlan:

@@ -39,7 +39,7 @@ import socket
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator, Optional
 
 import torch
 
@@ -61,7 +61,7 @@ __all__ = ["PushPlan", "StageResult", "run_stage", "push_from_stages", "each_eng
 class PushPlan:
     """One push, as every stage sender needs it (picklable: rank 0 makes it, every rank gets it)."""
 
-    kind: str                       # "disk" | "distributed"
+    kind: str                       # "disk" | "distributed" | "colocated" (weights/colocated.py ColocatedPlan)
     version: int
     urls: tuple[str, ...]
     n_stages: int
@@ -347,14 +347,17 @@ def forget_groups(prefix: str) -> None:
 
 # ------------------------------------------------------------------------ the collective
 def push_from_stages(controller, weights: Iterable[tuple[str, torch.Tensor]], version: int, *, stage: int,
-                     n_stages: int, sender: bool, group=None):
+                     n_stages: int, sender: bool, group=None, exchanges: Optional[dict[str, Callable]] = None):
     """Every rank of the default group calls this; returns the controller's stats on rank 0 (else None).
 
     ``controller`` (rank 0 only; None elsewhere): ``begin(version, n_stages) -> PushPlan`` and
     ``finish(plan, [StageResult]) -> stats``. ``weights``: this rank's stage tensors (HF names,
     tensor-parallel shards gathered); ranks that are not their stage's ``sender`` iterate them
     only to take part in the gathers. Every rank raises the same :class:`WeightSyncError` when the
-    push fails.
+    push fails. ``exchanges``: plan kind -> ``fn(plan, weights, *, stage, sender, group)`` that every
+    rank runs instead of :func:`run_stage` for such a plan (returns the rank's
+    :class:`StageResult` when it is a sender, else None; never raises), e.g. the colocated hand-over
+    (``weights/push.py``), which this module cannot import (``weights/colocated.py`` imports it).
     """
     import torch.distributed as dist
 
@@ -372,7 +375,10 @@ def push_from_stages(controller, weights: Iterable[tuple[str, torch.Tensor]], ve
             pass
         raise weight_sync_error(plan)
     store = dist.distributed_c10d._get_default_store()
-    if sender:
+    exchange = (exchanges or {}).get(plan.kind)
+    if exchange is not None:  # a transport every rank takes part in (weights/push.py: colocated)
+        result = exchange(plan, weights, stage=stage, sender=sender, group=group)
+    elif sender:
         result = run_stage(plan, stage, weights, store)
     else:
         for _ in weights:

@@ -77,41 +77,46 @@ def test_stage_senders_follow_megatrons_rank_order():
     assert stage_sender_ranks(4, 1) == [0]
 
 
-def _colocated_32b(*extra: str):
-    # A colocated variant of the 32B recipe (TP=2 x PP=8: eight pipeline senders), with the NCCL weight sync.
+def _disaggregated_32b(*extra: str):
+    # The 32B recipe (TP=2 x PP=8: eight pipeline senders) with the NCCL weight sync and two TP-2 engines
+    # on GPUs 4-7 of rank 0's node, after the trainer's four ranks there.
     return load_config(EX / "qwen3-32b.yaml", ["rollout.launcher=local", "rollout.router_addr=null",
-                                               "rollout.num_engines=2", "rollout.engine_gpu_ids=[0,1,2,3,4,5,6,7]",
-                                               "rollout.colocate=true", "rollout.engine_mem_fraction=0.45",
-                                               "parallel.tensor_parallel=2", "parallel.pipeline_parallel=8",
-                                               "parallel.context_parallel=1",
+                                               "rollout.num_engines=2", "rollout.engine_tp=2",
+                                               "rollout.engine_gpu_ids=[4,5,6,7]", "parallel.tensor_parallel=2",
+                                               "parallel.pipeline_parallel=8", "parallel.context_parallel=1",
                                                "rollout.weight_sync=distributed", *extra])
 
 
 def test_distributed_sync_refuses_engines_other_nodes_cannot_reach():
-    node = node_gpus(_torchrun(8, 32), count=8)
-    with pytest.raises(ValueError, match=r"stages \[2, 3, 4, 5, 6, 7\] \(global ranks \[8, 12, 16, 20, 24, 28\]\) "
+    node = node_gpus(_torchrun(4, 32), count=8)
+    with pytest.raises(ValueError, match=r"stages \[1, 2, 3, 4, 5, 6, 7\] \(global ranks \[4, 8, 12, 16, 20, 24, 28\]\) "
                                          r"run on other nodes.*rollout.host='127.0.0.1'.*set rollout.host"):
-        placement(_colocated_32b(), node)
+        placement(_disaggregated_32b(), node)
     with pytest.raises(ValueError, match="rollout.host='0.0.0.0'"):
-        placement(_colocated_32b("rollout.host=0.0.0.0"), node)
-    # One node: every sender is here, loopback is reachable.
-    one = node_gpus(_torchrun(8, 8), count=8)
-    with pytest.raises(ValueError, match="GPU 0 is the one of pipeline stage 0's weight sender"):
-        placement(_colocated_32b(), one)
+        placement(_disaggregated_32b("rollout.host=0.0.0.0"), node)
+    assert placement(_disaggregated_32b("rollout.host=node0.cluster"), node) == [["4", "5"], ["6", "7"]]
 
 
-def test_distributed_sync_refuses_an_engine_on_a_senders_gpu():
-    node = node_gpus(_torchrun(8, 32), count=8)
-    # Stage 0's sender is rank 0 (GPU 0), stage 1's rank 4 (GPU 4): both on this node.
-    with pytest.raises(ValueError, match=r"engine 0 runs on GPU\(s\) \[0, 1, 2, 3\] and GPU 0 is the one of pipeline "
-                                         r"stage 0's weight sender \(global rank 0\).*senders on this node: GPUs "
-                                         r"\[0, 4\].*rollout.weight_sync=disk"):
-        placement(_colocated_32b("rollout.host=node0.cluster"), node)
-    ok = _colocated_32b("rollout.host=node0.cluster", "rollout.engine_gpu_ids=[1,2,3,5,6,7]",
-                        "rollout.num_engines=6", "rollout.engine_tp=1")
-    assert placement(ok, node) == [["1"], ["2"], ["3"], ["5"], ["6"], ["7"]]
-    # Disk sync has no group: the colocated engines may share the senders' GPUs.
-    assert len(placement(_colocated_32b("rollout.weight_sync=disk"), node)) == 2
+def test_colocated_engines_take_the_trainers_gpus_and_their_own_transport():
+    """Semantics changed on purpose (issue 40): rollout.colocate=true time-shares the trainer's GPUs, so
+    engine ranks sit on the stage senders' GPUs too and NCCL's weight sync is refused at load time
+    (it used to be refused by placement only for an engine on a sender's GPU); disk, the default,
+    becomes the in-place colocated transport."""
+    from megatron_m2po.utils.settings import ConfigError
+
+    over = ["rollout.launcher=local", "rollout.router_addr=null", "rollout.num_engines=4", "rollout.engine_tp=2",
+            "rollout.engine_gpu_ids=[]", "rollout.colocate=true", "parallel.tensor_parallel=2",
+            "parallel.pipeline_parallel=8", "parallel.context_parallel=1"]
+    with pytest.raises(ConfigError, match="rollout.colocate=true with rollout.weight_sync=distributed.*set it to "
+                                          "colocated"):
+        load_config(EX / "qwen3-32b.yaml", over + ["rollout.weight_sync=distributed"])
+    cfg = load_config(EX / "qwen3-32b.yaml", over + ["rollout.weight_sync=disk"])
+    assert cfg.rollout.weight_sync == "colocated"
+    assert placement(cfg, node_gpus(_torchrun(8, 8), count=8)) == [["0", "1"], ["2", "3"], ["4", "5"], ["6", "7"]]
+    with pytest.raises(ConfigError, match="rollout.weight_sync=colocated needs rollout.colocate=true"):
+        load_config(EX / "qwen3-32b.yaml", ["rollout.weight_sync=colocated"])
+    with pytest.raises(ConfigError, match="use disaggregated engines"):
+        load_config(EX / "qwen3-32b.yaml", over + ["trainer.mode=async"])
 
 
 def test_a_local_ray_cluster_gets_the_gpus_after_the_trainers():

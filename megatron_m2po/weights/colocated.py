@@ -1,0 +1,641 @@
+"""The in-node transport: weights handed to engines on the same node through memory handles.
+
+``ColocatedWeightSync`` (``rollout.weight_sync=colocated``, engines time-sharing the trainer's GPUs)
+moves no weight bytes over a socket. Per push, inside one ``/begin_weight_update`` ...
+``/end_weight_update`` session (SGLang 0.5.23 refuses ``update_weights_from_tensor`` outside one:
+``managers/scheduler_components/weight_updater.py`` ``update_weights_from_tensor``), each pipeline
+stage's sender packs its HF-named tensors into buckets of at most ``bucket_bytes``
+(``rollout.weight_sync_bucket_mb``, the distributed transport's setting) and posts each bucket to
+every engine as ``/update_weights_from_tensor`` with ``load_format="flattened_bucket"``:
+
+- a bucket is one uint8 tensor, the tensors' bytes back to back, each starting at a multiple of its
+  own element size (the reader views each ``[start_idx:end_idx]`` slice as its dtype, which torch
+  allows only at such offsets; gaps are never read), and a list of ``FlattenedTensorMetadata``
+  (``name, shape, dtype, start_idx, end_idx, numel`` with ``numel`` in bytes), the dict
+  ``{"flattened_tensor": ..., "metadata": [...]}`` that ``weight_updater.py``
+  ``_update_weights_from_flattened_bucket`` reads (``weight_sync/tensor_bucket.py``);
+- the dict is pickled as SGLang's ``MultiprocessingSerializer.serialize`` does (``utils/common.py``:
+  a ``ForkingPickler`` dump, torch's reductions), base64 for JSON: a GPU tensor becomes a CUDA IPC
+  handle, a CPU tensor a shared-memory file name (``rebuild_storage_filename``; the fd strategy
+  would need the receiver to connect back with our process's authkey, which an engine does not
+  have). The metadata are pickled as instances of ``sglang.srt.weight_sync.tensor_bucket.
+  FlattenedTensorMetadata`` (allowed by SGLang's ``SafeUnpickler``) without importing sglang,
+  which the trainer's Python does not have;
+- like ``utils/patch_torch.py`` ``_reduce_tensor_modified`` (SGLang's sender side), a CUDA handle
+  names its device by UUID, not by index: the engine's ``_rebuild_cuda_tensor_modified`` maps it
+  back to its own index, which differs when the two processes see different CUDA_VISIBLE_DEVICES;
+- ``serialized_named_tensors`` holds one payload per engine tensor-parallel rank (``tp_worker.py``
+  ``deserialize_own_rank`` opens entry ``tp_rank`` only), each a separate reduction, so the
+  producer-side CUDA IPC reference counts match one open each.
+
+Lifetime: the handles point into the sender's memory, so each bucket (its flat tensor) is held by
+the sender until every engine's HTTP call for it has returned (the engine has loaded it, or
+failed; after a failure the sender still waits, bounded, for the bucket in flight). Meanwhile the
+next bucket is packed (its copy overlaps the engines' load: on the host into the other of two
+reused shared-memory buffers, on a GPU into fresh memory from the caching allocator) and posted
+only once the previous one has returned: each engine loads one bucket at a time, in order.
+
+Who serves which engine rank: :func:`colocated_assignment` maps each engine TP rank to the trainer
+rank on its GPU and refuses a layout where a trainer rank's GPU has no engine rank (a GPU that does
+not time-share) or an engine rank sits on a GPU without a trainer rank. In this transport the
+handles are made by each stage's sender (tensor-parallel rank 0 of data-parallel replica 0, as in
+every transport): its memory serves every engine rank of the node, for its stage's layers; an
+engine rank on another GPU reads it through CUDA peer access (the UUID above). So the engines and
+every stage sender must share one node.
+
+Stages post concurrently: SGLang runs one weight update at a time per engine
+(``managers/tokenizer_control_mixin.py`` ``update_weights_from_tensor``: under ``is_pause_cond``
+while paused, else the ``model_update_lock`` writer lock) and ``update_weights_from_tensor`` has no collective, so no order is
+needed between stages (unlike the distributed transport's turns). Only the last bucket of the last
+stage carries ``weight_version`` and, unless pausing in place, ``flush_cache`` (as the distributed
+transport); an engine may take it before another stage's last bucket, but it is paused for the
+whole push and nothing reads its version before :meth:`ColocatedWeightSync.finish`. ``fp8``
+quantises like the other transports (``weights/fp8.py`` ``quantize_named`` on the way out).
+
+With several stages :func:`~megatron_m2po.weights.stage.push_from_stages` runs each stage's sender;
+its ``run_stage`` hands a plan of kind ``"colocated"`` to :func:`run_colocated_stage`.
+"""
+
+from __future__ import annotations
+
+import base64
+import copyreg
+import io
+import os
+import pickle
+import time
+from dataclasses import dataclass
+from typing import Iterable, Iterator, Optional, Sequence
+
+import torch
+from multiprocessing.reduction import ForkingPickler
+from torch.multiprocessing import reductions
+
+from megatron_m2po.weights.errors import WeightSyncError
+from megatron_m2po.utils.background_loop import BackgroundLoop
+from megatron_m2po.utils.hf_dir import iter_safetensors
+from megatron_m2po.weights.fp8 import DEFAULT_BLOCK, is_fp8_config, quantize_named
+from megatron_m2po.weights.stage import PushPlan, StageResult, describe, each_engine, nbytes
+from megatron_m2po.weights.transport import SyncStats, WeightSync, push_stats
+
+__all__ = ["ColocatedWeightSync", "ColocatedPlan", "EngineRank", "colocated_assignment", "pack_bucket",
+           "serialize_bucket", "split_buckets", "run_colocated_stage", "Phases", "exchange_colocated",
+           "push_colocated", "forget_host_buckets", "colocated_servers"]
+
+SGLANG_META = ("sglang.srt.weight_sync.tensor_bucket", "FlattenedTensorMetadata")
+
+
+def read_hf_config(path: str) -> dict:
+    """``config.json`` of an HF directory ({} when unreadable)."""
+    import json
+
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
+
+
+class FlattenedTensorMetadata:
+    """SGLang's ``FlattenedTensorMetadata`` (``weight_sync/tensor_bucket.py``), pickled under its
+    name there; ``numel`` and the indices count bytes of the flat uint8 tensor."""
+
+    def __init__(self, name: str, shape: torch.Size, dtype: torch.dtype, start_idx: int, end_idx: int,
+                 numel: int) -> None:
+        self.name, self.shape, self.dtype = name, shape, dtype
+        self.start_idx, self.end_idx, self.numel = start_idx, end_idx, numel
+
+
+FlattenedTensorMetadata.__module__, FlattenedTensorMetadata.__qualname__ = SGLANG_META
+
+
+def _reduce_tensor(t: torch.Tensor):
+    """torch's ``reduce_tensor``, with the CUDA device named by UUID (``patch_torch.py``)."""
+    fn, args = reductions.reduce_tensor(t)
+    if fn is reductions.rebuild_cuda_tensor:
+        i = 6  # patch_torch.py _REDUCE_TENSOR_ARG_DEVICE_INDEX
+        args = (*args[:i], str(torch.cuda.get_device_properties(args[i]).uuid), *args[i + 1:])
+    return fn, args
+
+
+def _reduce_storage(storage):
+    """torch's ``reduce_storage`` under the ``file_system`` strategy whatever the process's setting
+    (``torch/multiprocessing/reductions.py``): a shared-memory file any local process can open."""
+    if storage.device.type != "cpu":
+        return reductions.reduce_storage(storage)
+    metadata = storage._share_filename_cpu_()
+    storage._shared_incref()
+    reductions.shared_cache[metadata[1]] = reductions.StorageWeakRef(storage)
+    return reductions.rebuild_storage_filename, (type(storage),) + metadata
+
+
+_TABLE: dict = {}
+
+
+def _dispatch_table() -> dict:
+    """``ForkingPickler``'s reducers (torch's, registered by ``init_reductions``) with ours."""
+    if not _TABLE:
+        reductions.init_reductions()
+        table = copyreg.dispatch_table.copy()
+        table.update(ForkingPickler._extra_reducers)
+        for cls in torch._tensor_classes:
+            table[cls] = _reduce_tensor
+        table[torch.Tensor] = table[torch.nn.Parameter] = _reduce_tensor
+        table[torch.UntypedStorage] = _reduce_storage
+        _TABLE.update(table)
+    return _TABLE
+
+
+class _Pickler(pickle._Pickler):
+    """``ForkingPickler``'s reductions (torch's included) with the two above, writing SGLang's
+    metadata class by name (the pure-Python pickler lets :meth:`save_global` skip the import)."""
+
+    def __init__(self, buf) -> None:
+        super().__init__(buf, protocol=pickle.DEFAULT_PROTOCOL)
+        self.dispatch_table = _dispatch_table()
+
+    def save_global(self, obj, name=None):
+        if obj is not FlattenedTensorMetadata:
+            return super().save_global(obj, name)
+        module, qualname = SGLANG_META
+        if self.proto >= 4:
+            self.save(module)
+            self.save(qualname)
+            self.write(pickle.STACK_GLOBAL)
+        else:
+            self.write(pickle.GLOBAL + f"{module}\n{qualname}\n".encode())
+        self.memoize(obj)
+
+
+def serialize_bucket(flat: torch.Tensor, metadata: list[FlattenedTensorMetadata]) -> str:
+    """``MultiprocessingSerializer.serialize({"flattened_tensor", "metadata"}, output_str=True)``."""
+    buf = io.BytesIO()
+    _Pickler(buf).dump({"flattened_tensor": flat, "metadata": metadata})
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def _empty_flat(n: int, device: torch.device) -> torch.Tensor:
+    if device.type == "cpu":  # born in shared memory: handing it over copies nothing more
+        # Made on ``device`` (the trainer's; the CPU platform's stand-in for a GPU): the bucket is
+        # broadcast on a group that is NCCL on GPUs, where only device tensors may go.
+        shm = torch.UntypedStorage._new_using_filename_cpu(max(n, 1))
+        return torch.empty(0, dtype=torch.uint8, device=device).set_(shm)[:n]
+    return torch.empty(n, dtype=torch.uint8, device=device)
+
+
+# Host buckets are reused, bucket k in _HOST_RING[k % 2] (bucket k - 2 has been loaded by then):
+# fresh shared memory costs a page fault per page at the first write, which made packing 3x slower
+# than a copy into touched memory (tools/benchmarks/weight_sync.py --colocated). GPU buckets come
+# from the caching allocator each time (nothing stays on the GPU between pushes).
+_HOST_RING: dict[int, torch.Tensor] = {}
+
+
+def _ring_buffer(slot: Optional[int], n: int, device: torch.device) -> torch.Tensor:
+    if slot is None or device.type != "cpu":
+        return _empty_flat(n, device)
+    buf = _HOST_RING.get(slot)
+    if buf is None or buf.numel() < n:
+        buf = _HOST_RING[slot] = _empty_flat(n, device)
+    return buf[:n]
+
+
+def forget_host_buckets() -> None:
+    """Drop the reused host buckets (after a failure an engine that did not answer may still read one)."""
+    _HOST_RING.clear()
+
+
+def pack_bucket(named: Sequence[tuple[str, torch.Tensor]], device: Optional[torch.device] = None, *,
+                slot: Optional[int] = None) -> tuple[torch.Tensor, list[FlattenedTensorMetadata]]:
+    """One flat uint8 tensor on ``device`` (default: the first tensor's; CPU ones in shared memory)
+    and its metadata; each tensor starts at a multiple of its element size. ``slot`` (0 or 1): pack
+    into that reused host buffer (its previous bucket must have been loaded)."""
+    if not named:
+        raise ValueError("cannot pack an empty bucket")
+    device = torch.device(device) if device is not None else named[0][1].device
+    metas, offset = [], 0
+    for name, t in named:
+        offset = -(-offset // t.element_size()) * t.element_size()
+        metas.append(FlattenedTensorMetadata(name, t.shape, t.dtype, offset, offset + nbytes(t), nbytes(t)))
+        offset += nbytes(t)
+    flat = _ring_buffer(slot, offset, device)
+    for m, (_, t) in zip(metas, named):
+        flat[m.start_idx:m.end_idx].copy_(t.detach().reshape(-1).view(torch.uint8))
+    return flat, metas
+
+
+def split_buckets(weights: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[list]:
+    """Lists of ``(name, tensor)`` of at most ``bucket_bytes`` (a larger tensor goes alone)."""
+    bucket, size = [], 0
+    for name, t in weights:
+        n = nbytes(t) + t.element_size()  # with its worst alignment gap
+        if bucket and size + n > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, t))
+        size += n
+    if bucket:
+        yield bucket
+
+
+@dataclass(frozen=True, slots=True)
+class EngineRank:
+    """Tensor-parallel rank ``tp_rank`` of engine ``url``, on the node's GPU ``gpu``."""
+
+    url: str
+    tp_rank: int
+    gpu: int
+
+
+def colocated_assignment(trainer_gpus: Sequence[int], engines: Sequence[tuple[str, Sequence[int]]],
+                         ) -> dict[EngineRank, int]:
+    """The trainer rank (an index into ``trainer_gpus``, each rank's GPU on this node) that serves
+    each engine rank; ``engines``: ``(url, the GPU of each of its TP ranks in order)``. Refuses a
+    trainer GPU without an engine rank (it would idle while engines generate) and an engine rank
+    on a GPU without a trainer rank (nobody hands it weights in the node)."""
+    by_gpu: dict[int, int] = {}
+    for rank, gpu in enumerate(trainer_gpus):
+        by_gpu.setdefault(int(gpu), rank)
+    out, used = {}, set()
+    for url, gpus in engines:
+        for tp_rank, gpu in enumerate(gpus):
+            if int(gpu) not in by_gpu:
+                raise ValueError(f"colocated weights: engine {url} TP rank {tp_rank} is on GPU {gpu}, where no "
+                                 f"trainer rank runs (trainer GPUs {sorted(by_gpu)}): put every engine on the "
+                                 "trainer's GPUs (rollout.engine_gpu_ids) or use a disaggregated weight_sync")
+            out[EngineRank(url, tp_rank, int(gpu))] = by_gpu[int(gpu)]
+            used.add(int(gpu))
+    idle = sorted(set(by_gpu) - used)
+    if idle:
+        raise ValueError(f"colocated weights: trainer GPU(s) {idle} host no engine rank (engine GPUs {sorted(used)}): "
+                         "with rollout.colocate every trainer GPU time-shares with an engine; set num_engines x "
+                         "engine_tp to the trainer's GPU count")
+    return out
+
+
+def colocated_servers(urls: Sequence[str], engine_gpus: Sequence[Sequence[int]], trainer_gpus: Sequence[int],
+                      world: int) -> dict[str, list[int]]:
+    """``ColocatedWeightSync(servers=...)``: per engine URL, the trainer rank serving each TP rank
+    (:func:`colocated_assignment`). ``world``: trainer ranks in all; the engines and every trainer
+    rank must share one node (handles do not cross nodes)."""
+    if world != len(trainer_gpus):
+        raise ValueError(f"colocated weights: {world} trainer ranks but {len(trainer_gpus)} on this node: memory "
+                         "handles do not cross nodes; run colocated on one node, or use a disaggregated weight_sync")
+    got = colocated_assignment(trainer_gpus, list(zip(urls, engine_gpus)))
+    return {u.rstrip("/"): [got[EngineRank(u, j, int(g))] for j, g in enumerate(gpus)]
+            for u, gpus in zip(urls, engine_gpus)}
+
+
+@dataclass(slots=True)
+class ColocatedPlan(PushPlan):
+    """A colocated push: ``engine_tp[i]`` payloads per bucket for engine ``urls[i]``; with every rank
+    taking part (:func:`exchange_colocated`), ``servers[i][j]`` is the trainer rank (of the push's
+    group) whose memory serves engine ``i``'s TP rank ``j``."""
+
+    engine_tp: tuple[int, ...] = ()
+    servers: tuple[tuple[int, ...], ...] = ()
+
+
+@dataclass(slots=True)
+class Phases:
+    """Where a stage's push time went (seconds): packing buckets (the copy into the bucket),
+    pickling the handles, and waiting for the engines (hand-over + their load, the part not
+    hidden behind the next bucket's packing)."""
+
+    pack_s: float = 0.0
+    serialize_s: float = 0.0
+    wait_s: float = 0.0
+    buckets: int = 0
+
+
+class _InFlight:
+    """One bucket, packed, then posted to every engine: its flat tensor is held here until all have
+    answered."""
+
+    def __init__(self, plan: ColocatedPlan, stage: int, k: int, bucket: list, final: bool, phases: Phases) -> None:
+        t0 = time.perf_counter()
+        self.flat, metas = pack_bucket(bucket, slot=k % 2)
+        t1 = time.perf_counter()
+        self.payloads = {u: [serialize_bucket(self.flat, metas) for _ in range(tp)]
+                         for u, tp in zip(plan.urls, plan.engine_tp)}
+        phases.pack_s += t1 - t0
+        phases.serialize_s += time.perf_counter() - t1
+        phases.buckets += 1
+        self.version, self.flush = (str(plan.version) if final else None), final and plan.flush_last
+        self.what = (f"update_weights_from_tensor of stage {stage} bucket {k} ({len(bucket)} tensors, "
+                     f"{self.flat.numel() / 2**20:.3g} MiB, {bucket[0][0]} .. {bucket[-1][0]})")
+        self.urls, self.timeout_s = list(plan.urls), plan.timeout_s
+        self.future = None
+
+    def post(self, io_loop) -> "_InFlight":
+        self.future = io_loop.submit(each_engine(self.urls, lambda c: c.update_weights_from_tensor(
+            self.payloads[c.base_url], load_format="flattened_bucket", flush_cache=self.flush,
+            weight_version=self.version, timeout_s=self.timeout_s), self.what, self.timeout_s))
+        return self
+
+    def wait(self, phases: Phases) -> None:
+        t0 = time.perf_counter()
+        try:
+            self.future.result(self.timeout_s + 30)
+        except TimeoutError:
+            raise WeightSyncError(f"{self.what}: engines {self.urls} did not answer within "
+                                  f"{self.timeout_s:.0f}s") from None
+        finally:
+            phases.wait_s += time.perf_counter() - t0
+            self.flat = None  # every engine answered: its memory may go
+
+
+def run_colocated_stage(plan: ColocatedPlan, stage: int, weights: Iterable[tuple[str, torch.Tensor]],
+                        phases: Optional[Phases] = None) -> StageResult:
+    """Send stage ``stage``'s tensors bucket by bucket (``stage.run_stage``'s contract: never
+    raises, the error is in the result; always iterates ``weights`` to the end).
+
+    Bucket ``k + 1`` is gathered and packed while the engines load bucket ``k`` (each engine still
+    gets one request at a time, in order): at most two packed buckets and one gathered bucket
+    exist at once. ``phases`` (optional) accumulates where the time went.
+    """
+    t0 = time.perf_counter()
+    res, phases = StageResult(stage), phases if phases is not None else Phases()
+    it = iter(weights)
+    if plan.fp8:
+        it = quantize_named(it, block=plan.fp8_block, skipped=res.skipped)
+    io_loop = BackgroundLoop(f"colocated-push-s{stage}")
+    pending: Optional[_InFlight] = None
+    try:
+        buckets = split_buckets(it, plan.bucket_bytes)
+        nxt, k = next(buckets, None), 0
+        while nxt is not None:
+            bucket, nxt = nxt, next(buckets, None)  # look ahead: is this the last bucket?
+            packed = _InFlight(plan, stage, k, bucket, stage == plan.n_stages - 1 and nxt is None, phases)
+            if pending is not None:
+                pending.wait(phases)  # bucket k - 1 loaded (its packing overlapped this one's)
+            pending, k = packed.post(io_loop), k + 1
+            res.bytes += sum(nbytes(t) for _, t in bucket)
+            res.n_tensors += len(bucket)
+        if pending is not None:
+            pending.wait(phases)
+    except BaseException as e:  # noqa: BLE001 - reported in the result, raised by the controller
+        res.error = f"stage {stage}: {describe(e)}"
+        _drain(pending)
+        forget_host_buckets()
+    finally:
+        for _ in it:  # the stage's other tensor-parallel ranks gather with this one
+            pass
+        io_loop.close(join_timeout_s=5.0)
+    res.seconds = time.perf_counter() - t0
+    return res
+
+
+def _drain(pending: Optional[_InFlight]) -> None:
+    """After a failure, wait (bounded) for the bucket still posted: an engine may be reading it."""
+    if pending is not None and pending.future is not None:
+        try:
+            pending.wait(Phases())
+        except BaseException:  # noqa: BLE001 - the first error is the one reported
+            pass
+
+
+# ------------------------------------------------------------------------ every rank of the node
+def _bucket_meta(bucket: list) -> tuple:
+    """What the other ranks need to receive a bucket: (name, shape, dtype, byte offset) each, and its size."""
+    metas, offset = [], 0
+    for name, t in bucket:
+        offset = -(-offset // t.element_size()) * t.element_size()
+        metas.append((name, tuple(t.shape), str(t.dtype).replace("torch.", ""), offset))
+        offset += nbytes(t)
+    return tuple(metas), offset
+
+
+def _metas(meta: tuple) -> list[FlattenedTensorMetadata]:
+    out = []
+    for name, shape, dtype, start in meta:
+        dt = getattr(torch, dtype)
+        n = torch.Size(shape).numel() * dt.itemsize
+        out.append(FlattenedTensorMetadata(name, torch.Size(shape), dt, start, start + n, n))
+    return out
+
+
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _global(group, group_rank: int) -> int:
+    import torch.distributed as dist
+
+    return group_rank if group is None else dist.get_global_rank(group, group_rank)
+
+
+def exchange_colocated(plan: ColocatedPlan, weights: Iterable[tuple[str, torch.Tensor]], *, stage: int,
+                       sender: bool, group=None) -> Optional[StageResult]:
+    """Every rank of the push's group (one node): each engine rank gets its bucket from the trainer
+    rank on its own GPU (``plan.servers``, group ranks).
+
+    Stage by stage, each bucket of the stage's sender is broadcast over ``group`` into every rank's
+    memory on its own device (:func:`_exchange_bucket`); the stage's other ranks cut their own
+    tensors into the same buckets in step (their tensor-parallel gathers go with the sender's).
+    Returns this rank's :class:`StageResult` when it is a sender, else None; never raises (errors
+    are in the results, rank 0's ``finish`` raises them)."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank(group)
+    roles: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(roles, (stage, sender), group=group)
+    res = StageResult(stage)
+    it = iter(weights)
+    if plan.fp8:  # every rank of the stage: the same sizes, so the same buckets as the sender's
+        it = quantize_named(it, block=plan.fp8_block, skipped=res.skipped)
+    t0 = time.perf_counter()
+    io_loop = BackgroundLoop("colocated-exchange") if rank == 0 else None
+    try:
+        for p in range(plan.n_stages):
+            src = roles.index((p, True))
+            buckets = split_buckets(it, plan.bucket_bytes) if p == stage else iter(())
+            nxt, k = next(buckets, None), 0
+            while True:
+                bucket, nxt = nxt, (next(buckets, None) if nxt is not None else None)
+                ok = rank != src or (bucket is not None and not res.error)
+                meta = [(_bucket_meta(bucket), p == plan.n_stages - 1 and nxt is None) if rank == src and ok else None]
+                dist.broadcast_object_list(meta, src=_global(group, src), group=group)
+                if meta[0] is None:
+                    break
+                err = _exchange_bucket(plan, p, k, bucket if rank == src else None, meta[0], src, rank, io_loop, group)
+                if rank == src:
+                    res.error = res.error or err
+                    res.bytes += meta[0][0][1]
+                    res.n_tensors += len(meta[0][0][0])
+                k += 1
+    except BaseException as e:  # noqa: BLE001 - reported in the result, raised by the controller
+        res.error = res.error or f"stage {stage}: {describe(e)}"
+    finally:
+        if res.error:
+            forget_host_buckets()
+        for _ in it:  # the stage's other tensor-parallel ranks gather with this one
+            pass
+        if io_loop is not None:
+            io_loop.close(join_timeout_s=5.0)
+    res.seconds = time.perf_counter() - t0
+    return res if sender else None
+
+
+def _exchange_bucket(plan: ColocatedPlan, p: int, k: int, bucket: Optional[list], meta: tuple, src: int, rank: int,
+                     io_loop, group) -> str:
+    """One bucket: broadcast from ``src`` into every rank's memory, each serving rank's payloads to
+    rank 0, rank 0 posts them to every engine; every rank holds its copy until rank 0 has heard every
+    engine. Returns rank 0's error ("" when every engine loaded it)."""
+    import torch.distributed as dist
+
+    (named_meta, size), final = meta
+    flat = pack_bucket(bucket, slot=0)[0] if bucket is not None else _ring_buffer(0, size, _device())
+    dist.broadcast(flat, src=_global(group, src), group=group)
+    metas = _metas(named_meta)
+    mine = {(i, j): serialize_bucket(flat, metas)
+            for i, ranks in enumerate(plan.servers) for j, r in enumerate(ranks) if r == rank}
+    gathered: Optional[list] = [None] * dist.get_world_size(group) if rank == 0 else None
+    dist.gather_object(mine, gathered, dst=_global(group, 0), group=group)
+    out = [""]
+    if rank == 0:
+        payloads = {key: v for d in gathered for key, v in d.items()}
+        url_payloads = {u: [payloads[(i, j)] for j in range(tp)]
+                        for i, (u, tp) in enumerate(zip(plan.urls, plan.engine_tp))}
+        what = (f"update_weights_from_tensor of stage {p} bucket {k} ({len(metas)} tensors, {size / 2**20:.3g} MiB, "
+                f"{metas[0].name} .. {metas[-1].name})")
+        try:
+            io_loop.run(each_engine(plan.urls, lambda c: c.update_weights_from_tensor(
+                url_payloads[c.base_url], load_format="flattened_bucket", flush_cache=final and plan.flush_last,
+                weight_version=str(plan.version) if final else None, timeout_s=plan.timeout_s), what, plan.timeout_s),
+                timeout=plan.timeout_s + 30)
+        except BaseException as e:  # noqa: BLE001 - every rank hears of it
+            out[0] = f"stage {p}: {describe(e)}"
+    dist.broadcast_object_list(out, src=_global(group, 0), group=group)
+    return out[0]
+
+
+def push_colocated(controller, weights: Iterable[tuple[str, torch.Tensor]], version: int, *, stage: int,
+                   n_stages: int, sender: bool, group=None):
+    """:func:`~megatron_m2po.weights.stage.push_from_stages` for the colocated transport: every rank
+    calls it (``controller`` on rank 0: ``begin`` / ``finish``); returns rank 0's stats, raises the
+    same :class:`WeightSyncError` on every rank when the push fails."""
+    import torch.distributed as dist
+
+    from megatron_m2po.weights.errors import weight_sync_error
+
+    rank = dist.get_rank(group)
+    box: list = [None]
+    if rank == 0:
+        try:
+            box[0] = controller.begin(version, n_stages)
+        except Exception as e:  # noqa: BLE001 - every rank must hear of it
+            box[0] = str(e) if isinstance(e, WeightSyncError) else f"weight push of version {version} could not start: {describe(e)}"
+    dist.broadcast_object_list(box, src=_global(group, 0), group=group)
+    if isinstance(box[0], str):
+        for _ in weights:
+            pass
+        raise weight_sync_error(box[0])
+    result = exchange_colocated(box[0], weights, stage=stage, sender=sender, group=group)
+    results: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(results, result, group=group)
+    out: list = [None]
+    stats = None
+    if rank == 0:
+        try:
+            stats = controller.finish(box[0], sorted((r for r in results if r is not None), key=lambda r: r.stage))
+        except Exception as e:  # noqa: BLE001 - every rank must hear of it
+            out[0] = str(e) if isinstance(e, WeightSyncError) else describe(e)
+    dist.broadcast_object_list(out, src=_global(group, 0), group=group)
+    if out[0] is not None:
+        raise weight_sync_error(out[0])
+    return stats
+
+
+class ColocatedWeightSync(WeightSync):
+    """Hand each stage's buckets to the engines of this node through memory handles (module docstring).
+
+    ``bucket_mb``: the most bytes one bucket (one extra copy on the sender) holds.
+    """
+
+    def __init__(self, engine_urls: list[str], *, bucket_mb: float = 512.0, timeout_s: float = 300.0,
+                 pause_mode: Optional[str] = "retract", flush_cache: Optional[bool] = None, fp8: bool = False,
+                 fp8_block: tuple[int, int] = DEFAULT_BLOCK,
+                 servers: Optional[dict[str, Sequence[int]]] = None) -> None:
+        super().__init__(engine_urls, timeout_s=timeout_s, pause_mode=pause_mode, flush_cache=flush_cache,
+                         fp8=fp8, fp8_block=fp8_block)
+        if bucket_mb <= 0:
+            raise ValueError(f"bucket_mb={bucket_mb}: must be > 0")
+        self.bucket_bytes = int(bucket_mb * 2**20)
+        # url -> the trainer rank serving each of its TP ranks (colocated_assignment); absent: rank 0
+        # (CPU workers: host memory, any local process opens it).
+        self.servers = {u.rstrip("/"): tuple(r) for u, r in (servers or {}).items()}
+
+    def _engine_tp(self, urls) -> tuple[int, ...]:
+        """Each engine's TP size (payloads per bucket); an engine with data-parallel replicas is
+        refused as SGLang 0.5.23 refuses it (``tokenizer_control_mixin.py``: ``dp_size == 1`` asserted)."""
+        infos = self._each(urls, lambda c: c.get_server_info(), "get_server_info")
+        dp = [(u, int(i.get("dp_size", 1) or 1)) for u, i in zip(urls, infos)]
+        if any(n != 1 for _, n in dp):
+            raise WeightSyncError(f"colocated weights: engines {[u for u, n in dp if n != 1]} run data-parallel "
+                                  "replicas (dp_size > 1), which SGLang 0.5.23's update_weights_from_tensor refuses: "
+                                  "launch one engine per replica")
+        return tuple(int(i.get("tp_size", 1) or 1) for i in infos)
+
+    def _servers(self, urls, engine_tp) -> tuple[tuple[int, ...], ...]:
+        out = []
+        for url, tp in zip(urls, engine_tp):
+            ranks = self.servers.get(url, (0,) * tp)
+            if len(ranks) != tp:
+                raise WeightSyncError(f"colocated weights: engine {url} has {tp} TP rank(s) but {len(ranks)} trainer "
+                                      f"rank(s) {list(ranks)} were assigned to serve it")
+            out.append(tuple(ranks))
+        return tuple(out)
+
+    def begin(self, version: int, n_stages: int, engine_urls: Optional[list[str]] = None) -> ColocatedPlan:
+        self._t0 = time.perf_counter()
+        urls = self._urls(engine_urls)
+        plan = ColocatedPlan("colocated", int(version), urls, n_stages, self.timeout_s, fp8=self.fp8,
+                             fp8_block=self.fp8_block, bucket_bytes=self.bucket_bytes, flush_last=self._may_flush)
+        try:
+            plan.engine_tp = self._engine_tp(urls)
+            plan.servers = self._servers(urls, plan.engine_tp)
+            self._pause(urls)
+            self._each(urls, lambda c: c.begin_weight_update(timeout_s=self.timeout_s), "begin_weight_update")
+        except WeightSyncError as e:
+            self._end_quietly(urls)
+            self._continue_quietly(urls)
+            raise self._failed(plan, [str(e)]) from None
+        return plan
+
+    def _end_quietly(self, urls) -> None:
+        try:
+            self._each(urls, lambda c: c.end_weight_update(timeout_s=self.timeout_s), "end_weight_update")
+        except WeightSyncError:
+            pass
+
+    def finish(self, plan: PushPlan, results: list[StageResult]) -> SyncStats:
+        urls = plan.urls
+        try:
+            errors = [r.error for r in results if r.error]
+            if len(results) != plan.n_stages:
+                errors.append(f"{len(results)} of {plan.n_stages} stages reported")
+            if not errors and sum(r.n_tensors for r in results) == 0:
+                errors.append("the stages sent no tensors")
+            if not errors:
+                try:
+                    self._each(urls, lambda c: c.end_weight_update(timeout_s=self.timeout_s), "end_weight_update")
+                except WeightSyncError as e:
+                    errors.append(str(e))
+            if errors:
+                self._end_quietly(urls)
+                raise self._failed(plan, errors)
+        finally:
+            self._continue_quietly(urls)
+        return push_stats(plan, results, time.perf_counter() - self._t0)
+
+    def _from_dir(self, path: str, plan: PushPlan):
+        if is_fp8_config(read_hf_config(path)):
+            plan.fp8 = False  # already quantised
+        return iter_safetensors(path)
+
+    def push(self, weights, version: int, engine_urls: Optional[list[str]] = None) -> SyncStats:
+        """The whole push from this process (one stage)."""
+        plan = self.begin(version, 1, engine_urls)
+        if isinstance(weights, (str, os.PathLike)):
+            weights = self._from_dir(str(weights), plan)
+        return self.finish(plan, [run_colocated_stage(plan, 0, weights)])
