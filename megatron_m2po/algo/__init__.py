@@ -6,8 +6,7 @@ The names below load their module (and torch) on first use, so that ``megatron_m
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from megatron_m2po.utils.lazy import lazy_exports
 
 _WHERE = {
     "grpo_advantages": "advantages",
@@ -17,9 +16,4 @@ _WHERE = {
     "Metric": "metrics", "merge_metrics": "metrics", "reduce_metrics": "metrics",
 }
 __all__ = list(_WHERE)
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _WHERE:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)
+__getattr__ = lazy_exports(__name__, _WHERE)

@@ -18,8 +18,7 @@ The names below load their module on first use, so importing a section of the co
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from megatron_m2po.utils.lazy import lazy_exports
 
 _WHERE = {
     **{n: "dataset" for n in ('PromptItem', 'PromptDataset', 'build_prompt_dataset', 'build_eval_sets', 'make_items', 'SYNTHETIC_EVAL_NAME')},
@@ -28,9 +27,4 @@ _WHERE = {
     **{n: "templates" for n in ('PAPER_TEMPLATE', 'SYNTHETIC_TEMPLATE', 'TEMPLATES', 'render_prompt', 'synthetic_response', 'tokenize_prompts')},
 }
 __all__ = list(_WHERE)
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _WHERE:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)
+__getattr__ = lazy_exports(__name__, _WHERE)

@@ -15,8 +15,7 @@ The names below load their module on first use, so importing a section of the co
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from megatron_m2po.utils.lazy import lazy_exports
 
 _WHERE = {
     **{n: "registry" for n in ('get_reward_fn', 'RewardFunction', 'RewardResult', 'batch_reward', 'check_reward_target', 'BUILTIN_REWARDS')},
@@ -24,9 +23,4 @@ _WHERE = {
     **{n: "math_grader" for n in ('grade_math',)},
 }
 __all__ = list(_WHERE)
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _WHERE:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)
+__getattr__ = lazy_exports(__name__, _WHERE)

@@ -24,17 +24,11 @@ The names below load their module on first use, so importing a section of the co
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from megatron_m2po.utils.lazy import lazy_exports
 
 _WHERE = {
     **{n: "store" for n in ('RolloutStore', 'Lease', 'PutResult', 'exact_stale_k', 'bounded', 'fifo', 'ExactStaleK', 'Bounded', 'Fifo', 'NotReadyError', 'ConflictError', 'StoreFullError', 'CorruptGroupError')},
     **{n: "types" for n in ('Group', 'Trajectory')},
 }
 __all__ = list(_WHERE)
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _WHERE:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)
+__getattr__ = lazy_exports(__name__, _WHERE)

@@ -122,25 +122,10 @@ class DistributedWeightSync(WeightSync):
             raise self._failed(plan, [str(e)]) from None
         return plan
 
-    def _end_quietly(self, urls) -> None:
-        try:
-            self._each(urls, lambda c: c.end_weight_update(timeout_s=self.timeout_s), "end_weight_update")
-        except WeightSyncError:
-            pass
-
     def finish(self, plan: PushPlan, results: list[StageResult]) -> SyncStats:
         urls = plan.urls
         try:
-            errors = [r.error for r in results if r.error]
-            if len(results) != plan.n_stages:
-                errors.append(f"{len(results)} of {plan.n_stages} stages reported")
-            if not errors and sum(r.n_tensors for r in results) == 0:
-                errors.append("the stages sent no tensors")
-            if not errors:
-                try:
-                    self._each(urls, lambda c: c.end_weight_update(timeout_s=self.timeout_s), "end_weight_update")
-                except WeightSyncError as e:
-                    errors.append(str(e))
+            errors = self._session_errors(plan, results)
             if errors:
                 self._stale = True  # a failed collective leaves the groups unusable
                 self._end_quietly(urls)  # close the session where it is open, so the next push can begin

@@ -130,6 +130,29 @@ class WeightSync:
             except WeightSyncError:
                 pass
 
+    def _end_quietly(self, urls) -> None:
+        """Close the weight-update session where it is open (after a failure), so the next push can begin."""
+        try:
+            self._each(urls, lambda c: c.end_weight_update(timeout_s=self.timeout_s), "end_weight_update")
+        except WeightSyncError:
+            pass
+
+    def _session_errors(self, plan: PushPlan, results: list[StageResult]) -> list[str]:
+        """What went wrong with a push of every stage inside a ``/begin_weight_update`` session: the
+        stages' own errors, missing stages, an empty push, else ``/end_weight_update``'s failure
+        (SGLang 0.5.23 ``weight_updater.py``: the session closes only after the last tensor loaded)."""
+        errors = [r.error for r in results if r.error]
+        if len(results) != plan.n_stages:
+            errors.append(f"{len(results)} of {plan.n_stages} stages reported")
+        if not errors and sum(r.n_tensors for r in results) == 0:
+            errors.append("the stages sent no tensors")
+        if not errors:
+            try:
+                self._each(plan.urls, lambda c: c.end_weight_update(timeout_s=self.timeout_s), "end_weight_update")
+            except WeightSyncError as e:
+                errors.append(str(e))
+        return errors
+
     def _dead(self, urls) -> list[str]:
         """The engines that do not answer ``/health`` now (named in a failed push's error)."""
         async def probe(c):
