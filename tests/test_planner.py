@@ -266,7 +266,7 @@ def test_pipeline_in_flight_1f1b():
 # ---------------------------------------------------------------------------------------------
 
 RECIPES = {"qwen2.5-32b": (4, 8), "qwen3-32b": (4, 8), "qwen2.5-math-7b": (1, 4), "qwen3-8b": (1, 4),
-           "qwen3-30b-a3b": (2, 8)}
+           "qwen3-30b-a3b": (2, 8), "qwen2.5-math-7b-colocated": (1, 8)}
 
 
 @pytest.mark.parametrize("name", sorted(RECIPES))
@@ -632,7 +632,8 @@ def test_recipes_use_the_layout_the_search_chooses(name):
     assert f"{res.best.step_s:.0f} s/step" in header
 
 
-@pytest.mark.parametrize("name,cluster", sorted({**SEARCH_RECIPES, "qwen3-30b-a3b": (2, 8)}.items()))
+@pytest.mark.parametrize("name,cluster", sorted({**SEARCH_RECIPES, "qwen3-30b-a3b": (2, 8),
+                                                "qwen2.5-math-7b-colocated": (1, 8)}.items()))
 def test_a_recipe_is_planned_on_the_cluster_its_launch_script_launches(name, cluster, capsys):
     """`m2po plan examples/<recipe>.yaml` as the README writes it (no --nnodes): the nodes and GPUs
     of the recipe's scripts/run_*.sh, said on stderr (it used to plan one 8-GPU node: "world size 8
