@@ -75,7 +75,7 @@ from megatron_m2po.weights.errors import WeightSyncError
 from megatron_m2po.utils.background_loop import BackgroundLoop
 from megatron_m2po.utils.hf_dir import iter_safetensors
 from megatron_m2po.weights.fp8 import DEFAULT_BLOCK, is_fp8_config, quantize_named
-from megatron_m2po.weights.stage import PushPlan, StageResult, describe, each_engine, nbytes
+from megatron_m2po.weights.stage import PushPlan, StageResult, describe, each_engine, nbytes, push_from_stages
 from megatron_m2po.weights.transport import SyncStats, WeightSync, push_stats
 
 __all__ = ["ColocatedWeightSync", "ColocatedPlan", "EngineRank", "colocated_assignment", "pack_bucket",
@@ -511,39 +511,11 @@ def _exchange_bucket(plan: ColocatedPlan, p: int, k: int, bucket: Optional[list]
 
 def push_colocated(controller, weights: Iterable[tuple[str, torch.Tensor]], version: int, *, stage: int,
                    n_stages: int, sender: bool, group=None):
-    """:func:`~megatron_m2po.weights.stage.push_from_stages` for the colocated transport: every rank
-    calls it (``controller`` on rank 0: ``begin`` / ``finish``); returns rank 0's stats, raises the
-    same :class:`WeightSyncError` on every rank when the push fails."""
-    import torch.distributed as dist
-
-    from megatron_m2po.weights.errors import weight_sync_error
-
-    rank = dist.get_rank(group)
-    box: list = [None]
-    if rank == 0:
-        try:
-            box[0] = controller.begin(version, n_stages)
-        except Exception as e:  # noqa: BLE001 - every rank must hear of it
-            box[0] = str(e) if isinstance(e, WeightSyncError) else f"weight push of version {version} could not start: {describe(e)}"
-    dist.broadcast_object_list(box, src=_global(group, 0), group=group)
-    if isinstance(box[0], str):
-        for _ in weights:
-            pass
-        raise weight_sync_error(box[0])
-    result = exchange_colocated(box[0], weights, stage=stage, sender=sender, group=group)
-    results: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(results, result, group=group)
-    out: list = [None]
-    stats = None
-    if rank == 0:
-        try:
-            stats = controller.finish(box[0], sorted((r for r in results if r is not None), key=lambda r: r.stage))
-        except Exception as e:  # noqa: BLE001 - every rank must hear of it
-            out[0] = str(e) if isinstance(e, WeightSyncError) else describe(e)
-    dist.broadcast_object_list(out, src=_global(group, 0), group=group)
-    if out[0] is not None:
-        raise weight_sync_error(out[0])
-    return stats
+    """:func:`~megatron_m2po.weights.stage.push_from_stages` with the colocated hand-over as every
+    rank's part (:func:`exchange_colocated`): every rank calls it (``controller`` on rank 0);
+    returns rank 0's stats, raises the same :class:`WeightSyncError` on every rank when it fails."""
+    return push_from_stages(controller, weights, version, stage=stage, n_stages=n_stages, sender=sender,
+                            group=group, exchanges={"colocated": exchange_colocated})
 
 
 class ColocatedWeightSync(WeightSync):
