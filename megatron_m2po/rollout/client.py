@@ -29,6 +29,11 @@ wheel's source):
   cuda_graph, null = all} (200 with ``null``; release needs an idle engine), and
   ``/update_weights_from_tensor`` {serialized_named_tensors (base64 per TP rank), load_format,
   flush_cache, abort_all_requests, weight_version} -> {success, message}, inside an update session.
+- LoRA (0.5.23 ``entrypoints/http_server.py``, ``managers/io_struct.py``): ``/load_lora_adapter``
+  {lora_name, lora_path, pinned}, ``/load_lora_adapter_from_tensors`` {lora_name, config_dict,
+  serialized_named_tensors, pinned, load_format, added_tokens_config}, ``/unload_lora_adapter``
+  {lora_name} -> ``LoRAUpdateOutput`` {success, error_message, loaded_adapters} (400 on failure);
+  ``/generate``'s ``lora_path`` names the adapter of a request.
 - 0.5.23 ``utils/weight_versions.py``: ``meta_info["weight_versions"]`` = spans
   ``[{"version", "start", "end"}, ...]`` over the output tokens of a request that lived through
   weight updates (``GenerateOutput.token_weight_versions`` expands them per token).
@@ -206,9 +211,11 @@ def max_running_requests(server_info: Any) -> Optional[int]:
 
 
 def generate_payload(input_ids: Sequence[int], sampling_params: dict, return_logprob: bool, *, rid: Optional[str],
-                     return_routed_experts: bool, routed_experts_start_len: int) -> dict:
+                     return_routed_experts: bool, routed_experts_start_len: int,
+                     lora_path: Optional[str] = None) -> dict:
     """The JSON body of one ``/generate`` request (SGLang's ``GenerateReqInput`` fields), with a fresh
-    ``rid`` unless given. ``n > 1`` is refused: SGLang answers it with n outputs under new rids."""
+    ``rid`` unless given; ``lora_path``: the name of a loaded LoRA adapter (None: the base model).
+    ``n > 1`` is refused: SGLang answers it with n outputs under new rids."""
     if (sampling_params or {}).get("n", 1) not in (None, 1):
         raise ValueError(f"sampling_params.n={sampling_params['n']}: SGLang answers n > 1 with a list of "
                          "n outputs under new rids; send n requests with n=1 instead")
@@ -216,6 +223,8 @@ def generate_payload(input_ids: Sequence[int], sampling_params: dict, return_log
                "return_logprob": bool(return_logprob), "rid": rid or uuid.uuid4().hex}
     if return_routed_experts:
         payload.update(return_routed_experts=True, routed_experts_start_len=int(routed_experts_start_len))
+    if lora_path is not None:
+        payload["lora_path"] = str(lora_path)
     return payload
 
 
@@ -337,15 +346,16 @@ class SGLangClient:
     # ------------------------------------------------------------------ generation
     async def generate(self, input_ids: Sequence[int], sampling_params: dict, return_logprob: bool = True,
                        *, rid: Optional[str] = None, return_routed_experts: bool = False,
-                       routed_experts_start_len: int = 0, affinity: Optional[str] = None) -> GenerateOutput:
-        """POST /generate for one prompt. ``rid`` lets ``abort(rid)`` stop it later.
+                       routed_experts_start_len: int = 0, affinity: Optional[str] = None,
+                       lora_path: Optional[str] = None) -> GenerateOutput:
+        """POST /generate for one prompt (under the LoRA adapter named ``lora_path``, if given). ``rid`` lets ``abort(rid)`` stop it later.
         ``return_routed_experts``: ask for every MoE layer's top-k expert ids of the positions from
         ``routed_experts_start_len`` on (:meth:`GenerateOutput.routed_experts_array`). ``affinity``
         is not sent: one URL has nothing to choose (a router picks by prompt prefix); the
         ``DispatchClient`` (``rollout/dispatch.py``) keeps requests with one key on one engine."""
         payload = generate_payload(input_ids, sampling_params, return_logprob, rid=rid,
                                    return_routed_experts=return_routed_experts,
-                                   routed_experts_start_len=routed_experts_start_len)
+                                   routed_experts_start_len=routed_experts_start_len, lora_path=lora_path)
         rid = payload["rid"]
         self._sess()
         async with self._sem:
@@ -611,6 +621,42 @@ class SGLangClient:
                    "abort_all_requests": abort_all_requests}
         return _checked(self, "/update_weights_from_tensor", await self.request(
             "POST", "/update_weights_from_tensor", payload, timeout_s=timeout_s, retry=False))
+
+    # ------------------------------------------------------------------ LoRA adapters
+    async def load_lora_adapter(self, lora_name: str, lora_path: str, *, pinned: bool = False,
+                                timeout_s: Optional[float] = None) -> dict:
+        """POST /load_lora_adapter (0.5.23 ``LoadLoRAAdapterReqInput``): a PEFT directory on the
+        engine's file system under ``lora_name``. Needs ``--enable-lora``; refused (``EngineError``,
+        400 with ``error_message``) for a name already loaded, a rank above ``--max-lora-rank`` or a
+        target outside ``--lora-target-modules``. Returns ``LoRAUpdateOutput`` {success,
+        error_message, loaded_adapters}. Never retried."""
+        return _checked(self, "/load_lora_adapter", await self.request(
+            "POST", "/load_lora_adapter", {"lora_name": lora_name, "lora_path": lora_path, "pinned": bool(pinned)},
+            timeout_s=timeout_s, retry=False))
+
+    async def load_lora_adapter_from_tensors(self, lora_name: str, config_dict: dict,
+                                             serialized_named_tensors: Sequence[str | bytes], *,
+                                             pinned: bool = False, load_format: Optional[str] = None,
+                                             added_tokens_config: Optional[dict] = None,
+                                             timeout_s: Optional[float] = None) -> dict:
+        """POST /load_lora_adapter_from_tensors (0.5.23 ``LoadLoRAAdapterFromTensorsReqInput``):
+        ``config_dict`` is the adapter's ``adapter_config.json``; ``serialized_named_tensors`` one
+        ``MultiprocessingSerializer`` payload of a dict ``{peft name: tensor}`` per engine TP rank
+        (``load_format="flattened_bucket"``: a bucket), base64 (bytes are encoded here). The adapter's
+        path is then ``__tensor__``: once unloaded it cannot be reloaded by name. Never retried."""
+        payload = {"lora_name": lora_name, "config_dict": dict(config_dict), "pinned": bool(pinned),
+                   "serialized_named_tensors": [p if isinstance(p, str) else base64.b64encode(p).decode("ascii")
+                                                for p in serialized_named_tensors],
+                   "load_format": load_format, "added_tokens_config": added_tokens_config}
+        return _checked(self, "/load_lora_adapter_from_tensors", await self.request(
+            "POST", "/load_lora_adapter_from_tensors", payload, timeout_s=timeout_s, retry=False))
+
+    async def unload_lora_adapter(self, lora_name: str, *, timeout_s: Optional[float] = None) -> dict:
+        """POST /unload_lora_adapter {lora_name}: new requests stop finding the name at once; the
+        answer comes when no request uses the adapter any more (SGLang waits for them). Unknown
+        name: ``EngineError`` (400). Never retried."""
+        return _checked(self, "/unload_lora_adapter", await self.request(
+            "POST", "/unload_lora_adapter", {"lora_name": lora_name}, timeout_s=timeout_s, retry=False))
 
 
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")  # SGLang 0.5.23 constants.py GPU_MEMORY_ALL_TYPES

@@ -31,7 +31,8 @@ Policy (close to what users get from the router's ``cache_aware`` policy where i
   engines on start, every restart check and admission) replaces the set and clears the down marks of
   the engines it lists: they were just checked healthy.
 - **Fleet-wide calls** (abort, pause / continue, flush_cache, weight version, health, loads,
-  server info, disk weight updates, memory release / resume) go to every engine; an abort of one ``rid`` goes to the engine
+  server info, disk weight updates, memory release / resume, LoRA adapter loads and unloads) go to every
+  engine; an abort of one ``rid`` goes to the engine
   that runs it. Distributed weight updates need a rank offset per engine: use
   :class:`~megatron_m2po.weights.distributed.DistributedWeightSync` with the fleet's engine URLs.
 """
@@ -204,12 +205,13 @@ class DispatchClient(SGLangClient):
     # ------------------------------------------------------------------ generation
     async def generate(self, input_ids: Sequence[int], sampling_params: dict, return_logprob: bool = True,
                        *, rid: Optional[str] = None, return_routed_experts: bool = False,
-                       routed_experts_start_len: int = 0, affinity: Optional[str] = None) -> GenerateOutput:
+                       routed_experts_start_len: int = 0, affinity: Optional[str] = None,
+                       lora_path: Optional[str] = None) -> GenerateOutput:
         """:meth:`SGLangClient.generate` on the engine the policy picks; ``affinity`` (e.g. the group
         id) keeps requests with the same key on one engine."""
         payload = generate_payload(input_ids, sampling_params, return_logprob, rid=rid,
                                    return_routed_experts=return_routed_experts,
-                                   routed_experts_start_len=routed_experts_start_len)
+                                   routed_experts_start_len=routed_experts_start_len, lora_path=lora_path)
         rid = payload["rid"]
         self._sess()
         timeout = aiohttp.ClientTimeout(total=self.timeout_s)
@@ -372,6 +374,20 @@ class DispatchClient(SGLangClient):
     async def update_weights_from_tensor(self, *a, **kw) -> dict:
         raise EngineError(self.base_url, "/update_weights_from_tensor", "each engine takes the handles of the "
                           "trainer ranks on its own GPUs: call client_for(url).update_weights_from_tensor per engine")
+
+    async def load_lora_adapter(self, lora_name: str, lora_path: str, **kw) -> dict:  # type: ignore[override]
+        """Every engine loads the adapter (a path each engine can read); ``{url: LoRAUpdateOutput}``."""
+        return await self._each("load_lora_adapter", lora_name, lora_path, **kw)
+
+    async def load_lora_adapter_from_tensors(self, lora_name: str, config_dict: dict,  # type: ignore[override]
+                                             serialized_named_tensors, **kw) -> dict:
+        """Every engine loads the same payloads: they must be readable by each (CPU tensors in shared
+        memory of one node); engines that need their own: ``client_for(url)`` per engine."""
+        return await self._each("load_lora_adapter_from_tensors", lora_name, config_dict, serialized_named_tensors,
+                                **kw)
+
+    async def unload_lora_adapter(self, lora_name: str, **kw) -> dict:  # type: ignore[override]
+        return await self._each("unload_lora_adapter", lora_name, **kw)
 
     async def close(self) -> None:
         for c in self._clients.values():

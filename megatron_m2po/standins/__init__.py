@@ -3,7 +3,7 @@
     cpu_worker.py        an inference engine speaking SGLang 0.5.23's HTTP protocol on HF transformers
                          (``python -m megatron_m2po.standins.cpu_worker``); cpu_worker_http.py its routes,
                          sglang_sampling.py SGLang's per-request sampling rules, cpu_prefix_cache.py its
-                         radix cache of prompt KV
+                         radix cache of prompt KV, cpu_worker_lora.py (+ _routes) its LoRA serving
     cpu_platform.py      CPU emulation of CUDA for Megatron-Core (gloo); collective_audit.py makes gloo
                          refuse what NCCL refuses (host tensors on groups that are NCCL on GPUs)
     tiny_base.py         the tiny base model (``model.hf_path=tiny``): built, warmed up, cached

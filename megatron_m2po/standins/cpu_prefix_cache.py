@@ -22,6 +22,12 @@ What it follows from SGLang (page size 1):
   ``checkpoint``), so a multi-turn request that re-sends the conversation so far finds the previous
   turn cached (``cpu_worker.py`` ``_cache_finished``); aborted requests are not kept.
 
+- Namespaces: a request's ``extra_key`` (its LoRA adapter's ``lora_id``; ``schedule_batch.py``
+  ``Req.__init__`` appends it to ``extra_key``, and ``RadixKey.child_key`` namespaces the tree's
+  children by it) keeps KV computed under one adapter away from every other adapter and from the
+  base model. ``match`` / ``insert`` take it as ``key`` (None: the base model); each key has its
+  own root here, all under one budget.
+
 Departure: the budget is in bytes of KV rather than a fraction of GPU memory.
 """
 
@@ -93,9 +99,20 @@ class PrefixCache:
         self.reset()
 
     def reset(self) -> None:
-        self.root = _Node((), [], None)
+        self.roots: dict[Optional[str], _Node] = {}
         self.bytes = 0
         self.tokens = 0
+
+    @property
+    def root(self) -> _Node:
+        """The base model's root (namespace None)."""
+        return self._root(None)
+
+    def _root(self, key: Optional[str]) -> _Node:
+        node = self.roots.get(key)
+        if node is None:
+            node = self.roots[key] = _Node((), [], None)
+        return node
 
     def _split(self, node: _Node, at: int) -> _Node:
         """Cut ``node``'s edge after ``at`` tokens; returns the new upper node (radix_cache.py _split_node)."""
@@ -107,9 +124,10 @@ class PrefixCache:
         upper.children[node.key[0]] = node
         return upper
 
-    def _walk(self, tokens: Sequence[int], limit: int) -> tuple[_Node, int, list[_Node]]:
-        """The deepest node whose path is a prefix of ``tokens[:limit]`` (splitting at the end)."""
-        node, i, path = self.root, 0, []
+    def _walk(self, tokens: Sequence[int], limit: int, key: Optional[str]) -> tuple[_Node, int, list[_Node]]:
+        """The deepest node of namespace ``key`` whose path is a prefix of ``tokens[:limit]``
+        (splitting at the end)."""
+        node, i, path = self._root(key), 0, []
         now = next(self._clock)
         while i < limit:
             child = node.children.get(tokens[i])
@@ -123,11 +141,13 @@ class PrefixCache:
             node, i = child, i + c
         return node, i, path
 
-    def match(self, tokens: Sequence[int], limit: int) -> tuple[int, Optional[KV]]:
-        """The longest cached prefix of ``tokens[:limit]``: (length, per-layer KV) or (0, None)."""
-        if self.max_bytes == 0 or limit <= 0 or not self.root.children:
+    def match(self, tokens: Sequence[int], limit: int, key: Optional[str] = None) -> tuple[int, Optional[KV]]:
+        """The longest cached prefix of ``tokens[:limit]`` in namespace ``key``: (length, per-layer
+        KV) or (0, None)."""
+        root = self.roots.get(key)
+        if self.max_bytes == 0 or limit <= 0 or root is None or not root.children:
             return 0, None
-        _, n, path = self._walk(tokens, limit)
+        _, n, path = self._walk(tokens, limit, key)
         if n == 0:
             return 0, None
         if len(path) == 1:
@@ -135,12 +155,13 @@ class PrefixCache:
         return n, [(torch.cat([p.kv[j][0] for p in path], 1), torch.cat([p.kv[j][1] for p in path], 1))
                    for j in range(len(path[0].kv))]
 
-    def insert(self, tokens: Sequence[int], kv: KV, start: int) -> None:
-        """Store the KV of ``tokens`` the tree lacks; ``kv`` covers ``tokens[start:]`` (the prefix
-        before ``start`` was matched in this scheduler step, and nothing is evicted within a step)."""
+    def insert(self, tokens: Sequence[int], kv: KV, start: int, key: Optional[str] = None) -> None:
+        """Store the KV of ``tokens`` the tree of namespace ``key`` lacks; ``kv`` covers
+        ``tokens[start:]`` (the prefix before ``start`` was matched in this scheduler step, and
+        nothing is evicted within a step)."""
         if self.max_bytes == 0 or start >= len(tokens):
             return
-        node, m, _ = self._walk(tokens, len(tokens))
+        node, m, _ = self._walk(tokens, len(tokens), key)
         if m < start or m == len(tokens):
             return  # an earlier insert of this step already holds it (m >= start), or nothing to add
         # Copies: the slices are views of a batch's KV, which must not stay alive through the tree.
@@ -154,7 +175,10 @@ class PrefixCache:
         """Drop least-recently-used leaves until the budget holds; returns the tokens evicted."""
         evicted = 0
         while self.bytes > self.max_bytes:
-            for leaf in sorted(self.root.leaves(), key=lambda n: n.last_access):
+            leaves = [leaf for root in self.roots.values() for leaf in root.leaves()]
+            if not leaves:
+                break
+            for leaf in sorted(leaves, key=lambda n: n.last_access):
                 if self.bytes <= self.max_bytes:
                     break
                 del leaf.parent.children[leaf.key[0]]

@@ -41,7 +41,9 @@ rule cites the SGLang 0.5.23 source it follows (``docs/sglang.md`` has the map).
   ``/update_weights_from_tensor`` (shared-memory tensors standing in for CUDA IPC):
   ``cpu_memory_saver.py``, ``tensor_payload.py``, ``cpu_worker_colocated.py``,
   ``/v1/loads`` (``loads[0]``: num_running_reqs, num_waiting_reqs, num_used_tokens, ... plus
-  ``num_generated_tokens`` and ``num_held_reqs``). No ``/get_weight_version`` and no
+  ``num_generated_tokens`` and ``num_held_reqs``), LoRA (``--enable-lora``; ``/load_lora_adapter``,
+  ``/load_lora_adapter_from_tensors``, ``/unload_lora_adapter``, ``/generate``'s ``lora_path``:
+  ``cpu_worker_lora.py``). No ``/get_weight_version`` and no
   ``/get_load``: 0.5.23 has neither. sglang-router 0.3.2 probes ``/health``, ``/server_info``
   and ``/model_info`` before it routes to a worker; it has no ``/abort_request``.
 
@@ -65,6 +67,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import concurrent.futures
+import contextlib
 import glob
 import logging
 import os
@@ -83,6 +86,7 @@ from megatron_m2po.standins import nccl_emulation
 from megatron_m2po.standins import sglang_sampling as sampling
 from megatron_m2po.standins.cpu_memory_saver import WEIGHTS, MemorySaver
 from megatron_m2po.standins.cpu_prefix_cache import PrefixCache
+from megatron_m2po.standins import cpu_worker_lora
 from megatron_m2po.standins.hf_fused_experts import expert_target, is_fused_expert_name
 from megatron_m2po.standins.memory_ledger import MemoryLedger
 from megatron_m2po.standins import tensor_payload
@@ -123,6 +127,7 @@ class _Seq:
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (meta_info.cached_tokens)
     return_routed_experts: bool = False
     routed_experts_start_len: int = 0
+    lora_id: Optional[str] = None  # the LoRA adapter it runs under (cpu_worker_lora.py); None: the base model
     # routed experts [rows, layers, top_k] of the positions run so far (routed_capture.py), in pieces
     routed: list = field(default_factory=list)
 
@@ -179,8 +184,8 @@ class _Batch:
 
 def _unique_rows(seqs: list[_Seq], ctxs: list[list[int]]) -> tuple[list[int], list[_Seq], list[list[int]]]:
     """``(row of each sequence, representative sequence of each row, context of each row)``: rows
-    with the same context and prompt log-prob start are one row of the prefill."""
-    key_of = [(tuple(c), s.logprob_start_len if s.return_logprob else -1) for s, c in zip(seqs, ctxs)]
+    with the same context, prompt log-prob start and LoRA adapter are one row of the prefill."""
+    key_of = [(tuple(c), s.logprob_start_len if s.return_logprob else -1, s.lora_id) for s, c in zip(seqs, ctxs)]
     uniq: dict[tuple, int] = {}
     rows = [uniq.setdefault(k, len(uniq)) for k in key_of]
     first: dict[int, int] = {}
@@ -219,7 +224,8 @@ class Engine:
                  weight_version: str = "default", dist_timeout_s: float = 300.0,
                  quantization: Optional[str] = None, prefix_cache_mb: float = 256.0,
                  enable_return_routed_experts: bool = False, memory_saver: bool = False,
-                 weights_cpu_backup: bool = False, gpu: int = 0, owner: str = "cpu_worker") -> None:
+                 weights_cpu_backup: bool = False, gpu: int = 0, owner: str = "cpu_worker",
+                 lora: Optional[cpu_worker_lora.LoRASettings] = None) -> None:
         from transformers import AutoConfig, AutoModelForCausalLM
 
         self.model_path = model_path
@@ -249,17 +255,9 @@ class Engine:
         if enable_return_routed_experts:
             from megatron_m2po.standins.routed_capture import RoutedExpertsCapture
             self.routing = RoutedExpertsCapture(self.model, self.config)
-        self.tokenizer = None
-        if glob.glob(os.path.join(model_path, "tokenizer*")):
-            from transformers import AutoTokenizer
-            self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        eos = getattr(self.model.generation_config, "eos_token_id", None)
-        if eos is None:
-            eos = getattr(self.config, "eos_token_id", None)
-        self.eos_ids = frozenset([] if eos is None else ([eos] if isinstance(eos, int) else eos))
-        if self.tokenizer is not None:  # Req._check_token_based_finish: the tokenizer's EOS ids too
-            extra = {self.tokenizer.eos_token_id} | set(getattr(self.tokenizer, "additional_stop_token_ids", None) or [])
-            self.eos_ids |= frozenset(t for t in extra if t is not None)
+        # SGLang's --enable-lora (cpu_worker_lora.py): adapters per row of a batch; None when off.
+        self.lora = cpu_worker_lora.LoRAServing(self.model, lora) if lora is not None else None
+        self.tokenizer, self.eos_ids = self._tokenizer_and_eos(model_path)
         self.vocab_size = int(self.model.get_input_embeddings().weight.shape[0])
         self.context_len = int(getattr(self.config, "max_position_embeddings", 1 << 20))
         self.max_running = max_running
@@ -295,6 +293,22 @@ class Engine:
         # --enable-memory-saver: release / resume, recorded in the node's memory ledger (cpu_memory_saver.py)
         self.memory = MemorySaver(self.model, enabled=memory_saver, cpu_backup=weights_cpu_backup, gpu=gpu,
                                   kv_bytes=self.prefix_cache.max_bytes, ledger=MemoryLedger.from_env(), owner=owner)
+
+    def _tokenizer_and_eos(self, model_path: str) -> tuple[Any, frozenset]:
+        """The model dir's tokenizer (None without one) and the EOS ids: the model's, and the
+        tokenizer's too (Req._check_token_based_finish)."""
+        tokenizer = None
+        if glob.glob(os.path.join(model_path, "tokenizer*")):
+            from transformers import AutoTokenizer
+            tokenizer = AutoTokenizer.from_pretrained(model_path)
+        eos = getattr(self.model.generation_config, "eos_token_id", None)
+        if eos is None:
+            eos = getattr(self.config, "eos_token_id", None)
+        eos_ids = frozenset([] if eos is None else ([eos] if isinstance(eos, int) else eos))
+        if tokenizer is not None:
+            extra = {tokenizer.eos_token_id} | set(getattr(tokenizer, "additional_stop_token_ids", None) or [])
+            eos_ids |= frozenset(t for t in extra if t is not None)
+        return tokenizer, eos_ids
 
     # ---------------------------------------------------------------- scheduler
     async def start(self) -> None:
@@ -415,8 +429,9 @@ class Engine:
             cache = self._make_cache(b.kv)
             if self.routing is not None:
                 self.routing.begin()
-            out = self.model(input_ids=b.last[:, None], attention_mask=mask,
-                             position_ids=b.pos[:, None], past_key_values=cache, use_cache=True)
+            with self._adapters(b.seqs):
+                out = self.model(input_ids=b.last[:, None], attention_mask=mask,
+                                 position_ids=b.pos[:, None], past_key_values=cache, use_cache=True)
             if self.routing is not None:
                 for s, rows in zip(b.seqs, self.routing.take(len(b), 1)):
                     s.routed.append(rows)
@@ -425,7 +440,10 @@ class Engine:
             b.last = self._sample(b.seqs, out.logits[:, -1].float())
         with self.qlock:
             room = max(self.max_running - len(self.batch), 0)
-            new, self.waiting = self.waiting[:room], self.waiting[room:]
+            if self.lora is None:
+                new, self.waiting = self.waiting[:room], self.waiting[room:]
+            else:  # scheduler.py can_schedule_lora_req: at most --max-loras-per-batch adapters run at once
+                new, self.waiting = self.lora.admit(self.waiting, room, [s.lora_id for s in self.batch.seqs])
             self.prefilling = new  # abort() marks them like running requests
         if new:
             self.batch.merge(self._prefill(new))
@@ -457,7 +475,7 @@ class Engine:
             entries = [(k[i][:, cols], v[i][:, cols]) for k, v in b.kv]
             if self.routing is not None:
                 entries.append(self.routing.cache_entry(torch.cat(s.routed)))
-            self.prefix_cache.insert(ctx, entries, 0)
+            self.prefix_cache.insert(ctx, entries, 0, s.lora_id)
         self.prefix_cache.evict()
 
     def retract_all(self) -> None:
@@ -475,6 +493,10 @@ class Engine:
         for s in seqs:
             s.retractions += 1
             s.routed = []  # Req.reset_for_retract; aborted while waiting, the request returns none
+
+    def _adapters(self, seqs: list[_Seq]):
+        """Context of a forward over ``seqs``' rows: each row under its LoRA adapter (cpu_worker_lora.py)."""
+        return self.lora.rows([s.lora_id for s in seqs]) if self.lora is not None else contextlib.nullcontext()
 
     def _make_cache(self, kv):
         from transformers import DynamicCache
@@ -498,8 +520,9 @@ class Engine:
         self.prefill_tokens += sum(len(c) - n for c, n in zip(rctx, plen))
         if self.routing is not None:
             self.routing.begin()
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
-                         past_key_values=self._make_cache(past) if past else None)
+        with self._adapters(reps):
+            out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
+                             past_key_values=self._make_cache(past) if past else None)
         kv = _cache_tensors(out.past_key_values)
         logits = out.logits.float()
         routed = self._prefill_routing(matched, rctx, E) if self.routing is not None else None
@@ -524,11 +547,12 @@ class Engine:
     def _match_prefix(self, s: _Seq, ctx: list[int]) -> tuple[int, Any]:
         """The longest cached prefix of ``ctx`` that the prefill may reuse: schedule_batch.py
         ``Req._compute_max_prefix_len``: the last token is always computed, and prompt log-probs
-        from logprob_start_len need the logits from there on."""
+        from logprob_start_len need the logits from there on. The cache is keyed by the request's
+        LoRA adapter (``Req.extra_key`` ends with its ``lora_id``), so KV of one adapter serves no other."""
         limit = len(ctx) - 1
         if s.return_logprob and s.logprob_start_len >= 0:
             limit = min(limit, s.logprob_start_len)
-        return self.prefix_cache.match(ctx, limit)
+        return self.prefix_cache.match(ctx, limit, s.lora_id)
 
     def _cached_past(self, matched: list, P: int) -> Optional[list[tuple[torch.Tensor, torch.Tensor]]]:
         """The matched prefixes' KV per layer, ``[U, H, P, D]``, each right-aligned in the first ``P``
@@ -556,7 +580,7 @@ class Engine:
             entries = [(k[u, :, P + E - e:], v[u, :, P + E - e:]) for k, v in kv]
             if routed is not None:
                 entries.append(self.routing.cache_entry(routed[u][n:]))
-            self.prefix_cache.insert(c, entries, n)
+            self.prefix_cache.insert(c, entries, n, s.lora_id)
             if s.return_logprob and s.input_logprobs is None and 0 <= s.logprob_start_len < len(s.prompt):
                 s.input_logprobs = _input_logprobs(s, logits[u, E - e:], n)
         self.prefix_cache.evict()
@@ -1035,7 +1059,12 @@ def main(argv: Optional[list[str]] = None) -> None:
                         "(without it their content after a resume is undefined: NaN here).")
     p.add_argument("--base-gpu-id", type=int, default=0,
                    help="SGLang's flag: the engine's GPU among CUDA_VISIBLE_DEVICES (the memory ledger's GPU).")
+    cpu_worker_lora.add_args(p)
     args = p.parse_args(argv)
+    try:
+        lora = cpu_worker_lora.settings_from_args(args)
+    except ValueError as e:  # SGLang's launch fails on these checks (arg_groups/lora_hook.py)
+        p.error(str(e))
     if not os.path.isfile(os.path.join(args.model_path, "config.json")):
         p.error(f"--model-path {args.model_path!r} is not an HF model directory (no config.json)")
     torch.set_num_threads(args.threads)
@@ -1046,12 +1075,15 @@ def main(argv: Optional[list[str]] = None) -> None:
     # Before the model loads, as SGLang's scheduler initialises its process groups before load_model.
     init_torch_distributed(args.host, args.nccl_port, args.dist_timeout)
     nccl_emulation.enable(nccl_emulation.engine_version())  # weight-update groups check versions as NCCL does
-    engine = Engine(args.model_path, max_running=args.max_running_requests, seed=args.seed,
-                    weight_version=args.weight_version, dist_timeout_s=args.dist_timeout_s,
-                    quantization=args.quantization,
-                    enable_return_routed_experts=args.enable_return_routed_experts,
-                    memory_saver=args.enable_memory_saver, weights_cpu_backup=args.enable_weights_cpu_backup,
-                    gpu=ledger_gpu(args.base_gpu_id), owner=f"cpu_worker@{args.host}:{args.port}")
+    try:
+        engine = Engine(args.model_path, max_running=args.max_running_requests, seed=args.seed,
+                        weight_version=args.weight_version, dist_timeout_s=args.dist_timeout_s,
+                        quantization=args.quantization,
+                        enable_return_routed_experts=args.enable_return_routed_experts,
+                        memory_saver=args.enable_memory_saver, weights_cpu_backup=args.enable_weights_cpu_backup,
+                        gpu=ledger_gpu(args.base_gpu_id), owner=f"cpu_worker@{args.host}:{args.port}", lora=lora)
+    except cpu_worker_lora.LoRAStartError as e:
+        p.error(str(e))
     log.info("serving %s on http://%s:%d", args.model_path, args.host, args.port)
     web.run_app(WorkerApp(engine).build(), host=args.host, port=args.port, print=None, access_log=None,
                 shutdown_timeout=2.0)

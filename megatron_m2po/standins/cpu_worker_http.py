@@ -18,6 +18,7 @@ from aiohttp import web
 from megatron_m2po.parallel.side_group import destroy_side_group
 from megatron_m2po.standins import sglang_sampling as sampling
 from megatron_m2po.standins.cpu_worker_colocated import ColocatedRoutes
+from megatron_m2po.standins.cpu_worker_lora_routes import LoRARequestError, LoRARoutes, lora_path_per_prompt
 from megatron_m2po.rollout.sglang_version import SUPPORTED_SGLANG
 
 _VERSION = SUPPORTED_SGLANG  # the SGLang version it emulates: server_info's "version" (SGLang's __version__)
@@ -49,7 +50,7 @@ async def _body(request) -> dict:
     return data or {}
 
 
-class WorkerApp(ColocatedRoutes):
+class WorkerApp(ColocatedRoutes, LoRARoutes):
     """SGLang 0.5.23's HTTP routes over one ``cpu_worker.Engine``; :meth:`build` returns the aiohttp app.
 
     The routes, by concern (each group's table is one method):
@@ -66,6 +67,8 @@ class WorkerApp(ColocatedRoutes):
       (``--enable-memory-saver``) a generation -- a health check's too -- is refused (400 naming the
       released memory; SGLang would read unmapped memory and crash), and so is a weight update while
       the weights are released.
+    * LoRA (``cpu_worker_lora_routes.py``): ``/load_lora_adapter``, ``/load_lora_adapter_from_tensors``,
+      ``/unload_lora_adapter``; ``/generate``'s ``lora_path``.
 
     The state the HTTP layer keeps itself (the rest is the engine's): the deferred cache flush in
     progress, the weight-update session, the lock that serialises weight-update group requests.
@@ -92,6 +95,7 @@ class WorkerApp(ColocatedRoutes):
         self._health_and_info_routes(app.router)
         self._cache_and_scheduling_routes(app.router)
         self._weight_routes(app.router)
+        self._lora_routes(app.router)
         return app
 
     async def _on_startup(self, app) -> None:
@@ -180,9 +184,10 @@ class WorkerApp(ColocatedRoutes):
             rids = rid
         else:
             raise sampling.ParamError("The rid should be a string or a list of strings.")
+        loras = lora_path_per_prompt(req.get("lora_path"), len(items))
         out = []
         for i, item in enumerate(items):
-            kw = dict(input_ids=item, params=plist[i] if plist is not None else params,
+            kw = dict(input_ids=item, params=plist[i] if plist is not None else params, lora_path=loras[i],
                       return_logprob=per["return_logprob"][i], logprob_start_len=per["logprob_start_len"][i],
                       return_text_in_logprobs=per["return_text_in_logprobs"][i],
                       return_routed_experts=per["return_routed_experts"][i],
@@ -201,6 +206,7 @@ class WorkerApp(ColocatedRoutes):
         except sampling.ContractError as e:
             return _ok({"error": str(e)}, 400)
         stream = bool(req.get("stream"))
+        lora_ids: list = []
         try:
             reqs, batch = self._expand(req)
             if self.engine.paused:  # tokenizer_manager.py generate_request: rid registered, then the wait
@@ -215,18 +221,25 @@ class WorkerApp(ColocatedRoutes):
             refusal = self.engine.memory_refusal()
             if refusal is not None:  # cpu_memory_saver.py: SGLang would crash on unmapped memory
                 raise RequestError(refusal)
+            # tokenizer_manager.py _validate_and_resolve_lora, after the pause wait (cpu_worker_lora_routes.py)
+            lora_ids = await self.lora_acquire([r.pop("lora_path") for r in reqs], batch)
             seqs = [self.engine.make_seq(r.pop("input_ids"), r.pop("params"), r.pop("rid"), **r) for r in reqs]
-            for s in seqs:
-                s.abort_sent = sent.get(s.rid, False)
+            for s, lora_id in zip(seqs, lora_ids):
+                s.abort_sent, s.lora_id = sent.get(s.rid, False), lora_id
         except sampling.ContractError as e:
+            await self.lora_release(lora_ids)
             return _ok({"error": str(e)}, 400)
-        except (sampling.ParamError, RequestError, TypeError, ValueError) as e:
+        except (sampling.ParamError, RequestError, LoRARequestError, TypeError, ValueError) as e:
+            await self.lora_release(lora_ids)
             if stream:  # http_server.py stream_results: the error is an SSE event of a 200 answer
                 return await self._sse(request, [], error=str(e))
             return _err(str(e))
-        if stream:
-            return await self._sse(request, seqs, batch=batch)
-        outs = await asyncio.gather(*(self.engine.generate_one(s) for s in seqs))
+        try:
+            if stream:
+                return await self._sse(request, seqs, batch=batch)
+            outs = await asyncio.gather(*(self.engine.generate_one(s) for s in seqs))
+        finally:
+            await asyncio.shield(self.lora_release(lora_ids))
         return web.json_response(outs if batch else outs[0])
 
     async def _sse(self, request, seqs: list, *, batch: bool = False, error: Optional[str] = None):
@@ -344,7 +357,8 @@ class WorkerApp(ColocatedRoutes):
                      # _add_topology): what the scheduler runs at once, after memory sizing.
                      "internal_states": [{"effective_max_running_requests_per_dp": e.max_running}],
                      # server_args.enable_return_routed_experts (arg_groups/fields/exec_.py)
-                     "enable_return_routed_experts": e.routing is not None})
+                     "enable_return_routed_experts": e.routing is not None,
+                     **self._lora_server_info()})
 
     async def v1_loads(self, request):
         # SGLang 0.5.23 entrypoints/v1_loads.py: per-DP-rank load snapshots.
