@@ -37,7 +37,9 @@ One optimizer update (``_update``), docs/design.md §3:
    mini-batch whatever the TP / PP / DP layout and micro-batch size (tested).
    With ``algo.kl.coef > 0`` a forward-only pass of the frozen reference (``actor/reference.py``)
    over the same micro-batches comes first, and each micro-batch's loss adds the reference-KL
-   term (``algo/kl.py``) with the same denominator ``N``, after the loss's mask is taken.
+   term (``algo/kl.py``) with the same denominator ``N``, after the loss's mask is taken
+   (``algo.kl.placement=loss``; with ``reward`` the trainer takes the penalty from the rewards
+   before the advantages, through :meth:`MegatronActor.reference_logprobs`, and the loss has no term).
 3. The mask's gradient correction (strategy ``correct`` only; ``GlobalMask.correct``,
    ``actor/mask_correction.py`` says why it is exact): the exact mask from step 2's log-ratios,
    and one more forward-backward of the difference on the changed sequences only, whose
@@ -233,7 +235,8 @@ class MegatronActor:
         self._tconfig.finalize_model_grads_func = None
         self._tconfig.no_sync_func = [m.no_sync for m in ddp_chunks] if len(ddp_chunks) > 1 else ddp_chunks[0].no_sync
         self._tconfig.grad_scale_func = optimizer.scale_loss
-        check_dropout(cfg.algo.m2po.mask_strategy, cfg.model.attention_dropout, cfg.model.hidden_dropout)
+        check_dropout(cfg.algo.m2po.mask_strategy, cfg.model.attention_dropout, cfg.model.hidden_dropout,
+                      cfg.model.lora.dropout)
         self.replay = None  # routing replay (actor/routing_replay.py) with algo.routing_replay=rollout
         if cfg.algo.routing_replay == "rollout":
             from megatron_m2po.actor.routing_replay import RoutingReplay
@@ -297,6 +300,10 @@ class MegatronActor:
             torch.device("cpu")
         reference = make_reference(cfg, device)
         chunks, bridge = build_model(cfg)
+        if cfg.model.lora.rank:  # the base frozen before DDP and the optimizer see it (actor/lora.py)
+            from megatron_m2po.actor.lora import add_adapters
+
+            add_adapters(chunks, cfg.model.lora, bridge.hf_config, cfg.seed)
         p, o, dtype = cfg.parallel, cfg.optim, cfg.model.dtype
         ddp_cfg = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False, overlap_param_gather=False,
@@ -483,15 +490,15 @@ class MegatronActor:
         with torch.no_grad():
             return self.run_schedule(mbs, loss_fn, forward_only=True)
 
-    def _gather_to_all(self, samples: list, shard_values: list[torch.Tensor], mbs: list[MicroBatch]) -> torch.Tensor:
-        """Flat per-token values of all samples on every rank: one SUM all-reduce over the world.
+    def _gather_to_all(self, total: int, shard_values: list[torch.Tensor], mbs: list[MicroBatch]) -> torch.Tensor:
+        """Flat per-token values of all ``total`` response tokens of the batch on every rank: one SUM
+        all-reduce over the world.
 
         ``shard_values`` are this rank's micro-batch outputs for the tokens of ``mbs`` (with
         context parallelism, the tokens this CP rank predicts), placed by their canonical
         ``token_index``. Exactly one rank (last stage, TP rank 0, the token's DP and CP rank)
         writes each value; all other entries are 0.
         """
-        total = int(sum(s.response_ids.shape[0] for s in samples))
         buf = torch.zeros(total, dtype=torch.float32, device=self.device)
         if self.is_last_stage and self.tp_rank == 0 and mbs:
             buf[torch.cat([mb.token_index for mb in mbs])] = torch.cat(shard_values).float()
@@ -511,11 +518,27 @@ class MegatronActor:
             return ([], []) if with_entropy else []
         mbs = self._microbatches(samples, self._shards(samples)[self.dp_rank])
         outs = self.forward_logprobs(mbs, with_entropy) if mbs else []
-        lp = self._gather_to_all(samples, [o["logp"] for o in outs], mbs)
-        ent = self._gather_to_all(samples, [o["entropy"] for o in outs], mbs) if with_entropy else None
+        total = int(sum(s.response_ids.shape[0] for s in samples))
+        lp = self._gather_to_all(total, [o["logp"] for o in outs], mbs)
+        ent = self._gather_to_all(total, [o["entropy"] for o in outs], mbs) if with_entropy else None
         lengths = np.cumsum([0] + [s.response_ids.shape[0] for s in samples])
         split = lambda t: [t[lengths[i]:lengths[i + 1]].cpu().numpy() for i in range(len(samples))]  # noqa: E731
         return (split(lp), split(ent)) if with_entropy else split(lp)
+
+    def reference_logprobs(self, mini: RolloutBatch | ShardedBatch) -> list[np.ndarray]:
+        """The frozen reference's float32 log-probs of the response tokens of every sample of the
+        mini-batch, on every rank (``algo.kl.placement=reward``: trainer/kl_reward.py). ``mini`` as
+        for :meth:`train_update`: each data-parallel rank runs its shard, in the micro-batches an
+        update of it would use, and one all-reduce gathers the tokens. Forward only; collective."""
+        if self.reference is None:
+            raise ValueError("reference_logprobs needs the frozen reference: set algo.kl.coef > 0")
+        plan, samples = (mini.plan, mini.samples) if isinstance(mini, ShardedBatch) \
+            else (BatchPlan.of(mini.samples), mini.samples)
+        mbs = self._microbatches(samples, self._own_shard(plan, samples), plan)
+        with TIMER.phase("reference"):
+            outs = self.reference.logprobs(self, mbs)
+        lp = self._gather_to_all(int(plan.response_lengths.sum()), outs, mbs).cpu().numpy()
+        return np.split(lp, np.cumsum(plan.response_lengths)[:-1])
 
     def train_step(self, batch: RolloutBatch, num_minibatches: int = 1) -> list[dict[str, float]]:
         """``num_minibatches`` optimizer updates over consecutive equal parts of ``batch``.
@@ -548,7 +571,7 @@ class MegatronActor:
         records: list[dict] = []
         # the frozen reference's log-probs of these micro-batches (algo.kl; actor/reference.py)
         refs: list = [None] * len(mbs)
-        if self.reference is not None:
+        if self.reference is not None and self.cfg.algo.kl.placement == "loss":  # "reward": in the advantages
             with TIMER.phase("reference"):
                 refs = self.reference.logprobs(self, mbs)
 

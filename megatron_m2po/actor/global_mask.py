@@ -147,7 +147,7 @@ class GlobalMask:
                                  "auxiliary loss gradient a second time; use prepass or set both to 0")
             return "prepass"
         return choose_strategy(configured, a.mask_hint, recompute=a.cfg.parallel.recompute,
-                               dropout=m.attention_dropout > 0 or m.hidden_dropout > 0)
+                               dropout=m.attention_dropout > 0 or m.hidden_dropout > 0 or m.lora.dropout > 0)
 
     def prepass(self, mbs: list[MicroBatch], spec, settings, plan: BatchPlan, records: list[dict], *,
                 measure: bool = False) -> tuple[list[Optional[torch.Tensor]], dict]:

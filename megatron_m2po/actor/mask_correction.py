@@ -44,9 +44,13 @@ __all__ = ["FORWARD_SHARE", "choose_strategy", "check_dropout", "changed_lengths
 FORWARD_SHARE = {"none": 1.0 / 3.0, "selective": 1.0 / 3.0, "full": 1.0 / 4.0}
 
 
-def check_dropout(strategy: str, attention_dropout: float, hidden_dropout: float) -> None:
+def check_dropout(strategy: str, attention_dropout: float, hidden_dropout: float, lora_dropout: float = 0.0) -> None:
     """ValueError for ``mask_strategy=correct`` with dropout: the correction's forward would draw
     other dropout masks than the provisional one, so the sum would not be one gradient."""
+    if strategy == "correct" and lora_dropout > 0:
+        raise ValueError(f"algo.m2po.mask_strategy='correct' needs model.lora.dropout=0 (got {lora_dropout}): the "
+                         "correction's forward must see the provisional forward's adapter inputs; use "
+                         "mask_strategy=prepass or auto")
     if strategy == "correct" and (attention_dropout > 0 or hidden_dropout > 0):
         raise ValueError(f"algo.m2po.mask_strategy='correct' needs model.attention_dropout=0 and "
                          f"model.hidden_dropout=0 (got {attention_dropout}, {hidden_dropout}): the correction's "

@@ -348,10 +348,13 @@ def iter_hf_weights(chunks, bridge) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_name, full tensor)`` with TP / PP shards gathered; every rank must iterate.
 
     Collective over the tensor and pipeline groups: all ranks of a model replica iterate in step.
-    A tied output weight is yielded once (as ``model.embed_tokens.weight``).
+    A tied output weight is yielded once (as ``model.embed_tokens.weight``). LoRA adapters are not
+    among them (the base weights; ``weights/lora_export.py`` exports the adapters).
     """
+    from megatron_m2po.actor.lora import base_views
+
     seen: set[str] = set()
-    it = bridge.export_weights(chunks)
+    it = bridge.export_weights(base_views(chunks))  # the base weights only under LoRA (actor/lora.py)
     while True:
         # mbridge broadcasts the live parameters over the pipeline group; outside no_grad that
         # records c10d::broadcast_ in their autograd history. Grad mode is thread-global, so it

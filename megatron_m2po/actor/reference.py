@@ -18,10 +18,11 @@ copies are freed; the weights never change, so nothing is copied back). The plan
 device copy while it is resident (``plan/memory.py``, ``reference_bytes``). On the CPU platform
 the "device" is host memory: the copies are the same tensors and moving is a no-op.
 
-Seam for LoRA (issue 41): a reference is anything with ``logprobs(actor, mbs) -> list`` (one
-float tensor per micro-batch on the last pipeline stage, ``[]`` elsewhere) and ``close()``.
-Under LoRA the reference will be the actor's own chunks with the adapters disabled (no copy);
-:func:`make_reference` is the one place that chooses.
+The seam: a reference is anything with ``logprobs(actor, mbs) -> list`` (one float tensor per
+micro-batch on the last pipeline stage, ``None`` each elsewhere) and ``close()``. Under LoRA
+(``model.lora.rank > 0``) it is :class:`AdapterDisabledReference`: the actor's own chunks with
+the adapters disabled (``actor/lora.py``; no copy, no extra memory) -- the base model, which the
+frozen copy would also be. :func:`make_reference` is the one place that chooses.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from typing import Any, Optional
 
 import torch
 
-__all__ = ["FrozenReference", "make_reference"]
+__all__ = ["FrozenReference", "AdapterDisabledReference", "make_reference"]
 
 
 class FrozenReference:
@@ -81,25 +82,51 @@ class FrozenReference:
             return []
         self._load()
         try:
-            def loss_fn(mb, model, hidden):
-                logp, _ = actor.token_logprobs(mb, model, hidden, with_entropy=False)
-                return (torch.zeros((), device=actor.device), torch.tensor(mb.num_tokens, dtype=torch.int),
-                        logp.detach())
-
-            with torch.no_grad():
-                out = actor.run_schedule(mbs, loss_fn, forward_only=True, models=self.chunks)
+            return _reference_pass(actor, mbs, self.chunks)
         finally:
             self._offload()
-        return list(out) if actor.is_last_stage else [None] * len(mbs)
 
     def close(self) -> None:
         self._offload()
         self.chunks, self._tensors, self._host = [], [], []
 
 
-def make_reference(cfg: Any, device: torch.device) -> Optional[FrozenReference]:
-    """The reference the config asks for: None with ``algo.kl.coef == 0``, else a
-    :class:`FrozenReference` of the base model. (LoRA will return the adapter-disabled actor here.)"""
+def _reference_pass(actor, mbs: list, models: list) -> list[Optional[torch.Tensor]]:
+    """Forward-only log-probs of ``mbs`` through ``models`` with the actor's schedule and
+    log-prob path (no routing replay: ``run_schedule`` replays for the policy's own pass only)."""
+    def loss_fn(mb, model, hidden):
+        logp, _ = actor.token_logprobs(mb, model, hidden, with_entropy=False)
+        return (torch.zeros((), device=actor.device), torch.tensor(mb.num_tokens, dtype=torch.int), logp.detach())
+
+    with torch.no_grad():
+        out = actor.run_schedule(mbs, loss_fn, forward_only=True, models=models)
+    return list(out) if actor.is_last_stage else [None] * len(mbs)
+
+
+class AdapterDisabledReference:
+    """The reference under LoRA: the actor's own (DDP-wrapped) chunks run with every adapter
+    skipped (``lora.adapters_disabled``), i.e. the frozen base model, in the actor's layout and
+    micro-batches. Nothing is copied; the base weights never change under LoRA."""
+
+    def logprobs(self, actor, mbs: list) -> list[Optional[torch.Tensor]]:
+        """As :meth:`FrozenReference.logprobs`."""
+        from megatron_m2po.actor.lora import adapters_disabled
+
+        if not mbs:
+            return []
+        with adapters_disabled(actor.model):
+            return _reference_pass(actor, mbs, actor.model)
+
+    def close(self) -> None:
+        pass
+
+
+def make_reference(cfg: Any, device: torch.device) -> Optional[FrozenReference | AdapterDisabledReference]:
+    """The reference the config asks for: None with ``algo.kl.coef == 0``; under LoRA
+    (``model.lora.rank > 0``) the actor with its adapters disabled; else a :class:`FrozenReference`
+    of the base model."""
     if cfg.algo.kl.coef == 0:
         return None
+    if cfg.model.lora.rank:
+        return AdapterDisabledReference()
     return FrozenReference.build(cfg, device)

@@ -15,7 +15,7 @@ from typing import Literal, Optional
 from megatron_m2po.utils.settings import ConfigError, check_ranges
 from megatron_m2po.utils.settings import setting as _f
 
-__all__ = ["MoEConfig", "ModelConfig", "ParallelConfig", "OptimConfig"]
+__all__ = ["MoEConfig", "LoRAConfig", "LORA_TARGETS", "ModelConfig", "ParallelConfig", "OptimConfig"]
 
 @dataclass
 class MoEConfig:
@@ -49,6 +49,52 @@ class MoEConfig:
         "and at least the 1.5x reported for dropless MoE; docs/planner.md says why. Measure your checkpoint with "
         "tools/gpu_check.py --only imbalance --moe-model PATH and set what it reports.")
 
+# HF module names LoRA can target, and the Megatron linear each maps onto (actor/lora.py).
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass
+class LoRAConfig:
+    """Low-rank adapters on the policy's attention and MLP projections (``model.lora.*``;
+    actor/lora.py). The base weights are frozen; only the adapters train, checkpoint and export
+    (as an HF peft adapter directory, weights/lora_export.py)."""
+
+    rank: int = _f(0, ge=0, help="LoRA rank r (0 = off: full fine-tuning). Each targeted projection W gets "
+                   "W x + (alpha / r) B A x with A [r, in] and B [out, r], as HF peft's LoraConfig(r=...).")
+    alpha: Optional[float] = _f(None, gt=0.0, help="LoRA alpha (peft's lora_alpha); the adapter output is scaled "
+                                "by alpha / rank. null (default) = 2 x rank.")
+    dropout: float = _f(0.0, ge=0.0, lt=1.0, help="Dropout on the adapters' input (peft's lora_dropout), applied "
+                        "in training forwards only (forwards with gradients), never to log-probs computed without "
+                        "them. 0 (default) keeps the training forward's log-probs equal to the others'.")
+    targets: list[str] = _f(factory=lambda: list(LORA_TARGETS), help="HF module names that get adapters (peft's "
+                            "target_modules): any of q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj "
+                            "(default all). Dense layers only: under MoE the MLP names are refused.")
+
+    push: Literal["auto", "adapter", "merged"] = _f(
+        "auto", help="How new weights reach the engines (weights/lora_push.py). adapter: the engines keep the base "
+        "and load each version's adapter (SGLang --enable-lora, /load_lora_adapter): MBs a push instead of the "
+        "model's GBs. merged: the adapters folded into the base (W + alpha/r B A) and pushed as full weights through "
+        "rollout.weight_sync. auto (default): adapter, except merged with rollout.colocate=true (the in-node "
+        "transfer carries full weights) and external producers (they load v<version> model directories).")
+
+    @property
+    def scaling(self) -> float:
+        """peft's ``lora_alpha / r`` (0 when off)."""
+        return (self.alpha if self.alpha is not None else 2.0 * self.rank) / self.rank if self.rank else 0.0
+
+    def validate(self) -> None:
+        """Ranges, and targets among :data:`LORA_TARGETS` (ConfigError naming the unknown ones)."""
+        check_ranges(self, "model.lora")
+        unknown = [t for t in self.targets if t not in LORA_TARGETS]
+        if unknown:
+            raise ConfigError(f"model.lora.targets has unknown module names {unknown}; allowed: "
+                              f"{', '.join(LORA_TARGETS)}")
+        if self.rank and not self.targets:
+            raise ConfigError(f"model.lora.rank={self.rank} with model.lora.targets=[]: name at least one of "
+                              f"{', '.join(LORA_TARGETS)}, or set model.lora.rank=0")
+        if len(set(self.targets)) != len(self.targets):
+            raise ConfigError(f"model.lora.targets={self.targets} names a module twice")
+
 
 @dataclass
 class ModelConfig:
@@ -67,10 +113,13 @@ class ModelConfig:
     attention_dropout: float = _f(0.0, ge=0.0, lt=1.0, help="Attention dropout (0 for RL).")
     hidden_dropout: float = _f(0.0, ge=0.0, lt=1.0, help="Hidden dropout (0 for RL).")
     moe: MoEConfig = field(default_factory=MoEConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
     def validate(self) -> None:
-        """Field ranges (``model.*``, ``model.moe.*``); whether the model is MoE is checked when it is built."""
+        """Field ranges (``model.*``, ``model.moe.*``), ``model.lora``; whether the model is MoE is checked
+        when it is built."""
         check_ranges(self, "model")
+        self.lora.validate()
 
 
 @dataclass

@@ -62,6 +62,7 @@ from megatron_m2po.config import Config, load_config
 from megatron_m2po.utils.settings import ConfigError
 from megatron_m2po.plan import colocated as colocated_plan
 from megatron_m2po.plan import lease, moe, routing
+from megatron_m2po.plan import lora as plan_lora
 
 GiB = 1024 ** 3
 
@@ -306,6 +307,8 @@ class Layout:
     routing_imbalance: float = 1.0          # MoE: hottest EP rank's token copies / mean (plan/routing.py)
     lease: lease.LeaseShape = lease.LeaseShape()  # a step's samples, for the lease's transient (plan/lease.py)
     reference: bool = False                 # algo.kl.coef > 0: a frozen reference copy (actor/reference.py)
+    lora_rank: int = 0                      # model.lora.rank: frozen base, adapters train (plan/lora.py)
+    lora_targets: tuple[str, ...] = plan_lora.DEFAULT_TARGETS
 
     @property
     def world_size(self) -> int:
@@ -430,6 +433,9 @@ def estimate(m: ModelShape, lay: Layout) -> list[StageMemory]:
     expert_shard = moe.expert_data_parallel(lay) if lay.distributed_optimizer else 1
     n_mb = lay.num_microbatches if lay.num_microbatches is not None else 10 ** 9
     layers_per_stage = m.layers / lay.pp
+    adapters = plan_lora.adapter_params(m, lay)
+    if lay.recompute != "full":
+        per_layer += plan_lora.adapter_activation_bytes(m, lay, toks)
 
     naive = toks * vocab_p / lay.tp * 14
     fused = min(lay.logprob_chunk_rows, toks) * vocab_p / lay.tp * 12
@@ -454,14 +460,18 @@ def estimate(m: ModelShape, lay: Layout) -> list[StageMemory]:
         if i == lay.pp - 1:
             act += 2 * toks * m.hidden / (lay.tp if sp else 1)  # final-norm output, input of the output layer
             logits_naive, logits_fused = naive, fused
+        if lay.lora_rank > 0:  # frozen base: gradients and optimizer states of the adapters only
+            grads, opt = adapters * 4, adapters * opt_bytes / opt_shard
+        else:
+            grads, opt = (params + experts) * 4, params * opt_bytes / opt_shard + experts * opt_bytes / expert_shard
         out.append(StageMemory(
-            stage=i, params=params + experts, weights=(params + experts) * lay.param_bytes,
-            gradients=(params + experts) * 4,
-            optimizer=params * opt_bytes / opt_shard + experts * opt_bytes / expert_shard, activations=act,
+            stage=i, params=params + experts + adapters, weights=(params + experts + adapters) * lay.param_bytes,
+            gradients=grads, optimizer=opt, activations=act,
             logits=logits_fused if lay.fused_logprobs else logits_naive,
             logits_naive=logits_naive, logits_fused=logits_fused, overhead=lay.overhead_gib * GiB,
             in_flight=in_flight, lease=leased,
-            reference=(params + experts) * lay.param_bytes if lay.reference else 0.0))
+            # under LoRA the reference is the base with the adapters disabled: no copy
+            reference=(params + experts) * lay.param_bytes if lay.reference and lay.lora_rank <= 0 else 0.0))
     return out
 
 
@@ -602,7 +612,8 @@ def layout_from_config(cfg: Config, *, nnodes: int = 1, gpus_per_node: int = 8, 
                                         updates=cfg.trainer.num_updates_per_step,
                                         routed_experts=cfg.rollout.return_routed_experts,
                                         engine_logprobs=cfg.algo.recompute_behav_logprobs),
-                 reference=cfg.algo.kl.coef > 0)
+                 reference=cfg.algo.kl.coef > 0, lora_rank=cfg.model.lora.rank,
+                 lora_targets=tuple(cfg.model.lora.targets))
     for k, v in overrides.items():
         if v is not None:
             setattr(lay, k, v)
@@ -764,6 +775,8 @@ def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     _bool_flag(p, "fused-logprobs", "Fused chunked log-prob (default on; --no-fused-logprobs = naive logits).")
     _bool_flag(p, "flash-attention", "Flash/TE attention (no s x s scores stored; default on).")
     p.add_argument("--overhead-gib", type=float, default=None, help="Fixed overhead per GPU (GiB, default 3).")
+    p.add_argument("--lora-rank", type=int, default=None,
+                   help="Override model.lora.rank (0 = full fine-tuning; > 0: frozen base, adapters train).")
     p.add_argument("--json", action="store_true", help="Print the plan as JSON.")
     p.add_argument("--store-warn-gib", type=float, default=routing.STORE_WARN_GIB,
                    help="MoE: warn when routing replay stores more than this in the rollout store (GiB; default a "
@@ -820,7 +833,7 @@ def run(args: argparse.Namespace) -> int:
                  "seq_len": "seq_len", "num_microbatches": "num_microbatches", "recompute": "recompute",
                  "sequence_parallel": "sequence_parallel", "distributed_optimizer": "distributed_optimizer",
                  "fused_logprobs": "fused_logprobs", "flash_attention": "flash_attention",
-                 "overhead_gib": "overhead_gib"}
+                 "overhead_gib": "overhead_gib", "lora_rank": "lora_rank"}
         kw = {dst: getattr(args, src) for src, dst in names.items()}
         nnodes, gpus_per_node = cluster_of(args)
         p = plan_from_config(cfg, m, nnodes=nnodes, gpus_per_node=gpus_per_node,
@@ -866,8 +879,9 @@ def print_plan(p: LayoutPlan) -> None:
             t.add_column(f"stage {s.stage}", justify="right")
         t.add_column("how")
         rows = [
-            ("weights", "weights", f"{lay.param_bytes} B/param over tp"),
-            ("gradients", "gradients", "fp32 main grads, 4 B/param"),
+            ("weights", "weights", f"{lay.param_bytes} B/param over tp"
+             + (f", base frozen + LoRA r={lay.lora_rank} adapters" if lay.lora_rank > 0 else "")),
+            ("gradients", "gradients", "fp32 main grads, 4 B/param" + (" (adapters only)" if lay.lora_rank > 0 else "")),
             ("optimizer states", "optimizer",
              f"fp32 master+Adam m,v{f' / dp*cp={lay.dp * lay.cp}' if lay.distributed_optimizer else ''}"
              + (f", experts' / expert-dp={moe.expert_data_parallel(lay)}" if m.is_moe and lay.distributed_optimizer

@@ -44,6 +44,7 @@ from typing import Any, Optional
 
 from megatron_m2po.config import Config
 from megatron_m2po.plan import colocated as colocated_plan
+from megatron_m2po.plan import lora as plan_lora
 from megatron_m2po.plan import memory, moe, routing
 from megatron_m2po.plan.memory import (GiB, Layout, LayoutPlan, ModelShape, PlanError, padded_vocab, plan_from_config,
                                        stage_params)
@@ -305,8 +306,13 @@ def _micro_batch_times(m: ModelShape, lay: Layout, work: Workload, mb: _MicroBat
     peak = cm.peak_tflops * 1e12
     g_eff = cm.gemm_eff * tokens_mb / (tokens_mb + cm.gemm_half_tokens)
     # forward + backward = 3 forwards for the GEMMs; the fused log-prob recomputes the logits in its
-    # backward (+1); flash attention's backward is 2.5 forwards (attention_train_s)
-    compute = (3 * dense_fwd + 4 * head_fwd) / (peak * g_eff) + attention_train_s(attn_fwd, cm)
+    # backward (+1); flash attention's backward is 2.5 forwards (attention_train_s). Under LoRA the
+    # frozen base has no weight-gradient GEMM (2 forwards, the head 3); the adapters' own GEMMs
+    # (forward, input and weight gradients) are 6 FLOPs per adapter parameter and token.
+    lora = lay.lora_rank > 0
+    adapter_flops = 6 * tokens_mb * plan_lora.adapter_params(m, lay) if lora else 0.0
+    compute = (((2 if lora else 3) * dense_fwd + (3 if lora else 4) * head_fwd + adapter_flops) / (peak * g_eff)
+               + attention_train_s(attn_fwd, cm))
     recompute = recompute_time(lay.recompute, dense_fwd / (peak * g_eff), attn_fwd / (peak * cm.attn_eff))
     ep_comm = expert_fwd = 0.0
     if m.is_moe:
@@ -360,7 +366,8 @@ def _gradient_sync_and_optimizer(m: ModelShape, lay: Layout, cm: CostModel) -> t
     DP: gradients (fp32) reduced over dp; the distributed optimizer reduce-scatters them and
     all-gathers the bf16 parameters instead of one all-reduce."""
     vocab_p = padded_vocab(m.vocab, lay.tp, lay.vocab_divisible_by)
-    params = max(stage_params(m, lay, i, vocab_p) for i in range(lay.pp))
+    lora = lay.lora_rank > 0  # a frozen base: only the adapters are reduced and stepped
+    params = plan_lora.adapter_params(m, lay) if lora else max(stage_params(m, lay, i, vocab_p) for i in range(lay.pp))
     dp_comm = 0.0
     dpcp = lay.dp * lay.cp  # Megatron's DDP reduces gradients over data x context parallel ranks
     if dpcp > 1:
@@ -372,7 +379,7 @@ def _gradient_sync_and_optimizer(m: ModelShape, lay: Layout, cm: CostModel) -> t
     # Adam: read grad, master, m, v (16 B), write master, m, v (12 B) and the bf16 weight
     shard = dpcp if lay.distributed_optimizer else 1
     optimizer = params / shard * (28 + lay.param_bytes) / (cm.hbm_gbs * 1e9)
-    if m.is_moe:  # expert parameters: over the expert data-parallel group
+    if m.is_moe and not lora:  # expert parameters: over the expert data-parallel group
         e_comm, e_opt = moe.expert_dp_times(m, lay, cm, lambda span: _bw(span, lay.gpus_per_node, cm))
         dp_comm += e_comm
         optimizer += e_opt
