@@ -30,10 +30,14 @@ every engine as ``/update_weights_from_tensor`` with ``load_format="flattened_bu
 
 Lifetime: the handles point into the sender's memory, so each bucket (its flat tensor) is held by
 the sender until every engine's HTTP call for it has returned (the engine has loaded it, or
-failed; after a failure the sender still waits, bounded, for the bucket in flight). Meanwhile the
-next bucket is packed (its copy overlaps the engines' load: on the host into the other of two
-reused shared-memory buffers, on a GPU into fresh memory from the caching allocator) and posted
-only once the previous one has returned: each engine loads one bucket at a time, in order.
+failed; after a failure the sender still waits, bounded, for the buckets in flight). Meanwhile the
+next bucket is packed (its copy overlaps the engines' load: on the host into reused shared memory,
+``colocated_bucket.HostBuckets``, which takes another bucket only once every engine has loaded the
+one it held; on a GPU into fresh memory from the caching allocator) and posted before the previous
+one has returned, so each engine finds it queued when done (an engine runs one update at a time,
+below); the bucket carrying the version goes only once every other one of its stage has returned
+(other stages', below, may still be loading). The bucket format and its pickling are in
+``weights/colocated_bucket.py``.
 
 Who serves which engine rank: :func:`colocated_assignment` maps each engine TP rank to the trainer
 rank on its GPU and refuses a layout where a trainer rank's GPU has no engine rank (a GPU that does
@@ -58,31 +62,25 @@ its ``run_stage`` hands a plan of kind ``"colocated"`` to :func:`run_colocated_s
 
 from __future__ import annotations
 
-import base64
-import copyreg
-import io
 import os
-import pickle
 import time
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Optional, Sequence
+from typing import Iterable, Optional, Sequence
 
 import torch
-from multiprocessing.reduction import ForkingPickler
-from torch.multiprocessing import reductions
 
 from megatron_m2po.weights.errors import WeightSyncError
 from megatron_m2po.utils.background_loop import BackgroundLoop
 from megatron_m2po.utils.hf_dir import iter_safetensors
 from megatron_m2po.weights.fp8 import DEFAULT_BLOCK, is_fp8_config, quantize_named
+from megatron_m2po.weights.colocated_bucket import (HOST_BUCKETS, FlattenedTensorMetadata, bucket_layout,
+                                                    pack_bucket, serialize_bucket, split_buckets)
 from megatron_m2po.weights.stage import PushPlan, StageResult, describe, each_engine, nbytes, push_from_stages
 from megatron_m2po.weights.transport import SyncStats, WeightSync, push_stats
 
 __all__ = ["ColocatedWeightSync", "ColocatedPlan", "EngineRank", "colocated_assignment", "pack_bucket",
            "serialize_bucket", "split_buckets", "run_colocated_stage", "Phases", "exchange_colocated",
-           "push_colocated", "forget_host_buckets", "colocated_servers"]
-
-SGLANG_META = ("sglang.srt.weight_sync.tensor_bucket", "FlattenedTensorMetadata")
+           "push_colocated", "colocated_servers"]
 
 
 def read_hf_config(path: str) -> dict:
@@ -94,147 +92,6 @@ def read_hf_config(path: str) -> dict:
             return json.load(f)
     except (OSError, ValueError):
         return {}
-
-
-class FlattenedTensorMetadata:
-    """SGLang's ``FlattenedTensorMetadata`` (``weight_sync/tensor_bucket.py``), pickled under its
-    name there; ``numel`` and the indices count bytes of the flat uint8 tensor."""
-
-    def __init__(self, name: str, shape: torch.Size, dtype: torch.dtype, start_idx: int, end_idx: int,
-                 numel: int) -> None:
-        self.name, self.shape, self.dtype = name, shape, dtype
-        self.start_idx, self.end_idx, self.numel = start_idx, end_idx, numel
-
-
-FlattenedTensorMetadata.__module__, FlattenedTensorMetadata.__qualname__ = SGLANG_META
-
-
-def _reduce_tensor(t: torch.Tensor):
-    """torch's ``reduce_tensor``, with the CUDA device named by UUID (``patch_torch.py``)."""
-    fn, args = reductions.reduce_tensor(t)
-    if fn is reductions.rebuild_cuda_tensor:
-        i = 6  # patch_torch.py _REDUCE_TENSOR_ARG_DEVICE_INDEX
-        args = (*args[:i], str(torch.cuda.get_device_properties(args[i]).uuid), *args[i + 1:])
-    return fn, args
-
-
-def _reduce_storage(storage):
-    """torch's ``reduce_storage`` under the ``file_system`` strategy whatever the process's setting
-    (``torch/multiprocessing/reductions.py``): a shared-memory file any local process can open."""
-    if storage.device.type != "cpu":
-        return reductions.reduce_storage(storage)
-    metadata = storage._share_filename_cpu_()
-    storage._shared_incref()
-    reductions.shared_cache[metadata[1]] = reductions.StorageWeakRef(storage)
-    return reductions.rebuild_storage_filename, (type(storage),) + metadata
-
-
-_TABLE: dict = {}
-
-
-def _dispatch_table() -> dict:
-    """``ForkingPickler``'s reducers (torch's, registered by ``init_reductions``) with ours."""
-    if not _TABLE:
-        reductions.init_reductions()
-        table = copyreg.dispatch_table.copy()
-        table.update(ForkingPickler._extra_reducers)
-        for cls in torch._tensor_classes:
-            table[cls] = _reduce_tensor
-        table[torch.Tensor] = table[torch.nn.Parameter] = _reduce_tensor
-        table[torch.UntypedStorage] = _reduce_storage
-        _TABLE.update(table)
-    return _TABLE
-
-
-class _Pickler(pickle._Pickler):
-    """``ForkingPickler``'s reductions (torch's included) with the two above, writing SGLang's
-    metadata class by name (the pure-Python pickler lets :meth:`save_global` skip the import)."""
-
-    def __init__(self, buf) -> None:
-        super().__init__(buf, protocol=pickle.DEFAULT_PROTOCOL)
-        self.dispatch_table = _dispatch_table()
-
-    def save_global(self, obj, name=None):
-        if obj is not FlattenedTensorMetadata:
-            return super().save_global(obj, name)
-        module, qualname = SGLANG_META
-        if self.proto >= 4:
-            self.save(module)
-            self.save(qualname)
-            self.write(pickle.STACK_GLOBAL)
-        else:
-            self.write(pickle.GLOBAL + f"{module}\n{qualname}\n".encode())
-        self.memoize(obj)
-
-
-def serialize_bucket(flat: torch.Tensor, metadata: list[FlattenedTensorMetadata]) -> str:
-    """``MultiprocessingSerializer.serialize({"flattened_tensor", "metadata"}, output_str=True)``."""
-    buf = io.BytesIO()
-    _Pickler(buf).dump({"flattened_tensor": flat, "metadata": metadata})
-    return base64.b64encode(buf.getvalue()).decode("ascii")
-
-
-def _empty_flat(n: int, device: torch.device) -> torch.Tensor:
-    if device.type == "cpu":  # born in shared memory: handing it over copies nothing more
-        # Made on ``device`` (the trainer's; the CPU platform's stand-in for a GPU): the bucket is
-        # broadcast on a group that is NCCL on GPUs, where only device tensors may go.
-        shm = torch.UntypedStorage._new_using_filename_cpu(max(n, 1))
-        return torch.empty(0, dtype=torch.uint8, device=device).set_(shm)[:n]
-    return torch.empty(n, dtype=torch.uint8, device=device)
-
-
-# Host buckets are reused, bucket k in _HOST_RING[k % 2] (bucket k - 2 has been loaded by then):
-# fresh shared memory costs a page fault per page at the first write, which made packing 3x slower
-# than a copy into touched memory (tools/benchmarks/weight_sync.py --colocated). GPU buckets come
-# from the caching allocator each time (nothing stays on the GPU between pushes).
-_HOST_RING: dict[int, torch.Tensor] = {}
-
-
-def _ring_buffer(slot: Optional[int], n: int, device: torch.device) -> torch.Tensor:
-    if slot is None or device.type != "cpu":
-        return _empty_flat(n, device)
-    buf = _HOST_RING.get(slot)
-    if buf is None or buf.numel() < n:
-        buf = _HOST_RING[slot] = _empty_flat(n, device)
-    return buf[:n]
-
-
-def forget_host_buckets() -> None:
-    """Drop the reused host buckets (after a failure an engine that did not answer may still read one)."""
-    _HOST_RING.clear()
-
-
-def pack_bucket(named: Sequence[tuple[str, torch.Tensor]], device: Optional[torch.device] = None, *,
-                slot: Optional[int] = None) -> tuple[torch.Tensor, list[FlattenedTensorMetadata]]:
-    """One flat uint8 tensor on ``device`` (default: the first tensor's; CPU ones in shared memory)
-    and its metadata; each tensor starts at a multiple of its element size. ``slot`` (0 or 1): pack
-    into that reused host buffer (its previous bucket must have been loaded)."""
-    if not named:
-        raise ValueError("cannot pack an empty bucket")
-    device = torch.device(device) if device is not None else named[0][1].device
-    metas, offset = [], 0
-    for name, t in named:
-        offset = -(-offset // t.element_size()) * t.element_size()
-        metas.append(FlattenedTensorMetadata(name, t.shape, t.dtype, offset, offset + nbytes(t), nbytes(t)))
-        offset += nbytes(t)
-    flat = _ring_buffer(slot, offset, device)
-    for m, (_, t) in zip(metas, named):
-        flat[m.start_idx:m.end_idx].copy_(t.detach().reshape(-1).view(torch.uint8))
-    return flat, metas
-
-
-def split_buckets(weights: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[list]:
-    """Lists of ``(name, tensor)`` of at most ``bucket_bytes`` (a larger tensor goes alone)."""
-    bucket, size = [], 0
-    for name, t in weights:
-        n = nbytes(t) + t.element_size()  # with its worst alignment gap
-        if bucket and size + n > bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, t))
-        size += n
-    if bucket:
-        yield bucket
 
 
 @dataclass(frozen=True, slots=True)
@@ -309,11 +166,11 @@ class Phases:
 
 class _InFlight:
     """One bucket, packed, then posted to every engine: its flat tensor is held here until all have
-    answered."""
+    answered, and given back for reuse only if all loaded it."""
 
     def __init__(self, plan: ColocatedPlan, stage: int, k: int, bucket: list, final: bool, phases: Phases) -> None:
         t0 = time.perf_counter()
-        self.flat, metas = pack_bucket(bucket, slot=k % 2)
+        self.flat, metas = pack_bucket(bucket, pool=HOST_BUCKETS, capacity=plan.bucket_bytes)
         t1 = time.perf_counter()
         self.payloads = {u: [serialize_bucket(self.flat, metas) for _ in range(tp)]
                          for u, tp in zip(plan.urls, plan.engine_tp)}
@@ -333,15 +190,18 @@ class _InFlight:
         return self
 
     def wait(self, phases: Phases) -> None:
-        t0 = time.perf_counter()
+        t0, loaded = time.perf_counter(), False
         try:
             self.future.result(self.timeout_s + 30)
+            loaded = True
         except TimeoutError:
             raise WeightSyncError(f"{self.what}: engines {self.urls} did not answer within "
                                   f"{self.timeout_s:.0f}s") from None
         finally:
             phases.wait_s += time.perf_counter() - t0
-            self.flat = None  # every engine answered: its memory may go
+            flat, self.flat = self.flat, None
+            if loaded:  # every engine answered: its memory may take another bucket
+                HOST_BUCKETS.give_back(flat)
 
 
 def run_colocated_stage(plan: ColocatedPlan, stage: int, weights: Iterable[tuple[str, torch.Tensor]],
@@ -349,9 +209,12 @@ def run_colocated_stage(plan: ColocatedPlan, stage: int, weights: Iterable[tuple
     """Send stage ``stage``'s tensors bucket by bucket (``stage.run_stage``'s contract: never
     raises, the error is in the result; always iterates ``weights`` to the end).
 
-    Bucket ``k + 1`` is gathered and packed while the engines load bucket ``k`` (each engine still
-    gets one request at a time, in order): at most two packed buckets and one gathered bucket
-    exist at once. ``phases`` (optional) accumulates where the time went.
+    Bucket ``k`` is packed while the engines load bucket ``k - 1`` and posted before that load has
+    answered, so each engine finds it queued when it is done (SGLang runs one update at a time:
+    ``is_pause_cond`` / ``model_update_lock``); then the sender waits for bucket ``k - 1``, whose
+    memory takes bucket ``k + 1``. At most two packed buckets and one gathered bucket exist at once.
+    The bucket carrying the version (the last stage's last) is posted only once every other one of
+    its stage has answered. ``phases`` (optional) accumulates where the time went.
     """
     t0 = time.perf_counter()
     res, phases = StageResult(stage), phases if phases is not None else Phases()
@@ -359,24 +222,26 @@ def run_colocated_stage(plan: ColocatedPlan, stage: int, weights: Iterable[tuple
     if plan.fp8:
         it = quantize_named(it, block=plan.fp8_block, skipped=res.skipped)
     io_loop = BackgroundLoop(f"colocated-push-s{stage}")
-    pending: Optional[_InFlight] = None
+    posted: list[_InFlight] = []  # in order; at most two
     try:
         buckets = split_buckets(it, plan.bucket_bytes)
         nxt, k = next(buckets, None), 0
         while nxt is not None:
             bucket, nxt = nxt, next(buckets, None)  # look ahead: is this the last bucket?
-            packed = _InFlight(plan, stage, k, bucket, stage == plan.n_stages - 1 and nxt is None, phases)
-            if pending is not None:
-                pending.wait(phases)  # bucket k - 1 loaded (its packing overlapped this one's)
-            pending, k = packed.post(io_loop), k + 1
+            final = stage == plan.n_stages - 1 and nxt is None  # it carries the version
+            packed = _InFlight(plan, stage, k, bucket, final, phases)
+            if final:  # after every other bucket of this stage has answered
+                _wait(posted, 0, phases)
+            posted.append(packed.post(io_loop))
+            _wait(posted, 1, phases)  # bucket k - 1 loaded (its load overlapped this one's packing)
+            k += 1
             res.bytes += sum(nbytes(t) for _, t in bucket)
             res.n_tensors += len(bucket)
-        if pending is not None:
-            pending.wait(phases)
+        _wait(posted, 0, phases)
     except BaseException as e:  # noqa: BLE001 - reported in the result, raised by the controller
         res.error = f"stage {stage}: {describe(e)}"
-        _drain(pending)
-        forget_host_buckets()
+        for p in posted:  # engines may still read them
+            _drain(p)
     finally:
         for _ in it:  # the stage's other tensor-parallel ranks gather with this one
             pass
@@ -385,9 +250,17 @@ def run_colocated_stage(plan: ColocatedPlan, stage: int, weights: Iterable[tuple
     return res
 
 
-def _drain(pending: Optional[_InFlight]) -> None:
-    """After a failure, wait (bounded) for the bucket still posted: an engine may be reading it."""
-    if pending is not None and pending.future is not None:
+def _wait(posted: list[_InFlight], keep: int, phases: Phases) -> None:
+    """Wait, oldest first, until at most ``keep`` of the posted buckets are unanswered (a bucket
+    leaves ``posted`` once answered; on an error it stays there, to be drained)."""
+    while len(posted) > keep:
+        posted[0].wait(phases)
+        posted.pop(0)
+
+
+def _drain(pending: _InFlight) -> None:
+    """After a failure, wait (bounded) for a bucket still posted: an engine may be reading it."""
+    if pending.future is not None:
         try:
             pending.wait(Phases())
         except BaseException:  # noqa: BLE001 - the first error is the one reported
@@ -397,12 +270,8 @@ def _drain(pending: Optional[_InFlight]) -> None:
 # ------------------------------------------------------------------------ every rank of the node
 def _bucket_meta(bucket: list) -> tuple:
     """What the other ranks need to receive a bucket: (name, shape, dtype, byte offset) each, and its size."""
-    metas, offset = [], 0
-    for name, t in bucket:
-        offset = -(-offset // t.element_size()) * t.element_size()
-        metas.append((name, tuple(t.shape), str(t.dtype).replace("torch.", ""), offset))
-        offset += nbytes(t)
-    return tuple(metas), offset
+    metas, size = bucket_layout(bucket)
+    return tuple((m.name, tuple(m.shape), str(m.dtype).replace("torch.", ""), m.start_idx) for m in metas), size
 
 
 def _metas(meta: tuple) -> list[FlattenedTensorMetadata]:
@@ -432,6 +301,8 @@ def exchange_colocated(plan: ColocatedPlan, weights: Iterable[tuple[str, torch.T
     Stage by stage, each bucket of the stage's sender is broadcast over ``group`` into every rank's
     memory on its own device (:func:`_exchange_bucket`); the stage's other ranks cut their own
     tensors into the same buckets in step (their tensor-parallel gathers go with the sender's).
+    Rank 0 posts bucket ``k`` before it waits for bucket ``k - 1``'s answers, so the engines load
+    ``k - 1`` while ``k`` is packed, broadcast and gathered (as :func:`run_colocated_stage`).
     Returns this rank's :class:`StageResult` when it is a sender, else None; never raises (errors
     are in the results, rank 0's ``finish`` raises them)."""
     import torch.distributed as dist
@@ -447,27 +318,10 @@ def exchange_colocated(plan: ColocatedPlan, weights: Iterable[tuple[str, torch.T
     io_loop = BackgroundLoop("colocated-exchange") if rank == 0 else None
     try:
         for p in range(plan.n_stages):
-            src = roles.index((p, True))
-            buckets = split_buckets(it, plan.bucket_bytes) if p == stage else iter(())
-            nxt, k = next(buckets, None), 0
-            while True:
-                bucket, nxt = nxt, (next(buckets, None) if nxt is not None else None)
-                ok = rank != src or (bucket is not None and not res.error)
-                meta = [(_bucket_meta(bucket), p == plan.n_stages - 1 and nxt is None) if rank == src and ok else None]
-                dist.broadcast_object_list(meta, src=_global(group, src), group=group)
-                if meta[0] is None:
-                    break
-                err = _exchange_bucket(plan, p, k, bucket if rank == src else None, meta[0], src, rank, io_loop, group)
-                if rank == src:
-                    res.error = res.error or err
-                    res.bytes += meta[0][0][1]
-                    res.n_tensors += len(meta[0][0][0])
-                k += 1
+            _exchange_stage(plan, p, roles.index((p, True)), it if p == stage else None, res, rank, io_loop, group)
     except BaseException as e:  # noqa: BLE001 - reported in the result, raised by the controller
         res.error = res.error or f"stage {stage}: {describe(e)}"
     finally:
-        if res.error:
-            forget_host_buckets()
         for _ in it:  # the stage's other tensor-parallel ranks gather with this one
             pass
         if io_loop is not None:
@@ -476,37 +330,104 @@ def exchange_colocated(plan: ColocatedPlan, weights: Iterable[tuple[str, torch.T
     return res if sender else None
 
 
+def _exchange_stage(plan: ColocatedPlan, p: int, src: int, it, res: StageResult, rank: int, io_loop, group) -> None:
+    """Stage ``p``'s buckets, from group rank ``src``; ``it``: this rank's tensors when it is one of
+    the stage's ranks. The sender stops after its first failed bucket (``res.error``)."""
+    import torch.distributed as dist
+
+    buckets = split_buckets(it, plan.bucket_bytes) if it is not None else iter(())
+    nxt, k, prev = next(buckets, None), 0, None
+
+    def note(err: str) -> None:
+        if rank == src:
+            res.error = res.error or err
+    while True:
+        bucket, nxt = nxt, (next(buckets, None) if nxt is not None else None)
+        ok = rank != src or (bucket is not None and not res.error)
+        meta = [(_bucket_meta(bucket), p == plan.n_stages - 1 and nxt is None) if rank == src and ok else None]
+        dist.broadcast_object_list(meta, src=_global(group, src), group=group)
+        if meta[0] is None:
+            break
+        cur = _exchange_bucket(plan, p, k, bucket if rank == src else None, meta[0], src, rank, group)
+        if meta[0][1]:  # the last bucket (the version): after every other one has answered
+            note(_settle(prev, plan, group))
+            prev = None
+        cur.post(io_loop, plan)
+        note(_settle(prev, plan, group))
+        prev, k = cur, k + 1
+        if rank == src:
+            res.bytes += meta[0][0][1]
+            res.n_tensors += len(meta[0][0][0])
+    note(_settle(prev, plan, group))
+
+
+@dataclass
+class _Held:
+    """A bucket every rank holds until rank 0 has heard every engine on it; rank 0 also holds the
+    payloads, then the answers' future."""
+
+    flat: torch.Tensor
+    stage: int
+    final: bool
+    what: str = ""
+    payloads: Optional[dict] = None
+    future: object = None
+
+    def post(self, io_loop, plan: ColocatedPlan) -> None:
+        if self.payloads is None:  # not rank 0
+            return
+        self.future = io_loop.submit(each_engine(plan.urls, lambda c: c.update_weights_from_tensor(
+            self.payloads[c.base_url], load_format="flattened_bucket", flush_cache=self.final and plan.flush_last,
+            weight_version=str(plan.version) if self.final else None, timeout_s=plan.timeout_s), self.what,
+            plan.timeout_s))
+
+
+def _settle(held: Optional[_Held], plan: ColocatedPlan, group) -> str:
+    """Rank 0 waits for every engine's answer on ``held``; every rank hears the outcome and gives
+    the bucket back for reuse when all loaded it. Returns the error ("" when loaded)."""
+    import torch.distributed as dist
+
+    if held is None:
+        return ""
+    out = [""]
+    if held.future is not None:
+        try:
+            held.future.result(plan.timeout_s + 30)
+        except TimeoutError:
+            out[0] = f"stage {held.stage}: {held.what}: engines {plan.urls} did not answer within {plan.timeout_s:.0f}s"
+        except BaseException as e:  # noqa: BLE001 - every rank hears of it
+            out[0] = f"stage {held.stage}: {describe(e)}"
+    dist.broadcast_object_list(out, src=_global(group, 0), group=group)
+    if not out[0]:
+        HOST_BUCKETS.give_back(held.flat)
+    return out[0]
+
+
 def _exchange_bucket(plan: ColocatedPlan, p: int, k: int, bucket: Optional[list], meta: tuple, src: int, rank: int,
-                     io_loop, group) -> str:
+                     group) -> _Held:
     """One bucket: broadcast from ``src`` into every rank's memory, each serving rank's payloads to
-    rank 0, rank 0 posts them to every engine; every rank holds its copy until rank 0 has heard every
-    engine. Returns rank 0's error ("" when every engine loaded it)."""
+    rank 0 (which :meth:`_Held.post` s them to every engine)."""
     import torch.distributed as dist
 
     (named_meta, size), final = meta
-    flat = pack_bucket(bucket, slot=0)[0] if bucket is not None else _ring_buffer(0, size, _device())
+    if bucket is not None:
+        flat = pack_bucket(bucket, pool=HOST_BUCKETS, capacity=plan.bucket_bytes)[0]
+    else:
+        flat = HOST_BUCKETS.lease(size, _device(), plan.bucket_bytes)
     dist.broadcast(flat, src=_global(group, src), group=group)
     metas = _metas(named_meta)
     mine = {(i, j): serialize_bucket(flat, metas)
             for i, ranks in enumerate(plan.servers) for j, r in enumerate(ranks) if r == rank}
     gathered: Optional[list] = [None] * dist.get_world_size(group) if rank == 0 else None
     dist.gather_object(mine, gathered, dst=_global(group, 0), group=group)
-    out = [""]
+    held = _Held(flat, p, final)
     if rank == 0:
         payloads = {key: v for d in gathered for key, v in d.items()}
-        url_payloads = {u: [payloads[(i, j)] for j in range(tp)]
-                        for i, (u, tp) in enumerate(zip(plan.urls, plan.engine_tp))}
-        what = (f"update_weights_from_tensor of stage {p} bucket {k} ({len(metas)} tensors, {size / 2**20:.3g} MiB, "
-                f"{metas[0].name} .. {metas[-1].name})")
-        try:
-            io_loop.run(each_engine(plan.urls, lambda c: c.update_weights_from_tensor(
-                url_payloads[c.base_url], load_format="flattened_bucket", flush_cache=final and plan.flush_last,
-                weight_version=str(plan.version) if final else None, timeout_s=plan.timeout_s), what, plan.timeout_s),
-                timeout=plan.timeout_s + 30)
-        except BaseException as e:  # noqa: BLE001 - every rank hears of it
-            out[0] = f"stage {p}: {describe(e)}"
-    dist.broadcast_object_list(out, src=_global(group, 0), group=group)
-    return out[0]
+        held.payloads = {u: [payloads[(i, j)] for j in range(tp)]
+                         for i, (u, tp) in enumerate(zip(plan.urls, plan.engine_tp))}
+        held.what = (f"update_weights_from_tensor of stage {p} bucket {k} ({len(metas)} tensors, "
+                     f"{size / 2**20:.3g} MiB, {metas[0].name} .. {metas[-1].name})")
+    return held
 
 
 def push_colocated(controller, weights: Iterable[tuple[str, torch.Tensor]], version: int, *, stage: int,
