@@ -121,11 +121,31 @@ class Config:
         if self.rollout.n_samples_per_prompt == 1 and a.advantage.startswith("grpo"):
             raise ConfigError("rollout.n_samples_per_prompt=1 gives GRPO groups of one sample (all advantages 0); use >= 2")
         _check_routing_replay(self)
+        _check_lora_push(self)
         return self
 
     # Convenience paths derived from run_dir.
     def resolved_path(self, value: str, default_name: str) -> Path:
         return Path(os.path.expanduser(value)) if value else Path(self.trainer.run_dir) / default_name
+
+
+def _check_lora_push(cfg: "Config") -> None:
+    """``model.lora.push=adapter`` needs engines that load adapters next to a base they keep."""
+    lora, r = cfg.model.lora, cfg.rollout
+    if lora.rank <= 0 or lora.push == "merged":
+        return
+    if lora.push == "auto" and (r.colocate or r.source == "external"):
+        return  # merged (weights/lora_push.py lora_push_mode)
+    if r.colocate:
+        raise ConfigError("model.lora.push=adapter with rollout.colocate=true: colocated engines get full weights "
+                          "through the in-node transfer; use model.lora.push=merged (or auto)")
+    if r.source == "external":
+        raise ConfigError("model.lora.push=adapter with rollout.source=external: external producers load the "
+                          "published v<version> model directories; use model.lora.push=merged (or auto)")
+    if lora.adapter_transport == "memory" and r.launcher != "local":
+        raise ConfigError(f"model.lora.adapter_transport=memory with rollout.launcher={r.launcher}: shared-memory "
+                          "handles reach engines on rank 0's node only; use rollout.launcher=local or "
+                          "model.lora.adapter_transport=disk")
 
 
 # --------------------------------------------------------------------------------------------

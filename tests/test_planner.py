@@ -266,7 +266,7 @@ def test_pipeline_in_flight_1f1b():
 # ---------------------------------------------------------------------------------------------
 
 RECIPES = {"qwen2.5-32b": (4, 8), "qwen3-32b": (4, 8), "qwen2.5-math-7b": (1, 4), "qwen3-8b": (1, 4),
-           "qwen3-30b-a3b": (2, 8), "qwen2.5-math-7b-colocated": (1, 8)}
+           "qwen3-30b-a3b": (2, 8), "qwen2.5-math-7b-colocated": (1, 8), "qwen2.5-32b-lora": (1, 2)}
 
 
 @pytest.mark.parametrize("name", sorted(RECIPES))
@@ -613,7 +613,7 @@ def test_search_with_nothing_fitting_says_why(capsys):
 
 # qwen3-30b-a3b: tests/test_planner_moe.py (one search shared with the MoE constraint checks)
 SEARCH_RECIPES = {"qwen2.5-32b": (4, 8), "qwen2.5-32b-32k": (4, 8), "qwen3-32b": (4, 8), "qwen2.5-math-7b": (1, 4),
-                  "qwen3-8b": (1, 4)}
+                  "qwen3-8b": (1, 4), "qwen2.5-32b-lora": (1, 2)}
 
 
 @pytest.mark.parametrize("name", sorted(SEARCH_RECIPES))

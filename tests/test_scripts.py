@@ -43,7 +43,8 @@ def test_shellcheck_clean():
     ("run_qwen3_32b.sh", 4, 8, "qwen3-32b"),
     ("run_qwen2.5_math_7b.sh", 1, 4, "qwen2.5-math-7b"), ("run_qwen3_8b.sh", 1, 4, "qwen3-8b"),
     ("run_qwen3_30b_a3b.sh", 2, 8, "qwen3-30b-a3b"),
-    ("run_qwen2.5_math_7b_colocated.sh", 1, 8, "qwen2.5-math-7b-colocated")])
+    ("run_qwen2.5_math_7b_colocated.sh", 1, 8, "qwen2.5-math-7b-colocated"),
+    ("run_qwen2.5_32b_lora.sh", 1, 2, "qwen2.5-32b-lora")])
 def test_recipe_dry_run_prints_config_commands_and_plan(script, nnodes, gpn, model):
     r = sh(script, "--dry-run", "trainer.num_steps=7", MASTER_ADDR="10.0.0.1")
     assert r.returncode == 0, r.stdout + r.stderr

@@ -77,6 +77,12 @@ class LoRAConfig:
         "rollout.weight_sync. auto (default): adapter, except merged with rollout.colocate=true (the in-node "
         "transfer carries full weights) and external producers (they load v<version> model directories).")
 
+    adapter_transport: Literal["disk", "memory"] = _f(
+        "disk", help="With push=adapter, how an adapter reaches the engines. disk: a peft directory per version "
+        "(rollout.weight_sync_dir; engines on other nodes need it shared), /load_lora_adapter. memory: "
+        "/load_lora_adapter_from_tensors with shared-memory handles, no file (engines on rank 0's node: "
+        "rollout.launcher=local).")
+
     @property
     def scaling(self) -> float:
         """peft's ``lora_alpha / r`` (0 when off)."""

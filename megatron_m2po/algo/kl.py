@@ -16,6 +16,12 @@ of every rank add up to ``coef`` times the token mean over the mini-batch, whate
 policy loss as a separate term: no mask, TIS weight or clip of a loss applies to it, and a loss's
 token mask (M2PO's) is computed from the policy ratio ``logp - behav_logp`` only, never from it.
 
+``algo.kl.placement=reward`` (verl ``use_kl_in_reward``, :func:`reward_penalties`): the penalty of a
+trajectory is ``coef * sum_t loss_mask_t * k(behav_logp_t, ref_logp_t)``, taken from its reward
+before the advantages (verl ``apply_kl_penalty`` subtracts ``beta * k`` per response token from the
+token-level scores, and its GRPO advantage sums the token-level rewards over the response). No
+gradient: the behaviour log-probs are the rollout's, constants of the update.
+
 Metrics (``algo.metrics.Metric``; the trainer logs them under ``update/``): ``ref/kl`` (the
 chosen estimator's mean over loss tokens), ``ref/kl_k1``, ``ref/kl_k2``, ``ref/kl_k3`` (each
 estimator's mean; all "mean" weighted by loss tokens), ``loss/kl`` (the term, "sum": adds up to
@@ -25,12 +31,13 @@ its part of ``loss/total``) and, after the reduction, ``ref/penalty_share`` =
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from megatron_m2po.algo.loss_settings import KL_ESTIMATORS, KLConfig
 from megatron_m2po.algo.metrics import Metric
 
-__all__ = ["KL_ESTIMATORS", "kl_estimates", "kl_penalty", "reference_kl", "penalty_share"]
+__all__ = ["KL_ESTIMATORS", "kl_estimates", "kl_penalty", "reference_kl", "penalty_share", "reward_penalties"]
 
 # verl core_algos.kl_penalty, low_var_kl: the log-ratio before exp and the estimate after it
 K3_LOGRATIO_CLAMP = 20.0
@@ -95,3 +102,45 @@ def penalty_share(reduced: dict[str, float]) -> float:
     ``|loss/kl| / (|loss/policy| + |loss/kl|)`` in [0, 1] (0 when both are 0)."""
     kl, policy = abs(reduced.get("loss/kl", 0.0)), abs(reduced.get("loss/policy", 0.0))
     return kl / (kl + policy) if kl + policy > 0 else 0.0
+
+
+def reward_penalties(behav: list[np.ndarray], ref: list[np.ndarray], masks: list[np.ndarray], *,
+                     settings: KLConfig) -> tuple[np.ndarray, dict[str, float]]:
+    """``algo.kl.placement=reward``: ``(penalties, metrics)`` of a step's trajectories.
+
+    ``behav[i]``, ``ref[i]``, ``masks[i]``: trajectory ``i``'s behaviour log-probs, reference
+    log-probs and loss mask over its response tokens. ``penalties[i] = coef * sum_t mask_t *
+    k(behav_t, ref_t)`` in float64 (``settings.estimator``), summed in token order, so the result
+    depends on the per-token values only (the same on every layout). Metrics, over the step's
+    loss tokens: ``ref/kl`` (the chosen estimator's token mean), ``ref/kl_{k1,k2,k3}``, and
+    ``reward/kl_penalty`` (the mean penalty per trajectory). Non-finite log-probs on loss tokens
+    raise ValueError naming the trajectory; values on other tokens are ignored.
+    """
+    if not len(behav) == len(ref) == len(masks):
+        raise ValueError(f"reward_penalties: {len(behav)} behaviour, {len(ref)} reference and {len(masks)} mask "
+                         "arrays; pass one of each per trajectory")
+    if not behav:
+        return np.zeros(0), {}
+    for i, (b, r, m) in enumerate(zip(behav, ref, masks)):
+        if not np.shape(b) == np.shape(r) == np.shape(m):
+            raise ValueError(f"reward_penalties: trajectory {i} has behaviour {np.shape(b)}, reference "
+                             f"{np.shape(r)} and mask {np.shape(m)} log-probs / entries; they must be equal")
+    mask = np.concatenate([np.asarray(m).reshape(-1) for m in masks]) > 0
+    lp = np.concatenate([np.asarray(b, np.float64).reshape(-1) for b in behav])
+    rf = np.concatenate([np.asarray(r, np.float64).reshape(-1) for r in ref])
+    seq = np.repeat(np.arange(len(behav)), [np.size(b) for b in behav])
+    bad = mask & ~(np.isfinite(lp) & np.isfinite(rf))
+    if bad.any():
+        which = sorted(set(seq[bad].tolist()))
+        raise ValueError(f"reward_penalties: non-finite behaviour or reference log-probs on {int(bad.sum())} loss "
+                         f"tokens of trajectories {which[:10]} (by index in the step); check the reference model "
+                         "(model.hf_path) and the rollout's log-probs")
+    w = mask.astype(np.float64)
+    est = kl_estimates(torch.from_numpy(np.where(mask, lp, 0.0)), torch.from_numpy(np.where(mask, rf, 0.0)))
+    k = {name: v.numpy() * w for name, v in est.items()}
+    n = max(float(w.sum()), 1.0)
+    penalties = settings.coef * np.bincount(seq, weights=k[settings.estimator], minlength=len(behav))
+    metrics = {f"ref/kl_{name}": float(v.sum() / n) for name, v in k.items()}
+    metrics["ref/kl"] = metrics[f"ref/kl_{settings.estimator}"]
+    metrics["reward/kl_penalty"] = float(penalties.mean())
+    return penalties, metrics

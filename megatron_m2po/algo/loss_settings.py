@@ -135,9 +135,17 @@ KL_ESTIMATORS = ("k1", "k2", "k3")
 class KLConfig:
     """Reference-model KL (``algo.kl``; every loss; algo/kl.py, actor/reference.py, docs/design.md §3)."""
 
-    coef: float = _f(0.0, ge=0.0, help="Coefficient of the reference-model KL term added to the policy loss "
-                     "(verl actor.kl_loss_coef, slime --kl-coef); 0 = off (no reference model is built).")
+    coef: float = _f(0.0, ge=0.0, help="Coefficient of the reference-model KL penalty: of the term added to the "
+                     "policy loss (placement=loss: verl actor.kl_loss_coef, slime --kl-coef) or of the penalty taken "
+                     "from the reward (placement=reward: verl algorithm.kl_ctrl.kl_coef); 0 = off (no reference model "
+                     "is built).")
     estimator: Literal["k1", "k2", "k3"] = _f(
         "k3", help="Per-token estimator of KL(pi_theta || pi_ref) from d = logp - ref_logp (Schulman, "
         "'Approximating KL divergence'; verl core_algos.kl_penalty): 'k1' = d, 'k2' = d^2 / 2, 'k3' = "
         "exp(-d) + d - 1 with -d clamped to [-20, 20] and the result to [-10, 10] (verl low_var_kl).")
+    placement: Literal["loss", "reward"] = _f(
+        "loss", help="Where the penalty goes: 'loss' = a term coef * token-mean(k) of the policy log-probs added to "
+        "every update's loss (verl use_kl_loss); 'reward' = coef * sum_t k(behav_logp_t, ref_logp_t) over a "
+        "trajectory's loss tokens subtracted from its reward before the GRPO advantages (verl use_kl_in_reward; "
+        "behaviour log-probs: the recomputed ones with algo.recompute_behav_logprobs), by a reference pass over "
+        "the whole step; no loss term then.")

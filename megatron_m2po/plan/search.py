@@ -854,6 +854,20 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def _script_gpus_per_node(args: argparse.Namespace) -> Optional[int]:
+    """GPUS_PER_NODE of the recipe's launch script when it is not 8 (said on stderr), else None."""
+    if not args.config or "=" in args.config:
+        return None
+    from megatron_m2po.plan.recipes import launch_cluster
+
+    rc = launch_cluster(args.config)
+    if rc is None or rc.gpus_per_node == 8:
+        return None
+    print(f"# {rc.gpus_per_node} trainer GPUs per node: what {rc.script.name} launches (GPUS_PER_NODE); "
+          "--gpus-per-node searches another", file=sys.stderr)
+    return rc.gpus_per_node
+
+
 def run(args: argparse.Namespace) -> int:
     if not args.search or args.list_models:
         return memory.run(args)
@@ -864,7 +878,9 @@ def run(args: argparse.Namespace) -> int:
               f"enumerates; drop them (or drop --search to check one layout)", file=sys.stderr)
         return 2
     cfg = memory.config_of(args)
-    gpn = args.gpus_per_node or 8  # the search's cluster is what it is told (or the smallest that fits)
+    # The search's cluster is what it is told (or the smallest that fits); a recipe whose launch
+    # script runs fewer trainer processes than a node's GPUs (engines on the others) is searched there.
+    gpn = args.gpus_per_node or _script_gpus_per_node(args) or 8
     try:
         m = memory.resolve_model(args, cfg)
         def search(nnodes: int) -> SearchResult:

@@ -70,7 +70,7 @@ import logging
 import random
 import uuid
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import aiohttp
 import numpy as np
@@ -282,6 +282,26 @@ class SGLangClient:
         self.engine_urls = [u.rstrip("/") for u in engine_urls] if engine_urls else None
         self._sem: Optional[_Limiter] = None
         self._session: Optional[aiohttp.ClientSession] = None
+        # LoRA adapter pushes (weights/lora_push.py ``AdapterPush.current``): the (name, version) of the
+        # adapter a request without its own lora_path runs under (None: the base model). Its tokens are
+        # tagged with that version: a request keeps its adapter to its end, across later pushes.
+        self.adapter: Optional[Callable[[], Optional[tuple[str, int]]]] = None
+
+    def _adapter_for(self, lora_path: Optional[str]) -> tuple[Optional[str], Optional[int]]:
+        """``(lora_path to send, version to tag the tokens with or None)`` of one request."""
+        if lora_path is not None or self.adapter is None:
+            return lora_path, None
+        cur = self.adapter()
+        return (cur[0], int(cur[1])) if cur is not None else (None, None)
+
+    @staticmethod
+    def _tagged(out: "GenerateOutput", version: Optional[int]) -> "GenerateOutput":
+        """Every token of a request under an adapter pushed as ``version`` is of that version (the
+        engine's spans would name its own counter, which moves with later pushes)."""
+        if version is not None:
+            out.weight_version = str(version)
+            out.token_weight_versions = [str(version)] * len(out.output_ids)
+        return out
 
     async def __aenter__(self) -> "SGLangClient":
         return self
@@ -353,6 +373,7 @@ class SGLangClient:
         ``routed_experts_start_len`` on (:meth:`GenerateOutput.routed_experts_array`). ``affinity``
         is not sent: one URL has nothing to choose (a router picks by prompt prefix); the
         ``DispatchClient`` (``rollout/dispatch.py``) keeps requests with one key on one engine."""
+        lora_path, adapter_version = self._adapter_for(lora_path)
         payload = generate_payload(input_ids, sampling_params, return_logprob, rid=rid,
                                    return_routed_experts=return_routed_experts,
                                    routed_experts_start_len=routed_experts_start_len, lora_path=lora_path)
@@ -369,7 +390,7 @@ class SGLangClient:
                 if "timed out" in str(e):
                     await self._abort_quietly(rid)
                 raise
-        return GenerateOutput.from_json(out)
+        return self._tagged(GenerateOutput.from_json(out), adapter_version)
 
     async def _generate_with_retry(self, payload: dict) -> dict:
         timeout = aiohttp.ClientTimeout(total=self.timeout_s)

@@ -209,6 +209,7 @@ class DispatchClient(SGLangClient):
                        lora_path: Optional[str] = None) -> GenerateOutput:
         """:meth:`SGLangClient.generate` on the engine the policy picks; ``affinity`` (e.g. the group
         id) keeps requests with the same key on one engine."""
+        lora_path, adapter_version = self._adapter_for(lora_path)
         payload = generate_payload(input_ids, sampling_params, return_logprob, rid=rid,
                                    return_routed_experts=return_routed_experts,
                                    routed_experts_start_len=routed_experts_start_len, lora_path=lora_path)
@@ -233,7 +234,7 @@ class DispatchClient(SGLangClient):
                     out = await r.json(content_type=None)
                     if slot.down:  # it answered: back in service
                         slot.down = False
-                    return GenerateOutput.from_json(out)
+                    return self._tagged(GenerateOutput.from_json(out), adapter_version)
             except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as e:
                 last = f"{slot.url}: {type(e).__name__}: {e}"
                 await self._mark_down(slot, type(e).__name__)

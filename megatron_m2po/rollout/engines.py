@@ -314,7 +314,7 @@ class EngineFleet:
         restarted = []
         for e in self.engines:
             alive = e.handle.alive() if e.handle is not None else True
-            if alive and _run(_probe(e.url, 5.0)):
+            if not self._dead(e, alive):
                 continue
             if e.handle is None or e.spec is None:
                 raise FleetSetupError(f"external engine {e.url} is not healthy; restart it and call again")
@@ -336,6 +336,18 @@ class EngineFleet:
                 self._register(e)
         self._announce()  # listed engines were just probed healthy: a dispatching client uses them again
         return restarted
+
+    def dead_urls(self) -> list[str]:
+        """The engines :meth:`check_and_restart` would relaunch now (process exited, or no answer to
+        ``/health``); nothing is restarted. Colocated mode asks first: a relaunched engine loads its
+        whole memory at start-up, so the trainer offloads before (``trainer/colocated.py``)."""
+        return [e.url for e in self.engines if self._dead(e)]
+
+    @staticmethod
+    def _dead(e: _Engine, alive: Optional[bool] = None) -> bool:
+        if alive is None:
+            alive = e.handle.alive() if e.handle is not None else True
+        return not (alive and _run(_probe(e.url, 5.0)))
 
     @property
     def pending_urls(self) -> list[str]:

@@ -80,7 +80,13 @@ from megatron_m2po.store.store import Lease, RolloutStore
 from megatron_m2po.store.types import Group, RoutingSpec
 from megatron_m2po.utils.background_loop import BackgroundLoop
 from megatron_m2po.weights.fp8 import export_fp8_dir
+from megatron_m2po.weights.lora_export import peft_config
+from megatron_m2po.weights.lora_push import AdapterPush, lora_push_mode
+from megatron_m2po.weights.lora_push import engine_args as lora_engine_args
 from megatron_m2po.weights.push import WeightPushController, build_weight_sync
+
+# LoRA adapter versions every engine keeps loaded: the newest, and the one requests in flight across a push use
+ADAPTERS_KEPT = 2
 
 log = logging.getLogger(__name__)
 
@@ -144,6 +150,7 @@ class RolloutService:
             build_weight_sync(cfg.rollout, self.engine_urls, sync_dir=str(self._sync_dir),
                               base_model_dir=self.model_path, external=self._external),
             fleet=self._fleet, store=self._store, bg=self._bg)
+        self._weights.adapters = self._adapter_push()
         if self._fleet is not None:
             self._fleet.refit_fn = self._weights.refit  # a restarted engine gets the current weights
         self._sampler = GroupSampler(cfg.rollout, seed=cfg.trainer.seed, tokenizer=tokenizer, reward=self._reward,
@@ -196,9 +203,31 @@ class RolloutService:
             placement(cfg, node)
         # No refit_fn yet: the push controller needs the started fleet's URLs first (_build_parts joins them).
         self._fleet = EngineFleet(cfg.rollout, engine_model, run_dir=str(run_dir), node=node,
-                                  on_concurrency=self._resize_client, on_engines=self._reset_engines)
+                                  on_concurrency=self._resize_client, on_engines=self._reset_engines,
+                                  extra_engine_args=self._lora_engine_args())
         self._fleet.start()
         self._bg.submit(self._open_client()).result()
+
+    def _lora_engine_args(self) -> list[str]:
+        """LoRA adapter pushes: the engines serve adapters on their base (weights/lora_push.py)."""
+        lora = self.cfg.model.lora
+        if lora_push_mode(self.cfg) != "adapter":
+            return []
+        return lora_engine_args(lora.rank, list(lora.targets), keep=ADAPTERS_KEPT)
+
+    def _adapter_push(self) -> Optional[AdapterPush]:
+        """Rank 0's adapter pushes (``model.lora.push=adapter``); the client sends every request under
+        the newest adapter and tags its tokens with that adapter's version."""
+        if lora_push_mode(self.cfg) != "adapter" or self._fleet is None:
+            return None
+        r = self.cfg.rollout
+        adapters = AdapterPush(self._sync_dir, peft_config(self.cfg.model.lora, self.model_path),
+                               client_for=lambda url: SGLangClient(url, timeout_s=r.weight_sync_timeout_s,
+                                                                   control_timeout_s=r.weight_sync_timeout_s),
+                               bg=self._bg, timeout_s=r.weight_sync_timeout_s, keep=ADAPTERS_KEPT,
+                               in_memory=self.cfg.model.lora.adapter_transport == "memory")
+        self._client.adapter = lambda: adapters.current
+        return adapters
 
     async def _open_client(self) -> None:
         # sglang-router's client, or without a router a DispatchClient over the engines (rollout/dispatch.py)
@@ -256,41 +285,74 @@ class RolloutService:
                                   ("used_tokens", "num_used_tokens"))}
 
     # ------------------------------------------------------------------ colocated mode
-    def release_engines(self, tags: tuple[str, ...] = ("weights", "kv_cache")) -> None:
+    def release_engines(self, tags: tuple[str, ...] = ("weights", "kv_cache")) -> list[str]:
         """Colocated mode: wait for scheduled generation in flight, then every engine frees ``tags``
         (``/release_memory_occupation``; SGLang 0.5.23 asserts an idle engine,
         ``managers/scheduler_components/weight_updater.py`` ``release_memory_occupation``, and kills its
-        scheduler otherwise, so nothing may be generating). Raises naming each engine that refused."""
+        scheduler otherwise, so nothing may be generating). Returns the engines that failed because
+        they are dead (their memory went with their process: :meth:`relaunch_engines`); a failure on
+        an engine that is alive raises, naming each."""
         self._scheduled.drain()
-        self._on_engines(lambda c: c.release_memory_occupation(list(tags), timeout_s=self._control_timeout_s),
-                         f"release_memory_occupation {list(tags)}")
+        return self._on_engines(lambda c: c.release_memory_occupation(list(tags), timeout_s=self._control_timeout_s),
+                                f"release_memory_occupation {list(tags)}")
 
-    def resume_engines(self, tags: tuple[str, ...]) -> None:
+    def resume_engines(self, tags: tuple[str, ...]) -> list[str]:
         """Colocated mode: every engine maps ``tags`` again (``/resume_memory_occupation``). Resumed
-        ``weights`` hold nothing usable (no ``--enable-weights-cpu-backup``): push before generating."""
-        self._on_engines(lambda c: c.resume_memory_occupation(list(tags), timeout_s=self._control_timeout_s),
-                         f"resume_memory_occupation {list(tags)}")
+        ``weights`` hold nothing usable (no ``--enable-weights-cpu-backup``): push before generating.
+        Returns the engines that are dead, as :meth:`release_engines`."""
+        return self._on_engines(lambda c: c.resume_memory_occupation(list(tags), timeout_s=self._control_timeout_s),
+                                f"resume_memory_occupation {list(tags)}")
+
+    def dead_engines(self) -> list[str]:
+        """Colocated mode: the engines that died (a probe; nothing is relaunched)."""
+        return self._fleet.dead_urls() if self._fleet is not None else []
+
+    @property
+    def pending_engines(self) -> list[str]:
+        """Relaunched engines that wait for the next push (out of the router until it admits them)."""
+        return self._fleet.pending_urls if self._fleet is not None else []
+
+    def relaunch_engines(self, release: tuple[str, ...]) -> list[str]:
+        """Colocated mode, with the trainer offloaded (a relaunched engine loads the base model and
+        reserves its KV cache at start-up, as SGLang 0.5.23 does with ``--enable-memory-saver``:
+        ``model_executor/model_runner.py`` ``initialize``): relaunch the dead engines, out of the
+        router until a push admits them, then release ``release`` on them, to match the others.
+        Returns their URLs."""
+        urls = self._weights.restart_dead_engines()
+        if urls and release:
+            self._on_engines(lambda c: c.release_memory_occupation(list(release), timeout_s=self._control_timeout_s),
+                             f"release_memory_occupation {list(release)} of the relaunched engine(s)", urls=urls,
+                             tolerate_dead=False)
+        return urls
 
     @property
     def _control_timeout_s(self) -> float:
         return self.cfg.rollout.weight_sync_timeout_s
 
-    def _on_engines(self, fn, what: str) -> None:
-        """``fn(client)`` on every engine at once (each engine's own URL: the router forwards no memory
-        calls); a failure anywhere raises RuntimeError naming each engine that failed."""
+    def _on_engines(self, fn, what: str, *, urls: Optional[list[str]] = None, tolerate_dead: bool = True) -> list[str]:
+        """``fn(client)`` on every engine (or ``urls``) at once (each engine's own URL: the router
+        forwards no memory calls). Returns the engines that failed and are dead (``tolerate_dead``);
+        any other failure raises RuntimeError naming each engine that failed."""
         import asyncio
+
+        urls = list(self.engine_urls if urls is None else urls)
 
         async def one(url: str):
             async with SGLangClient(url, max_retries=0, control_timeout_s=self._control_timeout_s) as c:
                 return await fn(c)
 
         async def each() -> list:
-            return await asyncio.gather(*(one(u) for u in self.engine_urls), return_exceptions=True)
+            return await asyncio.gather(*(one(u) for u in urls), return_exceptions=True)
 
         got = self._bg.submit(each()).result(timeout=self._control_timeout_s + 30)
-        bad = [f"{u}: {type(r).__name__}: {r}" for u, r in zip(self.engine_urls, got) if isinstance(r, BaseException)]
-        if bad:
-            raise RuntimeError(f"{what} failed on {len(bad)}/{len(got)} engine(s):\n  " + "\n  ".join(bad))
+        bad = {u: f"{type(r).__name__}: {r}" for u, r in zip(urls, got) if isinstance(r, BaseException)}
+        dead = set(self.dead_engines()) & set(bad) if bad and tolerate_dead else set()
+        if set(bad) - dead:
+            raise RuntimeError(f"{what} failed on {len(bad)}/{len(got)} engine(s):\n  "
+                               + "\n  ".join(f"{u}: {m}" for u, m in bad.items()))
+        for u in sorted(dead):
+            log.warning("%s: engine %s is dead (%s); it is relaunched where its memory is free", what, u, bad[u])
+        return sorted(dead)
 
     # ------------------------------------------------------------------ scheduled generation
     def generate(self, step: int, *, background: bool) -> None:

@@ -25,14 +25,29 @@ def _group_order_key(g: Group) -> tuple:
 def groups_to_batch(groups: list[Group], *, advantage: str = "grpo", adv_eps: float = 1e-6,
                     use_recomputed: bool = False) -> RolloutBatch:
     """One ``Sample`` per trajectory, groups in id order, advantages by group."""
-    groups = sorted(groups, key=_group_order_key)
-    trajs = [t for g in groups for t in g.trajectories]
+    trajs = step_trajectories(groups)
+    adv = step_advantages(trajs, advantage=advantage, adv_eps=adv_eps)
+    return RolloutBatch([trajectory_to_sample(t, a, use_recomputed=use_recomputed) for t, a in zip(trajs, adv)])
+
+
+def step_trajectories(groups: list[Group]) -> list[Trajectory]:
+    """The step's trajectories in the batch's order (groups in id order); unscored ones raise."""
+    trajs = [t for g in sorted(groups, key=_group_order_key) for t in g.trajectories]
     if any(t.reward is None for t in trajs):
         missing = [t.uid for t in trajs if t.reward is None][:5]
         raise ValueError(f"unscored trajectories reached the trainer: {missing}")
+    return trajs
+
+
+def step_advantages(trajs: list[Trajectory], *, advantage: str = "grpo", adv_eps: float = 1e-6,
+                    penalties: np.ndarray | None = None) -> np.ndarray:
+    """GRPO advantages of ``trajs`` by group, from their rewards minus ``penalties`` (one per
+    trajectory, ``algo.kl.placement=reward``: trainer/kl_reward.py) when given. The trajectories'
+    rewards are never changed."""
     rewards = np.array([float(t.reward) for t in trajs], dtype=np.float64)
-    adv = grpo_advantages(rewards, [t.group_id for t in trajs], eps=adv_eps, normalize_std=(advantage == "grpo"))
-    return RolloutBatch([trajectory_to_sample(t, a, use_recomputed=use_recomputed) for t, a in zip(trajs, adv)])
+    if penalties is not None:
+        rewards = rewards - np.asarray(penalties, dtype=np.float64)
+    return grpo_advantages(rewards, [t.group_id for t in trajs], eps=adv_eps, normalize_std=(advantage == "grpo"))
 
 
 def shard_step(batch: RolloutBatch, num_updates: int, shards: Callable[..., list[list[int]]], dp_of: list[int],

@@ -57,13 +57,16 @@ from megatron_m2po.actor.checkpoint import latest_checkpoint
 from megatron_m2po.config import Config, config_to_dict, dump_config
 from megatron_m2po.parallel.rank0 import any_rank, check_shared_run_dir, from_rank0, scatter_from_rank0
 from megatron_m2po.trainer.colocated import ColocatedPhases
-from megatron_m2po.trainer.batching import groups_to_batch, rollout_metrics, shard_step, trajectory_to_sample
+from megatron_m2po.trainer.batching import (groups_to_batch, rollout_metrics, shard_step, step_trajectories,
+                                             trajectory_to_sample)
+from megatron_m2po.trainer.kl_reward import LeadStep, penalise_step
 from megatron_m2po.trainer.preflight import claim_checked_run_dir
 from megatron_m2po.trainer.run_lock import RunDirLock
 from megatron_m2po.trainer.run_report import finished_message, finished_step, run_summary
 from megatron_m2po.trainer.schedule import make_schedule
 from megatron_m2po.trainer.token_dump import TokenDump
 from megatron_m2po.weights.hf_export import export_hf
+from megatron_m2po.weights.lora_push import lora_push_mode
 from megatron_m2po.weights.push import WeightPushController
 from megatron_m2po.utils.faults import fault_point
 from megatron_m2po.utils.hf_dir import resolve_model_path
@@ -185,6 +188,7 @@ class Trainer:
             if self.lead is not None:
                 self.service = self.lead.service
                 self.weights = self.service.weights
+            self.weights.lora_push = lora_push_mode(cfg)  # every rank: adapters alone, or merged weights
             if self.colocated is not None:
                 self.colocated.attach(self.weights, self.service)
         except BaseException:
@@ -398,11 +402,18 @@ class Trainer:
             t.recomputed_behav_logprobs = np.minimum(np.asarray(lp, dtype=np.float32), 0.0)
 
     # ------------------------------------------------------------------ one step
+    @property
+    def _kl_in_reward(self) -> bool:
+        """``algo.kl.placement=reward`` with a reference: the penalty goes into the advantages."""
+        return self.cfg.algo.kl.coef > 0 and self.cfg.algo.kl.placement == "reward"
+
     def _fetch_step(self, step: int) -> Optional[tuple[list[ShardedBatch], Any, dict]]:
         """Rank 0 leases the step's groups and splits them into optimizer mini-batches; every rank
         receives, per mini-batch, the global plan (sizes and versions) and the samples of its own
         data-parallel shard only (``actor.shards``), not the whole step. Returns those, the lease
-        (rank 0) and the rollout metrics; None on every rank when a stop request ended the wait."""
+        (rank 0) and the rollout metrics; None on every rank when a stop request ended the wait.
+        With ``algo.kl.placement=reward`` the advantages are then recomputed from the penalised
+        rewards (trainer/kl_reward.py) before they are returned."""
         leased: dict[str, Any] = {}
 
         def lease() -> list:
@@ -416,11 +427,17 @@ class Trainer:
             minis, parts = shard_step(batch, self.U, self.actor.shards, self._dp_of, meta)
             if self.token_dump is not None and self.token_dump.wants(step):
                 leased["full"] = [RolloutBatch(samples) for samples in minis]
+            if self._kl_in_reward:
+                leased["step"] = LeadStep(step_trajectories(groups), [s for samples in minis for s in samples])
             return parts
 
-        meta, minibatches = scatter_from_rank0(lease, what=f"the rollouts of step {step}")
+        with TIMER.phase("data_wait"):
+            meta, minibatches = scatter_from_rank0(lease, what=f"the rollouts of step {step}")
         if isinstance(minibatches, _Stopped):
             return None
+        if self._kl_in_reward:  # the reference pass, then the advantages of the penalised rewards
+            self._trainer_resident()
+            meta = {**meta, **penalise_step(self.actor, minibatches, leased.get("step"), self.cfg.algo)}
         self._full_minibatches = leased.get("full")  # rank 0 only: the whole mini-batches (token dumps)
         return minibatches, leased.get("lease"), meta
 
@@ -435,8 +452,7 @@ class Trainer:
         if self.lead:
             self.service.mark_step_start()  # the dataset position before the step's generation events
         extra = self._generation_events()
-        with TIMER.phase("data_wait"):
-            fetched = self._fetch_step(step)
+        fetched = self._fetch_step(step)  # its wait is "data_wait"
         if fetched is None:
             return None
         minibatches, lease, rollout = fetched
@@ -529,8 +545,11 @@ class Trainer:
         """One step of the run (all ranks): train, evaluate when due, log, checkpoint when due; an
         :class:`_Ended` when the run stops here on request."""
         cfg = self.cfg
-        # Relaunched engines that wait for weights (distributed sync) get them now.
-        if self._from_rank0(lambda: self.weights.check_engines(), what="the engine check"):
+        # Relaunched engines that wait for weights (distributed sync) get them now. Colocated: only
+        # where the node's memory allows, refit by the next move to the engines (trainer/colocated.py).
+        if self.colocated is not None:
+            self.colocated.check_engines()
+        elif self._from_rank0(lambda: self.weights.check_engines(), what="the engine check"):
             self._push_weights()
         trained = self._train_step(step)
         if trained is None:  # a stop request ended the wait for this step's data

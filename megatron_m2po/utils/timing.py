@@ -43,9 +43,10 @@ from typing import Iterator
 # Colocated mode (trainer/colocated.py) adds the time-sharing phases: "release" (engines free weights
 # and KV, after the generation in flight), "reload" / "offload" (the trainer's state back on / off the
 # device, actor/offload.py), "resume" (engines map weights or KV again) and "transfer" (the in-place
-# push through memory handles, instead of "push").
+# push through memory handles, instead of "push"), and "relaunch" (dead engines started again where
+# their memory is free).
 TRAINER_PHASES = ("push", "generation_wait", "data_wait", "mask", "forward_backward", "optimizer",
-                  "checkpoint", "evaluation", "release", "reload", "resume", "transfer", "offload")
+                  "checkpoint", "evaluation", "release", "reload", "resume", "transfer", "offload", "relaunch")
 IDLE_PHASES = ("generation_wait", "data_wait")  # the trainer waits for rollouts
 ENGINES_PID = 1_000_000  # the trace's "engines" process (counter tracks); ranks are 0..world-1
 TRACE_FILE = "trace.json"

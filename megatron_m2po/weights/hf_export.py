@@ -68,10 +68,21 @@ def stage_hf_weights(actor) -> Iterator[tuple[str, torch.Tensor]]:
     return iter_stage_hf_weights(actor.chunks, actor.bridge)
 
 
-def export_hf(actor, out_dir: str) -> None:
+def export_hf(actor, out_dir: str, *, adapter_dir: Optional[str] = None) -> None:
     """HF safetensors + config + tokenizer files of ``actor``'s current weights; every pipeline stage
-    writes its own shards (:func:`export_hf_stages`; collective: all ranks call it)."""
+    writes its own shards (:func:`export_hf_stages`; collective: all ranks call it). Under LoRA the
+    adapters are folded in, and written as a peft adapter directory too, ``adapter_dir`` (default:
+    ``final_adapter`` next to ``out_dir``; ``PeftModel.from_pretrained(base, adapter_dir)`` loads it)."""
+    from megatron_m2po.actor.lora import has_adapters
+
     export_hf_stages(actor.chunks, actor.bridge, out_dir)
+    if has_adapters(actor.chunks):
+        from pathlib import Path
+
+        from megatron_m2po.weights.lora_export import write_peft_dir
+
+        write_peft_dir(actor.chunks, actor.cfg.model.lora, adapter_dir or str(Path(out_dir).parent / "final_adapter"),
+                       base_model_name_or_path=actor.cfg.model.hf_path)
 
 
 def _unwrap(module):
@@ -81,16 +92,35 @@ def _unwrap(module):
 
 
 def iter_stage_hf_weights(chunks, bridge) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(hf_name, full tensor)`` of this stage's parameters, tensor-parallel shards gathered.
+    """``(hf_name, full tensor)`` of this stage's parameters, tensor-parallel shards gathered; under
+    LoRA (``model.lora``) the policy's weights: each projection's adapters folded into it
+    (``W + s B A``, :func:`~megatron_m2po.weights.lora_export.merge_adapters`, what peft's
+    ``merge_and_unload`` computes), so a full-weight push and ``final_hf`` serve the trained policy.
 
     Collective over the stage's tensor-parallel group: its ranks iterate in step.
     """
+    from megatron_m2po.actor.lora import adapter_modules, has_adapters
+
+    base = _iter_base_stage_hf_weights(chunks, bridge)
+    if not has_adapters(chunks):
+        return base
+    from megatron_m2po.weights.lora_export import merge_adapters, stage_adapter_tensors
+
+    scaling = {m.scaling for m in adapter_modules(chunks)}
+    assert len(scaling) == 1, scaling  # one model.lora.alpha / rank for every adapter
+    return merge_adapters(base, stage_adapter_tensors(chunks), scaling.pop())
+
+
+def _iter_base_stage_hf_weights(chunks, bridge) -> Iterator[tuple[str, torch.Tensor]]:
+    """:func:`iter_stage_hf_weights` of the base weights alone (LoRA adapters left out)."""
     from megatron.core import parallel_state as ps
 
     tp_size, tp_group = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_group()
     seen: set[str] = set()
+    from megatron_m2po.actor.lora import base_view
+
     for chunk in chunks:
-        model = _unwrap(chunk)
+        model = base_view(_unwrap(chunk))  # LoRA adapters are not HF weights (weights/lora_export.py)
         local_to_global = bridge._weight_name_mapping_mcore_local_to_global(model, consider_ep=False)
         tied_copy = getattr(model, "share_embeddings_and_output_weights", False) and not getattr(
             model, "pre_process", True)

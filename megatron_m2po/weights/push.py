@@ -14,7 +14,7 @@ version is in flight: :meth:`begin` first waits for it (``drain``).
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Optional
 
 from megatron_m2po.rollout.settings import RolloutConfig
 from megatron_m2po.parallel.rank0 import from_rank0
@@ -26,6 +26,7 @@ from megatron_m2po.weights.disk import DiskWeightSync
 from megatron_m2po.weights.distributed import DistributedWeightSync
 from megatron_m2po.weights.errors import NcclVersionMismatch, WeightSyncError
 from megatron_m2po.weights.hf_export import stage_hf_weights, stage_layout
+from megatron_m2po.weights.lora_push import AdapterPush
 from megatron_m2po.weights.stage import PushPlan, push_from_stages
 
 log = logging.getLogger(__name__)
@@ -97,6 +98,14 @@ class WeightPushController:
         self.sync, self.fleet, self.store, self.bg, self.drain = sync, fleet, store, bg, drain
         self.version = 0  # fresh engines start from the base model
         self._pushed: list = []  # rank 0: SyncStats of the pushes since take_metrics()
+        # Every rank, after a failed push: relaunch the dead engines, return their URLs. Colocated mode
+        # sets its own (the trainer offloads around the relaunch, trainer/colocated.py).
+        self.relaunch: Optional[Callable[[], list[str]]] = None
+        # Rank 0 with model.lora.push=adapter: the engines keep their base and load an adapter per
+        # version (weights/lora_push.py); the weight sync above then only stays for its interface.
+        self.adapters: Optional[AdapterPush] = None
+        # Every rank (set by the trainer): model.lora.push resolved (lora_push_mode), None without LoRA.
+        self.lora_push: Optional[str] = None
 
     @classmethod
     def follower(cls) -> "WeightPushController":
@@ -133,7 +142,8 @@ class WeightPushController:
             except NcclVersionMismatch:
                 raise  # every retry would meet the same two NCCL builds
             except WeightSyncError as e:
-                restarted = from_rank0(lambda: self.restart_dead_engines(), what="engine restarts")
+                restarted = (self.relaunch() if self.relaunch is not None
+                             else from_rank0(lambda: self.restart_dead_engines(), what="engine restarts"))
                 if attempt == 2 or not restarted:
                     raise
                 if self.leads:
@@ -144,10 +154,45 @@ class WeightPushController:
     def push_actor(self, actor, *, phase: str = "push") -> None:
         """All ranks: push ``actor``'s weights at its version, every pipeline stage sending its own
         layers (:func:`~megatron_m2po.weights.hf_export.stage_layout` says who sends); ``phase``:
-        the timer phase (:meth:`push`)."""
+        the timer phase (:meth:`push`). Under LoRA with ``model.lora.push=adapter`` the adapters
+        alone go (:meth:`push_adapters`); with ``merged`` the base with the adapters folded in."""
+        if self.lora_push == "adapter":
+            self.push_adapters(actor, phase=phase)
+            return
         layout = stage_layout()
         self.push(lambda: stage_hf_weights(actor), actor.version, stage=layout.stage, n_stages=layout.n_stages,
                   sender=layout.sender, phase=phase)
+
+    def push_adapters(self, actor, *, phase: str = "push") -> None:
+        """All ranks: the adapters of every stage gathered to rank 0 (``lora_export.peft_adapter_tensors``),
+        which loads them on every engine as version ``actor.version`` (weights/lora_push.py); a load
+        that fails because engines died is repeated once after they are relaunched."""
+        from megatron_m2po.weights.lora_export import peft_adapter_tensors
+
+        version = actor.version
+        with TIMER.phase(phase):
+            tensors = peft_adapter_tensors(actor.chunks)  # collective; the list on rank 0
+            from_rank0(lambda: self._load_adapters(tensors, version), what=f"the LoRA adapter push of version {version}")
+        self.version = version
+
+    def _load_adapters(self, tensors, version: int) -> None:
+        if self.adapters is None:
+            raise RuntimeError("model.lora.push=adapter, but rank 0's push controller has no AdapterPush")
+        self.store.set_version(version)  # as begin(): the trainer is at ``version`` first
+        if self.fleet is not None:
+            self.fleet.refresh()
+        for attempt in (1, 2):
+            try:
+                stats = self.adapters.push(tensors, version, self.engine_urls)
+                break
+            except WeightSyncError as e:
+                restarted = self.restart_dead_engines()
+                if attempt == 2 or not restarted:
+                    raise
+                log.warning("LoRA adapter push of version %d failed (%s); loading it again on every engine", version, e)
+        if self.fleet is not None:
+            self.fleet.admit()
+        self._record(stats)
 
     # ------------------------------------------------------------------ rank 0
     def begin(self, version: int, n_stages: int) -> PushPlan:
@@ -215,6 +260,9 @@ class WeightPushController:
         :meth:`check_engines`)."""
         if self.version == 0:
             return  # it launched from the base model, which is version 0
+        if self.adapters is not None:
+            self.adapters.refit(url, self.version)
+            return
         self.sync.refit(url, self.version)
 
     def restart_dead_engines(self) -> list[str]:
@@ -228,6 +276,8 @@ class WeightPushController:
             log.warning("restarted %d engine(s): %s; they get the weights with the next push",
                         len(restarted), ", ".join(restarted))
             self.sync.on_engines_restarted(restarted)
+            if self.adapters is not None:
+                self.adapters.on_engines_restarted(restarted)
         return restarted
 
     def check_engines(self) -> list[str]:
@@ -246,7 +296,7 @@ class WeightPushController:
             pending = self.fleet.pending_urls
         else:
             pending = []
-            restarted = self.fleet.check_and_restart()
+            restarted = self.fleet.check_and_restart()  # refit_fn (refit) loaded their weights or adapter
             if restarted:
                 log.warning("restarted %d engine(s): %s", len(restarted), ", ".join(restarted))
                 self.sync.on_engines_restarted(restarted)

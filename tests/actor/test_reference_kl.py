@@ -1,7 +1,9 @@
 """Reference-model KL on the actor (actor/reference.py, algo/kl.py), CPU / gloo: a train step with
 ``algo.kl.coef=0.05 algo.kl.estimator=k3`` gives the one-rank result at TP=2, DP=2 and PP=2; at the
 first update (policy == reference) the KL is exactly 0; M2PO's mask does not depend on the KL
-coefficient; the reference stays frozen, off the device and without gradients."""
+coefficient; the reference stays frozen, off the device and without gradients. With
+``algo.kl.placement=reward`` the actor's reference pass (``reference_logprobs``) is layout-free and
+the update has no KL term."""
 
 import os
 
@@ -118,3 +120,61 @@ def test_every_registered_loss_takes_the_kl_term(tmp_path):
         for m in (m0, m1):
             assert m["loss/total"] == pytest.approx(m["loss/policy"] + m["loss/kl"], rel=1e-6, abs=1e-9), (loss, m)
             assert m["loss/kl"] == pytest.approx(0.1 * m["ref/kl"], rel=1e-6), loss
+
+
+def _reward_placement(rank, world_size, root, layouts):
+    from megatron_m2po.actor.actor import ActorConfig, MegatronActor
+    from megatron_m2po.actor.batch import BatchPlan, RolloutBatch, ShardedBatch
+
+    d = os.path.join(root, "qwen3")
+    if rank == 0:
+        lib.make_tiny_hf("qwen3", d, seed=4)
+    torch.distributed.barrier()
+    res = []
+    for tp, coef, packing in layouts:
+        cfg = lib.actor_config(d, tp=tp, mbs=2)
+        cfg.parallel.packing = packing
+        cfg.algo.m2po.threshold = 0.02
+        cfg.algo.kl.coef, cfg.algo.kl.placement = coef, "reward"
+        actor = MegatronActor.from_config(ActorConfig.from_config(cfg, total_updates=100))
+        samples = lib.make_samples(8, seed=5)
+        rng = np.random.default_rng(0)
+        policy = actor.compute_logprobs(RolloutBatch(samples))
+        for s, lp in zip(samples, policy):  # a stale behaviour policy
+            s.behav_logprobs = (lp + 0.5 * rng.standard_normal(lp.shape)).astype(np.float32)
+        refs = None
+        if coef > 0:  # this rank's data-parallel shard only, as the trainer sends it
+            plan = BatchPlan.of(samples)
+            mine = actor.shards(plan)[actor.dp_rank]
+            refs = actor.reference_logprobs(ShardedBatch(plan, {i: samples[i] for i in mine}))
+        rec = lib.Recorder(actor)
+        metrics = actor.train_step(RolloutBatch(samples), num_minibatches=2)
+        after = actor.reference_logprobs(RolloutBatch(samples)) if coef > 0 else None
+        mask0 = _gathered_mask(rec, 0)
+        actor.close()
+        res.append(((tp, coef, packing), policy, refs, after, metrics, mask0))
+    return res
+
+
+def test_reward_placement_reference_pass_and_no_loss_term(tmp_path):
+    """``algo.kl.placement=reward`` on the actor: ``reference_logprobs`` (the step's reference pass,
+    trainer/kl_reward.py) gives every rank all samples' reference log-probs, the same at DP=2 with
+    packing (each rank runs its shard) as on one rank, equal to the policy's at the first update and unchanged
+    by training; the update itself has no KL term: the same metrics and M2PO mask as coef=0."""
+    single = run_distributed(_reward_placement, 1, args=(str(tmp_path), [(1, 0.0, False), (1, 0.05, False)]),
+                             timeout_s=240)[0]
+    double = run_distributed(_reward_placement, 2, args=(str(tmp_path), [(1, 0.05, True)]), timeout_s=300)
+    (_, _, _, _, m_off, mask_off), (_, policy, refs, after, m_on, mask_on) = single
+    assert len(refs) == 8 and [r.shape for r in refs] == [p.shape for p in policy]
+    for r, p, a in zip(refs, policy, after):
+        np.testing.assert_allclose(r, p, rtol=0, atol=1e-6)  # policy == reference before any update
+        np.testing.assert_array_equal(a, r)                  # the reference is frozen
+    assert m_on == m_off and not any(k.startswith("ref/") or k == "loss/kl" for k in m_on[0]), sorted(m_on[0])
+    # M2PO's mask comes from the policy ratio only: placement=reward leaves it as coef=0 has it
+    assert sum(not k for k in mask_on.values()) > 0 and mask_on == mask_off
+    for per_rank in double:  # each rank of DP=2 with packing
+        for layout, _, r2, _, m2, mask2 in per_rank:
+            assert mask2 == mask_on, layout
+            for a, b in zip(r2, refs):
+                np.testing.assert_allclose(a, b, rtol=0, atol=1e-5, err_msg=str(layout))
+            assert m2[1]["loss/total"] == pytest.approx(m_on[1]["loss/total"], rel=1e-5, abs=1e-9), layout

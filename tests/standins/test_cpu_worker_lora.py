@@ -329,3 +329,80 @@ def test_lora_off_refusals():
         finally:
             await runner.cleanup()
     asyncio.run(go())
+
+
+def test_adapter_push_loads_routes_tags_and_unloads(worker, adapters, tmp_path):
+    """weights/lora_push.py ``AdapterPush`` on this worker (one worker start for both modules' worth
+    of checks): version 1 is a2's tensors, 2 and 3 a1's. After each push a request without its own
+    ``lora_path`` runs under the newest adapter (equal to peft's merged model) and every token is
+    tagged with that version; the engine reports it; past ``keep=2`` the oldest is unloaded in the
+    background; a relaunched engine (``refit``) loads the current one again; version 4 goes from
+    memory (``/load_lora_adapter_from_tensors``, shared-memory handles) instead of a directory."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from megatron_m2po.utils.background_loop import BackgroundLoop
+    from megatron_m2po.weights.lora_push import AdapterPush, adapter_name
+
+    def tensors(name):
+        d = adapters[name][0]
+        return list(load_file(os.path.join(d, "adapter_model.safetensors")).items()), \
+            json.load(open(os.path.join(d, "adapter_config.json")))
+
+    a2, a2_cfg = tensors("a2")
+    a1, _ = tensors("a1")
+    bg = BackgroundLoop("test-adapters")
+    push = AdapterPush(tmp_path, {**a2_cfg, "r": 8, "lora_alpha": 16,
+                                  "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "down_proj"]},
+                       client_for=lambda url: SGLangClient(url, max_retries=0), bg=bg, keep=2)
+
+    async def generate():
+        async with SGLangClient(worker, max_retries=0) as c:
+            c.adapter = lambda: push.current
+            return await c.generate(PROMPT, GREEDY), await c.weight_version()
+
+    async def loaded() -> set:
+        async with SGLangClient(worker, max_retries=0) as c:
+            out = await c.load_lora_adapter("probe", adapters["a2"][0])
+            await c.unload_lora_adapter("probe")
+            return set(out["loaded_adapters"]) - {"probe", "a1"}
+
+    try:
+        assert push.current is None  # version 0: the base, no lora_path
+        push.push(a2, 1, [worker])
+        out, served = bg.run(generate())
+        _check(out, adapters["a2"][1])
+        assert out.token_weight_versions == ["1"] * len(out.output_ids) and served == "1"
+        push.push(a1, 2, [worker])
+        push.push(a1, 3, [worker])
+        out, served = bg.run(generate())
+        assert out.token_weight_versions == ["3"] * len(out.output_ids) and served == "3"
+        wait_until(lambda: bg.run(loaded()) == {adapter_name(2), adapter_name(3)},
+                   what="m2po_v1 unloaded once two newer versions are loaded", timeout=60)
+        assert sorted(p.name for p in (tmp_path / "lora").iterdir()) == ["v2", "v3"]  # v1's directory pruned
+        async def forget_v3():  # the engine forgets v3, as a relaunched one holds nothing
+            async with SGLangClient(worker, max_retries=0) as c:
+                await c.unload_lora_adapter(adapter_name(3))
+        bg.run(forget_v3())
+        push.refit(worker, 3)  # its record is dropped and v3 loaded again
+        assert push.loaded[worker] == [3]
+        out, served = bg.run(generate())
+        assert out.token_weight_versions == ["3"] * len(out.output_ids)
+        # model.lora.adapter_transport=memory: /load_lora_adapter_from_tensors, no directory
+        push.in_memory = True
+        push.push(a2, 4, [worker])
+        out, served = bg.run(generate())
+        _check(out, adapters["a2"][1])
+        assert out.token_weight_versions == ["4"] * len(out.output_ids) and served == "4"
+        assert not (tmp_path / "lora" / "v4").exists()
+    finally:
+        async def unload_all():
+            async with SGLangClient(worker, max_retries=0) as c:
+                for n in (adapter_name(2), adapter_name(3), adapter_name(4)):
+                    try:
+                        await c.unload_lora_adapter(n)
+                    except EngineError:
+                        pass
+        bg.run(unload_all())
+        bg.close()

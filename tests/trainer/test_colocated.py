@@ -105,3 +105,69 @@ def test_colocated_run_lands_every_push_and_never_holds_both(tmp_path, mode):
         assert sum(r.get(f"time/{phase}_s", 0.0) for r in timed) > 0, (phase, timed)
     assert "time/push_s" not in keys
     assert sum(r.get("sync/weight_gb", 0.0) for r in timed) > 0
+
+
+def _engine_pid(trainer_pid: int) -> int | None:
+    """The pid of the CPU worker the trainer launched (its child whose command line names the worker)."""
+    import psutil
+
+    try:
+        kids = psutil.Process(trainer_pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return None
+    for p in kids:
+        try:
+            if any(a.endswith("cpu_worker") for a in p.cmdline()):
+                return p.pid
+        except psutil.Error:
+            continue
+    return None
+
+
+def test_engine_killed_while_the_trainer_holds_the_gpu_is_relaunched_offloaded_and_refit(tmp_path):
+    """Issue 40: colocated engine relaunch. A sync run of 2 steps, one engine, the budget of the test
+    above (it holds the engine or the trainer, never both). The engine is SIGKILLed by this test while
+    the trainer writes the checkpoint of step 1 (the engine released, the trainer resident; the polled
+    state is the checkpoint's ``.tmp`` directory; the process's first checkpoint took 2.6-7 s here, the
+    poll 0.02 s): step 2's move to the engines finds it dead at the resume. A relaunched engine holds
+    its whole memory at start-up, so a relaunch next to the resident trainer fails the run with the
+    ledger's out-of-memory error (the code before issue 40 relaunched it there, at the step's engine
+    check); here the trainer offloads around it, and the engine's log-probs equal the trainer's in every
+    update after it (the push reached the relaunched engine before it generated). The other phases
+    (generation, push) are in test_colocated_relaunch.py; each relaunch costs this test ~10-25 s."""
+    import signal
+
+    from waiting import wait_until
+
+    W = TINY_WEIGHT_BYTES
+    run = tmp_path / "killed"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+           "M2PO_STANDIN_GPU_LEDGER": str(tmp_path / "ledger"),
+           "M2PO_STANDIN_GPU_BUDGET_BYTES": str(int(KV_BYTES + 2.5 * W)), "M2PO_STANDIN_NODE": "colocated-kill"}
+    cmd = [sys.executable, "-m", "megatron_m2po.cli", "train", str(EXAMPLE), f"trainer.run_dir={run}", *SHORT,
+           "trainer.num_steps=2", "trainer.mode=sync", "checkpoint.save_every_steps=1"]
+    log_path = tmp_path / "train.log"
+    with open(log_path, "wb") as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            wait_until(lambda: (run / "checkpoints" / "step_000001.tmp").exists(), timeout=240,
+                       what="the checkpoint of step 1 being written (the trainer holds the GPU)",
+                       hopeless=lambda: proc.poll() is not None and log_path.read_text(errors="replace")[-3000:])
+            os.kill(wait_until(lambda: _engine_pid(proc.pid), what="the engine's process", timeout=30), signal.SIGKILL)
+            rc = proc.wait(timeout=240)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    text = log_path.read_text(errors="replace")
+    assert rc == 0 and "GpuBudgetExceeded" not in text, text[-6000:]
+    # found dead by the resume of the move to the engines; relaunched with the trainer offloaded around it
+    assert "resume_memory_occupation ['weights']: engine" in text and "is dead" in text, text[-6000:]
+    assert text.count("relaunched 1 engine(s)") == 1 and "offloaded around it" in text, text[-6000:]
+    ups = _updates(run)
+    assert sorted(ups) == [1, 2, 3, 4]
+    for u, m in ups.items():
+        assert abs(m["mismatch/train_vs_engine_kl"]) < 1e-5, (u, m)
+        s, j = divmod(u - 1, 2)
+        assert m["staleness/min"] == m["staleness/max"] == expected_staleness(s, j, 2, 0), (u, m)
+    assert sum(r.get("time/relaunch_s", 0.0) for r in _steps(run)) > 0

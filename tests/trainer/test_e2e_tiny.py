@@ -18,6 +18,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+import torch
 
 from megatron_m2po.standins import tiny_base as tb
 from megatron_m2po.trainer.schedule import expected_staleness
@@ -125,6 +126,41 @@ def test_tiny_qwen3_moe_trains_on_policy_from_its_first_update(tmp_path):
     con = sqlite3.connect(run / "rollouts.sqlite")
     rows = con.execute("SELECT length(prompt) / 4 + length(response) / 4 - 1, length(routed) FROM trajectories").fetchall()
     assert rows and all(r == 4 + 2 * n * 2 * 2 for n, r in rows)  # 2 layers x top-2, uint16, 4-byte header
+
+
+def test_lora_adapter_pushes_land_and_export_in_sync_mode(tmp_path):
+    """``model.lora.rank=8`` (actor/lora.py) in sync mode with adapter pushes (weights/lora_push.py):
+    the engine serves each version's adapter on its base, so the trainer's recomputed log-probs of
+    every generated token equal the engine's (``mismatch/train_vs_engine_kl`` < 1e-5 at every
+    update: ~3e-8 measured, the CPU worker's float noise; a push that did not land shows the size of
+    an update's KL, 3e-5 to 1e-4 here) and the policy moved. A push is the adapters alone
+    (0.13 MB here, against 1.6 MB of full weights with ``model.lora.push=merged``, which gives the
+    same updates bit for bit). At the end ``final_hf`` is the merged model and ``final_adapter`` a
+    peft adapter: the base with it loaded in peft computes what ``final_hf`` computes."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    run = tmp_path / "lora"
+    _train(run, "trainer.mode=sync", "trainer.num_steps=2", "checkpoint.save_every_steps=0", "model.lora.rank=8",
+           "algo.recompute_behav_logprobs=true", "checkpoint.export_hf_at_end=true")
+    ups = _updates(run)
+    assert sorted(ups) == [1, 2, 3, 4]
+    for u, m in ups.items():
+        assert abs(m["mismatch/train_vs_engine_kl"]) < 1e-5, (u, m)
+    assert max(m["policy/kl_k3"] for m in ups.values()) > 1e-6  # the adapters moved the policy
+    pushed = [r["sync/weight_gb"] for r in _records(run) if "sync/weight_gb" in r]
+    assert pushed and all(gb < 1e-3 for gb in pushed), pushed  # adapters, not the model
+    assert sorted(p.name for p in (run / "weights" / "lora").iterdir()) == ["v2"]  # step 2 generated at version 2
+    cfg = json.loads((run / "config.json").read_text())
+    base = AutoModelForCausalLM.from_pretrained(cfg["model"]["hf_path"], dtype=torch.float32).eval()
+    peft_model = PeftModel.from_pretrained(base, str(run / "final_adapter")).eval()
+    merged = AutoModelForCausalLM.from_pretrained(str(run / "final_hf"), dtype=torch.float32).eval()
+    ids = torch.tensor([[5, 9, 14, 3, 22, 7, 11, 2]])
+    with torch.no_grad():
+        torch.testing.assert_close(peft_model(ids).logits, merged(ids).logits, atol=1e-4, rtol=1e-4)
+        with peft_model.disable_adapter():
+            moved = (peft_model(ids).logits - merged(ids).logits).abs().max().item()
+    assert moved > 1e-5, moved  # final_hf is not the base: the adapters are folded in
 
 
 def test_reference_kl_in_async_mode(tmp_path):
@@ -393,12 +429,27 @@ def test_fp8_rollouts_update_block_fp8_engines_every_step(tmp_path):
 
 def test_phase_timings_table_and_trace(tmp_path):
     """Where the time goes: every step logs its phase timings, which fit in its wall time; the run
-    prints the "where the time went" table and (logging.trace=true) writes a Chrome trace."""
+    prints the "where the time went" table and (logging.trace=true) writes a Chrome trace.
+
+    The same run has the reference KL in the reward (``algo.kl.coef=0.05 algo.kl.placement=reward``,
+    trainer/kl_reward.py): each step logs ``reward/kl_penalty`` (coef * sum_t k3 per trajectory,
+    averaged), ``ref/kl`` of the behaviour vs the reference, the raw ``reward/mean`` and the penalised
+    mean; no update has a KL loss term. Step 1 samples from the base weights, which are the
+    reference's, so its KL is the engine-vs-trainer mismatch only (< 1e-4, the on-policy bound of
+    this file; 0.0 in the runs measured); step 2 samples from the weights of update 2 (k3 0.0019)."""
     run = tmp_path / "timed"
     _train(run, "trainer.num_steps=2", "trainer.mode=sync", "checkpoint.save_every_steps=1",
-           "trainer.eval_every_steps=2", "logging.trace=true")
+           "trainer.eval_every_steps=2", "logging.trace=true", "algo.kl.coef=0.05", "algo.kl.placement=reward")
     steps = [r for r in _records(run) if "time/wall_s" in r]
     assert len(steps) == 2, steps
+    for r in steps:
+        assert r["ref/kl"] == r["ref/kl_k3"] and r["reward/kl_penalty"] >= 0, r
+        assert r["reward/mean"] == pytest.approx(r["rollout/reward_mean"]), r
+        assert r["reward/penalised_mean"] == pytest.approx(r["reward/mean"] - r["reward/kl_penalty"]), r
+    assert steps[0]["ref/kl"] < 1e-4 < steps[1]["ref/kl"]  # step 2 samples from weights two updates away
+    ups = _updates(run)
+    assert sorted(ups) == [1, 2, 3, 4]
+    assert not any(k == "loss/kl" or k.startswith("ref/") for m in ups.values() for k in m), ups[1]
     for r in steps:
         t = {k: v for k, v in r.items() if k.startswith("time/")}
         for key in ("time/data_wait_s", "time/generation_wait_s", "time/forward_backward_s", "time/optimizer_s",
