@@ -30,6 +30,7 @@ distributed optimizer's 'dp_reshardable' state is laid out per expert-data-paral
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import multiprocessing
@@ -56,13 +57,37 @@ _OPT_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
 log = logging.getLogger(__name__)
 
 
+def _chunk_state(chunk) -> dict:
+    """A chunk's sharded state: under LoRA the adapters only. The frozen base is ``model.hf_path``'s,
+    which every start loads first (``build_model``); a Qwen2.5-32B checkpoint is then ~0.5 GB of
+    adapters and their optimizer state instead of 65 GB of weights as well."""
+    from megatron_m2po.actor.lora import has_adapters, is_adapter_key
+
+    sd = chunk.sharded_state_dict()
+    return {k: v for k, v in sd.items() if is_adapter_key(k)} if has_adapters([chunk]) else sd
+
+
+def _load_chunk(chunk, state: dict) -> None:
+    """Load a chunk's saved state; under LoRA only the base (from ``model.hf_path``) may be missing."""
+    from megatron_m2po.actor.lora import has_adapters, is_adapter_key
+
+    if not has_adapters([chunk]):
+        chunk.load_state_dict(state)
+        return
+    missing, unexpected = chunk.load_state_dict(state, strict=False)
+    lost = [k for k in missing if is_adapter_key(k)]
+    if lost or unexpected:
+        raise ValueError(f"the checkpoint does not match this LoRA model: adapters missing {lost[:4]}, unexpected "
+                         f"{list(unexpected)[:4]}: resume with the model.lora settings it was saved with")
+
+
 def _sharded_state(actor, is_loading: bool, with_optimizer: bool = True) -> dict:
     model_sd = {}
     if len(actor.chunks) == 1:
-        model_sd["model"] = actor.chunks[0].sharded_state_dict()
+        model_sd["model"] = _chunk_state(actor.chunks[0])
     else:
         for i, c in enumerate(actor.chunks):
-            model_sd[f"model{i}"] = c.sharded_state_dict()
+            model_sd[f"model{i}"] = _chunk_state(c)
     state = dict(model_sd)
     if not with_optimizer:
         return state
@@ -125,6 +150,8 @@ def save_checkpoint(actor, path: str, extra_state: dict[str, Any]) -> None:
                 "world_size": dist.get_world_size(), "tensor_parallel": dist.get_world_size(actor.pg.tp),
                 "pipeline_parallel": dist.get_world_size(actor.pg.pp), "hf_path": actor.cfg.model.hf_path,
                 "expert_layout": _expert_layout(actor),
+                # model.lora: the adapters' settings (m2po convert rebuilds them); the base is hf_path's
+                "lora": dataclasses.asdict(actor.cfg.model.lora) if actor.cfg.model.lora.rank > 0 else None,
                 # the previous update's metrics: mask_strategy=auto's choice (the same on every rank)
                 "mask_hint": actor.mask_hint}
         (tmp / "actor.json").write_text(json.dumps(meta, indent=1))
@@ -276,10 +303,10 @@ def load_checkpoint(actor, path: str, *, model_only: bool = False) -> dict[str, 
         sharded = _sharded_state(actor, is_loading=True)
     state = dist_checkpointing.load(sharded, str(ckpt / "dist"))  # optimizer entries unused when model_only
     if len(actor.chunks) == 1:
-        actor.chunks[0].load_state_dict(state["model"])
+        _load_chunk(actor.chunks[0], state["model"])
     else:
         for i, c in enumerate(actor.chunks):
-            c.load_state_dict(state[f"model{i}"])
+            _load_chunk(c, state[f"model{i}"])
     if model_only:
         return json.loads((ckpt / "extra_state.json").read_text())
     with torch.no_grad():  # copies into the (leaf) main parameters

@@ -51,7 +51,7 @@ from torch import nn
 from megatron_m2po.utils.settings import ConfigError
 
 __all__ = ["LINEARS", "LoRALinear", "add_adapters", "adapter_modules", "adapters_disabled", "base_view", "base_views",
-           "has_adapters"]
+           "has_adapters", "is_adapter_key"]
 
 # Megatron linear -> (parent attribute, the HF projections it fuses, in the fused output's order, parallel kind)
 LINEARS = {
@@ -213,6 +213,11 @@ def adapter_modules(chunks: list) -> Iterator[LoRALinear]:
         for m in chunk.modules():
             if isinstance(m, LoRALinear):
                 yield m
+
+
+def is_adapter_key(key: str) -> bool:
+    """Whether a state-dict key is an adapter's (``...linear_qkv_lora.q_proj_A``; its optimizer too)."""
+    return f"{SUFFIX}." in key
 
 
 def has_adapters(chunks: list) -> bool:

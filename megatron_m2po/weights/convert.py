@@ -21,12 +21,15 @@ import json
 from megatron_m2po.config import Config
 
 
-def _config(hf: str, tp: int, pp: int, dtype: str):
+def _config(hf: str, tp: int, pp: int, dtype: str, lora: dict | None = None):
     from megatron_m2po.actor.actor import ActorConfig
+    from megatron_m2po.actor.settings import LoRAConfig
 
     cfg = Config()
     cfg.model.hf_path = hf
     cfg.model.dtype = dtype
+    if lora:  # a LoRA checkpoint holds adapters on hf's base: the export folds them in (final_hf + adapter)
+        cfg.model.lora = LoRAConfig(**lora)
     cfg.parallel.tensor_parallel, cfg.parallel.pipeline_parallel = tp, pp
     # No training happens here; the LR schedule length only has to be valid.
     return ActorConfig.from_config(cfg, total_updates=cfg.trainer.num_steps * cfg.trainer.num_updates_per_step)
@@ -53,13 +56,14 @@ def mcore_to_hf(ckpt: str, out: str, *, hf: str | None = None, tp: int = 1, pp: 
     path = resolve_checkpoint(ckpt)
     if path is None:
         raise ValueError(f"no complete checkpoint at {ckpt!r}")
-    hf = hf or json.loads((path / "actor.json").read_text()).get("hf_path")
+    meta = json.loads((path / "actor.json").read_text())
+    hf = hf or meta.get("hf_path")
     if not hf:
         raise ValueError("the checkpoint does not record its HF model directory: pass --hf")
-    actor = MegatronActor.from_config(_config(hf, tp, pp, dtype))
+    actor = MegatronActor.from_config(_config(hf, tp, pp, dtype, meta.get("lora")))
     try:
         actor.load_checkpoint(str(path), model_only=True)
-        export_hf(actor, out)
+        export_hf(actor, out, adapter_dir=str(out).rstrip("/") + "_adapter")  # under LoRA: <out>_adapter too
     finally:
         actor.close()
 

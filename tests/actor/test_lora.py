@@ -198,6 +198,8 @@ def _training(rank, world_size, root):
     m0 = actor.train_update(first)
     ckpt = os.path.join(root, "ckpt", "step_1")
     actor.save_checkpoint(ckpt)
+    from megatron.core import dist_checkpointing
+    saved = sorted(dist_checkpointing.load_tensors_metadata(os.path.join(ckpt, "dist")))
     m1 = actor.train_update(second)
     after = _numpy(peft_adapter_tensors(actor.chunks))
     inner = [o.optimizer for o in getattr(actor.optimizer, "chained_optimizers", [actor.optimizer])]
@@ -215,7 +217,7 @@ def _training(rank, world_size, root):
     actor.close()
     return dict(m0=m0, m1=m1, m1_again=m1_again, after=after, again=again, base_same=base_same, frozen=frozen,
                 n_lora=sum(p.numel() for p in lora_params), n_opt=sum(p.numel() for p in opt_params),
-                state_numel=state_numel, disabled=disabled, enabled=enabled, base_logps=base_logps)
+                state_numel=state_numel, disabled=disabled, enabled=enabled, base_logps=base_logps, saved=saved)
 
 
 def test_lora_training_frozen_base_reference_kl_and_resume(runs):
@@ -230,6 +232,9 @@ def test_lora_training_frozen_base_reference_kl_and_resume(runs):
     assert any(np.abs(c - b).max() > 1e-4 for b, c in zip(r["base_logps"], r["enabled"]))
     # reference KL: 0 while B = 0 (the policy is the base), positive one step later
     assert r["m0"]["ref/kl"] == 0.0 and r["m1"]["ref/kl"] > 0
+    # the checkpoint holds the adapters (and their optimizer state) only: the base is model.hf_path's
+    model_keys = [k for k in r["saved"] if not k.startswith("optimizer.")]
+    assert model_keys and all("_lora." in k for k in model_keys), model_keys[:8]
     # resume: the update after the checkpoint is made again exactly
     for key in ("loss/total", "ref/kl", "optim/grad_norm"):
         assert r["m1_again"][key] == pytest.approx(r["m1"][key], rel=1e-6, abs=1e-12), key

@@ -136,12 +136,13 @@ def test_lora_adapter_pushes_land_and_export_in_sync_mode(tmp_path):
     an update's KL, 3e-5 to 1e-4 here) and the policy moved. A push is the adapters alone
     (0.13 MB here, against 1.6 MB of full weights with ``model.lora.push=merged``, which gives the
     same updates bit for bit). At the end ``final_hf`` is the merged model and ``final_adapter`` a
-    peft adapter: the base with it loaded in peft computes what ``final_hf`` computes."""
+    peft adapter: the base with it loaded in peft computes what ``final_hf`` computes; the
+    adapters-only checkpoint converts (``m2po convert mcore-to-hf``) to the same merged model."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     run = tmp_path / "lora"
-    _train(run, "trainer.mode=sync", "trainer.num_steps=2", "checkpoint.save_every_steps=0", "model.lora.rank=8",
+    _train(run, "trainer.mode=sync", "trainer.num_steps=2", "checkpoint.save_every_steps=2", "model.lora.rank=8",
            "algo.recompute_behav_logprobs=true", "checkpoint.export_hf_at_end=true")
     ups = _updates(run)
     assert sorted(ups) == [1, 2, 3, 4]
@@ -161,6 +162,17 @@ def test_lora_adapter_pushes_land_and_export_in_sync_mode(tmp_path):
         with peft_model.disable_adapter():
             moved = (peft_model(ids).logits - merged(ids).logits).abs().max().item()
     assert moved > 1e-5, moved  # final_hf is not the base: the adapters are folded in
+    # The checkpoint holds the adapters only (the base is model.hf_path's); `m2po convert` rebuilds them
+    # on that base and exports the same merged model (and <out>_adapter).
+    conv = tmp_path / "conv"
+    r = subprocess.run([sys.executable, "-m", "megatron_m2po.cli", "convert", "mcore-to-hf", "--ckpt",
+                        str(run / "checkpoints"), "--out", str(conv)], cwd=ROOT, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert (tmp_path / "conv_adapter" / "adapter_config.json").is_file()
+    with torch.no_grad():
+        again = AutoModelForCausalLM.from_pretrained(str(conv), dtype=torch.float32).eval()(ids).logits
+        torch.testing.assert_close(again, merged(ids).logits, atol=0, rtol=0)
 
 
 def test_reference_kl_in_async_mode(tmp_path):
