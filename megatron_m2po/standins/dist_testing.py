@@ -18,6 +18,7 @@ from __future__ import annotations
 import datetime
 import functools
 import os
+import pickle
 import traceback
 from typing import Any, Callable
 
@@ -55,7 +56,10 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, qu
         kw = {"timeout": datetime.timedelta(seconds=pg_timeout_s)} if pg_timeout_s else {}
         dist.init_process_group("gloo", rank=rank, world_size=world_size, **kw)
         out = fn(rank, world_size, *args)
-        queue.put((rank, True, out))
+        # By value (plain pickle): through the queue torch's reducers would share a tensor's storage
+        # by file descriptor, which the parent fetches from this process's resource sharer, and this
+        # process may have exited by then (FileNotFoundError in the parent under load).
+        queue.put((rank, True, pickle.dumps(out)))
     except BaseException:  # noqa: BLE001 - reported to the parent
         queue.put((rank, False, traceback.format_exc()))
     finally:
@@ -83,7 +87,7 @@ def run_distributed(fn: Callable, world_size: int, args: tuple = (), timeout_s: 
         for _ in range(world_size):
             rank, ok, out = queue.get(timeout=timeout_s)
             if ok:
-                results[rank] = out
+                results[rank] = pickle.loads(out)
             else:
                 errors.append(f"rank {rank} failed:\n{out}")
                 break

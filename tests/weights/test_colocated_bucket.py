@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 
 import torch
 
@@ -50,12 +49,13 @@ def test_pack_from_views_keeps_every_byte():
 def test_concurrent_leases_never_share_a_bucket():
     """Three pushes lease, fill, hold and give back side by side: each finds its own bytes at the end."""
     pool, bad = HostBuckets(keep=2), []
+    held = threading.Barrier(3)  # every push holds a filled bucket before any checks or gives it back
 
     def push(seed: int) -> None:
         for i in range(100):
             flat = pool.lease(64 + (seed + i) % 64, CPU, capacity=256)
             flat.fill_(seed)
-            time.sleep(0.0005)  # the other pushes lease and fill meanwhile
+            held.wait(timeout=30)
             bad.extend([seed] if not bool((flat == seed).all()) else [])
             pool.give_back(flat)
     threads = [threading.Thread(target=push, args=(s,)) for s in range(3)]
@@ -76,16 +76,24 @@ class _Engine:
         self.log: list[tuple[str, object]] = []
         self.got: dict[str, torch.Tensor] = {}
         self.in_flight = 0
+        self._posted: asyncio.Condition | None = None  # made on the loop that posts
+
+    def _posts(self) -> int:
+        return sum(kind == "post" for kind, _ in self.log)
 
     async def update_weights_from_tensor(self, payloads, *, load_format, flush_cache, weight_version, timeout_s):
+        self._posted = self._posted or asyncio.Condition()
         self.in_flight += 1
-        k = sum(kind == "post" for kind, _ in self.log)
+        k = self._posts()
         self.log.append(("post", weight_version))
         obj = tensor_payload.deserialize(payloads[0])
-        deadline = time.monotonic() + 10
-        while k + 1 < self.n - 1 and sum(kind == "post" for kind, _ in self.log) < k + 2 \
-                and time.monotonic() < deadline:
-            await asyncio.sleep(0.001)
+        async with self._posted:
+            self._posted.notify_all()
+            if k + 1 < self.n - 1:  # wait for the next post (10 s deadline: then load anyway)
+                try:
+                    await asyncio.wait_for(self._posted.wait_for(lambda: self._posts() >= k + 2), 10)
+                except asyncio.TimeoutError:
+                    pass
         for name, t in tensor_payload.named_tensors(obj, load_format):
             self.got[name] = t.clone()
         self.log.append(("answer", (weight_version, self.in_flight)))
