@@ -88,6 +88,11 @@ def test_cpu_smoke_prints_the_table_and_passes(tmp_path):
     push = by_check["disk weight push bandwidth (write + read of shards)"]
     assert push["verdict"] == "INFO" and "0.064 GB in 4 shards" in push["shape"], push
     assert "a 32B push (64 GB): write" in push["result"] and "s timeout" in push["result"], push
+    # row 9: colocated cycles, an engine process time-sharing with the actor (host handles here)
+    coloc = by_check["colocated cycle (release / transfer / resume)"]
+    assert coloc["verdict"] == "PASS" and "bit for bit after each of 3 pushes" in coloc["result"], coloc
+    timing = by_check["colocated cycle timing"]
+    assert timing["verdict"] == "INFO" and all(k in timing["result"] for k in ("release", "push", "resume_kv")), timing
     assert r.stdout.splitlines()[0].startswith("gpu_check --cpu-smoke: device=cpu")
     # the JSON holds the same rows, with the measured values behind them
     d = json.loads(out_json.read_text())

@@ -99,13 +99,25 @@ It prints one table, a row per claim:
    push gets (``rollout/push_timeout.py``). PASS when the read is at least
    ``rollout.weight_sync_min_gbps``.
 
+9. **colocated cycle** -- the actor (row 3's 1.5B shape, bf16, distributed optimizer) and an engine
+   process (``gpu_checks/colocated_engine.py``: the base checkpoint on the same GPU under HF names,
+   a 24 GiB KV pool, SGLang 0.5.23's routes and its reading of ``/update_weights_from_tensor``
+   payloads, the CPU worker's code) time-share one GPU through colocated mode's own calls in
+   ``trainer/colocated.py``'s order: engine release, ``actor.reload()``, one update, engine resumes
+   weights, ``ColocatedWeightSync.push`` (CUDA IPC handles in flattened buckets), ``actor.offload()``,
+   engine resumes KV; 3 cycles. PASS when after every push the engine holds the trainer's weights
+   bit for bit (an integer digest of each tensor's bytes on both sides) and every offload leaves at
+   most 1 % of the training state allocated; the seconds of each phase, the push's GB/s beside a
+   plain device copy of the same bytes, and the GPU memory in use in each state are reported.
+
 ``--cpu-smoke`` runs the same code at tiny shapes on CPU (CUDA hidden and the GPU-only packages
 blocked in every process, so it runs the same in the NGC image): row 1 compares CPU bf16 with the
 CPU fp32 reference (same tolerance), row 2 checks agreement and time (the memory column needs the
 CUDA allocator: skipped, with the reason), row 3 measures tokens/s (no MFU: no CPU peak), row 4
 runs its two ranks on gloo with Megatron's local layer spec and the actor's packed attention (row 5: its CP attention)
 (``actor/attention.py``), row 6 compares CPU bf16 with the CPU fp32 reference on a 2-layer MoE (hidden 64), row 7
-counts routing on that MoE (INFO), row 8 writes and reads 64 MB (INFO). It proves that the table, the comparisons and
+counts routing on that MoE (INFO), row 8 writes and reads 64 MB (INFO), row 9 runs 3 colocated cycles of the tiny
+model through host memory. It proves that the table, the comparisons and
 the two-rank launch run, not any GPU claim.
 
 Needs megatron-core and mbridge (the versions in constraints-cpu.txt); without them the actor
@@ -134,6 +146,7 @@ for _p in (ROOT, ROOT / "tools"):  # the package and the rows (tools/gpu_checks/
 
 import torch  # noqa: E402
 
+from gpu_checks.colocated import COLOCATED_CHECK, row_colocated  # noqa: E402
 from gpu_checks.disk_push import DISK_PUSH_CHECK, row_disk_push  # noqa: E402
 from gpu_checks.env import (GPU_ONLY_MODULES, block_gpu_only_modules, check_cpu_fallbacks,  # noqa: E402,F401
                             install_message, missing_packages, peak_tflops, spec_name)
@@ -150,7 +163,7 @@ from gpu_checks.report import COLUMNS, Row, format_table, guarded, parse_table  
 from gpu_checks.throughput import row_throughput, train_flops  # noqa: E402,F401
 
 ROWS = {"numerics": 1, "logprobs": 2, "throughput": 3, "packed": 4, "cp": 5, "moe": 6,  # --only names -> row numbers
-        "imbalance": 7, "disk_push": 8}
+        "imbalance": 7, "disk_push": 8, "colocated": 9}
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -165,6 +178,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--moe-data", help="row 7: prompts, a DeepScaleR .parquet / .jsonl (default the synthetic task)")
     ap.add_argument("--push-dir", help="row 8: directory on the weight-sync filesystem (default the work directory)")
     ap.add_argument("--push-gb", type=float, default=None, help="row 8: GB of shards to write and read (default 16)")
+    ap.add_argument("--bucket-mb", type=float, default=512.0,
+                    help="row 9: the push's bucket size (rollout.weight_sync_bucket_mb, default 512)")
     ap.add_argument("--only", nargs="+", choices=list(ROWS), default=list(ROWS),
                     help="run only these rows (" + ", ".join(f"{k}: row {v}" for k, v in ROWS.items()) + ")")
     ap.add_argument("--_reference", nargs=3, metavar=("HF_DIR", "BATCH_JSON", "OUT_NPZ"), help=argparse.SUPPRESS)
@@ -234,6 +249,11 @@ def main(argv: Optional[list[str]] = None) -> int:
                 rows += guarded(IMBALANCE_CHECK, row_routing_imbalance, a.cpu_smoke, work, a.moe_model, a.moe_data)
         if "disk_push" in a.only:
             rows += guarded(DISK_PUSH_CHECK, row_disk_push, a.cpu_smoke, work, a.push_dir, a.push_gb)
+        if "colocated" in a.only:
+            if missing:
+                rows.append(Row(COLOCATED_CHECK, "-", f"skipped: {', '.join(missing)} missing", "-", "SKIP"))
+            else:
+                rows += guarded(COLOCATED_CHECK, row_colocated, a.cpu_smoke, work, a.bucket_mb)
     print(format_table(rows, header), flush=True)
     if missing:
         print("\n" + install_message(missing), file=sys.stderr)

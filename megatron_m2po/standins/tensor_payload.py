@@ -40,6 +40,7 @@ from multiprocessing.reduction import ForkingPickler
 from typing import Any, Optional
 
 import torch
+from torch.multiprocessing import reductions
 
 _DTYPES = ("bcomplex32", "bfloat16", "bit", "bits16", "bits1x8", "bits2x4", "bits4x2", "bits8", "bool", "cdouble",
            "cfloat", "chalf", "complex128", "complex32", "complex64", "double", "float", "float16", "float32",
@@ -117,12 +118,34 @@ _SGLANG_CLASSES = {
 }
 
 
+def rebuild_cuda_tensor(*args: Any) -> torch.Tensor:
+    """torch's ``rebuild_cuda_tensor`` as an SGLang engine has it: ``utils/patch_torch.py``
+    ``monkey_patch_torch_reductions`` replaces it at start-up by ``_rebuild_cuda_tensor_modified``,
+    which reads the device argument (index 6) as a UUID string (what the sender's patched
+    ``reduce_tensor`` writes, and ``weights/colocated_bucket.py``) and maps it to this process's
+    device index; an unknown UUID is its ``Exception("Invalid device_uuid=...")``."""
+    i, dev = 6, args[6]
+    if isinstance(dev, str):
+        for d in range(torch.cuda.device_count() if torch.cuda.is_available() else 0):
+            if str(torch.cuda.get_device_properties(d).uuid) == dev:
+                dev = d
+                break
+        else:
+            raise Exception("Invalid device_uuid=" + dev)
+    elif not isinstance(dev, int):
+        raise Exception(f"Unknown type: device_maybe_uuid={dev!r}")
+    return reductions.rebuild_cuda_tensor(*args[:i], dev, *args[i + 1:])
+
+
 class _SafeUnpickler(pickle.Unpickler):
-    """utils/common.py ``SafeUnpickler``: only allowed globals resolve."""
+    """utils/common.py ``SafeUnpickler``: only allowed globals resolve (``rebuild_cuda_tensor`` to
+    SGLang's patched one, :func:`rebuild_cuda_tensor`)."""
 
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in _SGLANG_CLASSES:
             return _SGLANG_CLASSES[(module, name)]
+        if (module, name) == ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"):
+            return rebuild_cuda_tensor
         if (module, name) in ALLOWED:
             return super().find_class(module, name)
         raise RuntimeError(f"Blocked unsafe global ({module}.{name}) during pickle deserialization")

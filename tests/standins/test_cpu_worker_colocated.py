@@ -69,6 +69,33 @@ def test_the_unpickler_allows_only_what_sglangs_allows(sgl):
         tensor_payload.deserialize(blocked)
 
 
+class _CudaHandle:
+    """Pickles as the trainer's CUDA IPC handle does (``colocated_bucket._reduce_tensor``: the device
+    argument, index 6, a UUID string)."""
+
+    def __init__(self, device) -> None:
+        self.device = device
+
+    def __reduce__(self):
+        from torch.multiprocessing import reductions
+
+        return reductions.rebuild_cuda_tensor, (torch.Tensor, (4,), (1,), 0, torch.UntypedStorage, torch.uint8,
+                                                self.device, b"handle", 4, 0, b"ref", 0, b"event", False)
+
+
+def test_cuda_handles_resolve_their_device_by_uuid_as_sglangs_patch_does(sgl):
+    """An engine resolves ``rebuild_cuda_tensor`` to ``patch_torch.py``'s ``_rebuild_cuda_tensor_modified``,
+    which reads index 6 as a UUID; torch's own would take the UUID string for an index. The GPU row 9
+    (``tools/gpu_check.py --only colocated``) opens real handles through this path."""
+    src = sgl["sglang/srt/utils/patch_torch.py"]
+    assert "_REDUCE_TENSOR_ARG_DEVICE_INDEX = 6" in src and 'raise Exception("Invalid device_uuid="' in src
+    uuid = "GPU-00000000-1111-2222-3333-444444444444"  # no such device here (or on any machine)
+    with pytest.raises(Exception, match=f"Invalid device_uuid={uuid}"):
+        tensor_payload.deserialize(tensor_payload.serialize(_CudaHandle(uuid)))
+    with pytest.raises(Exception, match="Unknown type"):
+        tensor_payload.deserialize(tensor_payload.serialize(_CudaHandle(1.5)))
+
+
 def test_released_weights_leave_and_come_back(tmp_path):
     """Without the CPU backup (SGLang's default) the resumed content is undefined (NaN here); the
     buffers come back from the stash either way; the storages hold nothing while released."""
