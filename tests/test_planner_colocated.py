@@ -74,6 +74,38 @@ def test_generating_phase_that_does_not_fit_is_refused_with_its_figures():
     assert p.refusal is not None and p.refusal.cause == "generating" and p.colocated.kv_bytes == 0
 
 
+def test_pushing_phase_holds_the_trainers_state_beside_the_engines_weights():
+    """During the push the trainer is not offloaded yet and the engines have resumed their weights
+    (trainer/colocated.py to_engines); the push adds two buckets and one gathered tensor."""
+    _, p = _math7b("rollout.engine_mem_fraction=0.8")
+    push, w = p.colocated.pushing, p.worst
+    m = P.MODELS["qwen2.5-math-7b"]
+    assert push.parts["trainer state (no activations)"] == w.weights + w.gradients + w.optimizer
+    assert push.parts["trainer residue (overhead)"] == w.overhead
+    assert push.parts["engine weights (resumed)"] == m.num_params() * 2
+    assert push.parts["push buckets"] == 2 * 512 * MiB + m.vocab * m.hidden * 2
+    assert push.parts["released engine residue"] == C.EngineShare(0.8, 1, 80).residue_bytes()
+    assert push.ok and p.ok, p.errors
+    assert C.push_buffer_bytes(2048 * MiB, 0, 3 * GiB) == 3 * GiB  # no more than the weights in all
+
+
+def test_a_push_that_does_not_fit_is_refused_though_both_phases_fit():
+    """The 7B trainer at TP=1 with full recomputation (53 GiB of state, few activations) fits the
+    training phase, and the engines fit the generating phase, but with 16 GiB buckets not the
+    trainer's state beside the engine's whole bf16 weights at the push: refused with cause
+    ``pushing`` and what to change; at the default 512 MiB buckets the same layout fits."""
+    tp1 = ("parallel.tensor_parallel=1", "parallel.sequence_parallel=false", "parallel.recompute=full")
+    _, p = _math7b("rollout.engine_mem_fraction=0.8", *tp1, "rollout.weight_sync_bucket_mb=16384")
+    ph = p.colocated
+    assert ph.training.ok and ph.generating.ok, (ph.training.total / GiB, ph.generating.total / GiB)
+    assert not ph.pushing.ok and not p.ok
+    r = p.refusal
+    assert r is not None and r.cause == "pushing" and r.need == pytest.approx(ph.pushing.total)
+    assert "lower rollout.weight_sync_bucket_mb" in r.message and r.message in p.errors
+    _, ok = _math7b("rollout.engine_mem_fraction=0.8", *tp1)
+    assert ok.ok and ok.colocated.pushing.ok and ok.colocated.pushing.total < ph.pushing.total
+
+
 def test_training_phase_budget_is_the_gpu_less_the_released_engines_residue():
     # the 7B trainer on TP=1 without the distributed optimizer: too big for one GPU even beside
     # released engines; the refusal's budget is 80 GiB less their residue, not less their fraction
@@ -107,6 +139,7 @@ def test_cli_prints_both_phases_and_refuses(capsys):
     d = json.loads(out)
     assert rc == 0 and d["colocated"]["generating"]["total"] <= d["colocated"]["generating"]["budget"]
     assert d["colocated"]["training"]["total"] <= d["colocated"]["training"]["budget"]
+    assert d["colocated"]["pushing"]["total"] <= d["colocated"]["pushing"]["budget"]
     rc, out = run("rollout.engine_mem_fraction=0.85")
     assert rc == 1 and "generating" in out and "training" in out and "REJECTED" in out
 

@@ -4,9 +4,10 @@
   and its working set (activations, CUDA graphs, metadata), while the trainer is offloaded
   (``actor/offload.py``) and leaves only what offloading cannot free;
 * **training** -- the trainer's usual peak (:func:`megatron_m2po.plan.memory.estimate`), while the
-  engines have released their memory (``/release_memory_occupation``) and leave their residue.
+  engines have released their memory (``/release_memory_occupation``) and leave their residue;
+* **pushing** -- the moment between them that holds both sides' weights (below).
 
-Both must fit the GPU. The figures, with their sources (SGLang 0.5.23):
+Each must fit the GPU. The figures, with their sources (SGLang 0.5.23):
 
 * SGLang sizes its static memory from the memory *free when it starts*: the KV pool is what is
   free after the weights load minus ``pre_model_load_memory * (1 - mem_fraction_static)``
@@ -27,6 +28,14 @@ Both must fit the GPU. The figures, with their sources (SGLang 0.5.23):
   not in SGLang's figures), SGLang's constant metadata (512 MiB, ``memory_hook.py``), the NCCL
   share ``tp/8`` GiB (``memory_hook.py``'s "adjustments for large parallel size") and, when the
   ``cuda_graph`` tag is not released, the graph pool (``2 MiB x max_bs``).
+* **pushing** (between the two, ``trainer/colocated.py`` ``to_engines``): the engines have resumed
+  their weights (not their KV pool) and the trainer, not yet offloaded (the handles point into its
+  parameters), holds its whole state -- weights, gradients, main parameters, optimizer states and
+  its fixed overhead, no activations -- plus the push's buckets: at most two packed buckets
+  (``rollout.weight_sync_bucket_mb``) and one gathered tensor, the largest HF tensor whole
+  (``weights/colocated.py`` ``run_colocated_stage``; measured on one H200 by ``tools/gpu_check.py
+  --only colocated``: 1.1 GiB above the state at 512 MiB buckets, 2.9 GiB at 2048 with 2.9 GiB of
+  weights in all).
 * What the offloaded trainer leaves: none of its training state (``actor/offload.py`` measures
   it: ``tests/actor/test_offload.py`` asserts 0 bytes of parameters, gradients, main parameters
   and Adam states after an offload); the fixed ``overhead`` of the layout (CUDA context, NCCL
@@ -121,6 +130,7 @@ class ColocatedPhases:
 
     generating: PhaseMemory
     training: PhaseMemory
+    pushing: PhaseMemory
     share: EngineShare
     max_mem_fraction: float   # the largest engine_mem_fraction whose working set still fits
     kv_bytes: float           # the engine rank's KV pool (static memory - its weights)
@@ -128,16 +138,18 @@ class ColocatedPhases:
 
     @property
     def peak(self) -> PhaseMemory:
-        return max(self.generating, self.training, key=lambda p: p.total)
+        return max(self.generating, self.training, self.pushing, key=lambda p: p.total)
 
 
 def phases(trainer_total: float, trainer_residue: float, engine_weight_bytes: float, share: EngineShare,
-           *, budget: Optional[float] = None) -> ColocatedPhases:
-    """The two phases of one shared GPU.
+           *, trainer_state: float = 0.0, push_bytes: float = 0.0, budget: Optional[float] = None) -> ColocatedPhases:
+    """The phases of one shared GPU.
 
     ``trainer_total``: the worst stage's training peak (``StageMemory.total``); ``trainer_residue``:
     what the offloaded trainer leaves (its fixed overhead); ``engine_weight_bytes``: one engine
-    rank's weights (the model's bytes over ``engine_tp``)."""
+    rank's weights (the model's bytes over ``engine_tp``); ``trainer_state``: the worst stage's
+    weights, gradients and optimizer states (no activations); ``push_bytes``: the push's buffers
+    on a GPU (:func:`push_buffer_bytes`)."""
     gpu = share.gpu_mem_gib * GiB if budget is None else budget
     ctx = CUDA_CONTEXT_GIB * GiB
     free = gpu - trainer_residue - ctx
@@ -149,18 +161,29 @@ def phases(trainer_total: float, trainer_residue: float, engine_weight_bytes: fl
         "engine working set": work}, gpu)
     train = PhaseMemory("training", {"trainer peak": trainer_total,
                                      "released engine residue": share.residue_bytes()}, gpu)
+    push = PhaseMemory("pushing", {
+        "trainer state (no activations)": trainer_state, "trainer residue (overhead)": trainer_residue,
+        "push buckets": push_bytes, "engine weights (resumed)": engine_weight_bytes,
+        "released engine residue": share.residue_bytes()}, gpu)
     max_frac = max(0.0, 1.0 - work / free) if free > 0 else 0.0
     notes = []
     if static <= engine_weight_bytes:
         notes.append(f"engine_mem_fraction={share.mem_fraction:g} of {free / GiB:.1f} GiB free holds no KV cache "
                      f"beyond the engine's weights ({engine_weight_bytes / GiB:.1f} GiB)")
-    return ColocatedPhases(gen, train, share, max_frac, max(static - engine_weight_bytes, 0.0), notes)
+    return ColocatedPhases(gen, train, push, share, max_frac, max(static - engine_weight_bytes, 0.0), notes)
+
+
+def push_buffer_bytes(bucket_bytes: float, largest_tensor_bytes: float, weight_bytes: float) -> float:
+    """The colocated push's memory on a GPU beyond the trainer's state: two packed buckets (no more
+    than the weights in all) and one gathered tensor (module docstring, "pushing")."""
+    return min(2 * bucket_bytes, weight_bytes) + largest_tensor_bytes
 
 
 def to_dict(ph: ColocatedPhases) -> dict:
     """``m2po plan --json``'s ``colocated`` entry (bytes)."""
     return {"generating": dict(ph.generating.parts, total=ph.generating.total, budget=ph.generating.budget),
             "training": dict(ph.training.parts, total=ph.training.total, budget=ph.training.budget),
+            "pushing": dict(ph.pushing.parts, total=ph.pushing.total, budget=ph.pushing.budget),
             "max_engine_mem_fraction": ph.max_mem_fraction, "kv_bytes": ph.kv_bytes, "notes": list(ph.notes)}
 
 
@@ -168,11 +191,11 @@ def print_phases(con, ph: ColocatedPhases) -> None:
     """The two phases as ``m2po plan`` prints them (a rich console)."""
     from rich.table import Table
 
-    t = Table(title=f"colocated: one shared GPU's two phases (GiB of {ph.generating.budget / GiB:.1f})")
+    t = Table(title=f"colocated: one shared GPU's phases (GiB of {ph.generating.budget / GiB:.1f})")
     t.add_column("phase")
     t.add_column("component")
     t.add_column("GiB", justify="right")
-    for p in (ph.generating, ph.training):
+    for p in (ph.generating, ph.training, ph.pushing):
         for i, (k, v) in enumerate(p.parts.items()):
             t.add_row(p.name if i == 0 else "", k, f"{v / GiB:.2f}")
         t.add_row("", f"[bold]{p.name} total[/]" + ("" if p.ok else " [red](does not fit)[/]"),

@@ -85,7 +85,9 @@ class MemoryRefusal:
     gradients + optimizer states), ``logits`` or ``activations``; ``figure`` is that term's bytes,
     the number the message quotes first after the cause. A colocated layout whose generating phase
     does not fit (plan/colocated.py) has cause ``generating``: ``need`` is that phase's total and
-    ``figure`` the engine's working set that ``(1 - engine_mem_fraction)`` of the free memory must hold."""
+    ``figure`` the engine's working set that ``(1 - engine_mem_fraction)`` of the free memory must hold;
+    one whose push does not fit (the trainer's state beside the engine's resumed weights) has cause
+    ``pushing``, ``figure`` the push's buckets."""
 
     stage: int
     need: float     # bytes the stage needs
@@ -714,7 +716,13 @@ def _colocated_phases(p: LayoutPlan, cfg: Config) -> None:
     lay = p.layout
     engine_bytes = 1 if cfg.rollout.fp8_weights else 2  # SGLang serves bf16, or block FP8 with fp8_weights
     engine_weights = p.model.num_params() * engine_bytes / cfg.rollout.engine_tp
-    ph = colocated_plan.phases(p.worst.total, p.worst.overhead, engine_weights, _engine_share(cfg, lay))
+    w = p.worst
+    m = p.model
+    largest = m.vocab * m.hidden * 2  # the embedding (or head), gathered whole under its HF name
+    push = colocated_plan.push_buffer_bytes(cfg.rollout.weight_sync_bucket_mb * 2**20, largest,
+                                            m.num_params() * engine_bytes)
+    ph = colocated_plan.phases(w.total, w.overhead, engine_weights, _engine_share(cfg, lay),
+                               trainer_state=w.weights + w.gradients + w.optimizer, push_bytes=push)
     p.colocated = ph
     gen, share = ph.generating, ph.share
     free = gen.budget - gen.parts["trainer residue (offloaded)"] - gen.parts["engine CUDA context"]
@@ -728,6 +736,18 @@ def _colocated_phases(p: LayoutPlan, cfg: Config) -> None:
         problem = (f"the engine's working set {_g(work)} (SGLang's reserve for activations and CUDA graphs) does not "
                    f"fit the {_g((1 - share.mem_fraction) * free)} that rollout.engine_mem_fraction={share.mem_fraction:g} "
                    f"leaves of {_g(free)} free: lower it to at most {ph.max_mem_fraction:.2f}")
+    push_phase = ph.pushing
+    if not problem and not push_phase.ok:
+        msg = (f"pushing phase needs {_g(push_phase.total)} > {_g(push_phase.budget)} GPU: during the push the "
+               f"trainer's state ({_g(push_phase.parts['trainer state (no activations)'])}) and the engine's resumed "
+               f"weights ({_g(engine_weights)}) are resident together, with "
+               f"{_g(push_phase.parts['push buckets'])} of push buckets; lower rollout.weight_sync_bucket_mb, raise "
+               "rollout.engine_tp (smaller engine shards), or shard the trainer further (tensor / pipeline parallel, "
+               "parallel.use_distributed_optimizer)")
+        if p.refusal is None:
+            p.refusal = MemoryRefusal(stage=w.stage, need=push_phase.total, budget=push_phase.budget, cause="pushing",
+                                      figure=push_phase.parts["push buckets"], message=msg)
+        p.errors.append(msg)
     if problem:
         msg = f"generating phase needs {_g(gen.total)} > {_g(gen.budget)} GPU; {problem}"
         if p.refusal is None:
