@@ -179,6 +179,33 @@ def test_finished_arm_is_skipped_only_with_the_same_settings(tmp_path):
         other[0].finished_before()
 
 
+def test_a_field_added_to_the_code_since_a_run_finished_does_not_make_it_different(tmp_path):
+    """A finished run recorded the digest of the config fields of its day and the trainer wrote its
+    resolved config (config.json). A field added to the code since, at its default, changes nothing
+    the run did: still the same run. Set away from its default, or any recorded setting changed,
+    it is a different run."""
+    from megatron_m2po.experiment import runner
+
+    runs, _ = plan(CONFIG, [], ["m2po_sk"], None, str(tmp_path), fast=False)
+    r = runs[0]
+    then = json.loads(json.dumps(r.run_config, default=str))
+    del then["model"]["lora"]["push"], then["model"]["lora"]["adapter_transport"]  # "added since"
+    then["model"]["hf_path"] = "/cache/tiny_base/qwen2-tiny-0123"  # the trainer records the built tiny base
+    r.run_dir.mkdir(parents=True)
+    (r.run_dir / "config.json").write_text(json.dumps(then))
+    r.done_file.write_text(json.dumps({"overrides": r.overrides, "config_sha256": runner._sha(then)}))
+    assert r.config_sha256 != runner._sha(then)
+    assert r.finished_before()
+    moved, _ = plan(CONFIG, ["model.lora.adapter_transport=memory"], ["m2po_sk"], None, str(tmp_path), fast=False)
+    moved[0].overrides = r.overrides  # the same run otherwise
+    with pytest.raises(ValueError, match="different settings"):
+        moved[0].finished_before()
+    then["optim"]["lr"] *= 2  # a setting of its own day, changed
+    (r.run_dir / "config.json").write_text(json.dumps(then))
+    with pytest.raises(ValueError, match="different settings"):
+        r.finished_before()
+
+
 def test_metrics_tail_reads_only_complete_lines(tmp_path):
     p = tmp_path / "metrics.jsonl"
     t = MetricsTail(p)

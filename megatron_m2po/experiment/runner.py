@@ -121,6 +121,7 @@ class ArmRun:
     expected_steps: int = 0
     config_sha256: str = ""
     parallel: int = 0  # runs at once when it ran (its cost depends on it)
+    run_config: Optional[dict] = None  # this run's resolved config (config_to_dict)
 
     def __post_init__(self) -> None:
         self.tail = MetricsTail(self.run_dir / "metrics.jsonl")
@@ -144,12 +145,36 @@ class ArmRun:
         except ValueError:
             return False
         then = (done.get("overrides"), done.get("config_sha256"))
-        same = then[0] == self.overrides and then[1] in (None, self.config_sha256)  # None: written before digests
+        same = then[0] == self.overrides and (then[1] in (None, self.config_sha256)  # None: written before digests
+                                              or self._same_as_recorded())
         if strict and not same:
             raise ValueError(
                 f"{self.run_dir} holds a finished run of arm {self.arm.name} (seed {self.seed}) with different settings (config "
                 f"sha256 {str(then[1])[:12]}, overrides {then[0]}; now {self.config_sha256[:12]}, {self.overrides}); "
                 f"use a fresh --out directory or delete {self.run_dir}")
+        return True
+
+    def _same_as_recorded(self) -> bool:
+        """Whether the finished run's own record of its settings (``config.json``, the resolved config
+        the trainer wrote) equals today's config of this run, where the digest does not: a field
+        added to the code since, at its default, changes nothing the run did. Every field of today's
+        config must be in the record with the same value, or be new and at its default; the tiny
+        base (``model.hf_path=tiny``) is recorded as the directory it was built into."""
+        if self.run_config is None:
+            return False
+        try:
+            rec = _leaves(json.loads((self.run_dir / "config.json").read_text()))
+        except (OSError, ValueError):
+            return False
+        from megatron_m2po.config import Config, config_to_dict
+
+        defaults = _leaves(json.loads(json.dumps(config_to_dict(Config()), default=str)))
+        for k, v in _leaves(json.loads(json.dumps(self.run_config, default=str))).items():
+            if k in rec:
+                if rec[k] != v and not (k == "model.hf_path" and v == "tiny"):
+                    return False
+            elif k not in defaults or v != defaults[k]:
+                return False
         return True
 
     def start(self, env: dict[str, str]) -> None:
@@ -331,10 +356,26 @@ def _stop_all(active: list[ArmRun], grace_s: float = 180.0) -> None:
 
 
 def config_digest(cfg) -> str:
-    """Of the resolved config, so that editing a comment does not invalidate finished runs."""
+    """Of the resolved config, so that editing a comment does not invalidate finished runs (a field
+    added to the code later is matched by :meth:`ArmRun._same_as_recorded`)."""
     from megatron_m2po.config import config_to_dict
 
-    return hashlib.sha256(json.dumps(config_to_dict(cfg), sort_keys=True, default=str).encode()).hexdigest()
+    return _sha(config_to_dict(cfg))
+
+
+def _sha(d: dict) -> str:
+    return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _leaves(d: dict, prefix: str = "") -> dict[str, Any]:
+    """``{"a.b.c": value}`` of a nested dict's leaves."""
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and v:
+            out.update(_leaves(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
 
 
 def plan_runs(config: str, base_overrides: Sequence[str], variants: Sequence[Variant], out: Optional[str],
@@ -344,7 +385,7 @@ def plan_runs(config: str, base_overrides: Sequence[str], variants: Sequence[Var
     ``base_overrides`` apply to every run (the experiment's and the user's, in that order);
     ``spec`` is merged into the returned experiment description.
     """
-    from megatron_m2po.config import load_config
+    from megatron_m2po.config import config_to_dict, load_config
     from megatron_m2po.utils.settings import ConfigError
 
     if seeds < 1:
@@ -365,7 +406,8 @@ def plan_runs(config: str, base_overrides: Sequence[str], variants: Sequence[Var
             ov = list(base_overrides) + v.all_overrides(run_dir, max_staleness, seed if seeds > 1 else None)
             run_cfg = load_config(config, ov)  # fail before anything starts
             cmd = [sys.executable, "-m", "megatron_m2po.cli", "train", str(config), *ov]
-            r = ArmRun(arm=v, seed=seed, run_dir=run_dir, command=cmd, overrides=ov, config_sha256=digest)
+            r = ArmRun(arm=v, seed=seed, run_dir=run_dir, command=cmd, overrides=ov, config_sha256=digest,
+                       run_config=config_to_dict(run_cfg))
             r.expected_steps = run_cfg.trainer.num_steps
             runs.append(r)
     out_spec = {"config": str(config), "overrides": list(base_overrides), "updates_per_step": U,
