@@ -15,8 +15,9 @@ Points (each a place where a real crash leaves partial state behind):
 * ``store_commit``      inside a store put: rows inserted, the transaction not committed
 * ``train_update``      after an optimizer update inside a step: the step's lease is open
 * ``evaluation``        during held-out evaluation
-* ``engine_dies``       just before a weight push, one engine's process is SIGKILLed (the
-                        trainer lives on: its push fails and is retried after a relaunch)
+* ``engine_dies``       at the start of a weight push, once the generation in flight is stored,
+                        one engine's process is SIGKILLed (the trainer lives on: its push fails
+                        and is retried after a relaunch)
 * ``worker_dies``       a step trained and logged: this process alone is SIGKILLed (under
                         torchrun, one worker of the group dies; ``--max-restarts`` restarts the
                         group). Only global rank ``$M2PO_FAULT_RANK`` (default 0) and only in

@@ -131,8 +131,6 @@ class WeightPushController:
         The transport is rank 0's (:func:`build_weight_sync`); its plan reaches every rank, and a
         colocated plan makes every rank hand its copies to the engine ranks on its own GPU
         (:func:`~megatron_m2po.weights.stage.push_from_stages` runs :data:`EXCHANGES` for it)."""
-        if self.leads and self.fleet is not None and self.fleet.engines:
-            fault_point("engine_dies", lambda: self.fleet.engines[0].handle.proc.kill())
         for attempt in (1, 2):
             try:
                 with TIMER.phase(phase):
@@ -198,6 +196,10 @@ class WeightPushController:
     def begin(self, version: int, n_stages: int) -> PushPlan:
         """Rank 0's start of a weight push from ``n_stages`` pipeline stages."""
         self.drain()
+        if self.fleet is not None and self.fleet.engines:
+            # after the drain: the push fails, not a generation in flight (with one engine that
+            # generation would be lost, and the run end, as docs/design.md says of any mode)
+            fault_point("engine_dies", lambda: self.fleet.engines[0].handle.proc.kill())
         # The trainer is at ``version`` already: record it first, so tokens an engine samples
         # with the new weights while the push is still returning validate against it.
         self.store.set_version(version)
