@@ -30,7 +30,11 @@ average 4-11): push by push median 0.35-0.41 of the copy (0.12-1.16 over single 
 best 0.23-0.38. Two copies at once cost 1.8-3.4x one copy there (the two cores share the memory
 bandwidth, and the other load takes a core), a bound of 0.30-0.56, so a two-copy push reaches half
 the copy only when that machine is nearly idle; the push came within 1.1-1.65x of that bound
-(pack 35-45 %, the engine's load not hidden 40-50 %, everything else ~10 %).
+(pack 35-45 %, the engine's load not hidden 40-50 %, everything else ~10 %). On the same VM nearly
+idle (load average 2-3, 5 runs, 32-128 MiB buckets): push by push median 0.36-0.50, best / best
+0.36-0.45, with two copies at once bounding it at 0.86-0.95; pack 44-58 %, the engine's load not
+hidden 28-44 % -- the engine's loads (unpickle, map the bucket, copy) take longer than the packing
+they should hide behind, so the push runs at the engine's pace.
 """
 
 from __future__ import annotations
