@@ -52,6 +52,9 @@ It prints one table, a row per claim:
    rows); the M2PO mask pre-pass (one more forward) and the fused log-prob's recomputed logits
    are real work it does not credit. Peak FLOP/s: 989 TFLOP/s dense bf16 for H100 / H200 SXM
    (--peak-tflops for another GPU); compare with the planner's ``gemm_eff`` (docs/planner.md).
+   ``--lora-rank R``: the same update with LoRA adapters of rank R on the frozen base (the
+   default targets), for tokens/s and peak memory beside full weights (its MFU still counts
+   3 x forward, though a frozen base computes no weight gradients).
 
 4. **packed sequences at TP=2 + sequence parallel** -- the layout every recipe trains with:
    two ranks (processes started with torchrun's environment, NCCL), tensor parallel 2 with
@@ -178,6 +181,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--moe-data", help="row 7: prompts, a DeepScaleR .parquet / .jsonl (default the synthetic task)")
     ap.add_argument("--push-dir", help="row 8: directory on the weight-sync filesystem (default the work directory)")
     ap.add_argument("--push-gb", type=float, default=None, help="row 8: GB of shards to write and read (default 16)")
+    ap.add_argument("--lora-rank", type=int, default=0,
+                    help="row 3: train LoRA adapters of this rank on the frozen base (default 0: full weights)")
     ap.add_argument("--bucket-mb", type=float, default=512.0,
                     help="row 9: the push's bucket size (rollout.weight_sync_bucket_mb, default 512)")
     ap.add_argument("--only", nargs="+", choices=list(ROWS), default=list(ROWS),
@@ -226,7 +231,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                 rows.append(Row("train step (M2PO update)", "-", f"skipped: {', '.join(missing)} missing", "-", "SKIP"))
             else:
                 rows += guarded("train step (M2PO update)", row_throughput, a.cpu_smoke, work,
-                                peak_tflops(a.peak_tflops) if not a.cpu_smoke else None)
+                                peak_tflops(a.peak_tflops) if not a.cpu_smoke else None, a.lora_rank)
         if "packed" in a.only:
             if missing:
                 rows.append(Row(PACKED_CHECK, "-", f"skipped: {', '.join(missing)} missing", "-", "SKIP"))

@@ -33,7 +33,7 @@ def train_flops(shape: dict, samples: list) -> float:
     return 3 * fwd
 
 
-def row_throughput(smoke: bool, work: Path, peak: Optional[float]) -> list[Row]:
+def row_throughput(smoke: bool, work: Path, peak: Optional[float], lora_rank: int = 0) -> list[Row]:
     from megatron_m2po.actor.actor import ActorConfig, MegatronActor
     from megatron_m2po.actor.batch import RolloutBatch
 
@@ -47,7 +47,9 @@ def row_throughput(smoke: bool, work: Path, peak: Optional[float]) -> list[Row]:
     for s in samples:
         s.behav_logprobs = np.full(len(s.response_ids), -math.log(shape["vocab_size"]), np.float32)
     dtype = "bfloat16"
-    actor = MegatronActor.from_config(ActorConfig.from_config(_actor_config(hf, dtype), total_updates=100))
+    cfg = _actor_config(hf, dtype)
+    cfg.model.lora.rank = lora_rank  # --lora-rank: the adapters train, the base is frozen (actor/lora.py)
+    actor = MegatronActor.from_config(ActorConfig.from_config(cfg, total_updates=100))
     cuda = torch.cuda.is_available()
     try:
         actor.train_step(RolloutBatch(samples))  # warm-up: kernels, allocator, optimizer state
@@ -67,6 +69,8 @@ def row_throughput(smoke: bool, work: Path, peak: Optional[float]) -> list[Row]:
     t = min(times)
     tokens = sum(s.length for s in samples)
     flops = train_flops(shape, samples)
+    if lora_rank:
+        label += f", LoRA rank {lora_rank} on {', '.join(cfg.model.lora.targets)}"
     what = (f"{label}: {n} x ({p}+{r}) tokens, TP=PP=DP=1, {dtype}, "
             f"{'CPU' if not cuda else spec_name() + ' spec'}")
     vals = dict(tokens_per_s=tokens / t, step_s=t, tflops=flops / t / 1e12, peak_mem_gib=mem)
