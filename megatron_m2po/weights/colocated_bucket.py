@@ -159,7 +159,8 @@ class HostBuckets:
         """``flat`` (a leased bucket) may be rewritten: every engine has answered for it."""
         if flat is None or flat.device.type != "cpu":
             return
-        whole = torch.empty(0, dtype=torch.uint8).set_(flat.untyped_storage())
+        # on the bucket's device, named: a reused bucket is the device tensor it was when leased
+        whole = torch.empty(0, dtype=torch.uint8, device=flat.device).set_(flat.untyped_storage())
         with self._lock:
             if not any(b.untyped_storage().data_ptr() == whole.untyped_storage().data_ptr() for b in self._free):
                 self._free = sorted(self._free + [whole], key=lambda b: -b.numel())[:self.keep]

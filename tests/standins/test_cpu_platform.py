@@ -146,6 +146,30 @@ def _collective_audit(rank, world_size):
     return out
 
 
+def _reused_bucket(rank, world_size):
+    """A colocated bucket leased, given back and leased again (HostBuckets) stays the device tensor
+    it was: broadcast on the default group as ``weights/colocated.py`` ``_exchange_bucket`` does."""
+    import torch.distributed as dist
+
+    from megatron_m2po.standins import cpu_platform as cpu
+    from megatron_m2po.weights.colocated import _device
+    from megatron_m2po.weights.colocated_bucket import HostBuckets
+
+    cpu.enable()
+    pool = HostBuckets()
+    dev = _device()  # the exchange's device: the host here, where the pool keeps buckets
+    for _ in range(3):
+        flat = pool.lease(64, dev, 128)
+        flat.fill_(rank)
+        dist.broadcast(flat, src=0)
+        pool.give_back(flat)
+    return int(flat[0])
+
+
+def test_a_reused_colocated_bucket_is_a_device_tensor():
+    assert run_distributed(_reused_bucket, 2, timeout_s=120) == [0, 0]
+
+
 def test_collectives_refuse_host_tensors_on_accelerator_groups():
     """A host tensor in a collective on a group that is NCCL on GPUs fails here as it fails there;
     tensors placed as production places them pass (metrics, .cuda(), device=..., gloo groups)."""
