@@ -119,10 +119,16 @@ class LoRALinear(nn.Module):
             return None
         x = args[0] if args else kwargs["input_"]
         out, bias = output
-        return out + self.delta(x).to(out.dtype), bias
+        return self.add_delta(x, out), bias
 
-    def delta(self, x: torch.Tensor) -> torch.Tensor:
-        """The adapters' contribution to this rank's output of the linear for its input ``x``."""
+    def add_delta(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """``out`` plus the adapters' contribution to this rank's output of the linear for input ``x``.
+
+        Few kernels, since a step runs this on every targeted linear of every micro-batch: one GEMM
+        for every A of the linear (``h = x [A_1; A_2; ...]^T``), then one ``addmm`` that adds
+        ``h B^T`` to the base output, where ``B`` is every projection's ``scaling x B`` placed at its
+        rows of the fused output (Megatron's per-query-group ``[q..., k, v]`` of ``linear_qkv``,
+        ``[gate; up]`` of ``linear_fc1``) and its ``rank`` columns of ``h`` (zero elsewhere)."""
         from megatron.core import tensor_parallel as tpm
 
         if self.dropout is not None and self.training and torch.is_grad_enabled():
@@ -136,23 +142,30 @@ class LoRALinear(nn.Module):
             else:
                 h = tpm.reduce_scatter_to_sequence_parallel_region(h, group=self.tp_group) if self.sequence_parallel \
                     else tpm.reduce_from_tensor_model_parallel_region(h, group=self.tp_group)
-        r = self.rank
-        deltas = {p: (h[..., i * r:(i + 1) * r] @ self.pair(p)[1].t()) * self.scaling
-                  for i, p in enumerate(self.targets)}
-        return self._assemble(deltas, h.shape[:-1], h)
+        b = self._placed_b().to(out.dtype)  # [out_local, k r]
+        flat = torch.addmm(out.reshape(-1, out.shape[-1]), h.reshape(-1, h.shape[-1]).to(out.dtype), b.t())
+        return flat.view(out.shape)
 
-    def _assemble(self, deltas: dict, lead: torch.Size, like: torch.Tensor) -> torch.Tensor:
-        """The fused local output from the per-projection deltas (zeros for untargeted ones)."""
+    def _placed_b(self) -> torch.Tensor:
+        """Every projection's ``scaling x B`` at its rows of the fused output and its columns of ``h``."""
+        r, k = self.rank, len(self.targets)
+        col = {p: i for i, p in enumerate(self.targets)}
+
+        def placed(p: str, rows: int, like: torch.Tensor) -> torch.Tensor:
+            if p not in col:
+                return like.new_zeros(rows, k * r)
+            i = col[p]
+            return torch.nn.functional.pad(self.pair(p)[1] * self.scaling, (i * r, (k - 1 - i) * r))
+
+        like = self.pair(self.targets[0])[1]
         if len(self.parts) == 1:
-            return deltas[self.parts[0]]
+            return placed(self.parts[0], like.shape[0], like)
         if self.name == "linear_fc1":
-            ffn = next(iter(deltas.values())).shape[-1]
-            return torch.cat([deltas.get(p, like.new_zeros(*lead, ffn)) for p in self.parts], -1)
+            return torch.cat([placed(p, like.shape[0], like) for p in self.parts], 0)
         g, hd = self.groups_local, self.head_dim
         widths = {"q_proj": self.q_per_group * hd, "k_proj": hd, "v_proj": hd}
-        pieces = [deltas[p].reshape(*lead, g, widths[p]) if p in deltas else like.new_zeros(*lead, g, widths[p])
-                  for p in self.parts]
-        return torch.cat(pieces, -1).reshape(*lead, -1)  # Megatron's per-query-group [q..., k, v]
+        blocks = [placed(p, g * widths[p], like).reshape(g, widths[p], k * r) for p in self.parts]
+        return torch.cat(blocks, 1).reshape(-1, k * r)  # Megatron's per-query-group [q..., k, v]
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
         """Checkpoint tensors with their TP axes (B of column-, A of row-parallel linears)."""
