@@ -29,7 +29,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -40,6 +39,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from megatron_m2po.utils.net import free_port, unreachable
+
 from .colocated_engine import digest
 from .models import _actor_config, make_batch, make_random_qwen2
 from .report import Row
@@ -48,12 +49,6 @@ from .throughput import QWEN25_15B
 COLOCATED_CHECK = "colocated cycle (release / transfer / resume)"
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
             vocab_size=256, max_position_embeddings=512, tie_word_embeddings=True)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _call(url: str, route: str, body=None, timeout: float = 600.0) -> dict:
@@ -70,11 +65,9 @@ def _wait_healthy(url: str, proc: subprocess.Popen, deadline_s: float) -> None:
     while time.monotonic() < end:
         if proc.poll() is not None:
             raise RuntimeError(f"the engine process exited with {proc.returncode} before answering /health")
-        try:
-            _call(url, "/health", timeout=2.0)
+        if unreachable(url, "/health", timeout_s=2.0) is None:
             return
-        except OSError:
-            time.sleep(0.2)  # polling the engine's start-up; the deadline names what did not happen
+        time.sleep(0.2)  # polling the engine's start-up; the deadline names what did not happen
     raise RuntimeError(f"the engine at {url} did not answer /health within {deadline_s:.0f}s")
 
 
@@ -120,7 +113,7 @@ def row_colocated(smoke: bool, work: Path, bucket_mb: float = 512.0, repeats: in
     cfg = _actor_config(hf, "bfloat16", parallel={"use_distributed_optimizer": True})
     actor = MegatronActor.from_config(ActorConfig.from_config(cfg, total_updates=100))
     kv_gib = 0.01 if smoke else 24.0
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     engine = None
     times: dict[str, list[float]] = {k: [] for k in ("release", "reload", "train", "resume_weights", "push",
