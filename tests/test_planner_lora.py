@@ -29,6 +29,22 @@ def test_adapter_parameters_by_hand():
     assert L.adapter_params(m, P.Layout(tp=4, pp=2)) == 0.0
 
 
+def test_expert_adapters_by_hand():
+    """Qwen3-30B-A3B at EP=8: the attention adapters (as a dense model's) plus, per layer, 128 / 8
+    local experts each holding gate_up (A 16 x 2048 shared by gate and up, B 2 x 768 x 16) and down
+    (A 16 x 768, B 2048 x 16); each routed token adds 2 x top-8 r-wide intermediates."""
+    m = P.MODELS["qwen3-30b-a3b"]
+    r = 16
+    lay = P.Layout(tp=1, pp=1, ep=8, etp=1, lora_rank=r)
+    q, kv, h = m.q_size, m.kv_size, m.hidden
+    attn = (r * h + q * r) + 2 * (r * h + kv * r) + (r * q + h * r)
+    experts = 128 / 8 * (r * 2048 + 2 * 768 * r + r * 768 + 2048 * r)
+    assert L.adapter_params(m, lay) == pytest.approx((attn + experts) * 48)
+    attn_only = P.Layout(tp=1, pp=1, ep=8, etp=1, lora_rank=r, lora_targets=("q_proj", "k_proj", "v_proj", "o_proj"))
+    assert L.adapter_params(m, attn_only) == pytest.approx(attn * 48)
+    assert L.adapter_activation_bytes(m, lay, 1000) == pytest.approx(2.0 * 1000 * r * (4 + 2 * 8))
+
+
 def test_frozen_base_keeps_weights_and_drops_gradients_optimizer_and_reference():
     m = P.model_shape("Qwen/Qwen2.5-32B")
     full = P.Layout(tp=4, pp=2, dp=1, micro_batch_tokens=4096, seq_len=4096, reference=True)

@@ -74,6 +74,14 @@ class _GroupedWeights(torch.nn.Module):
     def weights(self) -> list[torch.Tensor]:
         return [getattr(self, f"weight{i}") for i in range(len(self._parameters))]
 
+    def forward(self, x: torch.Tensor, m_splits: list[int]) -> tuple[torch.Tensor, None]:
+        """``TEGroupedLinear.forward(x, m_splits)`` (no bias): rows ``m_splits[i]`` of ``x`` (in
+        order) through ``weight{i}``; ``(out, None)``, as Megatron's wrapper returns it. A module
+        call, as on GPU, so forward hooks on the experts' linears (LoRA on experts) see the same
+        ``(x, m_splits)`` and ``(out, bias)`` there and here."""
+        outs = [F.linear(xi, w) for xi, w in zip(torch.split(x, m_splits), self.weights())]
+        return (torch.cat(outs, dim=0) if outs else x.new_zeros(0, self.weight0.shape[0])), None
+
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
         """``TEGroupedLinear._sharded_state_dict_grouped`` (megatron-core 0.16.1,
         ``extensions/transformer_engine.py``) without ``_extra_state``: ``weight{i}`` becomes the
@@ -162,14 +170,11 @@ class LocalGroupedMLP(torch.nn.Module):
     def forward(self, permuted_hidden: torch.Tensor, tokens_per_expert: torch.Tensor,
                 permuted_probs: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         counts = tokens_per_expert.tolist()
-        xs = torch.split(permuted_hidden, counts)
-        ps = torch.split(permuted_probs.unsqueeze(-1), counts)
-        outs = []
-        for x, p, w1, w2 in zip(xs, ps, self.linear_fc1.weights(), self.linear_fc2.weights()):
-            h = self._activation(F.linear(x, w1))
-            h = (h * p).to(h.dtype)  # the routing weight after the activation, as TEGroupedMLP
-            outs.append(F.linear(h, w2))
-        return torch.cat(outs, dim=0), None
+        fc1, _ = self.linear_fc1(permuted_hidden, counts)  # TEGroupedMLP.forward: linear_fc1(x, tokens_per_expert)
+        h = self._activation(fc1)
+        h = (h * permuted_probs.unsqueeze(-1)).to(h.dtype)  # the routing weight after the activation, as TEGroupedMLP
+        out, _ = self.linear_fc2(h, counts)
+        return out, None
 
     def backward_dw(self) -> None:  # MoELayer calls it with delayed weight-gradient computation only
         return None

@@ -34,8 +34,21 @@ Megatron's gradient buffers, fp32 main copies and Adam states hold the adapters 
 initialised as peft does (``kaiming_uniform_(a=sqrt(5))``, from a generator seeded by the run seed,
 the layer and the projection, whole then sliced, so every layout starts from the same adapters),
 B with zeros. Dropout (``model.lora.dropout``) acts on the adapter input in forwards with
-gradients only. MoE: attention adapters only (the experts' linears are refused in
-:func:`add_adapters`).
+gradients only.
+
+MoE experts (:class:`ExpertLoRA`, when the targets name the MLP of an MoE model): every expert
+``e`` of a layer gets its own pair on its fused gate / up projection, ``A_e [r, hidden]`` shared by
+gate and up and ``B_e [2 ffn, r]`` (gate rows first), and one on its down projection -- exactly
+what peft puts on transformers' fused expert parameters (``target_parameters``, ``lora.ParamWrapper``:
+per expert one rank-r update of ``gate_up_proj[e]`` and of ``down_proj[e]``) and what SGLang
+0.5.23 serves from an adapter's per-expert ``experts.{e}.gate_up_proj`` keys (``lora/lora.py``
+``normalize_gate_up_proj`` duplicates the shared A for the stacked gate / up buffer). So gate,
+up and down are targeted together or not at all (SGLang wraps its ``FusedMoE`` only when both
+``gate_up_proj`` and ``down_proj`` are targets: ``lora/lora_manager.py``). The adapters hook the
+experts' grouped linears (``TEGroupedLinear(x, m_splits)`` on GPU, ``LocalGroupedMLP``'s
+counterpart here), each rank holding its local experts' pairs (expert parallelism: ``allreduce``
+False, so Megatron's DDP reduces them over the expert data-parallel group, as the expert weights);
+experts are whole on each rank (``parallel.expert_tensor_parallel=1``, checked).
 """
 
 from __future__ import annotations
@@ -50,8 +63,8 @@ from torch import nn
 
 from megatron_m2po.utils.settings import ConfigError
 
-__all__ = ["LINEARS", "LoRALinear", "add_adapters", "adapter_modules", "adapters_disabled", "base_view", "base_views",
-           "has_adapters", "is_adapter_key"]
+__all__ = ["EXPERT_PARTS", "ExpertLoRA", "LINEARS", "LoRALinear", "add_adapters", "adapter_modules", "adapters_disabled",
+           "base_view", "base_views", "expert_adapter_modules", "has_adapters", "is_adapter_key"]
 
 # Megatron linear -> (parent attribute, the HF projections it fuses, in the fused output's order, parallel kind)
 LINEARS = {
@@ -196,16 +209,112 @@ def _hf_shape(name: str, hf, head_dim: int) -> tuple[int, dict[str, int]]:
     return ffn, {"down_proj": hidden}
 
 
+EXPERT_PARTS = ("gate_proj", "up_proj", "down_proj")  # an MoE model's MLP targets: its experts'
+
+
+class ExpertLoRA(nn.Module):
+    """The adapters of one MoE layer's local experts (module docstring): ``gate_up_A{i}`` ``[r, hidden]``,
+    ``gate_up_B{i}`` ``[2 ffn, r]``, ``down_A{i}`` ``[r, ffn]``, ``down_B{i}`` ``[hidden, r]`` for local
+    expert ``i`` (global expert ``ep_rank * n + i``). Forward hooks on the experts' ``linear_fc1`` /
+    ``linear_fc2`` (called ``(x, m_splits)``, answering ``(out, bias)``) add ``s B_e A_e x`` to the
+    rows of each expert."""
+
+    PAIRS = ("gate_up", "down")
+
+    def __init__(self, experts: nn.Module, *, rank: int, scaling: float, dropout: float, layer: int, seed: int,
+                 hf, ep_rank: int, expert_parallel: bool) -> None:
+        super().__init__()
+        from megatron.core.tensor_parallel import set_tensor_model_parallel_attributes
+
+        self.layer, self.rank, self.scaling = layer, rank, scaling
+        self.enabled = True
+        self.dropout = nn.Dropout(dropout) if dropout > 0 else None
+        n = self.num_local_experts = int(experts.num_local_experts)
+        self.first_expert = ep_rank * n
+        hidden, ffn = int(hf.hidden_size), int(hf.moe_intermediate_size)
+        shapes = {"gate_up": (hidden, 2 * ffn), "down": (ffn, hidden)}  # (in, out)
+        w = experts.linear_fc1.weight0
+        for i in range(n):
+            e = self.first_expert + i
+            for pair, (fin, fout) in shapes.items():
+                gen = torch.Generator().manual_seed(zlib.crc32(f"{seed}/{layer}/experts.{e}.{pair}".encode()))
+                a = torch.empty(rank, fin)
+                nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=gen)
+                for which, t in (("A", a), ("B", torch.zeros(fout, rank))):
+                    prm = nn.Parameter(t.to(device=w.device, dtype=w.dtype))
+                    # whole on this rank (expert TP = 1): "parallel" so that norms and checkpoints take each
+                    # rank's experts as its own, as Megatron's expert linears are marked
+                    set_tensor_model_parallel_attributes(prm, True, 0, 1)
+                    prm.allreduce = not expert_parallel  # DDP: reduced over the expert data-parallel group
+                    self.register_parameter(f"{pair}_{which}{i}", prm)
+        experts.linear_fc1.register_forward_hook(self._hook_fc1, with_kwargs=True)
+        experts.linear_fc2.register_forward_hook(self._hook_fc2, with_kwargs=True)
+
+    def pair(self, pair: str, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Local expert ``i``'s ``(A, B)`` of ``pair`` (``gate_up`` / ``down``)."""
+        return getattr(self, f"{pair}_A{i}"), getattr(self, f"{pair}_B{i}")
+
+    def _hook_fc1(self, module, args, kwargs, output):
+        return self._hook("gate_up", args, kwargs, output)
+
+    def _hook_fc2(self, module, args, kwargs, output):
+        return self._hook("down", args, kwargs, output)
+
+    def _hook(self, pair: str, args, kwargs, output):
+        if not self.enabled:
+            return None
+        x = args[0] if args else kwargs["x"]
+        splits = args[1] if len(args) > 1 else kwargs["m_splits"]
+        out, bias = output
+        if self.dropout is not None and self.training and torch.is_grad_enabled():
+            x = self.dropout(x)
+        deltas = []
+        for i, xi in enumerate(torch.split(x, list(splits))):
+            a, b = self.pair(pair, i)
+            deltas.append((xi.to(a.dtype) @ a.t()) @ (b * self.scaling).t())
+        if not deltas:
+            return None
+        return out + torch.cat(deltas, 0).to(out.dtype), bias
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
+        """Each pair as one global tensor per matrix (``{prefix}gate_up_A`` ``[num_experts, r, hidden]``, ...),
+        local expert ``i`` at global index ``first_expert + i``, as the expert weights are saved
+        (``experts.py`` ``_GroupedWeights.sharded_state_dict``), so a checkpoint reshards over expert layouts."""
+        from megatron.core import parallel_state as ps
+        from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+        n = self.num_local_experts
+        total = n * ps.get_expert_model_parallel_world_size()
+        dp_rank = ps.get_expert_data_parallel_rank()
+        out = {}
+        for pair in self.PAIRS:
+            for which in "AB":
+                for i in range(n):
+                    t = getattr(self, f"{pair}_{which}{i}")
+                    offsets = (*sharded_offsets, (len(sharded_offsets), self.first_expert + i, total))
+                    key = f"{prefix}{pair}_{which}"
+                    out[f"{prefix}{pair}_{which}{i}"] = ShardedTensor.from_rank_offsets(
+                        key, t, *offsets, replica_id=(0, 0, dp_rank), prepend_axis_num=len(offsets))
+        return out
+
+
 def add_adapters(chunks: list, lora_cfg, hf, seed: int) -> None:
     """Freeze every parameter of ``chunks`` and add the adapters ``lora_cfg`` (``model.lora``)
     targets to each decoder layer of this pipeline stage. Call before DDP and the optimizer are
-    built. ConfigError for MLP targets on an MoE model (its experts have no adapters)."""
+    built. On an MoE model the MLP targets are its experts' (:class:`ExpertLoRA`): ConfigError
+    unless gate, up and down are targeted together (whole experts on each rank, expert TP 1, is
+    checked with the layout: ``actor/model.py``)."""
+    from megatron.core import parallel_state as ps
+
     targets = list(lora_cfg.targets)
-    mlp_targets = [t for t in targets if t in ("gate_proj", "up_proj", "down_proj")]
-    if mlp_targets and getattr(hf, "num_experts", None):
-        raise ConfigError(f"model.lora.targets={targets}: {mlp_targets} name the MLP, which is a mixture of experts "
-                          f"in this model ({hf.num_experts} experts); LoRA on experts is not supported, target "
-                          "the attention only: model.lora.targets=[q_proj,k_proj,v_proj,o_proj]")
+    mlp_targets = [t for t in targets if t in EXPERT_PARTS]
+    moe = bool(getattr(hf, "num_experts", None))
+    if moe and mlp_targets and set(mlp_targets) != set(EXPERT_PARTS):
+        raise ConfigError(f"model.lora.targets={targets}: on this mixture-of-experts model the MLP targets are its "
+                          f"experts', and {sorted(mlp_targets)} is only part of them: gate_proj and up_proj share one "
+                          "A per expert (peft's fused gate_up_proj) and SGLang serves expert adapters only when "
+                          "gate_up_proj and down_proj are both targets; name all of gate_proj, up_proj, down_proj "
+                          "or none of them")
     for chunk in chunks:
         for p in chunk.parameters():
             p.requires_grad_(False)
@@ -214,10 +323,19 @@ def add_adapters(chunks: list, lora_cfg, hf, seed: int) -> None:
                 if not set(parts) & set(targets):
                     continue
                 parent = getattr(layer, parent_name)
+                if parent_name == "mlp" and moe:
+                    continue  # the experts' adapters, below
                 adapter = LoRALinear(getattr(parent, name), name, targets, rank=lora_cfg.rank,
                                      scaling=lora_cfg.scaling, dropout=lora_cfg.dropout,
                                      layer=layer.layer_number - 1, seed=seed, hf=hf)
                 parent.add_module(name + SUFFIX, adapter)
+            if moe and mlp_targets:
+                experts = layer.mlp.experts
+                adapter = ExpertLoRA(experts, rank=lora_cfg.rank, scaling=lora_cfg.scaling, dropout=lora_cfg.dropout,
+                                     layer=layer.layer_number - 1, seed=seed, hf=hf,
+                                     ep_rank=ps.get_expert_model_parallel_rank(),
+                                     expert_parallel=ps.get_expert_model_parallel_world_size() > 1)
+                layer.mlp.add_module("experts" + SUFFIX, adapter)
 
 
 def adapter_modules(chunks: list) -> Iterator[LoRALinear]:
@@ -228,19 +346,27 @@ def adapter_modules(chunks: list) -> Iterator[LoRALinear]:
                 yield m
 
 
+def expert_adapter_modules(chunks: list) -> Iterator["ExpertLoRA"]:
+    """Every :class:`ExpertLoRA` of ``chunks``, in module order."""
+    for chunk in chunks:
+        for m in chunk.modules():
+            if isinstance(m, ExpertLoRA):
+                yield m
+
+
 def is_adapter_key(key: str) -> bool:
     """Whether a state-dict key is an adapter's (``...linear_qkv_lora.q_proj_A``; its optimizer too)."""
     return f"{SUFFIX}." in key
 
 
 def has_adapters(chunks: list) -> bool:
-    return next(adapter_modules(chunks), None) is not None
+    return next(adapter_modules(chunks), None) is not None or next(expert_adapter_modules(chunks), None) is not None
 
 
 @contextlib.contextmanager
 def adapters_disabled(chunks: list):
     """Inside, every adapter of ``chunks`` is skipped: the chunks compute exactly the base model."""
-    mods = list(adapter_modules(chunks))
+    mods = list(adapter_modules(chunks)) + list(expert_adapter_modules(chunks))
     before = [m.enabled for m in mods]
     for m in mods:
         m.enabled = False

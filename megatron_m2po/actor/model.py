@@ -197,6 +197,14 @@ def _moe_args(cfg: Config, hf, fused: bool) -> dict:
         raise ValueError(f"moe_intermediate_size={hf.moe_intermediate_size} of {cfg.model.hf_path} is not divisible "
                          f"by the expert tensor parallel size {etp} (parallel.expert_tensor_parallel, default "
                          "tensor_parallel); choose a divisor")
+    lora = cfg.model.lora
+    if lora.rank and etp > 1 and {"gate_proj", "up_proj", "down_proj"} & set(lora.targets):
+        from megatron_m2po.utils.settings import ConfigError
+
+        raise ConfigError(f"LoRA on the experts of {cfg.model.hf_path} needs whole experts on each rank, but "
+                          f"parallel.expert_tensor_parallel is {etp} (its default is the tensor-parallel size): set "
+                          "parallel.expert_tensor_parallel=1 (experts split over expert_parallel instead), or target "
+                          "the attention only: model.lora.targets=[q_proj,k_proj,v_proj,o_proj]")
     if p.tensor_parallel > 1 and not p.sequence_parallel:
         # MoELayer.forward raises in training otherwise (megatron/core/transformer/moe/moe_layer.py)
         raise ValueError(f"MoE model {cfg.model.hf_path} with parallel.tensor_parallel={p.tensor_parallel} needs "

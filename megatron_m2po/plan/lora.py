@@ -19,6 +19,11 @@ gate/up_proj   r*h, replicated             f*r / tp
 down_proj      r*f / tp                    h*r, replicated
 =============  ==========================  ===========================
 
+On an MoE model the MLP targets are the experts' (gate, up and down together): each of the
+``E / ep`` local experts (whole: expert TP 1) holds a gate_up pair (A ``r*h`` shared by gate and up,
+B ``2 f_e * r``) and a down pair (``r*f_e``, ``h*r``); each routed token adds two r-wide
+intermediates per expert it visits (``top_k``).
+
 Activations: the base's are unchanged (its inputs are kept for the input gradient either way); each
 adapter adds its r-wide intermediate ``A x`` (T x r, 16-bit), counted here, which is < 1 % of a
 layer's activations at r <= 64.
@@ -43,15 +48,23 @@ def _target_params(m: ModelShape, target: str, r: int, tp: int) -> float:
 
 
 def layer_targets(m: ModelShape, targets: Sequence[str]) -> list[str]:
-    """The targets a layer of ``m`` carries: an MoE's MLP is its experts, which LoRA leaves alone."""
+    """The dense targets a layer of ``m`` carries (an MoE's MLP targets are its experts': :func:`expert_targets`)."""
     return [t for t in targets if not (m.is_moe and t in MLP_TARGETS)]
+
+
+def expert_targets(m: ModelShape, targets: Sequence[str]) -> bool:
+    """Whether the experts of an MoE model carry adapters (actor/lora.py ``ExpertLoRA``)."""
+    return m.is_moe and bool(set(targets) & set(MLP_TARGETS))
 
 
 def adapter_params(m: ModelShape, lay: Layout) -> float:
     """Adapter parameters on one GPU of a stage (the layers of one stage; uniform over stages)."""
     if lay.lora_rank <= 0:
         return 0.0
-    per_layer = sum(_target_params(m, t, lay.lora_rank, lay.tp) for t in layer_targets(m, lay.lora_targets))
+    r = lay.lora_rank
+    per_layer = sum(_target_params(m, t, r, lay.tp) for t in layer_targets(m, lay.lora_targets))
+    if expert_targets(m, lay.lora_targets):
+        per_layer += m.num_experts / lay.ep * (r * m.hidden + 2 * m.moe_ffn * r + r * m.moe_ffn + m.hidden * r)
     return per_layer * m.layers / lay.pp
 
 
@@ -59,4 +72,5 @@ def adapter_activation_bytes(m: ModelShape, lay: Layout, tokens: float) -> float
     """One layer's r-wide adapter intermediates for ``tokens`` tokens (16-bit)."""
     if lay.lora_rank <= 0:
         return 0.0
-    return 2.0 * tokens * lay.lora_rank * len(layer_targets(m, lay.lora_targets))
+    n = len(layer_targets(m, lay.lora_targets)) + (2 * m.top_k if expert_targets(m, lay.lora_targets) else 0)
+    return 2.0 * tokens * lay.lora_rank * n

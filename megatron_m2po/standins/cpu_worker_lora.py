@@ -31,9 +31,20 @@ The adapters' state and their application to the HF model; the routes are
   ``--max-loras-per-batch`` (pinned adapters hold their own slots); otherwise it is skipped and
   waits.
 
-Departures (clear errors, never silent): LoRA on ``embed_tokens`` / ``lm_head`` and on fused MoE
-experts is refused (the CPU worker hooks ``nn.Linear`` projections only); adapters are read from a
-local directory only (SGLang would try the Hugging Face Hub).
+- MoE experts (transformers' fused ``mlp.experts``, SGLang's ``FusedMoE``): served only when both
+  ``gate_up_proj`` and ``down_proj`` are targets (``lora_manager.py`` wraps a ``FusedMoE`` only
+  then; ``all`` adds both, ``utils.py`` ``auto_detect_lora_target_modules``), else their weights
+  are ignored. Per-expert keys ``experts.{e}.{gate_proj|up_proj|gate_up_proj|down_proj}``
+  (``mem_pool.py``: ``experts\.(\d+)\.``); ``lora.py`` ``normalize_gate_up_proj``: gate and up
+  stack (a missing up is zeros; an up without its gate matches no target: the load fails), a fused
+  ``gate_up_proj`` A serves both halves; experts absent from the adapter add nothing. Each token
+  adds ``s B_e A_e`` to its experts' gate / up (before the activation) and down (then the routing
+  weight), ``lora_moe_runners.py``.
+
+Departures (clear errors, never silent): LoRA on ``embed_tokens`` / ``lm_head`` is refused (the
+CPU worker hooks the linear projections and the experts only), as is SGLang's own 3-D expert
+layout (``experts.gate_up_proj.lora_A.weight [E, r, in]``; per-expert keys are what trainers
+send); adapters are read from a local directory only (SGLang would try the Hugging Face Hub).
 """
 
 from __future__ import annotations
@@ -67,6 +78,8 @@ NOT_ENABLED = "LoRA is not enabled. Please set `--enable-lora` to enable LoRA." 
 _NEEDS_SHAPE = ("When no initial --lora-paths is provided, you need to specify both --max-lora-rank and "
                 "--lora-target-modules for LoRA initialization.")  # lora_hook.py check_lora_server_args
 _WEIGHT = re.compile(r"layers\.(\d+)\.(.+)\.lora_([AB])(?:\.[^.]+)?\.weight$")
+_EXPERT = re.compile(r"^(?P<mod>.*experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|gate_up_proj|down_proj)$")
+_EXPERT_TARGETS = {"gate_up_proj", "down_proj"}  # both, or the experts are not wrapped
 
 
 class LoRAStartError(RuntimeError):
@@ -165,6 +178,8 @@ class Adapter:
     rank: int
     scaling: float
     weights: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    # experts module name -> expert -> {"gate" / "up" / "down": (A, B)}
+    experts: dict[str, dict[int, dict[str, tuple[torch.Tensor, torch.Tensor]]]] = field(default_factory=dict)
 
 
 def read_adapter_dir(path: str) -> tuple[dict, dict[str, torch.Tensor], Optional[dict]]:
@@ -214,6 +229,14 @@ class LoRAServing:
                 self._linears[(int(m.group(1)), m.group(2))] = (name, mod)
         self._names = {id(mod): name for name, mod in self._linears.values()}
         self._modules = {name: mod for name, mod in self._linears.values()}
+        # (layer, path inside the layer) -> (name, module) of every fused experts module (3-D gate_up_proj)
+        self._experts: dict[tuple[int, str], tuple[str, torch.nn.Module]] = {}
+        for name, mod in model.named_modules():
+            m = re.search(r"layers\.(\d+)\.(.+)$", name)
+            gu = getattr(mod, "gate_up_proj", None)
+            if m and isinstance(gu, torch.nn.Parameter) and gu.dim() == 3:
+                self._experts[(int(m.group(1)), m.group(2))] = (name, mod)
+        self._expert_names = {id(mod): name for name, mod in self._experts.values()}
         self.loaded: dict[str, Adapter] = {}  # lora_id -> adapter (the backend's lora_refs + weights)
         self.num_pinned = 0
         self._rows: Optional[list[Optional[Adapter]]] = None  # the running forward's adapter per row
@@ -229,8 +252,14 @@ class LoRAServing:
         for (_, sub), (_, mod) in self._linears.items():
             if self._targeted(sub):
                 mod.register_forward_hook(self._hook)
+        self.experts_served = ALL in self.target_modules or _EXPERT_TARGETS <= self.target_modules
+        if self.experts_served:
+            for _, mod in self._experts.values():
+                mod.register_forward_hook(self._experts_hook)
         for a in self.loaded.values():  # weights of the initial adapters outside the final targets
             a.weights = {n: w for n, w in a.weights.items() if n in self._hooked}
+            if not self.experts_served:
+                a.experts = {}
 
     # ---------------------------------------------------------------- start-up
     def _load_initial(self, paths: list[tuple[str, str, bool]]) -> dict[str, dict]:
@@ -254,6 +283,8 @@ class LoRAServing:
     def _resolve_targets(self, given: Optional[set[str]], configs: dict[str, dict]) -> set[str]:
         """``lora_manager.py`` ``init_lora_shapes``: the pool's normalised targets."""
         linear = {_NORMAL.get(sub.split(".")[-1], sub.split(".")[-1]) for _, sub in self._linears}
+        if self._experts:  # auto_detect_lora_target_modules: a FusedMoE adds gate_up_proj and down_proj
+            linear |= _EXPERT_TARGETS
         if given == {ALL}:
             targets = set(linear)  # auto_detect_lora_target_modules (embeddings: see the docstring)
         else:
@@ -329,6 +360,7 @@ class LoRAServing:
         """The adapter's (A, B) per HF module, fp32; with ``targets`` (the pool's, known once the
         initial adapters are read) the weights outside them are dropped."""
         parts: dict[str, dict[str, torch.Tensor]] = {}
+        expert_parts: dict[str, dict[int, dict[str, dict[str, torch.Tensor]]]] = {}
         for wname, t in tensors.items():
             m = _WEIGHT.search(wname)
             if m is None:
@@ -336,6 +368,11 @@ class LoRAServing:
                     raise ValueError(f"{wname}: the CPU worker serves LoRA on the linear projections only "
                                      "(no embed_tokens / lm_head adapters)")
                 continue  # lora.py _process_weight: names without a layer are not loaded
+            layer, sub = int(m.group(1)), m.group(2)
+            em = _EXPERT.match(sub)
+            if em is not None or (layer, sub.rsplit(".", 1)[0]) in self._experts:
+                self._expert_weight(wname, t, layer, sub, em, m.group(3), targets, expert_parts)
+                continue
             if targets is not None and not self._targeted(m.group(2)):
                 continue  # outside the pool's targets: SGLang's memory pool never reads it
             hit = self._linears.get((int(m.group(1)), m.group(2)))
@@ -354,7 +391,65 @@ class LoRAServing:
                                  f"module ({mod.in_features} -> {mod.out_features})")
             weights[mod_name] = (a, b)
         r = int(config["r"])
-        return Adapter(lora_id, name, path, pinned, r, float(config["lora_alpha"]) / r, weights)
+        experts = self._expert_pairs(expert_parts, r)
+        return Adapter(lora_id, name, path, pinned, r, float(config["lora_alpha"]) / r, weights, experts)
+
+    def _expert_weight(self, wname: str, t: torch.Tensor, layer: int, sub: str, em, which: str,
+                       targets: Optional[set[str]], out: dict) -> None:
+        """Collect one expert adapter tensor (module docstring); SGLang's own 3-D layout and peft's
+        ``target_parameters`` keys are refused by name."""
+        if em is None:
+            raise ValueError(f"{wname}: expert adapters without an expert index (SGLang's 3-D layout, or peft's "
+                             "target_parameters keys such as mlp.experts.base_layer.lora_A, which SGLang 0.5.23 does "
+                             "not read) are not served by the CPU worker; send per-expert keys "
+                             "...mlp.experts.<e>.gate_up_proj / down_proj.lora_A / lora_B.weight")
+        mod_key = (layer, em["mod"])
+        if mod_key not in self._experts:
+            raise ValueError(f"{wname}: no experts module 'layers.{layer}.{em['mod']}' in the model")
+        if targets is not None and not self.experts_served:
+            return  # the experts are not wrapped (lora_manager.py): their weights are never read
+        name = self._experts[mod_key][0]
+        out.setdefault(name, {}).setdefault(int(em["e"]), {}).setdefault(em["proj"], {})[which] = \
+            t.detach().to(torch.float32).clone()
+
+    def _expert_pairs(self, parts: dict, r: int) -> dict:
+        """``normalize_gate_up_proj`` per expert, shapes checked against the experts module:
+        ``{module: {expert: {"gate" / "up" / "down": (A [r, in], B [out, r])}}}``."""
+        out: dict = {}
+        for mod_name, experts in parts.items():
+            mod = self._modules_by_name_experts(mod_name)
+            n, hidden, inter = mod.gate_up_proj.shape[0], mod.gate_up_proj.shape[2], mod.down_proj.shape[2]
+            for e, projs in experts.items():
+                if e >= n:
+                    raise ValueError(f"{mod_name}.{e}: the model has {n} experts")
+                for proj, ab in projs.items():
+                    if set(ab) != {"A", "B"}:
+                        raise ValueError(f"{mod_name}.{e}.{proj}: the adapter has lora_{'B' if 'A' in ab else 'A'} missing")
+                pairs: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+                if "gate_up_proj" in projs:  # fused: A serves both halves, B is [gate; up]
+                    a, b = projs["gate_up_proj"]["A"], projs["gate_up_proj"]["B"]
+                    if b.shape[0] != 2 * inter:
+                        raise ValueError(f"{mod_name}.{e}.gate_up_proj: lora_B {tuple(b.shape)} is not [2 x {inter}, r]")
+                    pairs["gate"], pairs["up"] = (a, b[:inter]), (a, b[inter:])
+                elif "gate_proj" in projs:
+                    g = projs["gate_proj"]
+                    u = projs.get("up_proj") or {"A": torch.zeros_like(g["A"]), "B": torch.zeros_like(g["B"])}
+                    pairs["gate"], pairs["up"] = (g["A"], g["B"]), (u["A"], u["B"])
+                elif "up_proj" in projs:
+                    raise ValueError(f"Cannot find target module name for {mod_name}.{e}.up_proj (an up_proj without "
+                                     "its gate_proj is not stacked: lora.py normalize_gate_up_proj; send gate_proj too)")
+                if "down_proj" in projs:
+                    pairs["down"] = (projs["down_proj"]["A"], projs["down_proj"]["B"])
+                for proj, (a, b) in pairs.items():
+                    fin, fout = (inter, hidden) if proj == "down" else (hidden, inter)
+                    if a.shape != (r, fin) or b.shape != (fout, r):
+                        raise ValueError(f"{mod_name}.{e}.{proj}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do "
+                                         f"not fit the expert ({fin} -> {fout}) at rank {r}")
+                out.setdefault(mod_name, {})[e] = pairs
+        return out
+
+    def _modules_by_name_experts(self, name: str) -> torch.nn.Module:
+        return next(mod for n, mod in self._experts.values() if n == name)
 
     def _add(self, adapter: Adapter) -> None:
         self.loaded[adapter.lora_id] = adapter
@@ -429,4 +524,46 @@ class LoRAServing:
             sel = torch.tensor(idx, dtype=torch.long)
             delta = (x.index_select(0, sel) @ A.t()) @ B.t()
             output.index_add_(0, sel, delta * a.scaling)
+        return output
+
+    def _experts_hook(self, module: torch.nn.Module, inputs: tuple, output: torch.Tensor) -> torch.Tensor:
+        """Rows with an adapter on these experts: their tokens' outputs recomputed with each routed
+        expert's gate / up / down adapters (``lora_moe_runners.py``: ``s B A x`` added to gate and up
+        before the activation, to down before the routing weight)."""
+        rows = self._rows
+        if rows is None:
+            return output
+        name = self._expert_names[id(module)]
+        hidden, top_idx, top_w = inputs[0], inputs[1], inputs[2]
+        per_row = hidden.shape[0] // len(rows)  # the block flattens [rows, positions, hidden]
+        groups: dict[int, tuple[Adapter, list[int]]] = {}
+        for i, a in enumerate(rows):
+            if a is not None and name in a.experts:
+                groups.setdefault(id(a), (a, []))[1].extend(range(i * per_row, (i + 1) * per_row))
+        if not groups:
+            return output
+        output = output.clone()
+        for a, toks in groups.values():
+            tok = torch.tensor(toks, dtype=torch.long)
+            x, idx, w = hidden[tok], top_idx[tok], top_w[tok]
+            y = torch.zeros_like(x)
+            for e in torch.unique(idx).tolist():
+                if e >= module.gate_up_proj.shape[0]:
+                    continue
+                j, k = torch.where(idx == e)
+                xe = x[j]
+                gate, up = torch.nn.functional.linear(xe, module.gate_up_proj[e]).chunk(2, dim=-1)
+                pairs = a.experts[name].get(e, {})
+                s = a.scaling
+                if "gate" in pairs:
+                    (ga, gb), (ua, ub) = pairs["gate"], pairs["up"]
+                    gate = gate + (s * (xe.float() @ ga.t()) @ gb.t()).to(gate.dtype)
+                    up = up + (s * (xe.float() @ ua.t()) @ ub.t()).to(up.dtype)
+                h = module.act_fn(gate) * up
+                out = torch.nn.functional.linear(h, module.down_proj[e])
+                if "down" in pairs:
+                    da, db = pairs["down"]
+                    out = out + (s * (h.float() @ da.t()) @ db.t()).to(out.dtype)
+                y.index_add_(0, j, (out * w[j, k, None]).to(y.dtype))
+            output[tok] = y.to(output.dtype)
         return output

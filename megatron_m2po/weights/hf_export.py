@@ -99,14 +99,14 @@ def iter_stage_hf_weights(chunks, bridge) -> Iterator[tuple[str, torch.Tensor]]:
 
     Collective over the stage's tensor-parallel group: its ranks iterate in step.
     """
-    from megatron_m2po.actor.lora import adapter_modules, has_adapters
+    from megatron_m2po.actor.lora import adapter_modules, expert_adapter_modules, has_adapters
 
     base = _iter_base_stage_hf_weights(chunks, bridge)
     if not has_adapters(chunks):
         return base
     from megatron_m2po.weights.lora_export import merge_adapters, stage_adapter_tensors
 
-    scaling = {m.scaling for m in adapter_modules(chunks)}
+    scaling = {m.scaling for m in [*adapter_modules(chunks), *expert_adapter_modules(chunks)]}
     assert len(scaling) == 1, scaling  # one model.lora.alpha / rank for every adapter
     return merge_adapters(base, stage_adapter_tensors(chunks), scaling.pop())
 

@@ -169,7 +169,7 @@ class WeightPushController:
 
         version = actor.version
         with TIMER.phase(phase):
-            tensors = peft_adapter_tensors(actor.chunks)  # collective; the list on rank 0
+            tensors = peft_adapter_tensors(actor.chunks, "sglang")  # collective; the list on rank 0
             from_rank0(lambda: self._load_adapters(tensors, version), what=f"the LoRA adapter push of version {version}")
         self.version = version
 

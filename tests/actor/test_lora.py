@@ -266,13 +266,17 @@ def test_lora_scaling_defaults_to_two():
     assert LoRAConfig().scaling == 0.0
 
 
-def test_lora_refuses_mlp_targets_on_moe():
+def test_lora_on_moe_targets_gate_up_down_together():
+    """On an MoE model the MLP targets are the experts': gate / up share A (peft's fused gate_up_proj)
+    and SGLang serves expert adapters only with gate_up_proj and down_proj both targeted, so a part
+    of them is refused, naming what to set (expert TP > 1: tests/actor/test_lora_moe.py)."""
     from types import SimpleNamespace
 
     from megatron_m2po.actor.lora import add_adapters
     from megatron_m2po.actor.settings import LoRAConfig
     from megatron_m2po.utils.settings import ConfigError
 
-    with pytest.raises(ConfigError, match=r"\['gate_proj', 'up_proj', 'down_proj'\].*4 experts"):
-        add_adapters([], LoRAConfig(rank=4), SimpleNamespace(num_experts=4), seed=0)
+    with pytest.raises(ConfigError, match=r"\['down_proj', 'gate_proj'\] is only part.*gate_proj, up_proj, down_proj"):
+        add_adapters([], LoRAConfig(rank=4, targets=["q_proj", "gate_proj", "down_proj"]),
+                     SimpleNamespace(num_experts=4), seed=0)
     add_adapters([], LoRAConfig(rank=4, targets=["q_proj", "o_proj"]), SimpleNamespace(num_experts=4), seed=0)

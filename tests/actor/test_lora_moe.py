@@ -1,0 +1,215 @@
+"""LoRA on an MoE model's experts (actor/lora.py ``ExpertLoRA``), held to HF peft on CPU / gloo.
+
+With the same non-zero adapters (attention and every expert's gate_up / down pair, B random, fp32;
+at EP=1 loaded from the EP=2 run's checkpoint, so the adapters' checkpoint layout reshards over
+expert layouts), the actor at EP=2 (DP=2), EP=1 and TP=2 + SP with EP=2 (expert TP 1) gives the per-token
+log-probs and the adapter gradients (of the sum of the response tokens' log-probs) of
+``peft.PeftModel`` on transformers' Qwen3-MoE, loaded from the directory the exporter wrote
+(peft's ``target_parameters`` LoRA on the fused experts); the merged weights equal peft's
+``merge_and_unload``; the engines' layout (per expert, SGLang's names) holds the same matrices.
+"""
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import actor_testlib as lib
+from megatron_m2po.standins.dist_testing import run_distributed
+
+RANK, ALPHA, EXPERTS = 4, 8.0, 4
+
+
+def _actor(d: str, ep: int, tp: int, etp=1):
+    from megatron_m2po.actor.actor import ActorConfig, MegatronActor
+
+    cfg = lib.actor_config(d, tp=tp, mbs=2)
+    cfg.parallel.expert_parallel, cfg.parallel.expert_tensor_parallel = ep, etp
+    cfg.parallel.sequence_parallel = tp > 1
+    cfg.model.lora.rank, cfg.model.lora.alpha = RANK, ALPHA
+    return MegatronActor.from_config(ActorConfig.from_config(cfg.validate(), total_updates=10)), cfg
+
+
+def _random_b(actor, seed: int) -> None:
+    """Every B random, the whole matrix from a seeded generator (per layer and projection, per
+    global expert), so that every layout holds the same non-zero adapters."""
+    from megatron_m2po.actor.lora import adapter_modules, expert_adapter_modules
+
+    with torch.no_grad():
+        for m in adapter_modules(actor.chunks):
+            for j, part in enumerate(m.targets):
+                b = m.pair(part)[1]
+                rows = b.shape[0] * (m.tp if m.kind == "column" else 1)
+                g = torch.Generator().manual_seed(seed * 1000 + m.layer * 10 + j)
+                whole = 0.05 * torch.randn(rows, b.shape[1], generator=g)
+                b.copy_(whole.chunk(m.tp, 0)[m.tp_group.rank()] if m.kind == "column" else whole)
+        for m in expert_adapter_modules(actor.chunks):
+            for i in range(m.num_local_experts):
+                for k, pair in enumerate(m.PAIRS):
+                    b = m.pair(pair, i)[1]
+                    g = torch.Generator().manual_seed(seed * 1000 + m.layer * 100 + (m.first_expert + i) * 2 + k + 50)
+                    b.copy_(0.05 * torch.randn(b.shape, generator=g))
+
+
+def _adapter_grads(actor, samples):
+    """d sum(logp * loss_mask) / d adapters, finalised as an update finalises them, in peft names."""
+    from megatron.core.distributed import finalize_model_grads
+
+    from megatron_m2po.actor.batch import BatchPlan
+    from megatron_m2po.actor.lora import adapter_modules, expert_adapter_modules
+    from megatron_m2po.weights.lora_export import peft_adapter_tensors
+
+    mine = actor.shards(BatchPlan.of(samples))[actor.dp_rank]
+    mbs = actor.make_microbatches(samples, [[i] for i in mine])
+
+    def loss_fn(mb, model, hidden):
+        logp, _ = actor.token_logprobs(mb, model, hidden, with_entropy=False)
+        return -(logp * mb.loss_mask).sum(), torch.tensor(mb.num_tokens, dtype=torch.int), None
+
+    for m in actor.model:
+        m.zero_grad_buffer()
+    actor.run_schedule(mbs, loss_fn, forward_only=False)
+    finalize_model_grads(actor.model, None, pg_collection=actor.pg)
+    with torch.no_grad():
+        for m in [*adapter_modules(actor.chunks), *expert_adapter_modules(actor.chunks)]:
+            for p in m.parameters():
+                p.copy_(-p.main_grad)
+    return _numpy(peft_adapter_tensors(actor.chunks))
+
+
+def _numpy(tensors):
+    return None if tensors is None else [(n, t.numpy()) for n, t in tensors]
+
+
+def _layouts(rank, world_size, root):
+    from megatron_m2po.actor.batch import RolloutBatch
+    from megatron_m2po.weights.hf_export import iter_stage_hf_weights
+    from megatron_m2po.weights.lora_export import peft_adapter_tensors, write_peft_dir
+
+    d = os.path.join(root, "qwen3_moe")
+    if rank == 0:
+        lib.make_tiny_hf("qwen3_moe", d, seed=3)
+    torch.distributed.barrier()
+    samples = lib.make_samples(4, seed=5)
+    import multiprocessing
+
+    multiprocessing.current_process()._config["daemon"] = False  # Megatron's checkpoint writer has children
+    ckpt = os.path.join(root, "ckpt_ep2")
+    out = []
+    for ep, tp in ((2, 1), (1, 1), (2, 2)):
+        actor, cfg = _actor(d, ep, tp)
+        if (ep, tp) == (1, 1):  # the EP=2 run's checkpoint, resharded onto whole-model experts
+            actor.load_checkpoint(ckpt, model_only=True)
+        else:
+            _random_b(actor, seed=7)
+        if (ep, tp) == (2, 1):
+            actor.save_checkpoint(ckpt)
+        logps = actor.compute_logprobs(RolloutBatch(samples))
+        exp = os.path.join(root, f"peft_{ep}_{tp}")
+        write_peft_dir(actor.chunks, cfg.model.lora, exp, base_model_name_or_path=d)
+        engine = _numpy(peft_adapter_tensors(actor.chunks, "sglang"))
+        merged = {n: t.float().numpy() for n, t in iter_stage_hf_weights(actor.chunks, actor.bridge)}
+        grads = _adapter_grads(actor, samples)
+        actor.close()
+        out.append(((ep, tp), logps, grads, exp, engine, merged if rank == 0 else None))
+    from megatron_m2po.utils.settings import ConfigError
+
+    try:  # expert TP = TP = 2 (its default): the experts are split, their adapters are refused
+        _actor(d, 1, 2, etp=None)[0].close()
+        refused = None
+    except ConfigError as e:
+        refused = str(e)
+    return [refused] + out
+
+
+def _peft_reference(d: str, adapter_dir: str, samples):
+    import peft
+    import transformers as tr
+
+    base = tr.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
+    model = peft.PeftModel.from_pretrained(base, adapter_dir, is_trainable=True)
+    total, logps = 0.0, []
+    for s in samples:
+        ids = torch.tensor(np.concatenate([s.prompt_ids, s.response_ids]))[None]
+        lp = torch.log_softmax(model(ids).logits[0].double(), -1)
+        p = len(s.prompt_ids)
+        tok = lp[torch.arange(p - 1, p - 1 + len(s.response_ids)), torch.tensor(s.response_ids)]
+        logps.append(tok.detach().float().numpy())
+        total = total + (tok * torch.tensor(s.loss_mask, dtype=torch.float64)).sum()
+    total.backward()
+    grads = {n.replace(".default", ""): p.grad for n, p in model.named_parameters() if "lora_" in n}
+    return logps, grads
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("lora_moe"))
+    return run_distributed(_layouts, 2, args=(root,), timeout_s=420)[0], root
+
+
+def test_expert_lora_refuses_split_experts(runs):
+    refused = runs[0][0]
+    assert refused is not None and "parallel.expert_tensor_parallel is 2" in refused
+    assert "set parallel.expert_tensor_parallel=1" in refused
+
+
+def test_expert_lora_equals_peft_at_ep1_ep2_and_tp2_sp_ep2(runs):
+    out, root = runs
+    out = out[1:]
+    d = os.path.join(root, "qwen3_moe")
+    samples = lib.make_samples(4, seed=5)
+    ref_logps, ref_grads = _peft_reference(d, out[0][3], samples)
+    assert any("mlp.experts.base_layer.lora_A" in n for n in ref_grads), sorted(ref_grads)[:8]
+    config = json.load(open(os.path.join(out[0][3], "adapter_config.json")))
+    assert config["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    assert set(config["target_modules"]) == {"q_proj", "k_proj", "v_proj", "o_proj"}
+    for layout, logps, grads, _, _, _ in out:
+        for got, want in zip(logps, ref_logps):
+            np.testing.assert_allclose(got, want, atol=2e-5, err_msg=f"log-probs at (EP, TP) = {layout}")
+        assert {n for n, _ in grads} == set(ref_grads), layout
+        for name, g in grads:
+            np.testing.assert_allclose(g, ref_grads[name].numpy(), atol=2e-4, rtol=1e-3,
+                                       err_msg=f"{name} at (EP, TP) = {layout}")
+    # every layout exported the same adapters (the one peft model above stands for all of them)
+    first = dict(out[0][2])
+    for layout, _, grads, *_ in out[1:]:
+        for name, g in grads:
+            np.testing.assert_allclose(g, first[name], atol=2e-4, rtol=1e-3, err_msg=f"{name} at {layout}")
+
+
+def test_expert_lora_engine_layout_and_merge_equal_peft(runs):
+    """The engines' per-expert names hold peft's per-expert matrices (A rows e r.., B columns j E + e),
+    and the merged HF weights (a full-weight push, final_hf) equal peft's ``merge_and_unload``."""
+    import peft
+    import transformers as tr
+
+    out, root = runs
+    out = out[1:]
+    d = os.path.join(root, "qwen3_moe")
+    for layout, _, _, exp, engine, merged in out:
+        from safetensors.torch import load_file
+
+        fused = load_file(os.path.join(exp, "adapter_model.safetensors"))
+        engine = dict(engine)
+        for layer in range(2):
+            pre = f"base_model.model.model.layers.{layer}.mlp.experts"
+            for wrapper, module, f_in in ((f"{pre}.base_layer", "gate_up_proj", 64), (pre, "down_proj", 32)):
+                a, b = fused[f"{wrapper}.lora_A.weight"], fused[f"{wrapper}.lora_B.weight"]
+                assert a.shape == (EXPERTS * RANK, f_in), (layout, a.shape)
+                for e in range(EXPERTS):
+                    np.testing.assert_array_equal(engine[f"{pre}.{e}.{module}.lora_A.weight"], a[e * RANK:(e + 1) * RANK])
+                    np.testing.assert_array_equal(engine[f"{pre}.{e}.{module}.lora_B.weight"], b[:, e::EXPERTS])
+        base = tr.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
+        want = peft.PeftModel.from_pretrained(base, exp).merge_and_unload().state_dict()
+        for layer in range(2):
+            for e in range(EXPERTS):
+                gate_up = want[f"model.layers.{layer}.mlp.experts.gate_up_proj"][e]
+                for h, part in enumerate(("gate_proj", "up_proj")):
+                    np.testing.assert_allclose(merged[f"model.layers.{layer}.mlp.experts.{e}.{part}.weight"],
+                                               gate_up.chunk(2, 0)[h].numpy(), atol=1e-6, err_msg=f"{part} {layout}")
+                np.testing.assert_allclose(merged[f"model.layers.{layer}.mlp.experts.{e}.down_proj.weight"],
+                                           want[f"model.layers.{layer}.mlp.experts.down_proj"][e].numpy(), atol=1e-6)
+            np.testing.assert_allclose(merged[f"model.layers.{layer}.self_attn.q_proj.weight"],
+                                       want[f"model.layers.{layer}.self_attn.q_proj.weight"].numpy(), atol=1e-6)
