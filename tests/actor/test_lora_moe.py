@@ -2,7 +2,7 @@
 
 With the same non-zero adapters (attention and every expert's gate_up / down pair, B random, fp32;
 at EP=1 loaded from the EP=2 run's checkpoint, so the adapters' checkpoint layout reshards over
-expert layouts), the actor at EP=2 (DP=2), EP=1 and TP=2 + SP with EP=2 (expert TP 1) gives the per-token
+expert layouts), the actor at EP=2 (DP=2), EP=1, TP=2 + SP with EP=2 (expert TP 1) and PP=2 gives the per-token
 log-probs and the adapter gradients (of the sum of the response tokens' log-probs) of
 ``peft.PeftModel`` on transformers' Qwen3-MoE, loaded from the directory the exporter wrote
 (peft's ``target_parameters`` LoRA on the fused experts); the merged weights equal peft's
@@ -22,10 +22,10 @@ from megatron_m2po.standins.dist_testing import run_distributed
 RANK, ALPHA, EXPERTS = 4, 8.0, 4
 
 
-def _actor(d: str, ep: int, tp: int, etp=1):
+def _actor(d: str, ep: int, tp: int, etp=1, pp: int = 1):
     from megatron_m2po.actor.actor import ActorConfig, MegatronActor
 
-    cfg = lib.actor_config(d, tp=tp, mbs=2)
+    cfg = lib.actor_config(d, tp=tp, pp=pp, mbs=2)
     cfg.parallel.expert_parallel, cfg.parallel.expert_tensor_parallel = ep, etp
     cfg.parallel.sequence_parallel = tp > 1
     cfg.model.lora.rank, cfg.model.lora.alpha = RANK, ALPHA
@@ -98,22 +98,24 @@ def _layouts(rank, world_size, root):
     multiprocessing.current_process()._config["daemon"] = False  # Megatron's checkpoint writer has children
     ckpt = os.path.join(root, "ckpt_ep2")
     out = []
-    for ep, tp in ((2, 1), (1, 1), (2, 2)):
-        actor, cfg = _actor(d, ep, tp)
-        if (ep, tp) == (1, 1):  # the EP=2 run's checkpoint, resharded onto whole-model experts
+    for ep, tp, pp in ((2, 1, 1), (1, 1, 1), (2, 2, 1), (1, 1, 2)):
+        actor, cfg = _actor(d, ep, tp, pp=pp)
+        if (ep, tp, pp) == (1, 1, 1):  # the EP=2 run's checkpoint, resharded onto whole-model experts
             actor.load_checkpoint(ckpt, model_only=True)
         else:
             _random_b(actor, seed=7)
-        if (ep, tp) == (2, 1):
+        if (ep, tp, pp) == (2, 1, 1):
             actor.save_checkpoint(ckpt)
         logps = actor.compute_logprobs(RolloutBatch(samples))
-        exp = os.path.join(root, f"peft_{ep}_{tp}")
+        exp = os.path.join(root, f"peft_{ep}_{tp}_{pp}")
         write_peft_dir(actor.chunks, cfg.model.lora, exp, base_model_name_or_path=d)
         engine = _numpy(peft_adapter_tensors(actor.chunks, "sglang"))
         merged = {n: t.float().numpy() for n, t in iter_stage_hf_weights(actor.chunks, actor.bridge)}
         grads = _adapter_grads(actor, samples)
         actor.close()
-        out.append(((ep, tp), logps, grads, exp, engine, merged if rank == 0 else None))
+        if pp > 1:  # each stage merges its own layers: rank 0 holds the first
+            merged = None
+        out.append(((ep, tp, pp), logps, grads, exp, engine, merged if rank == 0 else None))
     from megatron_m2po.utils.settings import ConfigError
 
     try:  # expert TP = TP = 2 (its default): the experts are split, their adapters are refused
@@ -155,7 +157,7 @@ def test_expert_lora_refuses_split_experts(runs):
     assert "set parallel.expert_tensor_parallel=1" in refused
 
 
-def test_expert_lora_equals_peft_at_ep1_ep2_and_tp2_sp_ep2(runs):
+def test_expert_lora_equals_peft_at_ep2_ep1_tp2_sp_ep2_and_pp2(runs):
     out, root = runs
     out = out[1:]
     d = os.path.join(root, "qwen3_moe")
@@ -167,11 +169,11 @@ def test_expert_lora_equals_peft_at_ep1_ep2_and_tp2_sp_ep2(runs):
     assert set(config["target_modules"]) == {"q_proj", "k_proj", "v_proj", "o_proj"}
     for layout, logps, grads, _, _, _ in out:
         for got, want in zip(logps, ref_logps):
-            np.testing.assert_allclose(got, want, atol=2e-5, err_msg=f"log-probs at (EP, TP) = {layout}")
+            np.testing.assert_allclose(got, want, atol=2e-5, err_msg=f"log-probs at (EP, TP, PP) = {layout}")
         assert {n for n, _ in grads} == set(ref_grads), layout
         for name, g in grads:
             np.testing.assert_allclose(g, ref_grads[name].numpy(), atol=2e-4, rtol=1e-3,
-                                       err_msg=f"{name} at (EP, TP) = {layout}")
+                                       err_msg=f"{name} at (EP, TP, PP) = {layout}")
     # every layout exported the same adapters (the one peft model above stands for all of them)
     first = dict(out[0][2])
     for layout, _, grads, *_ in out[1:]:
@@ -201,6 +203,8 @@ def test_expert_lora_engine_layout_and_merge_equal_peft(runs):
                 for e in range(EXPERTS):
                     np.testing.assert_array_equal(engine[f"{pre}.{e}.{module}.lora_A.weight"], a[e * RANK:(e + 1) * RANK])
                     np.testing.assert_array_equal(engine[f"{pre}.{e}.{module}.lora_B.weight"], b[:, e::EXPERTS])
+        if merged is None:  # PP=2: rank 0 merged its own stage only
+            continue
         base = tr.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
         want = peft.PeftModel.from_pretrained(base, exp).merge_and_unload().state_dict()
         for layer in range(2):
