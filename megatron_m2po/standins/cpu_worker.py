@@ -262,6 +262,7 @@ class Engine:
         self.context_len = int(getattr(self.config, "max_position_embeddings", 1 << 20))
         self.max_running = max_running
         self.weight_version = weight_version
+        self._kept_buckets: list[torch.Tensor] = []  # load_serialized: the latest pushed host buckets, kept mapped
         self.dist_timeout_s = dist_timeout_s
         self.generator = torch.Generator().manual_seed(seed)
         # Two pause flags, as SGLang 0.5.23 has: the tokenizer manager's ``is_pause`` (new requests
@@ -804,6 +805,7 @@ class Engine:
     def release_memory(self, tags: Optional[list]) -> None:
         """SGLang's ``release_memory_occupation`` (``cpu_memory_saver.py``); model thread only."""
         self.memory.release(tags, self.flushable(), self.prefix_cache.reset)
+        self._kept_buckets = []  # the pushes' host buckets (load_serialized) are the trainer's to free
 
     def resume_memory(self, tags: Optional[list]) -> None:
         """SGLang's ``resume_memory_occupation`` (``cpu_memory_saver.py``); model thread only."""
@@ -829,7 +831,17 @@ class Engine:
                              "open; use torch.multiprocessing.set_sharing_strategy('file_system')") from None
         except (OSError, EOFError) as e:  # e.g. a shared-memory segment its sender already freed
             raise ValueError(f"cannot open the payload's tensors: {type(e).__name__}: {e}") from None
-        return self.load_weights(tensor_payload.named_tensors(obj, load_format))
+        n = self.load_weights(tensor_payload.named_tensors(obj, load_format))
+        if isinstance(obj, dict) and isinstance(obj.get("flattened_tensor"), torch.Tensor):
+            # Keep the two latest buckets mapped. A host bucket mapped afresh costs a page fault per
+            # page read, which opening a CUDA IPC handle (device memory, already resident) does not;
+            # the trainer reuses its two host buckets (weights/colocated_bucket.py HostBuckets), so
+            # with the mapping kept torch's shared_cache (reductions.py rebuild_storage_filename)
+            # hands back the same storage and a push pays each mapping once. Dropped on release.
+            flat = obj["flattened_tensor"]
+            kept = [t for t in self._kept_buckets if t.untyped_storage().data_ptr() != flat.untyped_storage().data_ptr()]
+            self._kept_buckets = (kept + [flat])[-2:]
+        return n
 
     # ---------------------------------------------------------------- weights
     def load_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> int:

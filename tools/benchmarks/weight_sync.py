@@ -33,8 +33,13 @@ the copy only when that machine is nearly idle; the push came within 1.1-1.65x o
 (pack 35-45 %, the engine's load not hidden 40-50 %, everything else ~10 %). On the same VM nearly
 idle (load average 2-3, 5 runs, 32-128 MiB buckets): push by push median 0.36-0.50, best / best
 0.36-0.45, with two copies at once bounding it at 0.86-0.95; pack 44-58 %, the engine's load not
-hidden 28-44 % -- the engine's loads (unpickle, map the bucket, copy) take longer than the packing
-they should hide behind, so the push runs at the engine's pace.
+hidden 28-44 % -- the engine's loads (unpickle, map the bucket, copy) took longer than the packing
+they should hide behind: the worker mapped every bucket afresh (a page fault per page read, which
+a CUDA IPC open does not cost). With the worker keeping the two latest buckets mapped
+(``cpu_worker.Engine.load_serialized``), nearly idle (load average 1-2, 3 runs, 128 MiB buckets):
+push by push median 0.47-0.57, best / best 0.41-0.58 (two copies at once: 0.86-0.96); pack
+54-57 %, the engine's load not hidden 28-34 %, most of it the last bucket's (it carries the
+version, so it is posted once every other one has answered, and nothing overlaps its load).
 """
 
 from __future__ import annotations
