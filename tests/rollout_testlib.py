@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import threading
 
 import torch
@@ -93,3 +95,30 @@ class FakeEngine(ThreadedApp):
                             ("/get_model_info", model_info), ("/server_info", server_info)):
             app.router.add_get(route, answer(body))
         self.serve(app)
+
+
+@contextlib.contextmanager
+def cpu_worker_process(model_dir: str, args: list[str], log_path):
+    """A CPU worker (``python -m megatron_m2po.standins.cpu_worker``, this test's Python) serving
+    ``model_dir`` with SGLang flags ``args`` on a free port; yields its URL once ``/health``
+    answers, terminates it after. Its output goes to ``log_path``."""
+    import subprocess
+    import sys
+
+    from megatron_m2po.rollout.client import SGLangClient
+    from megatron_m2po.utils.net import free_port
+    from waiting import wait_until
+
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "megatron_m2po.standins.cpu_worker", "--model-path", model_dir,
+                                 "--port", str(port), *args], env=env, stdout=log, stderr=subprocess.STDOUT)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            wait_until(lambda: asyncio.run(SGLangClient(url, max_retries=0).health(1.0)), what="the worker healthy",
+                       timeout=120, hopeless=lambda: proc.poll() is not None and f"it exited ({log_path})")
+            yield url
+        finally:
+            proc.terminate()
+            proc.wait(30)

@@ -1,4 +1,4 @@
-"""LoRA serving in the CPU worker, as SGLang 0.5.23 serves it (``srt/lora/``).
+r"""LoRA serving in the CPU worker, as SGLang 0.5.23 serves it (``srt/lora/``).
 
 The adapters' state and their application to the HF model; the routes are
 ``cpu_worker_lora_routes.py``. What it follows (file + function of the 0.5.23 wheel):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import torch
 
 KINDS = ("qwen2", "qwen3", "llama", "qwen3_moe")
@@ -181,3 +182,57 @@ class Recorder:
         """The update's global-mask strategy (the same in each of its records)."""
         (s,) = {r.strategy for r in self.updates[update]}
         return s
+
+
+def numpy_pairs(tensors):
+    """``(name, array)`` pairs (tensors do not outlive the rank that returns them); None stays None."""
+    return None if tensors is None else [(n, t.numpy()) for n, t in tensors]
+
+
+def lora_adapter_grads(actor, samples):
+    """Gradients of ``sum(logp * loss_mask)`` over ``samples`` w.r.t. every LoRA adapter (experts'
+    too), finalised as an update finalises them, in peft names (rank 0). Overwrites the adapters
+    with them."""
+    from megatron.core.distributed import finalize_model_grads
+
+    from megatron_m2po.actor.batch import BatchPlan
+    from megatron_m2po.actor.lora import adapter_modules, expert_adapter_modules
+    from megatron_m2po.weights.lora_export import peft_adapter_tensors
+
+    mine = actor.shards(BatchPlan.of(samples))[actor.dp_rank]
+    mbs = actor.make_microbatches(samples, [[i] for i in mine])
+
+    def loss_fn(mb, model, hidden):
+        logp, _ = actor.token_logprobs(mb, model, hidden, with_entropy=False)
+        return -(logp * mb.loss_mask).sum(), torch.tensor(mb.num_tokens, dtype=torch.int), None
+
+    for m in actor.model:
+        m.zero_grad_buffer()
+    actor.run_schedule(mbs, loss_fn, forward_only=False)
+    finalize_model_grads(actor.model, None, pg_collection=actor.pg)
+    with torch.no_grad():
+        for m in [*adapter_modules(actor.chunks), *expert_adapter_modules(actor.chunks)]:
+            for p in m.parameters():
+                p.copy_(-p.main_grad)  # d/dθ sum(logp)
+    return numpy_pairs(peft_adapter_tensors(actor.chunks))
+
+
+def peft_reference(hf_dir: str, adapter_dir: str, samples):
+    """Log-probs and ``d sum(logp * loss_mask) / d adapters`` (peft names) of HF peft: the adapter
+    directory loaded with ``PeftModel.from_pretrained`` on the HF model of ``hf_dir``."""
+    import peft
+    import transformers as tr
+
+    base = tr.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    model = peft.PeftModel.from_pretrained(base, adapter_dir, is_trainable=True)
+    total, logps = 0.0, []
+    for s in samples:
+        ids = torch.tensor(np.concatenate([s.prompt_ids, s.response_ids]))[None]
+        lp = torch.log_softmax(model(ids).logits[0].double(), -1)
+        p = len(s.prompt_ids)
+        tok = lp[torch.arange(p - 1, p - 1 + len(s.response_ids)), torch.tensor(s.response_ids)]
+        logps.append(tok.detach().float().numpy())
+        total = total + (tok * torch.tensor(s.loss_mask, dtype=torch.float64)).sum()
+    total.backward()
+    grads = {n.replace(".default", ""): p.grad for n, p in model.named_parameters() if "lora_" in n}
+    return logps, grads

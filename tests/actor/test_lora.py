@@ -48,38 +48,6 @@ def _random_b(actor, seed: int) -> None:
                 b.copy_(whole.chunk(m.tp, 0)[m.tp_group.rank()] if m.kind == "column" else whole)
 
 
-def _adapter_grads(actor, samples):
-    """Gradients of ``sum(logp * loss_mask)`` over ``samples`` w.r.t. the adapters, finalised as
-    an update finalises them, in peft names (rank 0). Overwrites the adapters with them."""
-    from megatron.core.distributed import finalize_model_grads
-
-    from megatron_m2po.actor.batch import BatchPlan
-    from megatron_m2po.actor.lora import adapter_modules
-    from megatron_m2po.weights.lora_export import peft_adapter_tensors
-
-    mine = actor.shards(BatchPlan.of(samples))[actor.dp_rank]
-    mbs = actor.make_microbatches(samples, [[i] for i in mine])
-
-    def loss_fn(mb, model, hidden):
-        logp, _ = actor.token_logprobs(mb, model, hidden, with_entropy=False)
-        return -(logp * mb.loss_mask).sum(), torch.tensor(mb.num_tokens, dtype=torch.int), None
-
-    for m in actor.model:
-        m.zero_grad_buffer()
-    actor.run_schedule(mbs, loss_fn, forward_only=False)
-    finalize_model_grads(actor.model, None, pg_collection=actor.pg)
-    with torch.no_grad():
-        for m in adapter_modules(actor.chunks):
-            for p in m.parameters():
-                p.copy_(-p.main_grad)  # d/dθ sum(logp)
-    return _numpy(peft_adapter_tensors(actor.chunks))
-
-
-def _numpy(tensors):
-    """``(name, array)`` pairs (tensors do not outlive the rank that returns them); None stays None."""
-    return None if tensors is None else [(n, t.numpy()) for n, t in tensors]
-
-
 def _layouts(rank, world_size, root, layouts):
     from megatron_m2po.actor.batch import RolloutBatch
     from megatron_m2po.weights.lora_export import write_peft_dir
@@ -96,30 +64,10 @@ def _layouts(rank, world_size, root, layouts):
         logps = actor.compute_logprobs(RolloutBatch(samples))
         exp = os.path.join(root, f"peft_{tp}_{pp}_{sp}")
         write_peft_dir(actor.chunks, cfg.model.lora, exp, base_model_name_or_path=d)
-        grads = _adapter_grads(actor, samples)
+        grads = lib.lora_adapter_grads(actor, samples)
         actor.close()
         out.append(((tp, pp, sp), logps, grads, exp))
     return out
-
-
-def _peft_reference(d: str, adapter_dir: str, samples):
-    """Log-probs and ``d sum(logp * loss_mask) / d adapters`` (peft names) of HF peft."""
-    import peft
-    import transformers as tr
-
-    base = tr.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
-    model = peft.PeftModel.from_pretrained(base, adapter_dir, is_trainable=True)
-    total, logps = 0.0, []
-    for s in samples:
-        ids = torch.tensor(np.concatenate([s.prompt_ids, s.response_ids]))[None]
-        lp = torch.log_softmax(model(ids).logits[0].double(), -1)
-        p = len(s.prompt_ids)
-        tok = lp[torch.arange(p - 1, p - 1 + len(s.response_ids)), torch.tensor(s.response_ids)]
-        logps.append(tok.detach().float().numpy())
-        total = total + (tok * torch.tensor(s.loss_mask, dtype=torch.float64)).sum()
-    total.backward()
-    grads = {n.replace(".default", ""): p.grad for n, p in model.named_parameters() if "lora_" in n}
-    return logps, grads
 
 
 def _both(rank, world_size, root):
@@ -140,7 +88,7 @@ def test_lora_equals_peft_at_tp2_sp_pp2_dp2(runs):
     res = out["layouts"]
     d = os.path.join(root, "qwen2")
     samples = lib.make_samples(4, seed=5)
-    ref_logps, ref_grads = _peft_reference(d, res[0][3], samples)
+    ref_logps, ref_grads = lib.peft_reference(d, res[0][3], samples)
     assert len(ref_grads) == 2 * 2 * 7  # two layers, A and B of the seven projections
     for layout, logps, grads, _ in res:
         for a, b in zip(logps, ref_logps):
@@ -201,7 +149,7 @@ def _training(rank, world_size, root):
     from megatron.core import dist_checkpointing
     saved = sorted(dist_checkpointing.load_tensors_metadata(os.path.join(ckpt, "dist")))
     m1 = actor.train_update(second)
-    after = _numpy(peft_adapter_tensors(actor.chunks))
+    after = lib.numpy_pairs(peft_adapter_tensors(actor.chunks))
     inner = [o.optimizer for o in getattr(actor.optimizer, "chained_optimizers", [actor.optimizer])]
     opt_params = [p for o in inner for g in o.param_groups for p in g["params"]]
     state_numel = sum(v.numel() for o in inner for st in o.state.values() for k, v in st.items()
@@ -211,7 +159,7 @@ def _training(rank, world_size, root):
     enabled = actor.compute_logprobs(RolloutBatch(samples))
     actor.load_checkpoint(ckpt)
     m1_again = actor.train_update(second)
-    again = _numpy(peft_adapter_tensors(actor.chunks))
+    again = lib.numpy_pairs(peft_adapter_tensors(actor.chunks))
     base_same = all(torch.equal(p, base[n]) for n, p in actor.chunks[0].named_parameters() if n in base)
     frozen = all(not p.requires_grad for n, p in actor.chunks[0].named_parameters() if n in base)
     actor.close()

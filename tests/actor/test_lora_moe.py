@@ -53,36 +53,6 @@ def _random_b(actor, seed: int) -> None:
                     b.copy_(0.05 * torch.randn(b.shape, generator=g))
 
 
-def _adapter_grads(actor, samples):
-    """d sum(logp * loss_mask) / d adapters, finalised as an update finalises them, in peft names."""
-    from megatron.core.distributed import finalize_model_grads
-
-    from megatron_m2po.actor.batch import BatchPlan
-    from megatron_m2po.actor.lora import adapter_modules, expert_adapter_modules
-    from megatron_m2po.weights.lora_export import peft_adapter_tensors
-
-    mine = actor.shards(BatchPlan.of(samples))[actor.dp_rank]
-    mbs = actor.make_microbatches(samples, [[i] for i in mine])
-
-    def loss_fn(mb, model, hidden):
-        logp, _ = actor.token_logprobs(mb, model, hidden, with_entropy=False)
-        return -(logp * mb.loss_mask).sum(), torch.tensor(mb.num_tokens, dtype=torch.int), None
-
-    for m in actor.model:
-        m.zero_grad_buffer()
-    actor.run_schedule(mbs, loss_fn, forward_only=False)
-    finalize_model_grads(actor.model, None, pg_collection=actor.pg)
-    with torch.no_grad():
-        for m in [*adapter_modules(actor.chunks), *expert_adapter_modules(actor.chunks)]:
-            for p in m.parameters():
-                p.copy_(-p.main_grad)
-    return _numpy(peft_adapter_tensors(actor.chunks))
-
-
-def _numpy(tensors):
-    return None if tensors is None else [(n, t.numpy()) for n, t in tensors]
-
-
 def _layouts(rank, world_size, root):
     from megatron_m2po.actor.batch import RolloutBatch
     from megatron_m2po.weights.hf_export import iter_stage_hf_weights
@@ -109,9 +79,9 @@ def _layouts(rank, world_size, root):
         logps = actor.compute_logprobs(RolloutBatch(samples))
         exp = os.path.join(root, f"peft_{ep}_{tp}_{pp}")
         write_peft_dir(actor.chunks, cfg.model.lora, exp, base_model_name_or_path=d)
-        engine = _numpy(peft_adapter_tensors(actor.chunks, "sglang"))
+        engine = lib.numpy_pairs(peft_adapter_tensors(actor.chunks, "sglang"))
         merged = {n: t.float().numpy() for n, t in iter_stage_hf_weights(actor.chunks, actor.bridge)}
-        grads = _adapter_grads(actor, samples)
+        grads = lib.lora_adapter_grads(actor, samples)
         actor.close()
         if pp > 1:  # each stage merges its own layers: rank 0 holds the first
             merged = None
@@ -124,25 +94,6 @@ def _layouts(rank, world_size, root):
     except ConfigError as e:
         refused = str(e)
     return [refused] + out
-
-
-def _peft_reference(d: str, adapter_dir: str, samples):
-    import peft
-    import transformers as tr
-
-    base = tr.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
-    model = peft.PeftModel.from_pretrained(base, adapter_dir, is_trainable=True)
-    total, logps = 0.0, []
-    for s in samples:
-        ids = torch.tensor(np.concatenate([s.prompt_ids, s.response_ids]))[None]
-        lp = torch.log_softmax(model(ids).logits[0].double(), -1)
-        p = len(s.prompt_ids)
-        tok = lp[torch.arange(p - 1, p - 1 + len(s.response_ids)), torch.tensor(s.response_ids)]
-        logps.append(tok.detach().float().numpy())
-        total = total + (tok * torch.tensor(s.loss_mask, dtype=torch.float64)).sum()
-    total.backward()
-    grads = {n.replace(".default", ""): p.grad for n, p in model.named_parameters() if "lora_" in n}
-    return logps, grads
 
 
 @pytest.fixture(scope="module")
@@ -162,7 +113,7 @@ def test_expert_lora_equals_peft_at_ep2_ep1_tp2_sp_ep2_and_pp2(runs):
     out = out[1:]
     d = os.path.join(root, "qwen3_moe")
     samples = lib.make_samples(4, seed=5)
-    ref_logps, ref_grads = _peft_reference(d, out[0][3], samples)
+    ref_logps, ref_grads = lib.peft_reference(d, out[0][3], samples)
     assert any("mlp.experts.base_layer.lora_A" in n for n in ref_grads), sorted(ref_grads)[:8]
     config = json.load(open(os.path.join(out[0][3], "adapter_config.json")))
     assert config["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]

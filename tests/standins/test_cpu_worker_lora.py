@@ -12,8 +12,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import aiohttp
@@ -24,7 +22,7 @@ from aiohttp import web
 from megatron_m2po.rollout.client import EngineError, SGLangClient
 from megatron_m2po.standins import cpu_worker_lora, cpu_worker_lora_routes, tensor_payload
 from megatron_m2po.utils.net import free_port
-from rollout_testlib import hf_logprobs
+from rollout_testlib import cpu_worker_process, hf_logprobs
 from sglang_source import class_fields, sglang_routes, sources, tuple_const
 from waiting import async_wait_until, wait_until
 
@@ -64,22 +62,10 @@ def adapters(tiny_model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def worker(tiny_model_dir, adapters, tmp_path_factory):
-    port = free_port()
-    log = open(tmp_path_factory.mktemp("logs") / "worker.log", "w")
-    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
-    proc = subprocess.Popen([sys.executable, "-m", "megatron_m2po.standins.cpu_worker", "--model-path", tiny_model_dir,
-                             "--port", str(port), "--lora-paths", f"a1={adapters['a1'][0]}", "--max-lora-rank", "8",
-                             "--lora-target-modules", *SERVER_TARGETS, "--max-loras-per-batch", "3"],
-                            env=env, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_until(lambda: asyncio.run(SGLangClient(url, max_retries=0).health(1.0)), what="the worker healthy",
-                   timeout=120, hopeless=lambda: proc.poll() is not None and f"it exited ({log.name})")
+    args = ["--lora-paths", f"a1={adapters['a1'][0]}", "--max-lora-rank", "8", "--lora-target-modules",
+            *SERVER_TARGETS, "--max-loras-per-batch", "3"]
+    with cpu_worker_process(tiny_model_dir, args, tmp_path_factory.mktemp("logs") / "worker.log") as url:
         yield url
-    finally:
-        proc.terminate()
-        proc.wait(30)
-        log.close()
 
 
 async def _post(url: str, route: str, body) -> tuple[int, dict]:

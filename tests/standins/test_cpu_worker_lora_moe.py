@@ -14,18 +14,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import subprocess
-import sys
 
 import aiohttp
 import pytest
 import torch
 
 from megatron_m2po.rollout.client import SGLangClient
-from megatron_m2po.utils.net import free_port
-from rollout_testlib import hf_logprobs
-from waiting import wait_until
+from rollout_testlib import cpu_worker_process, hf_logprobs
 
 PROMPT = [5, 9, 14, 3, 22, 7]
 GREEDY = {"max_new_tokens": 8, "temperature": 0.0}
@@ -85,22 +80,10 @@ def moe(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def worker(moe, tmp_path_factory):
-    port = free_port()
-    log = open(tmp_path_factory.mktemp("logs") / "worker.log", "w")
-    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
-    proc = subprocess.Popen([sys.executable, "-m", "megatron_m2po.standins.cpu_worker", "--model-path", moe[0],
-                             "--port", str(port), "--enable-lora", "--max-lora-rank", "8", "--lora-target-modules",
-                             "q_proj", "o_proj", "gate_up_proj", "down_proj"],
-                            env=env, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_until(lambda: asyncio.run(SGLangClient(url, max_retries=0).health(1.0)), what="the worker healthy",
-                   timeout=120, hopeless=lambda: proc.poll() is not None and f"it exited ({log.name})")
+    args = ["--enable-lora", "--max-lora-rank", "8", "--lora-target-modules", "q_proj", "o_proj", "gate_up_proj",
+            "down_proj"]
+    with cpu_worker_process(moe[0], args, tmp_path_factory.mktemp("logs") / "worker.log") as url:
         yield url
-    finally:
-        proc.terminate()
-        proc.wait(30)
-        log.close()
 
 
 async def _post(url: str, route: str, body) -> tuple[int, dict]:

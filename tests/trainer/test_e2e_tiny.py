@@ -128,6 +128,26 @@ def test_tiny_qwen3_moe_trains_on_policy_from_its_first_update(tmp_path):
     assert rows and all(r == 4 + 2 * n * 2 * 2 for n, r in rows)  # 2 layers x top-2, uint16, 4-byte header
 
 
+def _final_adapter_equals_final_hf(run: Path) -> tuple:
+    """``final_adapter`` loaded in peft on the run's base computes what ``final_hf`` computes, and
+    differs from the base (the adapters are folded in). Returns (merged model, base state dict)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    cfg = json.loads((run / "config.json").read_text())
+    base = AutoModelForCausalLM.from_pretrained(cfg["model"]["hf_path"], dtype=torch.float32).eval()
+    plain = {k: v.clone() for k, v in base.state_dict().items()}
+    peft_model = PeftModel.from_pretrained(base, str(run / "final_adapter")).eval()
+    merged = AutoModelForCausalLM.from_pretrained(str(run / "final_hf"), dtype=torch.float32).eval()
+    ids = torch.tensor([[5, 9, 14, 3, 22, 7, 11, 2]])
+    with torch.no_grad():
+        torch.testing.assert_close(peft_model(ids).logits, merged(ids).logits, atol=1e-4, rtol=1e-4)
+        with peft_model.disable_adapter():
+            moved = (peft_model(ids).logits - merged(ids).logits).abs().max().item()
+    assert moved > 1e-5, moved  # final_hf is not the base: the adapters are folded in
+    return merged, plain
+
+
 def test_lora_adapter_pushes_land_and_export_in_sync_mode(tmp_path):
     """``model.lora.rank=8`` (actor/lora.py) in sync mode with adapter pushes (weights/lora_push.py):
     the engine serves each version's adapter on its base, so the trainer's recomputed log-probs of
@@ -138,7 +158,6 @@ def test_lora_adapter_pushes_land_and_export_in_sync_mode(tmp_path):
     same updates bit for bit). At the end ``final_hf`` is the merged model and ``final_adapter`` a
     peft adapter: the base with it loaded in peft computes what ``final_hf`` computes; the
     adapters-only checkpoint converts (``m2po convert mcore-to-hf``) to the same merged model."""
-    from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     run = tmp_path / "lora"
@@ -152,16 +171,8 @@ def test_lora_adapter_pushes_land_and_export_in_sync_mode(tmp_path):
     pushed = [r["sync/weight_gb"] for r in _records(run) if "sync/weight_gb" in r]
     assert pushed and all(gb < 1e-3 for gb in pushed), pushed  # adapters, not the model
     assert sorted(p.name for p in (run / "weights" / "lora").iterdir()) == ["v2"]  # step 2 generated at version 2
-    cfg = json.loads((run / "config.json").read_text())
-    base = AutoModelForCausalLM.from_pretrained(cfg["model"]["hf_path"], dtype=torch.float32).eval()
-    peft_model = PeftModel.from_pretrained(base, str(run / "final_adapter")).eval()
-    merged = AutoModelForCausalLM.from_pretrained(str(run / "final_hf"), dtype=torch.float32).eval()
+    merged, _ = _final_adapter_equals_final_hf(run)
     ids = torch.tensor([[5, 9, 14, 3, 22, 7, 11, 2]])
-    with torch.no_grad():
-        torch.testing.assert_close(peft_model(ids).logits, merged(ids).logits, atol=1e-4, rtol=1e-4)
-        with peft_model.disable_adapter():
-            moved = (peft_model(ids).logits - merged(ids).logits).abs().max().item()
-    assert moved > 1e-5, moved  # final_hf is not the base: the adapters are folded in
     # The checkpoint holds the adapters only (the base is model.hf_path's); `m2po convert` rebuilds them
     # on that base and exports the same merged model (and <out>_adapter).
     conv = tmp_path / "conv"
@@ -511,9 +522,6 @@ def test_lora_on_moe_experts_pushes_land_and_export_to_peft(tmp_path):
     update, as in the dense LoRA test), the policy moves, and ``final_adapter`` is a peft adapter on
     transformers' fused experts (``target_parameters``) whose model computes what ``final_hf`` (the
     adapters merged per expert) computes."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
     run = tmp_path / "moe_lora"
     _train(run, "model.tiny_family=qwen3_moe", "trainer.mode=sync", "trainer.num_steps=2",
            "checkpoint.save_every_steps=0", "model.lora.rank=8", "algo.recompute_behav_logprobs=true",
@@ -525,17 +533,7 @@ def test_lora_on_moe_experts_pushes_land_and_export_to_peft(tmp_path):
     assert max(m["policy/kl_k3"] for m in ups.values()) > 1e-6
     config = json.loads((run / "final_adapter" / "adapter_config.json").read_text())
     assert config["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"], config
-    cfg = json.loads((run / "config.json").read_text())
-    base = AutoModelForCausalLM.from_pretrained(cfg["model"]["hf_path"], dtype=torch.float32).eval()
-    peft_model = PeftModel.from_pretrained(base, str(run / "final_adapter")).eval()
-    merged = AutoModelForCausalLM.from_pretrained(str(run / "final_hf"), dtype=torch.float32).eval()
-    ids = torch.tensor([[5, 9, 14, 3, 22, 7, 11, 2]])
-    with torch.no_grad():
-        torch.testing.assert_close(peft_model(ids).logits, merged(ids).logits, atol=1e-4, rtol=1e-4)
-        with peft_model.disable_adapter():
-            moved = (peft_model(ids).logits - merged(ids).logits).abs().max().item()
-    assert moved > 1e-5, moved
-    plain = AutoModelForCausalLM.from_pretrained(cfg["model"]["hf_path"], dtype=torch.float32).state_dict()
+    merged, plain = _final_adapter_equals_final_hf(run)
     moved_experts = max((merged.state_dict()[k] - plain[k]).abs().max().item()
                         for k in merged.state_dict() if ".mlp.experts." in k)
     assert moved_experts > 0, "the experts' adapters did not train"
