@@ -1,6 +1,6 @@
 """LoRA on the Megatron actor (actor/lora.py, weights/lora_export.py), held to HF peft on CPU / gloo.
 
-* peft equality: with the same non-zero adapters (B random, fp32), the actor at TP=2 + SP, PP=2
+* peft equality: with the same non-zero adapters (B random, fp32), the actor at TP=2 + SP, PP=2, CP=2
   and DP=2 gives the per-token log-probs and the adapter gradients (of the sum of the response
   tokens' log-probs) of ``peft.PeftModel`` on the HF model, loaded from the directory the
   exporter wrote -- so the export is what peft loads, too;
@@ -23,11 +23,12 @@ from megatron_m2po.standins.dist_testing import run_distributed
 RANK, ALPHA = 4, 8.0
 
 
-def _lora_actor(d: str, tp: int = 1, pp: int = 1, sp: bool = False, kl: float = 0.0):
+def _lora_actor(d: str, tp: int = 1, pp: int = 1, sp: bool = False, kl: float = 0.0, cp: int = 1):
     from megatron_m2po.actor.actor import ActorConfig, MegatronActor
 
     cfg = lib.actor_config(d, tp=tp, pp=pp, mbs=2)
     cfg.parallel.sequence_parallel = sp
+    cfg.parallel.context_parallel = cp
     cfg.model.lora.rank, cfg.model.lora.alpha = RANK, ALPHA
     cfg.algo.kl.coef, cfg.algo.kl.estimator = kl, "k3"
     return MegatronActor.from_config(ActorConfig.from_config(cfg, total_updates=10)), cfg
@@ -57,21 +58,22 @@ def _layouts(rank, world_size, root, layouts):
         lib.make_tiny_hf("qwen2", d, seed=4, tie=True)
     torch.distributed.barrier()
     out = []
-    for tp, pp, sp in layouts:
-        actor, cfg = _lora_actor(d, tp, pp, sp)
+    for tp, pp, sp, *rest in layouts:
+        cp = rest[0] if rest else 1
+        actor, cfg = _lora_actor(d, tp, pp, sp, cp=cp)
         _random_b(actor, seed=7)
         samples = lib.make_samples(4, seed=5)
         logps = actor.compute_logprobs(RolloutBatch(samples))
-        exp = os.path.join(root, f"peft_{tp}_{pp}_{sp}")
+        exp = os.path.join(root, f"peft_{tp}_{pp}_{sp}_{cp}")
         write_peft_dir(actor.chunks, cfg.model.lora, exp, base_model_name_or_path=d)
         grads = lib.lora_adapter_grads(actor, samples)
         actor.close()
-        out.append(((tp, pp, sp), logps, grads, exp))
+        out.append(((tp, pp, sp, cp), logps, grads, exp))
     return out
 
 
 def _both(rank, world_size, root):
-    return {"layouts": _layouts(rank, world_size, root, [(2, 1, True), (1, 2, False), (1, 1, False)]),
+    return {"layouts": _layouts(rank, world_size, root, [(2, 1, True), (1, 2, False), (1, 1, False), (1, 1, False, 2)]),
             "training": _training(rank, world_size, root)}
 
 
@@ -83,7 +85,7 @@ def runs(tmp_path_factory):
     return run_distributed(_both, 2, args=(root,), timeout_s=420)[0], root
 
 
-def test_lora_equals_peft_at_tp2_sp_pp2_dp2(runs):
+def test_lora_equals_peft_at_tp2_sp_pp2_cp2_dp2(runs):
     out, root = runs
     res = out["layouts"]
     d = os.path.join(root, "qwen2")
