@@ -206,14 +206,16 @@ def pack_bucket(named: Sequence[tuple[str, torch.Tensor]], device: Optional[torc
     return flat, metas
 
 
-def split_buckets(weights: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[list]:
-    """Lists of ``(name, tensor)`` of at most ``bucket_bytes`` (a larger tensor goes alone)."""
-    bucket, size = [], 0
+def split_buckets(weights: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int,
+                  first_bytes: Optional[int] = None) -> Iterator[list]:
+    """Lists of ``(name, tensor)`` of at most ``bucket_bytes`` (a larger tensor goes alone); the
+    first of at most ``first_bytes`` (default ``bucket_bytes``)."""
+    bucket, size, limit = [], 0, first_bytes or bucket_bytes
     for name, t in weights:
         n = nbytes(t) + t.element_size()  # with its worst alignment gap
-        if bucket and size + n > bucket_bytes:
+        if bucket and size + n > limit:
             yield bucket
-            bucket, size = [], 0
+            bucket, size, limit = [], 0, bucket_bytes
         bucket.append((name, t))
         size += n
     if bucket:

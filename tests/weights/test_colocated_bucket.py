@@ -122,3 +122,15 @@ def test_a_stage_overlaps_buckets_without_rewriting_one_in_flight(monkeypatch):
     assert versions[:-1] == [None] * 11 and versions[-1] == "7"
     last_post = max(i for i, (kind, _) in enumerate(engine.log) if kind == "post")
     assert sum(kind == "answer" for kind, _ in engine.log[:last_post]) == 11  # the version went last
+
+
+def test_split_buckets_first_bucket_smaller():
+    """The first bucket closes at ``first_bytes``, the others at ``bucket_bytes`` (a tensor counts
+    its bytes plus one element of alignment slack); a tensor larger than the limit goes alone."""
+    from megatron_m2po.weights.colocated_bucket import split_buckets
+
+    ts = [(f"t{i}", torch.zeros(n, dtype=torch.float32)) for i, n in enumerate([10, 10, 10, 10, 10, 60, 10])]
+    sizes = [[n for n, _ in b] for b in split_buckets(ts, bucket_bytes=100, first_bytes=50)]
+    assert sizes == [["t0"], ["t1", "t2"], ["t3", "t4"], ["t5"], ["t6"]]
+    assert [[n for n, _ in b] for b in split_buckets(ts, bucket_bytes=100)] == \
+        [["t0", "t1"], ["t2", "t3"], ["t4"], ["t5"], ["t6"]]
