@@ -130,8 +130,16 @@ class Config:
 
 
 def _check_lora_push(cfg: "Config") -> None:
-    """``model.lora.push=adapter`` needs engines that load adapters next to a base they keep."""
+    """``model.lora.push=adapter`` needs engines that load adapters next to a base they keep; LoRA
+    dropout cannot run under full recomputation."""
     lora, r = cfg.model.lora, cfg.rollout
+    if lora.rank > 0 and lora.dropout > 0 and cfg.parallel.recompute == "full":
+        # the adapters drop out in forwards that build gradients (actor/lora.py); a fully recomputed
+        # layer runs its first forward without them, so the loss and the gradient would see
+        # different functions
+        raise ConfigError(f"model.lora.dropout={lora.dropout} with parallel.recompute=full: the recomputed "
+                          "forward would drop out where the first one did not; set model.lora.dropout=0 or "
+                          "parallel.recompute=selective / none")
     if lora.rank <= 0 or lora.push == "merged":
         return
     if lora.push == "auto" and (r.colocate or r.source == "external"):

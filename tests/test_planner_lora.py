@@ -43,6 +43,28 @@ def test_expert_adapters_by_hand():
     attn_only = P.Layout(tp=1, pp=1, ep=8, etp=1, lora_rank=r, lora_targets=("q_proj", "k_proj", "v_proj", "o_proj"))
     assert L.adapter_params(m, attn_only) == pytest.approx(attn * 48)
     assert L.adapter_activation_bytes(m, lay, 1000) == pytest.approx(2.0 * 1000 * r * (4 + 2 * 8))
+    # compute: a token passes through its top-8 experts' adapters, not the 16 local experts'
+    assert L.adapter_compute_params(m, lay) == pytest.approx(
+        (attn + 8 * (r * 2048 + 2 * 768 * r + r * 768 + 2048 * r)) * 48)
+
+
+def test_search_keeps_experts_whole_under_expert_lora():
+    """LoRA on the experts needs expert TP 1 (actor/model.py refuses more): the search enumerates no
+    other, where without LoRA it tries expert TP = TP too."""
+    from pathlib import Path
+
+    from megatron_m2po.config import load_config
+
+    recipe = Path(__file__).resolve().parents[1] / "examples" / "qwen3-30b-a3b.yaml"
+    m = P.MODELS["qwen3-30b-a3b"]
+
+    def etps(overrides):
+        res = S.search_config(load_config(recipe, overrides), m, nnodes=1, gpus_per_node=8)
+        return {(c.layout.tp, c.layout.etp or c.layout.tp) for c in res.ranked + res.rejected}
+    assert any(tp > 1 and etp == tp for tp, etp in etps([])), etps([])
+    with_lora = etps(["model.lora.rank=16"])
+    assert with_lora and all(etp == 1 for _, etp in with_lora), with_lora
+
 
 
 def test_frozen_base_keeps_weights_and_drops_gradients_optimizer_and_reference():

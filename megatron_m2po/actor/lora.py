@@ -46,8 +46,9 @@ per expert one rank-r update of ``gate_up_proj[e]`` and of ``down_proj[e]``) and
 up and down are targeted together or not at all (SGLang wraps its ``FusedMoE`` only when both
 ``gate_up_proj`` and ``down_proj`` are targets: ``lora/lora_manager.py``). The adapters hook the
 experts' grouped linears (``TEGroupedLinear(x, m_splits)`` on GPU, ``LocalGroupedMLP``'s
-counterpart here), each rank holding its local experts' pairs (expert parallelism: ``allreduce``
-False, so Megatron's DDP reduces them over the expert data-parallel group, as the expert weights);
+counterpart here), each rank holding its local experts' pairs (``allreduce`` False: Megatron's DDP
+reduces them over the expert data-parallel group, which with whole experts holds the
+tensor-parallel ranks, each of which routes its own sequence shard);
 experts are whole on each rank (``parallel.expert_tensor_parallel=1``, checked).
 """
 
@@ -222,7 +223,7 @@ class ExpertLoRA(nn.Module):
     PAIRS = ("gate_up", "down")
 
     def __init__(self, experts: nn.Module, *, rank: int, scaling: float, dropout: float, layer: int, seed: int,
-                 hf, ep_rank: int, expert_parallel: bool) -> None:
+                 hf, ep_rank: int) -> None:
         super().__init__()
         from megatron.core.tensor_parallel import set_tensor_model_parallel_attributes
 
@@ -245,7 +246,10 @@ class ExpertLoRA(nn.Module):
                     # whole on this rank (expert TP = 1): "parallel" so that norms and checkpoints take each
                     # rank's experts as its own, as Megatron's expert linears are marked
                     set_tensor_model_parallel_attributes(prm, True, 0, 1)
-                    prm.allreduce = not expert_parallel  # DDP: reduced over the expert data-parallel group
+                    # DDP: reduced over the expert data-parallel group, which holds the tensor-parallel
+                    # ranks too when experts are whole (expert TP 1): at TP > 1 each of them routes its
+                    # own sequence shard, so its gradient is partial even without expert parallelism
+                    prm.allreduce = False
                     self.register_parameter(f"{pair}_{which}{i}", prm)
         experts.linear_fc1.register_forward_hook(self._hook_fc1, with_kwargs=True)
         experts.linear_fc2.register_forward_hook(self._hook_fc2, with_kwargs=True)
@@ -315,6 +319,11 @@ def add_adapters(chunks: list, lora_cfg, hf, seed: int) -> None:
                           "A per expert (peft's fused gate_up_proj) and SGLang serves expert adapters only when "
                           "gate_up_proj and down_proj are both targets; name all of gate_proj, up_proj, down_proj "
                           "or none of them")
+    if moe and mlp_targets and lora_cfg.dropout > 0:
+        raise ConfigError(f"model.lora.dropout={lora_cfg.dropout} with adapters on the experts: peft's LoRA on "
+                          "fused expert parameters (target_parameters, the exported final_adapter) has no dropout, "
+                          "so the adapter would not load in peft; set model.lora.dropout=0 or target the attention "
+                          "only: model.lora.targets=[q_proj,k_proj,v_proj,o_proj]")
     for chunk in chunks:
         for p in chunk.parameters():
             p.requires_grad_(False)
@@ -333,8 +342,7 @@ def add_adapters(chunks: list, lora_cfg, hf, seed: int) -> None:
                 experts = layer.mlp.experts
                 adapter = ExpertLoRA(experts, rank=lora_cfg.rank, scaling=lora_cfg.scaling, dropout=lora_cfg.dropout,
                                      layer=layer.layer_number - 1, seed=seed, hf=hf,
-                                     ep_rank=ps.get_expert_model_parallel_rank(),
-                                     expert_parallel=ps.get_expert_model_parallel_world_size() > 1)
+                                     ep_rank=ps.get_expert_model_parallel_rank())
                 layer.mlp.add_module("experts" + SUFFIX, adapter)
 
 

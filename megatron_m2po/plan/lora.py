@@ -68,6 +68,18 @@ def adapter_params(m: ModelShape, lay: Layout) -> float:
     return per_layer * m.layers / lay.pp
 
 
+def adapter_compute_params(m: ModelShape, lay: Layout) -> float:
+    """The adapter parameters one token passes through on one GPU of a stage: every dense adapter,
+    and the ``top_k`` experts' it is routed to (not every local expert's: :func:`adapter_params`)."""
+    if lay.lora_rank <= 0:
+        return 0.0
+    r = lay.lora_rank
+    per_layer = sum(_target_params(m, t, r, lay.tp) for t in layer_targets(m, lay.lora_targets))
+    if expert_targets(m, lay.lora_targets):
+        per_layer += m.top_k * (r * m.hidden + 2 * m.moe_ffn * r + r * m.moe_ffn + m.hidden * r)
+    return per_layer * m.layers / lay.pp
+
+
 def adapter_activation_bytes(m: ModelShape, lay: Layout, tokens: float) -> float:
     """One layer's r-wide adapter intermediates for ``tokens`` tokens (16-bit)."""
     if lay.lora_rank <= 0:

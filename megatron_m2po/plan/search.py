@@ -310,7 +310,7 @@ def _micro_batch_times(m: ModelShape, lay: Layout, work: Workload, mb: _MicroBat
     # frozen base has no weight-gradient GEMM (2 forwards, the head 3); the adapters' own GEMMs
     # (forward, input and weight gradients) are 6 FLOPs per adapter parameter and token.
     lora = lay.lora_rank > 0
-    adapter_flops = 6 * tokens_mb * plan_lora.adapter_params(m, lay) if lora else 0.0
+    adapter_flops = 6 * tokens_mb * plan_lora.adapter_compute_params(m, lay) if lora else 0.0
     compute = (((2 if lora else 3) * dense_fwd + (3 if lora else 4) * head_fwd + adapter_flops) / (peak * g_eff)
                + attention_train_s(attn_fwd, cm))
     recompute = recompute_time(lay.recompute, dense_fwd / (peak * g_eff), attn_fwd / (peak * cm.attn_eff))
@@ -583,7 +583,10 @@ def search_config(cfg: Config, m: ModelShape, *, nnodes: int = 1, gpus_per_node:
                 vpps: list[Optional[int]] = [None]
                 if pp > 1 and n_mb >= pp:
                     vpps += [v for v in range(2, max_vpp + 1) if m.layers % (pp * v) == 0]
-                for vpp, (ep, etp) in [(v, e) for v in vpps for e in moe.ep_choices(m, tp, cp, dp)]:
+                ep_etp = moe.ep_choices(m, tp, cp, dp)
+                if cfg.model.lora.rank > 0 and plan_lora.expert_targets(m, cfg.model.lora.targets):
+                    ep_etp = [(ep, etp) for ep, etp in ep_etp if etp == 1]  # adapters need whole experts
+                for vpp, (ep, etp) in [(v, e) for v in vpps for e in ep_etp]:
                     for rc in RECOMPUTE:
                         for distopt in (False, True):
                             cand = consider(tp, pp, vpp, rc, distopt, k, cp, ep, etp)

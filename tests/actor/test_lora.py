@@ -198,6 +198,8 @@ def test_lora_training_frozen_base_reference_kl_and_resume(runs):
     (["model.lora.rank=-1"], ["model.lora.rank=-1", ">= 0"]),
     (["model.lora.rank=4", "model.lora.dropout=1.5"], ["model.lora.dropout=1.5"]),
     (["model.lora.rank=4", "model.lora.targets=[]"], ["model.lora.rank=4", "targets=[]"]),
+    (["model.lora.rank=4", "model.lora.dropout=0.1", "parallel.recompute=full"],
+     ["model.lora.dropout=0.1 with parallel.recompute=full", "model.lora.dropout=0"]),
 ])
 def test_lora_config_errors_name_the_values(override, words):
     from megatron_m2po.config import load_config
@@ -230,3 +232,7 @@ def test_lora_on_moe_targets_gate_up_down_together():
         add_adapters([], LoRAConfig(rank=4, targets=["q_proj", "gate_proj", "down_proj"]),
                      SimpleNamespace(num_experts=4), seed=0)
     add_adapters([], LoRAConfig(rank=4, targets=["q_proj", "o_proj"]), SimpleNamespace(num_experts=4), seed=0)
+    # peft's fused-expert LoRA (the exported adapter's layout) has no dropout
+    with pytest.raises(ConfigError, match=r"model.lora.dropout=0.1 with adapters on the experts.*dropout=0"):
+        add_adapters([], LoRAConfig(rank=4, dropout=0.1), SimpleNamespace(num_experts=4), seed=0)
+    add_adapters([], LoRAConfig(rank=4, dropout=0.1, targets=["q_proj"]), SimpleNamespace(num_experts=4), seed=0)

@@ -2,7 +2,9 @@
 
 With the same non-zero adapters (attention and every expert's gate_up / down pair, B random, fp32;
 at EP=1 loaded from the EP=2 run's checkpoint, so the adapters' checkpoint layout reshards over
-expert layouts), the actor at EP=2 (DP=2), EP=1, TP=2 + SP with EP=2 (expert TP 1) and PP=2 gives the per-token
+expert layouts), the actor at EP=2 (DP=2), EP=1, TP=2 + SP with EP=2 or EP=1 (expert TP 1: each TP
+rank routes its own sequence shard, so the adapters' gradients are summed over the expert
+data-parallel group) and PP=2 gives the per-token
 log-probs and the adapter gradients (of the sum of the response tokens' log-probs) of
 ``peft.PeftModel`` on transformers' Qwen3-MoE, loaded from the directory the exporter wrote
 (peft's ``target_parameters`` LoRA on the fused experts); the merged weights equal peft's
@@ -68,7 +70,7 @@ def _layouts(rank, world_size, root):
     multiprocessing.current_process()._config["daemon"] = False  # Megatron's checkpoint writer has children
     ckpt = os.path.join(root, "ckpt_ep2")
     out = []
-    for ep, tp, pp in ((2, 1, 1), (1, 1, 1), (2, 2, 1), (1, 1, 2)):
+    for ep, tp, pp in ((2, 1, 1), (1, 1, 1), (2, 2, 1), (1, 1, 2), (1, 2, 1)):
         actor, cfg = _actor(d, ep, tp, pp=pp)
         if (ep, tp, pp) == (1, 1, 1):  # the EP=2 run's checkpoint, resharded onto whole-model experts
             actor.load_checkpoint(ckpt, model_only=True)
