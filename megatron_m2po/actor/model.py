@@ -33,6 +33,7 @@ from typing import Iterator, Optional
 import torch
 
 from megatron_m2po.config import Config
+from megatron_m2po.utils.settings import ConfigError
 
 __all__ = [
     "SUPPORTED_MODEL_TYPES",
@@ -197,10 +198,18 @@ def _moe_args(cfg: Config, hf, fused: bool) -> dict:
         raise ValueError(f"moe_intermediate_size={hf.moe_intermediate_size} of {cfg.model.hf_path} is not divisible "
                          f"by the expert tensor parallel size {etp} (parallel.expert_tensor_parallel, default "
                          "tensor_parallel); choose a divisor")
+    if p.expert_parallel == 1 and etp < p.tensor_parallel:
+        # Whole experts (or fewer expert-TP ranks) without expert parallelism: no all-to-all, so each
+        # TP rank sends only its own sequence shard through its copy of the experts, and Megatron
+        # reduces expert weights at EP = 1 over dense data parallelism only (TEGroupedLinear:
+        # allreduce = not (is_expert and EP > 1)): the TP copies drift apart (measured: they differ
+        # by a step after one update), and mbridge's export asserts expert TP = TP there.
+        raise ConfigError(f"parallel.expert_tensor_parallel={etp} below parallel.tensor_parallel={p.tensor_parallel} "
+                          "needs parallel.expert_parallel > 1 (the experts' tokens then cross the TP ranks); set "
+                          f"expert_parallel to a divisor of {hf.num_experts} above 1, or leave expert_tensor_parallel "
+                          "unset (= tensor_parallel)")
     lora = cfg.model.lora
     if lora.rank and etp > 1 and {"gate_proj", "up_proj", "down_proj"} & set(lora.targets):
-        from megatron_m2po.utils.settings import ConfigError
-
         raise ConfigError(f"LoRA on the experts of {cfg.model.hf_path} needs whole experts on each rank, but "
                           f"parallel.expert_tensor_parallel is {etp} (its default is the tensor-parallel size): set "
                           "parallel.expert_tensor_parallel=1 (experts split over expert_parallel instead), or target "

@@ -195,7 +195,8 @@ def ep_choices(m: Any, tp: int, cp: int, dp: int) -> list[tuple[int, Optional[in
     """The (ep, etp) pairs the search tries for a (tp, cp, dp) layout: one pair ``(1, None)`` for a
     dense model; for an MoE one every ``ep`` dividing the expert count with ``etp`` in ``{1, tp}``
     (experts whole on a rank, or split as the attention is) and ``ep * etp`` dividing
-    ``tp * cp * dp`` (Megatron's rule), no EP with CP (the trainer refuses it)."""
+    ``tp * cp * dp`` (Megatron's rule), no EP with CP and no expert TP below TP without EP (the
+    trainer refuses both: actor/model.py)."""
     if not m.is_moe:
         return [(1, None)]
     out = []
@@ -204,6 +205,8 @@ def ep_choices(m: Any, tp: int, cp: int, dp: int) -> list[tuple[int, Optional[in
             continue
         for ep in range(1, m.num_experts + 1):
             if m.num_experts % ep or (tp * cp * dp) % (ep * etp) or (ep > 1 and cp > 1):
+                continue
+            if ep == 1 and etp < tp:  # refused by the trainer: the TP copies of an expert would drift
                 continue
             out.append((ep, etp))
     return out

@@ -2,9 +2,8 @@
 
 With the same non-zero adapters (attention and every expert's gate_up / down pair, B random, fp32;
 at EP=1 loaded from the EP=2 run's checkpoint, so the adapters' checkpoint layout reshards over
-expert layouts), the actor at EP=2 (DP=2), EP=1, TP=2 + SP with EP=2 or EP=1 (expert TP 1: each TP
-rank routes its own sequence shard, so the adapters' gradients are summed over the expert
-data-parallel group) and PP=2 gives the per-token
+expert layouts), the actor at EP=2 (DP=2), EP=1, TP=2 + SP with EP=2 (expert TP 1) and PP=2 gives
+the per-token
 log-probs and the adapter gradients (of the sum of the response tokens' log-probs) of
 ``peft.PeftModel`` on transformers' Qwen3-MoE, loaded from the directory the exporter wrote
 (peft's ``target_parameters`` LoRA on the fused experts); the merged weights equal peft's
@@ -70,7 +69,7 @@ def _layouts(rank, world_size, root):
     multiprocessing.current_process()._config["daemon"] = False  # Megatron's checkpoint writer has children
     ckpt = os.path.join(root, "ckpt_ep2")
     out = []
-    for ep, tp, pp in ((2, 1, 1), (1, 1, 1), (2, 2, 1), (1, 1, 2), (1, 2, 1)):
+    for ep, tp, pp in ((2, 1, 1), (1, 1, 1), (2, 2, 1), (1, 1, 2)):
         actor, cfg = _actor(d, ep, tp, pp=pp)
         if (ep, tp, pp) == (1, 1, 1):  # the EP=2 run's checkpoint, resharded onto whole-model experts
             actor.load_checkpoint(ckpt, model_only=True)
@@ -90,11 +89,13 @@ def _layouts(rank, world_size, root):
         out.append(((ep, tp, pp), logps, grads, exp, engine, merged if rank == 0 else None))
     from megatron_m2po.utils.settings import ConfigError
 
-    try:  # expert TP = TP = 2 (its default): the experts are split, their adapters are refused
-        _actor(d, 1, 2, etp=None)[0].close()
-        refused = None
-    except ConfigError as e:
-        refused = str(e)
+    refused = []
+    for etp in (None, 1):  # expert TP = TP = 2 (its default): split experts; expert TP 1 without EP
+        try:
+            _actor(d, 1, 2, etp=etp)[0].close()
+            refused.append(None)
+        except ConfigError as e:
+            refused.append(str(e))
     return [refused] + out
 
 
@@ -104,10 +105,13 @@ def runs(tmp_path_factory):
     return run_distributed(_layouts, 2, args=(root,), timeout_s=420)[0], root
 
 
-def test_expert_lora_refuses_split_experts(runs):
-    refused = runs[0][0]
-    assert refused is not None and "parallel.expert_tensor_parallel is 2" in refused
-    assert "set parallel.expert_tensor_parallel=1" in refused
+def test_expert_lora_refuses_split_experts_and_whole_experts_without_ep(runs):
+    """Split experts (expert TP 2) have no adapters; whole experts under TP=2 need EP > 1, for the
+    base weights as for the adapters (without an all-to-all the TP copies of an expert would drift)."""
+    split, no_ep = runs[0][0]
+    assert split is not None and "parallel.expert_tensor_parallel is 2" in split
+    assert "set parallel.expert_tensor_parallel=1" in split
+    assert no_ep is not None and "expert_tensor_parallel=1 below parallel.tensor_parallel=2 needs" in no_ep
 
 
 def test_expert_lora_equals_peft_at_ep2_ep1_tp2_sp_ep2_and_pp2(runs):
