@@ -243,6 +243,13 @@ def test_expert_layout_checks():
     cfg.parallel.expert_parallel, cfg.parallel.expert_tensor_parallel = 1, 3
     with pytest.raises(ValueError, match="moe_intermediate_size=32 .* not divisible by the expert tensor parallel size 3"):
         M._moe_args(cfg, moe, fused=False)
+    # whole experts under TP without EP: each TP rank's copy of an expert would see only its own tokens
+    cfg.parallel.expert_tensor_parallel, cfg.parallel.tensor_parallel, cfg.parallel.sequence_parallel = 1, 2, True
+    with pytest.raises(ValueError, match="expert_tensor_parallel=1 below parallel.tensor_parallel=2 needs "
+                                         "parallel.expert_parallel > 1"):
+        M._moe_args(cfg, moe, fused=False)
+    cfg.parallel.expert_parallel = 2  # the same whole experts with EP: the tokens cross the TP ranks
+    M._moe_args(cfg, moe, fused=False)
     cfg = Config()
     cfg.parallel.expert_parallel = 2
     dense = types.SimpleNamespace(model_type="qwen3")
