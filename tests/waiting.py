@@ -34,7 +34,7 @@ def wait_until(cond: Callable[[], Any], *, what: str, timeout: float = 60.0,
         why = hopeless() if hopeless is not None else None
         assert not why, f"{what} will not happen: {why}"
         assert time.monotonic() < deadline, f"{what} did not happen within {timeout:.0f} s"
-        time.sleep(POLL_S)  # poll interval of the one shared wait helper, not synchronisation: cond() decides
+        time.sleep(POLL_S)  # poll interval of the wait-for-state helper (cond() decides); its deadline is where elapsed time is the behaviour under test
 
 
 async def async_wait_until(cond: Callable[[], Any | Awaitable[Any]], *, what: str, timeout: float = 60.0) -> Any:
@@ -47,4 +47,4 @@ async def async_wait_until(cond: Callable[[], Any | Awaitable[Any]], *, what: st
         if value:
             return value
         assert time.monotonic() < deadline, f"{what} did not happen within {timeout:.0f} s"
-        await asyncio.sleep(POLL_S)  # poll interval of the one shared wait helper, not synchronisation: cond() decides
+        await asyncio.sleep(POLL_S)  # poll interval of the wait-for-state helper (cond() decides); its deadline is where elapsed time is the behaviour under test

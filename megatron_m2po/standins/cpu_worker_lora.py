@@ -237,6 +237,7 @@ class LoRAServing:
             if m and isinstance(gu, torch.nn.Parameter) and gu.dim() == 3:
                 self._experts[(int(m.group(1)), m.group(2))] = (name, mod)
         self._expert_names = {id(mod): name for name, mod in self._experts.values()}
+        self._expert_modules = {name: mod for name, mod in self._experts.values()}
         self.loaded: dict[str, Adapter] = {}  # lora_id -> adapter (the backend's lora_refs + weights)
         self.num_pinned = 0
         self._rows: Optional[list[Optional[Adapter]]] = None  # the running forward's adapter per row
@@ -417,7 +418,7 @@ class LoRAServing:
         ``{module: {expert: {"gate" / "up" / "down": (A [r, in], B [out, r])}}}``."""
         out: dict = {}
         for mod_name, experts in parts.items():
-            mod = self._modules_by_name_experts(mod_name)
+            mod = self._expert_modules[mod_name]
             n, hidden, inter = mod.gate_up_proj.shape[0], mod.gate_up_proj.shape[2], mod.down_proj.shape[2]
             for e, projs in experts.items():
                 if e >= n:
@@ -448,8 +449,6 @@ class LoRAServing:
                 out.setdefault(mod_name, {})[e] = pairs
         return out
 
-    def _modules_by_name_experts(self, name: str) -> torch.nn.Module:
-        return next(mod for n, mod in self._experts.values() if n == name)
 
     def _add(self, adapter: Adapter) -> None:
         self.loaded[adapter.lora_id] = adapter

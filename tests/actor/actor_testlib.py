@@ -236,3 +236,25 @@ def peft_reference(hf_dir: str, adapter_dir: str, samples):
     total.backward()
     grads = {n.replace(".default", ""): p.grad for n, p in model.named_parameters() if "lora_" in n}
     return logps, grads
+
+
+def random_lora_b(actor, seed: int) -> None:
+    """Every LoRA B random, the whole matrix from a seeded generator (per layer and projection; per
+    global expert for expert adapters), then this rank's part, so that every layout holds the same
+    non-zero adapters."""
+    from megatron_m2po.actor.lora import adapter_modules, expert_adapter_modules
+
+    with torch.no_grad():
+        for m in adapter_modules(actor.chunks):
+            for j, part in enumerate(m.targets):
+                b = m.pair(part)[1]
+                rows = b.shape[0] * (m.tp if m.kind == "column" else 1)
+                g = torch.Generator().manual_seed(seed * 1000 + m.layer * 10 + j)
+                whole = 0.05 * torch.randn(rows, b.shape[1], generator=g)
+                b.copy_(whole.chunk(m.tp, 0)[m.tp_group.rank()] if m.kind == "column" else whole)
+        for m in expert_adapter_modules(actor.chunks):
+            for i in range(m.num_local_experts):
+                for k, pair in enumerate(m.PAIRS):
+                    b = m.pair(pair, i)[1]
+                    g = torch.Generator().manual_seed(seed * 1000 + m.layer * 100 + (m.first_expert + i) * 2 + k + 50)
+                    b.copy_(0.05 * torch.randn(b.shape, generator=g))

@@ -34,21 +34,6 @@ def _lora_actor(d: str, tp: int = 1, pp: int = 1, sp: bool = False, kl: float = 
     return MegatronActor.from_config(ActorConfig.from_config(cfg, total_updates=10)), cfg
 
 
-def _random_b(actor, seed: int) -> None:
-    """Every B random (the whole matrix from a seeded generator, then this rank's part), so that
-    every layout holds the same non-zero adapters."""
-    from megatron_m2po.actor.lora import adapter_modules
-
-    for m in adapter_modules(actor.chunks):
-        for j, part in enumerate(m.targets):
-            b = m.pair(part)[1]
-            rows = b.shape[0] * (m.tp if m.kind == "column" else 1)
-            g = torch.Generator().manual_seed(seed * 1000 + m.layer * 10 + j)
-            whole = 0.05 * torch.randn(rows, b.shape[1], generator=g)
-            with torch.no_grad():
-                b.copy_(whole.chunk(m.tp, 0)[m.tp_group.rank()] if m.kind == "column" else whole)
-
-
 def _layouts(rank, world_size, root, layouts):
     from megatron_m2po.actor.batch import RolloutBatch
     from megatron_m2po.weights.lora_export import write_peft_dir
@@ -61,7 +46,7 @@ def _layouts(rank, world_size, root, layouts):
     for tp, pp, sp, *rest in layouts:
         cp = rest[0] if rest else 1
         actor, cfg = _lora_actor(d, tp, pp, sp, cp=cp)
-        _random_b(actor, seed=7)
+        lib.random_lora_b(actor, seed=7)
         samples = lib.make_samples(4, seed=5)
         logps = actor.compute_logprobs(RolloutBatch(samples))
         exp = os.path.join(root, f"peft_{tp}_{pp}_{sp}_{cp}")

@@ -33,27 +33,6 @@ def _actor(d: str, ep: int, tp: int, etp=1, pp: int = 1):
     return MegatronActor.from_config(ActorConfig.from_config(cfg.validate(), total_updates=10)), cfg
 
 
-def _random_b(actor, seed: int) -> None:
-    """Every B random, the whole matrix from a seeded generator (per layer and projection, per
-    global expert), so that every layout holds the same non-zero adapters."""
-    from megatron_m2po.actor.lora import adapter_modules, expert_adapter_modules
-
-    with torch.no_grad():
-        for m in adapter_modules(actor.chunks):
-            for j, part in enumerate(m.targets):
-                b = m.pair(part)[1]
-                rows = b.shape[0] * (m.tp if m.kind == "column" else 1)
-                g = torch.Generator().manual_seed(seed * 1000 + m.layer * 10 + j)
-                whole = 0.05 * torch.randn(rows, b.shape[1], generator=g)
-                b.copy_(whole.chunk(m.tp, 0)[m.tp_group.rank()] if m.kind == "column" else whole)
-        for m in expert_adapter_modules(actor.chunks):
-            for i in range(m.num_local_experts):
-                for k, pair in enumerate(m.PAIRS):
-                    b = m.pair(pair, i)[1]
-                    g = torch.Generator().manual_seed(seed * 1000 + m.layer * 100 + (m.first_expert + i) * 2 + k + 50)
-                    b.copy_(0.05 * torch.randn(b.shape, generator=g))
-
-
 def _layouts(rank, world_size, root):
     from megatron_m2po.actor.batch import RolloutBatch
     from megatron_m2po.weights.hf_export import iter_stage_hf_weights
@@ -74,7 +53,7 @@ def _layouts(rank, world_size, root):
         if (ep, tp, pp) == (1, 1, 1):  # the EP=2 run's checkpoint, resharded onto whole-model experts
             actor.load_checkpoint(ckpt, model_only=True)
         else:
-            _random_b(actor, seed=7)
+            lib.random_lora_b(actor, seed=7)
         if (ep, tp, pp) == (2, 1, 1):
             actor.save_checkpoint(ckpt)
         logps = actor.compute_logprobs(RolloutBatch(samples))
