@@ -13,12 +13,12 @@ from aiohttp import web
 from megatron_m2po.utils.net import free_port
 
 
-def build_tiny_qwen2(path, seed: int = 0) -> str:
+def build_tiny_qwen2(path, seed: int = 0, tie: bool = False) -> str:
     from transformers import Qwen2Config, Qwen2ForCausalLM
     torch.manual_seed(seed)
     cfg = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                      eos_token_id=1, bos_token_id=0, tie_word_embeddings=False)
+                      eos_token_id=1, bos_token_id=0, tie_word_embeddings=tie)
     model = Qwen2ForCausalLM(cfg)
     model.save_pretrained(str(path))
     return str(path)

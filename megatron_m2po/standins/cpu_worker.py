@@ -217,6 +217,23 @@ def _cache_tensors(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return list(zip(cache.key_cache, cache.value_cache))
 
 
+
+def _own_memory(model: torch.nn.Module) -> None:
+    """Give every parameter and buffer memory of the worker's own, as SGLang's weights are: its
+    ``model_loader/loader.py`` ``DefaultModelLoader.load_model`` builds the model on the device
+    (``with target_device: _initialize_model``) and copies the checkpoint's tensors into it. A
+    model from transformers' ``from_pretrained`` may instead hold views of the safetensors file's
+    mapping (private, copied on first write); a push into such pages ran 1.3-2x slower than into
+    the worker's own memory on this project's 2-core VM, long after the first write
+    (``tools/benchmarks/weight_sync.py --colocated``). Tied tensors stay tied (one ``Parameter``)."""
+    with torch.no_grad():
+        for p in model.parameters():  # each Parameter once: tied weights are one object
+            p.data = p.data.clone()
+        for mod in model.modules():
+            for name, b in mod.named_buffers(recurse=False):
+                if b is not None:
+                    setattr(mod, name, b.clone())
+
 class Engine:
     """Model, scheduler and weight updates; the HTTP layer is ``cpu_worker_http.WorkerApp``."""
 
@@ -247,6 +264,7 @@ class Engine:
         else:
             self.model = AutoModelForCausalLM.from_pretrained(
                 model_path, dtype=torch.float32, attn_implementation="eager").eval()
+            _own_memory(self.model)
             if quantization == "fp8":  # SGLang's online FP8 of a float checkpoint: per tensor here
                 self.fp8 = FP8Linears(self.model, None)
                 self.fp8.quantize_model(self.model)

@@ -121,6 +121,46 @@ def test_released_weights_leave_and_come_back(tmp_path):
         saver.release(None, idle=False, flush=lambda: None)
 
 
+def _file_mappings(suffix: str) -> list[tuple[int, int]]:
+    """Address ranges of this process's mappings of files whose name ends in ``suffix`` (Linux)."""
+    out = []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) >= 6 and parts[5].endswith(suffix):
+                lo, hi = (int(x, 16) for x in parts[0].split("-"))
+                out.append((lo, hi))
+    return out
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="reads /proc/self/maps (Linux)")
+@pytest.mark.parametrize("tie", [False, True])
+def test_worker_weights_live_in_its_own_memory_not_the_checkpoint_mapping(tmp_path, tie):
+    """SGLang builds its model on the device and copies the checkpoint in (``loader.py``
+    ``DefaultModelLoader.load_model``). transformers' ``from_pretrained`` leaves parameters as views
+    of the safetensors file's private mapping (checked here, so the test sees what it guards
+    against), into which every push wrote 1.3-2x slower than into own memory; the worker's must not
+    be, and tied weights stay one tensor."""
+    from transformers import AutoModelForCausalLM
+
+    from megatron_m2po.standins.cpu_worker import Engine
+
+    model_dir = build_tiny_qwen2(tmp_path / "m", seed=3, tie=tie)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    mapped = _file_mappings(".safetensors")
+
+    def in_file(t: torch.Tensor) -> bool:
+        return any(lo <= t.data_ptr() < hi for lo, hi in mapped)
+    assert mapped and any(in_file(p) for p in hf.parameters()), "transformers no longer maps the checkpoint"
+    engine = Engine(model_dir)
+    mapped = _file_mappings(".safetensors")
+    assert not [n for n, p in engine.model.named_parameters() if in_file(p)]
+    assert not [n for n, b in engine.model.named_buffers() if b.numel() and in_file(b)]
+    for (n, a), b in zip(hf.state_dict().items(), engine.model.state_dict().values()):
+        assert torch.equal(a, b), n
+    assert (engine.model.lm_head.weight is engine.model.get_input_embeddings().weight) == tie
+
+
 @pytest.fixture(scope="module")
 def worker(tmp_path_factory):
     model_dir = build_tiny_qwen2(tmp_path_factory.mktemp("colocated_model"), seed=5)

@@ -21,28 +21,29 @@ copies each byte twice (into the bucket, then the engine into its parameters); b
 packed and posted while the engine loads bucket k, so the engine loads back to back. So the line
 "two copies at once" (two threads, each copying every byte) is what such a push can reach at best
 here. Prints both bandwidths, the ratio (best push against best copy, and push by push against
-the copy just before it, the first push left out: it faults fresh shared memory and the worker's
-weights, which are mapped from the safetensors file until first written), and where the push's
-time went: the first copy (pack), the engine's load where it does not overlap, pickling the
+the copy just before it, the first push left out: it faults fresh shared memory), and where the
+push's time went: the first copy (pack), the engine's load where it does not overlap, pickling the
 handles, HTTP, and the session / pause calls.
-Measured (0.4 GB, 128 MiB buckets, --repeats 8) on a 2-core VM with other tests running (load
-average 4-11): push by push median 0.35-0.41 of the copy (0.12-1.16 over single pushes), best /
-best 0.23-0.38. Two copies at once cost 1.8-3.4x one copy there (the two cores share the memory
-bandwidth, and the other load takes a core), a bound of 0.30-0.56, so a two-copy push reaches half
-the copy only when that machine is nearly idle; the push came within 1.1-1.65x of that bound
-(pack 35-45 %, the engine's load not hidden 40-50 %, everything else ~10 %). On the same VM nearly
-idle (load average 2-3, 5 runs, 32-128 MiB buckets): push by push median 0.36-0.50, best / best
-0.36-0.45, with two copies at once bounding it at 0.86-0.95; pack 44-58 %, the engine's load not
-hidden 28-44 % -- the engine's loads (unpickle, map the bucket, copy) took longer than the packing
-they should hide behind: the worker mapped every bucket afresh (a page fault per page read, which
-a CUDA IPC open does not cost). With the worker keeping the two latest buckets mapped
-(``cpu_worker.Engine.load_serialized``), nearly idle (load average 1-2, 3 runs, 128 MiB buckets):
-push by push median 0.47-0.57, best / best 0.41-0.58 (two copies at once: 0.86-0.96); pack
-54-57 %, the engine's load not hidden 28-34 %, most of it the last bucket's (it carries the
-version, so it is posted once every other one has answered, and nothing overlaps its load).
-The first bucket is now a quarter of the others (nothing overlaps its packing): side by side,
-alternating, under a load average of 3-4 (the suite running), push by push median 0.40-0.44
-against 0.34-0.41 with a full first bucket.
+
+A two-stage pipeline of whole tensors in buckets takes at least the bytes once plus its largest
+bucket: some bucket k is packed after every one before it and loaded before every one after it.
+With the defaults (8 layers, hidden 768, vocab 32000: the embedding and the head are 98 MB each, a
+quarter of the bytes each, against 7-15 % in 1.5B-8B Qwen models) that bound is 0.75-0.80 of the
+copy at 32-128 MiB buckets, before the two copies share the memory bandwidth.
+Measured (0.4 GB, --repeats 8) on a 2-core VM nearly idle (load average 0.3-1), 7 runs with 128 MiB
+buckets: push by push median 0.50-0.70 of the copy (0.50, 0.52, 0.53, 0.54, 0.58, 0.59, 0.70),
+best / best 0.48-0.57, two copies at once bounding it at 0.83-0.98; pack 55-60 %, the engine's load
+not hidden 24-29 % (the bucket holding the head: the largest), the rest ~12 % (pause + session
+5 %, pickling 3-4 %, end of session 3 %). 32 / 64 / 256 MiB buckets: median 0.57 / 0.53 / 0.48.
+Two fixes got it there from 0.36-0.50 (earlier runs, same VM and load): the worker kept each
+bucket mapped only while loading it (a page fault per page read, which opening a CUDA IPC handle
+does not cost; it now keeps the two latest, as the trainer reuses two), and its weights were
+views of the checkpoint file's private mapping, into which every push wrote 1.3-2x slower than
+into its own memory (SGLang's weights are its own device memory; the worker now copies them out
+at start). Under load the ratio drops with the machine: with other tests running (load average
+4-11) two copies at once cost 1.8-3.4x one copy, a bound of 0.30-0.56 (the pushes then measured
+0.35-0.44, before both fixes). The first bucket is a quarter of the others (nothing overlaps its
+packing): +0.03-0.07 in the median where the first tensors are small.
 """
 
 from __future__ import annotations
