@@ -68,7 +68,8 @@ class LoRAConfig:
                         "them. 0 (default) keeps the training forward's log-probs equal to the others'.")
     targets: list[str] = _f(factory=lambda: list(LORA_TARGETS), help="HF module names that get adapters (peft's "
                             "target_modules): any of q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj "
-                            "(default all). Dense layers only: under MoE the MLP names are refused.")
+                            "(default all). On an MoE model the MLP names put adapters on every expert and go together: "
+                            "gate_proj, up_proj and down_proj, or none of them.")
 
     push: Literal["auto", "adapter", "merged"] = _f(
         "auto", help="How new weights reach the engines (weights/lora_push.py). adapter: the engines keep the base "

@@ -86,15 +86,14 @@ def _whole(t: torch.Tensor, group) -> torch.Tensor:
     return torch.cat(parts, dim=t.partition_dim)
 
 
-def _all_experts(local: list[torch.Tensor]) -> torch.Tensor:
-    """``[num_experts, ...]``: this rank's local experts' tensors (in order) and every other
+def _all_experts(mine: torch.Tensor) -> torch.Tensor:
+    """``[num_experts, ...]``: this rank's local experts' stacked tensor ``[n, ...]`` and every other
     expert-parallel rank's, by global expert index (collective over the expert-parallel group)."""
     from megatron.core import parallel_state as ps
 
-    mine = torch.stack([t.detach() for t in local])
     group = ps.get_expert_model_parallel_group()
     if dist.get_world_size(group) == 1:
-        return mine
+        return mine.clone()  # a copy, never the live parameter
     parts = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, mine.contiguous(), group=group)
     return torch.cat(parts, 0)
@@ -105,7 +104,7 @@ def _expert_tensors(m, layout: str) -> list[tuple[tuple, str, torch.Tensor]]:
     out = []
     prefix = f"base_model.model.model.layers.{m.layer}.mlp.experts"
     for k, pair in enumerate(m.PAIRS):  # gate_up, down
-        a, b = (_all_experts([m.pair(pair, i)[j] for i in range(m.num_local_experts)]).cpu() for j in (0, 1))
+        a, b = (_all_experts(getattr(m, f"{pair}_{which}").detach()).cpu() for which in "AB")
         module = "gate_up_proj" if pair == "gate_up" else "down_proj"
         if layout == "sglang":
             for e in range(a.shape[0]):

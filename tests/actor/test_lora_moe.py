@@ -4,7 +4,7 @@ With the same non-zero adapters (attention and every expert's gate_up / down pai
 at EP=1 loaded from the EP=2 run's checkpoint, so the adapters' checkpoint layout reshards over
 expert layouts), the actor at EP=2 (DP=2), EP=1, TP=2 + SP with EP=2 (expert TP 1) and PP=2 gives
 the per-token
-log-probs and the adapter gradients (of the sum of the response tokens' log-probs) of
+log-probs and the adapter gradients (PP=2 through the per-expert loop, the others through grouped GEMMs) (of the sum of the response tokens' log-probs) of
 ``peft.PeftModel`` on transformers' Qwen3-MoE, loaded from the directory the exporter wrote
 (peft's ``target_parameters`` LoRA on the fused experts); the merged weights equal peft's
 ``merge_and_unload``; the engines' layout (per expert, SGLang's names) holds the same matrices.
@@ -54,6 +54,10 @@ def _layouts(rank, world_size, root):
             actor.load_checkpoint(ckpt, model_only=True)
         else:
             lib.random_lora_b(actor, seed=7)
+        if pp == 2:  # the per-expert loop (devices and dtypes torch._grouped_mm does not serve) held to peft too
+            from megatron_m2po.actor.lora import expert_adapter_modules
+            for m in expert_adapter_modules(actor.chunks):
+                m.grouped = False
         if (ep, tp, pp) == (2, 1, 1):
             actor.save_checkpoint(ckpt)
         logps = actor.compute_logprobs(RolloutBatch(samples))
@@ -153,3 +157,81 @@ def test_expert_lora_engine_layout_and_merge_equal_peft(runs):
                                            want[f"model.layers.{layer}.mlp.experts.down_proj"][e].numpy(), atol=1e-6)
             np.testing.assert_allclose(merged[f"model.layers.{layer}.self_attn.q_proj.weight"],
                                        want[f"model.layers.{layer}.self_attn.q_proj.weight"].numpy(), atol=1e-6)
+
+
+def _experts_with_lora(dtype, splits, hidden=32, ffn=16, rank=RANK):
+    from types import SimpleNamespace
+
+    from megatron_m2po.actor.lora import ExpertLoRA
+
+    class Grouped(torch.nn.Module):  # called as the experts' grouped linears are: (x, m_splits) -> (out, bias)
+        def __init__(self, n, fout, fin):
+            super().__init__()
+            self.weight0 = torch.nn.Parameter(torch.randn(n, fout, fin, dtype=dtype), requires_grad=False)
+
+        def forward(self, x, m_splits):
+            return torch.cat([xi @ w.t() for xi, w in zip(torch.split(x, m_splits), self.weight0)]), None
+
+    experts = torch.nn.Module()
+    experts.num_local_experts = len(splits)
+    experts.linear_fc1 = Grouped(len(splits), 2 * ffn, hidden)
+    experts.linear_fc2 = Grouped(len(splits), hidden, ffn)
+    lora = ExpertLoRA(experts, rank=rank, scaling=2.0, dropout=0.0, layer=0, seed=0,
+                      hf=SimpleNamespace(hidden_size=hidden, moe_intermediate_size=ffn), ep_rank=1)
+    with torch.no_grad():
+        for pair in lora.PAIRS:
+            getattr(lora, f"{pair}_B").normal_(0, 0.1)
+    return experts, lora
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("splits", [[3, 0, 7, 1, 0, 9], [0, 0, 0, 5, 0, 0], [0] * 6])
+def test_grouped_expert_gemms_equal_the_per_expert_loop(dtype, splits):
+    """The adapters' two grouped GEMMs (torch._grouped_mm over the experts' row offsets) give the
+    per-expert loop's output and gradients (input, A, B) exactly, empty experts included; by hand,
+    each expert's rows get s B_e A_e x and nothing of another expert's pair."""
+    from megatron_m2po.actor.lora import grouped_gemm_serves
+
+    torch.manual_seed(0)
+    experts, lora = _experts_with_lora(dtype, splits, rank=8)
+    assert grouped_gemm_serves(torch.empty(0, 32, dtype=dtype), lora.gate_up_A, lora.gate_up_B)
+    x = torch.randn(sum(splits), 32, dtype=dtype, requires_grad=True)
+    g = torch.randn(sum(splits), 2 * 16, dtype=dtype)
+    got = {}
+    for grouped in (True, False):
+        lora.grouped = grouped
+        x.grad = None
+        for p in lora.parameters():
+            p.grad = None
+        out, _ = experts.linear_fc1(x, splits)
+        (out.float() * g.float()).sum().backward()
+        got[grouped] = [out.detach(), x.grad] + [p.grad for p in (lora.gate_up_A, lora.gate_up_B)]
+    for a, b in zip(got[True], got[False]):
+        assert torch.equal(a, b)
+    start = 0
+    base = experts.linear_fc1.weight0
+    for e, n in enumerate(splits):
+        xe = x.detach()[start:start + n].double()
+        want = xe @ base[e].double().t() + 2.0 * (xe @ lora.gate_up_A[e].double().t()) @ lora.gate_up_B[e].double().t()
+        torch.testing.assert_close(got[True][0][start:start + n].double(), want,
+                                   **(dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)))
+        start += n
+    assert lora.first_expert == len(splits)  # EP rank 1's experts: A from those global experts' seeds
+
+
+def test_grouped_gemm_serves_only_where_torch_runs_it():
+    """CUDA: bf16 with 16-byte aligned rows (torch's CUTLASS grouped GEMM), else the loop; CPU: torch's
+    own, with 16-byte aligned rows too (it refuses others, as checked here)."""
+    from megatron_m2po.actor.lora import grouped_gemm_ok
+
+    assert grouped_gemm_ok("cuda", [torch.bfloat16] * 3, (2048, 16, 1536))
+    assert not grouped_gemm_ok("cuda", [torch.bfloat16] * 3, (2048, 4, 1536))  # rank 4: 8-byte rows of A x
+    assert not grouped_gemm_ok("cuda", [torch.float32] * 3, (2048, 16, 1536))
+    assert not grouped_gemm_ok("cuda", [torch.bfloat16, torch.float32, torch.bfloat16], (2048, 16, 1536))
+    assert grouped_gemm_ok("cpu", [torch.float32] * 3, (32, 4, 16)) == hasattr(torch, "_grouped_mm")
+    assert not grouped_gemm_ok("cpu", [torch.bfloat16] * 3, (32, 4, 16))
+    if hasattr(torch, "_grouped_mm"):
+        with pytest.raises(RuntimeError, match="16 bytes"):  # what the condition spares the hook
+            torch._grouped_mm(torch.ones(3, 4, dtype=torch.bfloat16), torch.ones(2, 4, 4, dtype=torch.bfloat16),
+                              offs=torch.tensor([1, 3], dtype=torch.int32))
+    assert not grouped_gemm_ok("meta", [torch.float32] * 3, (32, 16, 32))
