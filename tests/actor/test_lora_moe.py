@@ -235,3 +235,18 @@ def test_grouped_gemm_serves_only_where_torch_runs_it():
             torch._grouped_mm(torch.ones(3, 4, dtype=torch.bfloat16), torch.ones(2, 4, 4, dtype=torch.bfloat16),
                               offs=torch.tensor([1, 3], dtype=torch.int32))
     assert not grouped_gemm_ok("meta", [torch.float32] * 3, (32, 16, 32))
+
+
+def test_expert_lora_benchmark_runs_both_paths():
+    """tools/benchmarks/expert_lora.py at CPU size: the base, the grouped and the looped adapters timed."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    res = subprocess.run([sys.executable, os.path.join(root, "tools", "benchmarks", "expert_lora.py"), "--tokens", "64",
+                          "--experts", "4", "--hidden", "32", "--ffn", "16", "--rank", "4", "--repeats", "1",
+                          "--device", "cpu"], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "torch._grouped_mm serves: True" in res.stdout, res.stdout
+    for line in ("base experts alone", "+ adapters, grouped GEMMs", "+ adapters, loop per expert", "loop / grouped"):
+        assert line in res.stdout, res.stdout
