@@ -152,6 +152,9 @@ def save_checkpoint(actor, path: str, extra_state: dict[str, Any]) -> None:
                 "expert_layout": _expert_layout(actor),
                 # model.lora: the adapters' settings (m2po convert rebuilds them); the base is hf_path's
                 "lora": dataclasses.asdict(actor.cfg.model.lora) if actor.cfg.model.lora.rank > 0 else None,
+                # expert adapters as one stacked tensor per matrix (actor/lora.py ExpertLoRA): the
+                # distributed optimizer's state follows the parameters' order and sizes
+                "expert_adapters": EXPERT_ADAPTER_LAYOUT if _has_expert_adapters(actor) else None,
                 # the previous update's metrics: mask_strategy=auto's choice (the same on every rank)
                 "mask_hint": actor.mask_hint}
         (tmp / "actor.json").write_text(json.dumps(meta, indent=1))
@@ -275,6 +278,15 @@ def _restore_adam_steps(optimizer, step: float | None) -> None:
                 st["step"] = torch.tensor(float(step), dtype=torch.float32)
 
 
+EXPERT_ADAPTER_LAYOUT = "stacked"  # actor.json "expert_adapters": ExpertLoRA's parameters, one per matrix
+
+
+def _has_expert_adapters(actor) -> bool:
+    from megatron_m2po.actor.lora import expert_adapter_modules
+
+    return next(expert_adapter_modules(actor.chunks), None) is not None
+
+
 def load_checkpoint(actor, path: str, *, model_only: bool = False) -> dict[str, Any]:
     """Restore ``actor`` from ``path`` (a checkpoint or its parent with ``latest``); returns the extra state.
 
@@ -296,6 +308,12 @@ def load_checkpoint(actor, path: str, *, model_only: bool = False) -> dict[str, 
             f"parallel.expert_parallel={_expert_layout(actor)[0]}: the optimizer state resumes only at the expert "
             f"layout it was saved with: set parallel.expert_parallel={saved_ep[0]}, or start a new run from its "
             "weights (they load at any layout: `m2po convert mcore-to-hf`, then model.hf_path=<the export>)")
+    if not model_only and _has_expert_adapters(actor) and meta.get("expert_adapters") != EXPERT_ADAPTER_LAYOUT:
+        raise ValueError(
+            f"checkpoint {ckpt} holds expert LoRA adapters as one tensor per expert (written before they were "
+            "stacked per layer): its weights load, but its optimizer state (a flat buffer in the parameters' old "
+            "order) would land on the wrong adapters. Resume it with the release that wrote it, or start a new run "
+            "from its weights: `m2po convert mcore-to-hf` writes the merged model and <out>_adapter")
     if model_only:
         sharded = _sharded_state(actor, is_loading=True, with_optimizer=False)
     else:

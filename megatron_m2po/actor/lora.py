@@ -221,7 +221,7 @@ class ExpertLoRA(nn.Module):
     Forward hooks on the experts' ``linear_fc1`` / ``linear_fc2`` (called ``(x, m_splits)``,
     answering ``(out, bias)``) add ``s B_e A_e x`` to the rows of each expert: two grouped GEMMs
     over all local experts (``torch._grouped_mm`` with the experts' row offsets) where torch has
-    them for the tensors' device and dtype, else one pair of matmuls per expert. Per expert, the
+    them for the tensors' device, dtype and GPU generation, else one pair of matmuls per expert. Per expert, the
     loop launched ~4 kernels forward and ~8 backward per hook: on one H100 at 128 experts a
     Qwen3-30B-A3B-shaped layer's step took 3-4x the step with attention adapters only, CPU-bound
     on launches (``tools/benchmarks/expert_lora.py`` measures both paths side by side)."""
@@ -289,9 +289,9 @@ class ExpertLoRA(nn.Module):
             offs = torch.tensor(list(itertools.accumulate(splits)), dtype=torch.int32).to(x.device, non_blocking=True)
             xa = torch._grouped_mm(x.contiguous(), a.transpose(1, 2), offs=offs)
             delta = torch._grouped_mm(xa * self.scaling, b.transpose(1, 2), offs=offs)
-        else:
-            delta = torch.cat([(xi @ a[i].t()) @ (b[i] * self.scaling).t()
-                               for i, xi in enumerate(torch.split(x, splits))], 0)
+        else:  # unbind: one gradient stack for all experts, not a whole-stack zero tensor per expert
+            delta = torch.cat([(xi @ ai.t()) @ (bi * self.scaling).t()
+                               for xi, ai, bi in zip(torch.split(x, splits), a.unbind(0), b.unbind(0))], 0)
         return out + delta.to(out.dtype), bias
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
@@ -317,20 +317,24 @@ class ExpertLoRA(nn.Module):
 
 def grouped_gemm_serves(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether ``torch._grouped_mm`` takes the expert adapters' products ``x A^T`` then ``(x A^T) B^T``
-    here (:func:`grouped_gemm_ok`)."""
-    return grouped_gemm_ok(x.device.type, (x.dtype, a.dtype, b.dtype), (x.shape[-1], a.shape[1], b.shape[1]))
+    here (:func:`grouped_gemm_ok`; and ``x`` starts 16-byte aligned, as its CUDA kernel needs)."""
+    cap = torch.cuda.get_device_capability(x.device) if x.device.type == "cuda" else None
+    return x.data_ptr() % 16 == 0 and grouped_gemm_ok(x.device.type, (x.dtype, a.dtype, b.dtype),
+                                                      (x.shape[-1], a.shape[1], b.shape[1]), cap)
 
 
-def grouped_gemm_ok(device_type: str, dtypes, dims) -> bool:
+def grouped_gemm_ok(device_type: str, dtypes, dims, capability: Optional[tuple] = None) -> bool:
     """``torch._grouped_mm`` for tensors of ``dtypes`` whose rows have ``dims`` elements: torch has it,
     and every row is 16-byte aligned (both its CUDA and its CPU implementation refuse other strides:
-    "strides should be multiple of 16 bytes"); on CUDA only bf16 (its CUTLASS kernel,
-    ``ATen/native/cuda/Blas.cpp`` ``_grouped_mm_cuda``; other CUDA dtypes go to a per-group fallback,
-    no faster than the loop); on CPU its own implementation, any float dtype (equal to the loop:
+    "strides should be multiple of 16 bytes"). On CUDA only bf16 on Hopper (compute capability 9.x:
+    its CUTLASS kernel, ``ATen/native/cuda/Blas.cpp`` ``_grouped_mm_cuda``, which equalled the loop
+    exactly on an H100, empty experts included; other generations and dtypes take the loop until
+    measured there). On CPU torch's own implementation, any float dtype (equal to the loop:
     tests/actor/test_lora_moe.py)."""
     if not hasattr(torch, "_grouped_mm") or device_type not in ("cuda", "cpu"):
         return False
-    if device_type == "cuda" and any(d != torch.bfloat16 for d in dtypes):
+    if device_type == "cuda" and (any(d != torch.bfloat16 for d in dtypes) or capability is None
+                                  or capability[0] != 9):
         return False
     return all(n * d.itemsize % 16 == 0 for n in dims for d in dtypes)
 

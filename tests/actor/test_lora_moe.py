@@ -220,14 +220,18 @@ def test_grouped_expert_gemms_equal_the_per_expert_loop(dtype, splits):
 
 
 def test_grouped_gemm_serves_only_where_torch_runs_it():
-    """CUDA: bf16 with 16-byte aligned rows (torch's CUTLASS grouped GEMM), else the loop; CPU: torch's
-    own, with 16-byte aligned rows too (it refuses others, as checked here)."""
-    from megatron_m2po.actor.lora import grouped_gemm_ok
+    """CUDA: bf16 on Hopper with 16-byte aligned rows (torch's CUTLASS grouped GEMM, measured equal to
+    the loop on an H100), else the loop; CPU: torch's own, with 16-byte aligned rows too (it refuses
+    others, as checked here); an input not starting 16-byte aligned takes the loop."""
+    from megatron_m2po.actor.lora import grouped_gemm_ok, grouped_gemm_serves
 
-    assert grouped_gemm_ok("cuda", [torch.bfloat16] * 3, (2048, 16, 1536))
-    assert not grouped_gemm_ok("cuda", [torch.bfloat16] * 3, (2048, 4, 1536))  # rank 4: 8-byte rows of A x
-    assert not grouped_gemm_ok("cuda", [torch.float32] * 3, (2048, 16, 1536))
-    assert not grouped_gemm_ok("cuda", [torch.bfloat16, torch.float32, torch.bfloat16], (2048, 16, 1536))
+    h100 = (9, 0)
+    assert grouped_gemm_ok("cuda", [torch.bfloat16] * 3, (2048, 16, 1536), h100)
+    assert not grouped_gemm_ok("cuda", [torch.bfloat16] * 3, (2048, 16, 1536), (10, 0))  # not measured there
+    assert not grouped_gemm_ok("cuda", [torch.bfloat16] * 3, (2048, 16, 1536), (8, 0))
+    assert not grouped_gemm_ok("cuda", [torch.bfloat16] * 3, (2048, 4, 1536), h100)  # rank 4: 8-byte rows of A x
+    assert not grouped_gemm_ok("cuda", [torch.float32] * 3, (2048, 16, 1536), h100)
+    assert not grouped_gemm_ok("cuda", [torch.bfloat16, torch.float32, torch.bfloat16], (2048, 16, 1536), h100)
     assert grouped_gemm_ok("cpu", [torch.float32] * 3, (32, 4, 16)) == hasattr(torch, "_grouped_mm")
     assert not grouped_gemm_ok("cpu", [torch.bfloat16] * 3, (32, 4, 16))
     if hasattr(torch, "_grouped_mm"):
@@ -235,6 +239,10 @@ def test_grouped_gemm_serves_only_where_torch_runs_it():
             torch._grouped_mm(torch.ones(3, 4, dtype=torch.bfloat16), torch.ones(2, 4, 4, dtype=torch.bfloat16),
                               offs=torch.tensor([1, 3], dtype=torch.int32))
     assert not grouped_gemm_ok("meta", [torch.float32] * 3, (32, 16, 32))
+    a, b = torch.zeros(2, 4, 32), torch.zeros(2, 16, 4)
+    x = torch.zeros(3 * 32 + 1)
+    assert grouped_gemm_serves(x[:96].view(3, 32), a, b) == hasattr(torch, "_grouped_mm")
+    assert not grouped_gemm_serves(x[1:].view(3, 32), a, b)  # 4 bytes past an aligned start
 
 
 def test_expert_lora_benchmark_runs_both_paths():
@@ -250,3 +258,48 @@ def test_expert_lora_benchmark_runs_both_paths():
     assert "torch._grouped_mm serves: True" in res.stdout, res.stdout
     for line in ("base experts alone", "+ adapters, grouped GEMMs", "+ adapters, loop per expert", "loop / grouped"):
         assert line in res.stdout, res.stdout
+
+
+def _resume_checks(rank, world_size, root):
+    import multiprocessing
+
+    from megatron_m2po.actor.batch import RolloutBatch
+
+    multiprocessing.current_process()._config["daemon"] = False  # Megatron's checkpoint writer has children
+    d = os.path.join(root, "qwen3_moe")
+    lib.make_tiny_hf("qwen3_moe", d, seed=3)
+    samples = lib.make_samples(2, seed=5)
+    actor, _ = _actor(d, 1, 1)
+    lib.random_lora_b(actor, seed=7)
+    actor.train_step(RolloutBatch(samples))
+    ckpt = os.path.join(root, "ckpt")
+    actor.save_checkpoint(ckpt)
+    saved = {n: p.detach().clone() for n, p in actor.chunks[0].named_parameters() if p.requires_grad}
+    from megatron_m2po.actor.checkpoint import resolve_checkpoint
+
+    meta_path = os.path.join(str(resolve_checkpoint(ckpt)), "actor.json")
+    meta = json.load(open(meta_path))
+    out = {"marker": meta.get("expert_adapters")}
+    resumed, _ = _actor(d, 1, 1)
+    resumed.load_checkpoint(ckpt)
+    out["resumed_equal"] = all(torch.equal(p, saved[n]) for n, p in resumed.chunks[0].named_parameters()
+                               if p.requires_grad)
+    meta.pop("expert_adapters")  # as written before the adapters were stacked
+    json.dump(meta, open(meta_path, "w"))
+    try:
+        _actor(d, 1, 1)[0].load_checkpoint(ckpt)
+        out["old_refused"] = None
+    except ValueError as e:
+        out["old_refused"] = str(e)
+    _actor(d, 1, 1)[0].load_checkpoint(ckpt, model_only=True)  # its weights still load
+    return out
+
+
+def test_expert_lora_checkpoint_resumes_and_refuses_the_per_expert_layouts_optimizer_state(tmp_path):
+    """A full resume restores the stacked expert adapters exactly; a checkpoint without actor.json's
+    "expert_adapters" marker (one tensor per expert, whose distributed-optimizer buffer is in another
+    order) is refused by name for a full resume and loads weights only."""
+    out = run_distributed(_resume_checks, 1, args=(str(tmp_path),), timeout_s=240)[0]
+    assert out["marker"] == "stacked"
+    assert out["resumed_equal"]
+    assert out["old_refused"] and "one tensor per expert" in out["old_refused"], out
