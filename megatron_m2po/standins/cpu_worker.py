@@ -217,7 +217,6 @@ def _cache_tensors(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return list(zip(cache.key_cache, cache.value_cache))
 
 
-
 def _own_memory(model: torch.nn.Module) -> None:
     """Give every parameter and buffer memory of the worker's own, as SGLang's weights are: its
     ``model_loader/loader.py`` ``DefaultModelLoader.load_model`` builds the model on the device
@@ -233,6 +232,7 @@ def _own_memory(model: torch.nn.Module) -> None:
             for name, b in mod.named_buffers(recurse=False):
                 if b is not None:
                     setattr(mod, name, b.clone())
+
 
 class Engine:
     """Model, scheduler and weight updates; the HTTP layer is ``cpu_worker_http.WorkerApp``."""
