@@ -10,6 +10,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import pytest  # noqa: E402
 
+from launcher import SharedRuns  # noqa: E402
 from rollout_testlib import build_tiny_qwen2  # noqa: E402
 
 
@@ -17,3 +18,27 @@ from rollout_testlib import build_tiny_qwen2  # noqa: E402
 def tiny_model_dir(tmp_path_factory) -> str:
     """A tiny random Qwen2 model built locally (tests of the engines, the stand-ins and the weight pushes)."""
     return build_tiny_qwen2(tmp_path_factory.mktemp("tiny_qwen2"))
+
+
+@pytest.fixture(scope="session")
+def shared_runs(tmp_path_factory) -> SharedRuns:
+    """Tiny ``m2po train`` runs shared by the tests that read them (tests/launcher.py ``SharedRuns``)."""
+    return SharedRuns(tmp_path_factory.mktemp("shared_runs"))
+
+
+_SHARED_SCOPES = ("module", "class", "package")
+
+
+def pytest_itemcollected(item):
+    """Under ``pytest -n 2 --dist loadgroup`` (pytest-xdist, the README's command) a file whose tests
+    share a module- or class-scoped fixture runs on one worker, in file order (the fixture is built
+    once, and files such as tests/rollout/test_fleet.py walk one fleet through its tests); tests
+    that share a run say so with ``pytest.mark.xdist_group``. Every other test goes to whichever
+    worker is free. (Marked as each test is collected: xdist reads the marks in its own
+    ``pytest_collection_modifyitems``.)"""
+    if item.get_closest_marker("xdist_group") is not None:
+        return
+    info = getattr(item, "_fixtureinfo", None)
+    defs = info.name2fixturedefs.values() if info is not None else ()
+    if any(fd.scope in _SHARED_SCOPES for fds in defs for fd in fds):
+        item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))

@@ -294,8 +294,14 @@ def test_a_failed_packed_rank_is_reported_with_its_log(tmp_path):
 
 def test_the_planners_routing_imbalance_default_covers_the_tiny_moes_measurement(tmp_path):
     """Row 7 on the tiny Qwen3-MoE base (``--moe-model tiny``: 4,096 synthetic prompts with its own T=1
-    samples) reproduces the dispatch counts plan/routing.py records, and ``model.moe.routing_imbalance``'s
-    default is at least their worst layer and at least 1.5 (docs/planner.md says why)."""
+    samples) reproduces the dispatch imbalance plan/routing.py records, and ``model.moe.routing_imbalance``'s
+    default is at least the recorded worst layer and at least 1.5 (docs/planner.md says why).
+
+    The samples are drawn at T=1, and which tokens are drawn follows the CPU's float rounding, so the
+    measurement moves with the CPU type: 1.21 recorded for EP=2 on one, 1.27 measured on an AMD EPYC.
+    The tolerance, 0.1, is that spread with half of it again as margin; a change of the router, the
+    dispatch count or the prompts moves the values by far more (1.0 balanced, 2.0 at EP=4 for one
+    expert taking everything)."""
     from megatron_m2po.config import MoEConfig
     from megatron_m2po.plan.routing import MEASURED_TINY_IMBALANCE
 
@@ -304,6 +310,6 @@ def test_the_planners_routing_imbalance_default_covers_the_tiny_moes_measurement
     measured = {int(ep): d["layer_max"] for ep, d in row.values["per_ep"].items()}
     assert measured.keys() == MEASURED_TINY_IMBALANCE.keys() == {2, 4}, row  # EP=8 does not divide 4 experts
     for ep, value in MEASURED_TINY_IMBALANCE.items():
-        assert measured[ep] == pytest.approx(value, abs=0.05), (ep, measured)
+        assert measured[ep] == pytest.approx(value, abs=0.1), (ep, measured)
     assert row.verdict == "INFO" and row.values["counts_shape"][1:] == [2, 4]
     assert MoEConfig().routing_imbalance >= max(max(MEASURED_TINY_IMBALANCE.values()), 1.5)  # recorded to 2 digits

@@ -31,11 +31,18 @@ def _failing_rank0(rank, world_size):
     def work():
         raise ValueError("the store is full")
 
+    import torch.distributed as dist
+
     try:
         rank0.from_rank0(work, what="the rollouts of step 3", poll_s=0.5)
+        got = "no error"
     except Exception as e:  # noqa: BLE001 - the test inspects what each rank raised
-        return f"{type(e).__name__}: {e}"
-    return "no error"
+        got = f"{type(e).__name__}: {e}"
+    # Under torchrun the key-value store is the launcher agent's and outlives rank 0; here rank 0's
+    # process hosts it (run_distributed), so rank 0 must not exit before rank 1 has read the key
+    # (under load rank 1 otherwise sees the store go away: DistNetworkError instead of rank 0's message).
+    dist.barrier()
+    return got
 
 
 @pytest.mark.multiproc

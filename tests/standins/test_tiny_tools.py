@@ -60,6 +60,8 @@ def test_the_tool_family_has_its_own_cache_entry():
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # a fresh cache builds the tool base here (shared with test_e2e_agentic.py: one group)
+@pytest.mark.xdist_group("tool_base")
 def test_the_built_tool_base_needs_the_tool_and_decides_when_to_call():
     """The cached build (``model.tiny_family=qwen2_tools``; deterministic). Its measurements on 512
     fixed problems at T=1 (docs/agentic.md): products answered right 0.780 with the tool, 0.081 with

@@ -7,39 +7,28 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
+import launcher
 from megatron_m2po.store import sqlite as store_sqlite
 
 ROOT = Path(__file__).resolve().parents[2]
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # a cold cache builds the tool base first
+# A cold cache builds the tool base first (shared with test_tiny_tools.py: one group, one build).
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900), pytest.mark.xdist_group("tool_base")]
 
 
 def test_tool_episodes_train_and_are_stored_as_masked_versioned_trajectories(tmp_path):
     run = tmp_path / "agentic"
     steps = 2
-    cmd = [sys.executable, "-m", "megatron_m2po.cli", "train", str(ROOT / "examples" / "agentic_tools.yaml"),
-           f"trainer.run_dir={run}", f"trainer.num_steps={steps}", "trainer.prompts_per_step=4",
-           "trainer.prompts_per_update=2", "rollout.n_samples_per_prompt=4", "rollout.num_engines=1",
-           "logging.progress=false", "checkpoint.export_hf_at_end=false", "checkpoint.save_every_steps=100"]
-    log = tmp_path / "train.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
-        try:
-            rc = proc.wait(timeout=540)
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-    assert rc == 0, log.read_text(errors="replace")[-4000:]
+    launcher.train(run, f"trainer.num_steps={steps}", "trainer.prompts_per_step=4", "trainer.prompts_per_update=2",
+                   "rollout.n_samples_per_prompt=4", "rollout.num_engines=1", "logging.progress=false",
+                   "checkpoint.export_hf_at_end=false", "checkpoint.save_every_steps=100",
+                   config=ROOT / "examples" / "agentic_tools.yaml", timeout=540)
 
     conn = store_sqlite.connect(str(run / "rollouts.sqlite"))
     seqs = [r[0] for r in conn.execute("SELECT seq FROM groups ORDER BY seq")]

@@ -2,15 +2,17 @@
 
 They check RL invariants, not numbers a refactor may move: the first update of a run is
 exactly on-policy (KL ~ 0, nothing masked), stale-k consumes data of exactly the scheduled
-staleness, a run killed with SIGKILL resumes with nothing lost or consumed twice, and reward
-rises on the synthetic task.
+staleness, and reward rises on the synthetic task (a run killed anywhere and resumed:
+test_restart_faults.py).
+
+Runs that several tests read are shared (the ``shared_runs`` fixture, tests/launcher.py): the MoE
+run (routing replay and expert LoRA in one).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import signal
 import sqlite3
 import subprocess
 import sys
@@ -25,34 +27,21 @@ from megatron_m2po.trainer.schedule import expected_staleness
 from megatron_m2po.utils.timing import TRAINER_PHASES
 from waiting import wait_until
 
+import launcher
+
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "tiny_cpu.yaml"
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600), pytest.mark.xdist_group("e2e_tiny")]
 
 # A short run: 8 prompts x 8 samples per step, 2 updates per step.
 SHORT = ["trainer.prompts_per_step=8", "trainer.prompts_per_update=4", "rollout.num_engines=1",
          "logging.progress=false", "checkpoint.export_hf_at_end=false", "trainer.eval_every_steps=0"]
 
 
-def _train(run_dir: Path, *overrides: str, timeout: float = 500, wait: bool = True) -> subprocess.Popen | int:
-    cmd = [sys.executable, "-m", "megatron_m2po.cli", "train", str(EXAMPLE), f"trainer.run_dir={run_dir}",
-           *SHORT, *overrides]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    log = open(run_dir.parent / f"{run_dir.name}.log", "ab")
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
-    if not wait:
-        return proc
-    try:
-        rc = proc.wait(timeout=timeout)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    if rc != 0:
-        tail = (run_dir.parent / f"{run_dir.name}.log").read_text(errors="replace")[-4000:]
-        raise AssertionError(f"m2po train exited with {rc}:\n{tail}")
-    return rc
+def _train(run_dir: Path, *overrides: str, timeout: float = 500, wait: bool = True, env: dict | None = None):
+    """``m2po train`` of the tiny example with :data:`SHORT` (tests/launcher.py); ``wait``: to its end."""
+    return launcher.train(run_dir, *SHORT, *overrides, timeout=timeout, wait=wait, env=env)
 
 
 def _records(run_dir: Path) -> list[dict]:
@@ -66,20 +55,6 @@ def _updates(run_dir: Path) -> dict[int, dict]:
         if any(k.startswith("update/") for k in r):
             out[r["step"]] = {k[len("update/"):]: v for k, v in r.items() if k.startswith("update/")}
     return out
-
-
-def _last_update(run_dir: Path) -> int:
-    """The highest update logged so far by a running trainer (a torn last line is skipped)."""
-    path, last = run_dir / "metrics.jsonl", 0
-    if path.is_file():
-        for line in path.read_text().splitlines():
-            try:
-                r = json.loads(line)
-            except ValueError:
-                continue
-            if any(k.startswith("update/") for k in r):
-                last = max(last, r["step"])
-    return last
 
 
 def test_stale_k_is_exact_and_starts_on_policy(tmp_path):
@@ -105,18 +80,25 @@ def test_stale_k_is_exact_and_starts_on_policy(tmp_path):
     assert states.get("consumed") == steps * 8, states
 
 
-def test_tiny_qwen3_moe_trains_on_policy_from_its_first_update(tmp_path):
+# One tiny Qwen3-MoE run for the routing-replay and the expert-LoRA tests: sync, expert and attention
+# adapters pushed each version, routing replay over two engines without a router, the merged and
+# adapter exports at the end.
+MOE_RUN = ("model.tiny_family=qwen3_moe", "trainer.mode=sync", "trainer.num_steps=2", "checkpoint.save_every_steps=0",
+           "rollout.use_router=false", "rollout.num_engines=2", "rollout.return_routed_experts=true",
+           "algo.routing_replay=rollout", "model.lora.rank=8", "algo.recompute_behav_logprobs=true",
+           "checkpoint.export_hf_at_end=true")
+
+
+def test_tiny_qwen3_moe_trains_on_policy_from_its_first_update(shared_runs):
     """``model.tiny_family=qwen3_moe``: the tiny Qwen3 base upcycled into 4 experts (top-2) is
     built, served by a CPU worker (fused experts in transformers 5, per-expert weight updates)
     and trained by Megatron's MoE layer at EP=1 for 2 steps with routing replay
     (``algo.routing_replay=rollout``: the workers return every token's experts, the store keeps
     them, the actor replays them; two engines and no router, the client dispatching over them:
     sglang-router 0.3.2 drops the request field); update 1 is exactly on-policy (the engine's log-probs are the trainer's, so KL ~ 0 and
-    nothing is masked), and every stored trajectory carries a routing row per position but the last."""
-    run = tmp_path / "moe"
-    _train(run, "model.tiny_family=qwen3_moe", "trainer.num_steps=2", "checkpoint.save_every_steps=0",
-           "rollout.use_router=false", "rollout.num_engines=2", "rollout.return_routed_experts=true",
-           "algo.routing_replay=rollout")
+    nothing is masked), and every stored trajectory carries a routing row per position but the last.
+    (The run trains expert adapters too: test_lora_on_moe_experts_pushes_land_and_export_to_peft.)"""
+    run = shared_runs.get(*SHORT, *MOE_RUN)
     ups = _updates(run)
     assert sorted(ups) == [1, 2, 3, 4]
     first = ups[1]
@@ -201,44 +183,6 @@ def test_reference_kl_in_async_mode(tmp_path):
         assert m["ref/kl"] == m["ref/kl_k3"] and 0 <= m["ref/penalty_share"] <= 1, (u, m)
         assert m["loss/kl"] == pytest.approx(0.05 * m["ref/kl"], rel=1e-5), (u, m)
     assert max(m["ref/kl"] for m in ups.values()) > 0
-
-
-def test_sigkill_and_resume_lose_and_duplicate_nothing(tmp_path):
-    run = tmp_path / "resume"
-    steps = 6
-    args = (f"trainer.num_steps={steps}", "trainer.stale_k=2", "checkpoint.save_every_steps=2")
-    proc = _train(run, *args, wait=False)
-    latest = run / "checkpoints" / "latest"
-    try:
-        # Kill after the step-2 checkpoint, as soon as step 3 (updates 5-6) has trained.
-        wait_until(lambda: latest.is_file() and latest.read_text().strip() == "step_000002"
-                   and _last_update(run) >= 5,
-                   what="update 5 after the step-2 checkpoint", timeout=400,
-                   hopeless=lambda: proc.poll() is not None and f"the run exited ({proc.returncode}) first")
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-    before = _updates(run)
-    assert max(before) >= 4, "killed before the checkpoint"
-    _train(run, *args)
-    after = _updates(run)
-    assert sorted(after) == list(range(1, steps * 2 + 1))
-    con = sqlite3.connect(run / "rollouts.sqlite")
-    states = dict(con.execute("SELECT state, COUNT(*) FROM groups GROUP BY state").fetchall())
-    assert states == {"consumed": steps * 8}, states
-    # Each step consumed exactly its own groups, once: one acknowledged lease per step.
-    leases = con.execute("SELECT step, COUNT(*) FROM leases WHERE state='acked' GROUP BY step").fetchall()
-    assert leases == [(s, 1) for s in range(steps)], leases
-    served = con.execute("SELECT l.step, g.group_id FROM lease_groups lg JOIN leases l ON l.lease_id=lg.lease_id "
-                         "JOIN groups g ON g.seq=lg.group_seq WHERE l.state='acked'").fetchall()
-    assert len(served) == len({gid for _, gid in served}) == steps * 8
-    assert all(gid.startswith(f"s{step:06d}-") for step, gid in served)
-    # Updates redone after the resume (past the step-2 checkpoint) trained on the same data
-    # from the same weights as before the kill.
-    for u in (u for u in before if u > 4):
-        for key in ("staleness/max", "m2po/n_trust"):
-            assert before[u][key] == after[u][key], (u, key)
-        assert before[u]["loss/policy"] == pytest.approx(after[u]["loss/policy"], rel=1e-4, abs=1e-6)
 
 
 def test_raising_num_steps_on_a_resumed_stale_k_run_generates_the_unscheduled_steps(tmp_path):
@@ -389,10 +333,8 @@ def test_external_producer_feeds_the_trainer(tmp_path):
            **dict(c[1].split("=", 1) for c in exports)}
     m2po = [sys.executable, "-m", "megatron_m2po.cli"]
     log_path = tmp_path / "ext.log"
-    with open(log_path, "ab") as out:
-        trainer = subprocess.Popen(m2po + train[1:] + [*SHORT, "trainer.num_steps=2", "store.max_staleness=8",
-                                                       "checkpoint.save_every_steps=0"],
-                                   cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    trainer = launcher.start(train[1:] + [*SHORT, "trainer.num_steps=2", "store.max_staleness=8",
+                                          "checkpoint.save_every_steps=0"], log=log_path, env=env)
     try:
         def serving() -> bool:  # the trainer serves ingestion once its actor and store are up
             try:
@@ -411,7 +353,7 @@ def test_external_producer_feeds_the_trainer(tmp_path):
         assert rc == 0, log[-4000:]
     finally:
         if trainer.poll() is None:
-            os.killpg(trainer.pid, signal.SIGKILL)
+            trainer.kill_tree()
     # The trainer said how to feed it: its URL, weights and resolved base model, and the token's variable.
     base = str(tb.ensure_tiny_base(os.path.expanduser("~/.cache/megatron_m2po/tiny_base"), progress=False))
     assert (f"with $M2PO_STORE_TOKEN set to the ingestion token: python examples/external_producer.py --store-url "
@@ -427,6 +369,13 @@ def test_external_producer_feeds_the_trainer(tmp_path):
         assert r.returncode == 0, r.stderr
     copy = sqlite3.connect(backup[backup.index("--out") + 1])
     assert copy.execute("SELECT COUNT(*) FROM groups WHERE state='consumed'").fetchone()[0] == 16
+
+
+# The timed sync run: 2 steps, a checkpoint each, an evaluation, the trace, the reference KL in the reward.
+# (Not shared with the FP8 run: with FP8 engines and recomputed behaviour log-probs the steps log no
+# time/generation_s, which this test asserts.)
+TIMED_RUN = ("trainer.num_steps=2", "trainer.mode=sync", "checkpoint.save_every_steps=1", "trainer.eval_every_steps=2",
+             "logging.trace=true", "algo.kl.coef=0.05", "algo.kl.placement=reward")
 
 
 def test_fp8_rollouts_update_block_fp8_engines_every_step(tmp_path):
@@ -450,7 +399,7 @@ def test_fp8_rollouts_update_block_fp8_engines_every_step(tmp_path):
     assert "weight_block_size" in (run / "weights" / f"v{versions[-1]}" / "config.json").read_text()
 
 
-def test_phase_timings_table_and_trace(tmp_path):
+def test_phase_timings_table_and_trace(shared_runs):
     """Where the time goes: every step logs its phase timings, which fit in its wall time; the run
     prints the "where the time went" table and (logging.trace=true) writes a Chrome trace.
 
@@ -460,9 +409,8 @@ def test_phase_timings_table_and_trace(tmp_path):
     mean; no update has a KL loss term. Step 1 samples from the base weights, which are the
     reference's, so its KL is the engine-vs-trainer mismatch only (< 1e-4, the on-policy bound of
     this file; 0.0 in the runs measured); step 2 samples from the weights of update 2 (k3 0.0019)."""
-    run = tmp_path / "timed"
-    _train(run, "trainer.num_steps=2", "trainer.mode=sync", "checkpoint.save_every_steps=1",
-           "trainer.eval_every_steps=2", "logging.trace=true", "algo.kl.coef=0.05", "algo.kl.placement=reward")
+    run = shared_runs.get(*SHORT, *TIMED_RUN)
+    log_path = run.parent / f"{run.name}.log"
     steps = [r for r in _records(run) if "time/wall_s" in r]
     assert len(steps) == 2, steps
     for r in steps:
@@ -489,7 +437,7 @@ def test_phase_timings_table_and_trace(tmp_path):
     # The first step's wall time holds no checkpoint; the second holds the first step's, and the evaluation.
     assert "time/checkpoint_s" not in steps[0] and steps[1]["time/checkpoint_s"] > 0
     assert steps[1]["time/evaluation_s"] > 0
-    log_text = (tmp_path / "timed.log").read_text(errors="replace")
+    log_text = log_path.read_text(errors="replace")
     assert "where the time went (2 steps" in log_text
     trace = json.loads((run / "trace.json").read_text())
     spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
@@ -507,25 +455,21 @@ def test_phase_timings_table_and_trace(tmp_path):
     assert f"tools/plot_metrics.py {run} --out {run / 'plots'}" in log_text
     # The same command again: the run is complete; nothing is started, logged or exported again.
     outputs = {p: p.stat().st_mtime_ns for p in [run / "metrics.jsonl", *(run / "engines").glob("*.log")]}
-    _train(run, "trainer.num_steps=2", "trainer.mode=sync", "checkpoint.save_every_steps=1",
-           "trainer.eval_every_steps=2", "logging.trace=true")
-    again = (tmp_path / "timed.log").read_text(errors="replace")[len(log_text):]
+    _train(run, *TIMED_RUN)
+    again = log_path.read_text(errors="replace")[len(log_text):]
     assert f"run complete: {run} finished all 2 steps; nothing to do" in again, again[-3000:]
     assert "where the time went" not in again and "  moved:   reward " in again
     assert {p: p.stat().st_mtime_ns for p in outputs} == outputs
 
 
-def test_lora_on_moe_experts_pushes_land_and_export_to_peft(tmp_path):
+def test_lora_on_moe_experts_pushes_land_and_export_to_peft(shared_runs):
     """``model.tiny_family=qwen3_moe model.lora.rank=8``: the default targets put adapters on the
     attention and on every expert (actor/lora.py ``ExpertLoRA``); each version's adapter reaches the
     CPU worker in SGLang's per-expert keys and lands (``mismatch/train_vs_engine_kl`` < 1e-5 at every
     update, as in the dense LoRA test), the policy moves, and ``final_adapter`` is a peft adapter on
     transformers' fused experts (``target_parameters``) whose model computes what ``final_hf`` (the
     adapters merged per expert) computes."""
-    run = tmp_path / "moe_lora"
-    _train(run, "model.tiny_family=qwen3_moe", "trainer.mode=sync", "trainer.num_steps=2",
-           "checkpoint.save_every_steps=0", "model.lora.rank=8", "algo.recompute_behav_logprobs=true",
-           "checkpoint.export_hf_at_end=true")
+    run = shared_runs.get(*SHORT, *MOE_RUN)
     ups = _updates(run)
     assert sorted(ups) == [1, 2, 3, 4]
     for u, m in ups.items():

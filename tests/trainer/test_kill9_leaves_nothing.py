@@ -12,12 +12,11 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+import launcher
 from leftovers import Tree
 from waiting import wait_until
 
@@ -51,12 +50,11 @@ def _steps_logged(run: Path) -> int:
 
 def test_sigkill_of_the_trainer_leaves_no_process(tmp_path):
     run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "megatron_m2po.cli", "train", str(EXAMPLE), f"trainer.run_dir={run}", *OVERRIDES]
     tree = Tree({**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
     log = tmp_path / "train.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=tree.env, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+    # Through the test launcher (a fork of a preloaded server, tests/launcher.py): SIGKILL of the
+    # command's pid must end its tree exactly as for a plain process, which this test proves.
+    proc = launcher.start(["train", str(EXAMPLE), f"trainer.run_dir={run}", *OVERRIDES], log=log, env=tree.env)
     try:
         def missing() -> list[str]:
             procs = tree.observe(proc.pid).values()
@@ -74,5 +72,5 @@ def test_sigkill_of_the_trainer_leaves_no_process(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
-            proc.wait()
+            proc.wait(timeout=30)
         tree.kill()

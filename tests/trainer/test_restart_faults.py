@@ -23,18 +23,18 @@ import os
 import random
 import signal
 import sqlite3
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+import launcher
 from megatron_m2po.trainer.schedule import expected_staleness
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "tiny_cpu.yaml"
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600), pytest.mark.xdist_group("restart_faults")]
 
 STEPS, PROMPTS, U = 4, 4, 2
 COMMON = [f"trainer.num_steps={STEPS}", f"trainer.prompts_per_step={PROMPTS}", f"trainer.prompts_per_update={PROMPTS // U}",
@@ -57,23 +57,14 @@ def _seeds() -> list[int]:
 
 
 def _run(run: Path, mode: str, fault: str | None, timeout: float = 300) -> tuple[int, str]:
-    """The same command every time; returns (exit code, this run's log)."""
-    cmd = [sys.executable, "-m", "megatron_m2po.cli", "train", str(EXAMPLE), f"trainer.run_dir={run}",
-           *COMMON, *MODES[mode]]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    """The same command every time (tests/launcher.py); returns (exit code, this run's log)."""
+    env = launcher.base_env()
     env.pop("M2PO_FAULT", None)
     if fault:
         env["M2PO_FAULT"] = fault
     log = run.parent / f"{run.name}.{len(list(run.parent.glob(run.name + '.*.log')))}.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            rc = proc.wait(timeout=timeout)
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-    return rc, log.read_text(errors="replace")
+    return launcher.run_cli(["train", str(EXAMPLE), f"trainer.run_dir={run}", *COMMON, *MODES[mode]], log=log,
+                            env=env, timeout=timeout)
 
 
 def _steps_logged(run: Path, offset: int) -> list[int]:
@@ -97,9 +88,11 @@ def _size(path: Path) -> int:
     return path.stat().st_size if path.is_file() else 0
 
 
-def _updates(run: Path) -> dict[int, dict]:
+def _updates(run: Path, offset: int = 0) -> dict[int, dict]:
+    """Per-update metrics of the records after byte ``offset`` of metrics.jsonl (later records win)."""
     out: dict[int, dict] = {}
-    for line in (run / "metrics.jsonl").read_text().splitlines():
+    path = run / "metrics.jsonl"
+    for line in (path.read_bytes()[offset:].decode(errors="replace") if path.is_file() else "").splitlines():
         try:
             r = json.loads(line)
         except ValueError:
@@ -114,11 +107,12 @@ def test_killed_anywhere_the_same_command_finishes(tmp_path, mode):
     for seed in _seeds():
         run = tmp_path / f"{mode}-{seed}"
         second = random.Random(f"{mode}-{seed}").choice(KILLS)
-        history = []
+        history, logged = [], []
         for fault in ("step_end@2", "%s@%d" % second, None):
             offset = _size(run / "metrics.jsonl")
             rc, log = _run(run, mode, fault)
             history.append((fault, rc))
+            logged.append(_updates(run, offset))
             if fault and rc == -signal.SIGKILL:
                 assert f"m2po fault point {fault}: SIGKILL" in log, log[-3000:]
                 continue
@@ -140,6 +134,26 @@ def test_killed_anywhere_the_same_command_finishes(tmp_path, mode):
             else:  # the data of every step, before or after a kill, is of exactly its scheduled staleness
                 k = 2 if mode == "stale_k" else 0
                 assert m["staleness/min"] == m["staleness/max"] == expected_staleness(s, j, U, k), (history, u, m)
+        if mode != "async":
+            _check_redone_updates(logged, history)
+
+
+def _check_redone_updates(logged: list[dict[int, dict]], history: list) -> None:
+    """An update a killed run logged and a later run redid (past the checkpoint it resumed from) trained
+    on the same data from the same weights: the same staleness and trust-region count, the same loss.
+    (The trust-region count only off-policy: at an on-policy update its sign test is rounding,
+    tests/test_reproducibility.py.) step_end@2 lies before the first checkpoint, so updates are redone."""
+    redone = 0
+    for i, before in enumerate(logged):
+        for after in logged[i + 1:]:
+            for u in before.keys() & after.keys():
+                redone += 1
+                b, a = before[u], after[u]
+                assert b["staleness/max"] == a["staleness/max"], (history, u)
+                if b["staleness/min"] > 0:
+                    assert b["m2po/n_trust"] == a["m2po/n_trust"], (history, u)
+                assert b["loss/policy"] == pytest.approx(a["loss/policy"], rel=1e-4, abs=1e-6), (history, u)
+    assert redone, f"no update was redone after a kill: {history}"
 
 
 def _check_store(run: Path, mode: str) -> None:
@@ -194,14 +208,12 @@ def test_sigterm_while_waiting_for_data_checkpoints_the_finished_steps_and_exits
     from waiting import wait_until
 
     run, port = tmp_path / "ext", free_port()
-    cmd = [sys.executable, "-m", "megatron_m2po.cli", "train", str(EXAMPLE), f"trainer.run_dir={run}", *COMMON,
-           "trainer.mode=async", "rollout.source=external", f"store.serve_port={port}", "trainer.eval_every_steps=0",
-           "checkpoint.save_every_steps=0"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "M2PO_STORE_TOKEN": "tok"}
+    argv = ["train", str(EXAMPLE), f"trainer.run_dir={run}", *COMMON, "trainer.mode=async", "rollout.source=external",
+            f"store.serve_port={port}", "trainer.eval_every_steps=0", "checkpoint.save_every_steps=0"]
+    env = launcher.base_env(M2PO_STORE_TOKEN="tok")
     env.pop("M2PO_FAULT", None)
     log_path = tmp_path / "ext.log"
-    with open(log_path, "wb") as out:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = launcher.start(argv, log=log_path, env=env)
     try:
         text = lambda: log_path.read_text(errors="replace")  # noqa: E731
         gone = lambda: proc.poll() is not None and f"the trainer exited ({proc.returncode}):\n{text()[-3000:]}"  # noqa: E731
@@ -215,8 +227,7 @@ def test_sigterm_while_waiting_for_data_checkpoints_the_finished_steps_and_exits
         rc = proc.wait(timeout=120)  # a deadline on the exit, not a pause
     finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+            proc.kill_tree()
     log = text()
     assert rc == 0, log[-4000:]
     assert "stopped while waiting for the rollouts of step 1" in log
@@ -224,10 +235,8 @@ def test_sigterm_while_waiting_for_data_checkpoints_the_finished_steps_and_exits
     assert _steps_logged(run, 0) == [0]
 
     # The same command with a short deadline: resumes at step 1 and fails at the deadline, naming the wait.
-    r = subprocess.run([*cmd, "trainer.wait_timeout_s=3"], cwd=ROOT, env=env, capture_output=True, text=True,
-                       timeout=300)
-    assert r.returncode != 0
-    err = r.stdout + r.stderr
+    rc, err = launcher.run_cli([*argv, "trainer.wait_timeout_s=3"], log=tmp_path / "ext_deadline.log", env=env)
+    assert rc != 0
     assert "resumed from" in err and "at step 1" in err, err[-3000:]
     assert "step 1: no 4 servable groups within 3s (trainer.wait_timeout_s)" in err, err[-3000:]
     assert "external producers push to http://" in err and "run the same command again to resume" in err

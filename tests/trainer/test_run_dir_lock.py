@@ -12,13 +12,12 @@ from __future__ import annotations
 import os
 import signal
 import socket
-import subprocess
-import sys
 import urllib.request
 from pathlib import Path
 
 import pytest
 
+import launcher
 from megatron_m2po.utils.net import free_port
 from waiting import wait_until
 
@@ -29,15 +28,13 @@ ENV.pop("M2PO_DEBUG", None)
 
 
 def _cmd(run: Path, port: int) -> list[str]:
-    return [sys.executable, "-m", "megatron_m2po.cli", "train", str(EXAMPLE), f"trainer.run_dir={run}",
+    return ["train", str(EXAMPLE), f"trainer.run_dir={run}",
             "rollout.source=external", "trainer.mode=async", f"store.serve_port={port}", "trainer.num_steps=2",
             "logging.progress=false", "checkpoint.save_every_steps=0", "checkpoint.export_hf_at_end=false"]
 
 
-def _start(run: Path, port: int, log: Path) -> subprocess.Popen:
-    with open(log, "wb") as out:
-        return subprocess.Popen(_cmd(run, port), cwd=ROOT, env=ENV, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+def _start(run: Path, port: int, log: Path) -> launcher.Run:
+    return launcher.start(_cmd(run, port), log=log, env=ENV, append=False)
 
 
 def _serving(port: int) -> bool:
@@ -48,7 +45,7 @@ def _serving(port: int) -> bool:
         return False
 
 
-def _wait_serving(proc: subprocess.Popen, port: int, log: Path) -> None:
+def _wait_serving(proc: launcher.Run, port: int, log: Path) -> None:
     wait_until(lambda: _serving(port), what=f"the trainer serving ingestion on port {port}", timeout=240,
                hopeless=lambda: proc.poll() is not None and f"it exited ({proc.returncode}):\n"
                + log.read_text(errors="replace")[-4000:])
@@ -64,7 +61,7 @@ def test_a_live_run_dir_is_refused_and_a_sigkilled_holder_does_not_block_the_res
         _wait_serving(first, port, tmp_path / "first.log")
         # The same command again (on another ingestion port, which would otherwise refuse it):
         # today's failure mode was a second run that took the live one for a crashed one.
-        second = subprocess.run(_cmd(run, 0), cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+        second = launcher.run_captured(_cmd(run, 0), env=ENV, timeout=120)
         lines = second.stderr.strip().splitlines()
         assert second.returncode == 2 and "Traceback" not in second.stderr and len(lines) == 1, second.stderr[-4000:]
         assert lines[0].startswith(f"m2po train: trainer.run_dir {run} is in use by a live run (pid {first.pid} "
@@ -87,5 +84,4 @@ def test_a_live_run_dir_is_refused_and_a_sigkilled_holder_does_not_block_the_res
     finally:
         for p in procs:
             if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
+                p.kill_tree()

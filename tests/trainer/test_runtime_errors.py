@@ -1,8 +1,8 @@
 """Run-time mistakes end in one line (docs/design.md §5): ``m2po`` prints what is wrong and what to
 do on stderr, exits 2, shows no traceback, and leaves no run directory behind.
 
-Each case runs the real command (``python -m megatron_m2po.cli``) on the tiny CPU example with
-one mistake; the checks of ``trainer/preflight.py`` answer before Megatron-Core is imported, so a
+Each case runs the real command (``python -m megatron_m2po.cli``, through tests/launcher.py) on the
+tiny CPU example with one mistake; the checks of ``trainer/preflight.py`` answer before Megatron-Core is imported, so a
 case costs about the config's validation (~2-3 s). A rank-0 mistake under several ranks reaches every rank.
 """
 
@@ -11,12 +11,12 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
-import sys
 import uuid
 from pathlib import Path
 
 import pytest
 
+import launcher
 from megatron_m2po.standins.dist_testing import run_distributed
 from megatron_m2po.utils.net import free_port
 
@@ -27,8 +27,7 @@ EXAMPLE = ROOT / "examples" / "tiny_cpu.yaml"
 def m2po(*args: str, env: dict[str, str] | None = None, drop: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     full = {k: v for k, v in os.environ.items() if k not in drop and k != "M2PO_DEBUG"}
     full.update(OMP_NUM_THREADS="1", **(env or {}))
-    return subprocess.run([sys.executable, "-m", "megatron_m2po.cli", *args], cwd=ROOT, env=full,
-                          capture_output=True, text=True, timeout=120)
+    return launcher.run_captured(args, env=full, timeout=120)
 
 
 def one_line(p: subprocess.CompletedProcess, *parts: str) -> str:

@@ -244,17 +244,18 @@ def test_tiny_run_with_two_nccl_builds_stops_in_one_line(tmp_path):
     rollout.weight_sync=distributed``: the first push is refused at the group's forming, the run ends
     non-zero with one line naming both versions and no traceback (today's main trained on: gloo
     compares no versions)."""
-    import subprocess
     from pathlib import Path
 
+    import launcher
+
     root = Path(__file__).resolve().parents[2]
-    cmd = [sys.executable, "-m", "megatron_m2po.cli", "train", str(root / "examples" / "tiny_cpu.yaml"),
+    cmd = ["train", str(root / "examples" / "tiny_cpu.yaml"),
            f"trainer.run_dir={tmp_path / 'run'}", "rollout.weight_sync=distributed", "trainer.mode=sync",
            "trainer.prompts_per_step=4", "trainer.prompts_per_update=4", "rollout.num_engines=1",
            "logging.progress=false", "checkpoint.export_hf_at_end=false", "trainer.eval_every_steps=0"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", nccl_emulation.ENGINE_ENV: "2.30.7"}
     env.pop(nccl_emulation.TRAINER_ENV, None)
-    r = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=280)
+    r = launcher.run_captured(cmd, env=env, cwd=root, timeout=280)
     out = r.stdout + r.stderr
     assert r.returncode != 0, out[-3000:]
     assert "Traceback" not in out, out[-3000:]
