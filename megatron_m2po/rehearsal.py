@@ -350,7 +350,8 @@ class Rehearsal:
     say: Callable[[str], None] = print
     timeout_s: float = 900.0
     procs: list[_Proc] = field(default_factory=list)
-    kill: str = "node"  # "worker": one worker dies, torchrun --max-restarts restarts the group by itself
+    kill: str = "node"  # "worker": one worker dies, torchrun --max-restarts restarts the group by itself;
+    # "node+worker": node 1 dies, and in the resumed run a worker dies too and torchrun restarts the group
 
     @property
     def shared(self) -> Path:
@@ -442,7 +443,11 @@ class Rehearsal:
             if (self.ckpt_dir / f"step_{plan.steps:06d}").exists():
                 raise RehearsalError("the run finished before node 1 was killed: raise --steps")
             resumed_from = self.latest()
-            nodes = self.start_nodes(router, 2)
+            # node+worker: the resumed run's last rank SIGKILLs itself after its first step; torchrun
+            # (MAX_RESTARTS=1) restarts both nodes' workers, which resume from the same checkpoint.
+            worker = ({"MAX_RESTARTS": "1", "M2PO_FAULT": "worker_dies@1", "M2PO_FAULT_RANK": str(NODES * PROCS_PER_NODE - 1)}
+                      if self.kill == "node+worker" else {})
+            nodes = self.start_nodes(router, 2, **worker)
             for n in nodes:
                 _wait(lambda n=n: n.poll() is not None, f"{n.name} finishing after the resume", self.timeout_s,
                       lambda: exited() if any(m.poll() not in (None, 0) for m in nodes) else None)
@@ -453,6 +458,15 @@ class Rehearsal:
                                  if "resumed from" in ln), None)
             if resumed_line is None or ck not in resumed_line:
                 raise RehearsalError(f"node 0 did not report resuming from {ck}; log {nodes[0].log}")
+            if worker:
+                logs = "\n".join(n.log.read_text(errors="replace") for n in nodes)
+                if "m2po fault point worker_dies" not in logs:
+                    raise RehearsalError(f"no worker was killed after the resume; logs {[str(n.log) for n in nodes]}")
+                if logs.count(f"resumed from {self.ckpt_dir / ck}") != 2:
+                    raise RehearsalError(f"the group torchrun restarted did not report resuming from {ck}; logs "
+                                         f"{[str(n.log) for n in nodes]}")
+                self.say(f"after the resume a worker died after step {plan.kill_after + 1}; torchrun restarted the "
+                         f"group, which resumed from {ck} again")
             if self.trainer_launches_engines:
                 self.check_trainer_launched_engines()
             return self.summary(resumed_from, time.monotonic() - t0)
@@ -554,6 +568,10 @@ def prune_workdir(workdir: Path) -> int:
 # ---------------------------------------------------------------------------- entry
 
 
+KILL_NOTES = {"node": "node 1 SIGKILLed after it", "worker": "a worker SIGKILLed, torchrun restarted the group",
+              "node+worker": "node 1 SIGKILLed after it, then a worker, torchrun restarted the group"}
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="rehearse", description=__doc__.split("\n\n")[0])
     ap.add_argument("config", help="the recipe's YAML (examples/*.yaml)")
@@ -564,9 +582,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--steps", type=int, default=8, help="total steps (default 8)")
     ap.add_argument("--kill-after", type=int, default=4, help="checkpoint after this step, then SIGKILL node 1")
     ap.add_argument("--timeout", type=float, default=900.0, help="bound on each phase, seconds")
-    ap.add_argument("--kill", choices=("node", "worker"), default="node",
+    ap.add_argument("--kill", choices=("node", "worker", "node+worker"), default="node",
                     help="node: SIGKILL node 1 after the checkpoint, then relaunch both nodes; worker: one worker "
-                         "SIGKILLs itself after it, torchrun (MAX_RESTARTS=1) restarts the group by itself")
+                         "SIGKILLs itself after it, torchrun (MAX_RESTARTS=1) restarts the group by itself; "
+                         "node+worker: both, the worker in the relaunched run")
     a = ap.parse_intermixed_args(argv)
     if not 0 < a.kill_after < a.steps:
         ap.error(f"--kill-after={a.kill_after} must be between 0 and --steps={a.steps}")
@@ -616,7 +635,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                else "engines=launch_sglang_fleet.sh")
     print(f"rehearsal ok {recipe} steps={out['steps']} updates={out['updates']} nodes={NODES}x{PROCS_PER_NODE} "
           f"{kept} resumed_from={out['resumed_from']} "
-          f"({'node 1 SIGKILLed after it' if a.kill == 'node' else 'a worker SIGKILLed, torchrun restarted the group'}) "
+          f"({KILL_NOTES[a.kill]}) "
           f"staleness={out['staleness_min']}..{out['staleness_max']} ({p.stale_k_note}) "
           f"{engines} time={time.monotonic() - t0:.0f}s")
     return 0

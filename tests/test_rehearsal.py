@@ -3,8 +3,9 @@
 scripts/train.sh, each node in its own working directory), CPU engines started by
 scripts/launch_sglang_fleet.sh behind the real sglang-router, the trainer attached by
 ``rollout.router_addr`` alone; node 1 is SIGKILLed after the step-4 checkpoint and the run
-resumes from it. The recipe runs context parallel, so this rehearses CP=2 (x TP=2). The other
-recipes' rehearsals run by hand (same command, their script)."""
+resumes from it; in the resumed run a worker dies too and torchrun restarts the group. The recipe
+runs context parallel, so this rehearses CP=2 (x TP=2). The other recipes' rehearsals run by hand
+(same command, their script)."""
 
 from __future__ import annotations
 
@@ -32,42 +33,20 @@ def _script_env() -> dict[str, str]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
-def test_qwen25_32b_recipe_rehearsal(tmp_path):
-    """``scripts/run_qwen2.5_32b.sh --rehearse``, shortened to 4 steps with node 1 SIGKILLed after 2:
-    the two steps after the resume train at the rehearsal's full staleness (8..11)."""
-    work = tmp_path / "rehearsal"
-    env = _script_env()
-    for k in ("MODEL_PATH", "DATA_TRAIN", "ROUTER_ADDR", "RUN_DIR"):
-        env.pop(k, None)
-    proc = subprocess.run(["bash", str(ROOT / "scripts" / "run_qwen2.5_32b.sh"), "--rehearse", "--workdir", str(work),
-                           "--steps", "4", "--kill-after", "2"],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1400)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-6000:]
-    last = proc.stdout.strip().splitlines()[-1]
-    # the recipe runs context parallel (TP=4 x CP=2 x PP=2 at 16k): rehearsed as TP=2 x CP=2
-    assert last.startswith("rehearsal ok qwen2.5-32b steps=4 updates=16 nodes=2x2 TP=2 PP=1 CP=2"), last
-    par = load_config(ROOT / "examples" / "qwen2.5-32b.yaml").parallel  # the recipe's features, kept
-    assert (f"sequence_parallel=True recompute={par.recompute} distributed_optimizer=True packing={par.packing} "
-            f"max_tokens_per_microbatch={par.max_tokens_per_microbatch} dtype=bfloat16") in last, last
-    assert "launcher=external" in last
-    assert "resumed_from=step_000002" in last and "staleness=0..11" in last, last  # steps 2-3 at 8..11
-    # Nothing shared between the nodes but the shared directory; both nodes ran in their own.
-    assert sorted(p.name for p in work.iterdir()) == ["fleet", "node0", "node1", "shared"]
-    assert not (work / "node0" / "runs").exists() and not (work / "node1" / "runs").exists()
+def test_qwen25_32b_recipe_rehearsal_survives_a_node_and_then_a_worker(tmp_path):
+    """``scripts/run_qwen2.5_32b.sh --rehearse --kill node+worker``, shortened to 4 steps: node 1 is
+    SIGKILLed after the step-2 checkpoint, node 0 stops on its own, both nodes are relaunched and
+    resume from it; the two steps after the resume train at the rehearsal's full staleness (8..11).
 
-
-@pytest.mark.slow
-@pytest.mark.timeout(900)
-def test_torchrun_restarts_the_group_after_a_worker_dies(tmp_path):
-    """``--kill worker``: the nodes run scripts/train.sh with MAX_RESTARTS=1 (torchrun --max-restarts,
-    c10d rendezvous); global rank 3 SIGKILLs itself after step 3, past the step-2 checkpoint, and
-    torchrun restarts both nodes' workers, which resume from it and finish with nobody relaunching
+    In the relaunched run (scripts/train.sh with MAX_RESTARTS=1: torchrun --max-restarts, c10d
+    rendezvous) global rank 3 also SIGKILLs itself after its first step, and torchrun restarts both
+    nodes' workers, which resume from the same checkpoint and finish with nobody relaunching
     anything. Without a fresh store per round (TORCH_DISABLE_SHARE_RDZV_TCP_STORE, set by train.sh)
     the restarted workers read the dead group's peer addresses and fail ("Gloo connectFullMesh
     failed ... Connection refused"). Nothing outlives the rehearsal: not the killed worker's
     Megatron checkpoint writer (docs/design.md §5, "Nothing outlives the trainer"), nor anything
-    else its tree started."""
+    else its tree started. (One rehearsal for both kills: the worker kill was a rehearsal of its
+    own, ``--kill worker``, which stays available.)"""
     work = tmp_path / "rehearsal"
     env = _script_env()
     for k in ("MODEL_PATH", "DATA_TRAIN", "ROUTER_ADDR", "RUN_DIR", "MAX_RESTARTS", "M2PO_FAULT"):
@@ -75,15 +54,25 @@ def test_torchrun_restarts_the_group_after_a_worker_dies(tmp_path):
     tree = Tree(env)
     try:
         proc = tree.run(["bash", str(ROOT / "scripts" / "run_qwen2.5_32b.sh"), "--rehearse", "--workdir", str(work),
-                         "--steps", "4", "--kill-after", "2", "--kill", "worker"], cwd=tmp_path, timeout=850)
+                         "--steps", "4", "--kill-after", "2", "--kill", "node+worker"], cwd=tmp_path, timeout=1400)
         out = proc.stdout + proc.stderr
         assert proc.returncode == 0, out[-6000:]
         last = proc.stdout.strip().splitlines()[-1]
-        assert last.startswith("rehearsal ok qwen2.5-32b steps=4 updates=16 nodes=2x2"), last
-        assert "resumed_from=step_000002 (a worker SIGKILLed, torchrun restarted the group)" in last, last
-        logs = "".join(p.read_text(errors="replace") for p in work.glob("node*/train_1.log"))
-        assert "m2po fault point worker_dies@3: SIGKILL to process" in logs
-        assert logs.count("INFO megatron_m2po.trainer.loop: resumed from") == 1  # rank 0 of the restarted group
+        # the recipe runs context parallel (TP=4 x CP=2 x PP=2 at 16k): rehearsed as TP=2 x CP=2
+        assert last.startswith("rehearsal ok qwen2.5-32b steps=4 updates=16 nodes=2x2 TP=2 PP=1 CP=2"), last
+        par = load_config(ROOT / "examples" / "qwen2.5-32b.yaml").parallel  # the recipe's features, kept
+        assert (f"sequence_parallel=True recompute={par.recompute} distributed_optimizer=True packing={par.packing} "
+                f"max_tokens_per_microbatch={par.max_tokens_per_microbatch} dtype=bfloat16") in last, last
+        assert "launcher=external" in last
+        assert "resumed_from=step_000002 (node 1 SIGKILLed after it, then a worker, torchrun restarted the group)" \
+            in last and "staleness=0..11" in last, last  # steps 2-3 at 8..11
+        # Nothing shared between the nodes but the shared directory; both nodes ran in their own.
+        assert sorted(p.name for p in work.iterdir()) == ["fleet", "node0", "node1", "shared"]
+        assert not (work / "node0" / "runs").exists() and not (work / "node1" / "runs").exists()
+        logs = "".join(p.read_text(errors="replace") for p in work.glob("node*/train_2.log"))
+        assert "m2po fault point worker_dies@1: SIGKILL to process" in logs
+        # rank 0 of the relaunched group, then of the group torchrun restarted
+        assert logs.count("INFO megatron_m2po.trainer.loop: resumed from") == 2
         tree.wait_gone("the rehearsal finished", timeout=30)
     finally:
         tree.kill()
