@@ -103,7 +103,7 @@ def _child(request: dict, inherited: list, fds: tuple[int, ...]) -> None:
             os.close(fd)
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)
-        flags = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if request["append"] else os.O_TRUNC)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND  # created (or emptied) by the client already
         log = os.open(request["log"], flags, 0o644)
         err = os.open(request["err"], flags, 0o644) if request.get("err") else log
         os.dup2(log, 1)
@@ -355,6 +355,9 @@ def start(argv: Sequence[str], *, log: Path | str, env: Mapping[str, str] | None
     argv = [str(a) for a in argv]
     env = dict(base_env() if env is None else env)
     log = Path(log)
+    for path in (log, err):  # exists when this returns, as with a Popen given an open file
+        if path is not None:
+            open(path, "ab" if append else "wb").close()
     if not plain and os.environ.get("M2PO_TEST_LAUNCHER") != "subprocess":
         server = _get_server()
         if server.forkable(env):
@@ -366,8 +369,8 @@ def start(argv: Sequence[str], *, log: Path | str, env: Mapping[str, str] | None
             if pid is None:
                 raise RuntimeError("the test launcher closed the connection before starting the command")
             return Run(conn, pid, argv, log)
-    out = open(log, "ab" if append else "wb")
-    errs = open(err, "ab" if append else "wb") if err else None
+    out = open(log, "ab")
+    errs = open(err, "ab") if err else None
     try:
         proc = subprocess.Popen([sys.executable, "-m", MODULE, *argv], cwd=cwd, env=env, stdin=subprocess.DEVNULL,
                                 stdout=out, stderr=errs or subprocess.STDOUT, start_new_session=True)
