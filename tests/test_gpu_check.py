@@ -38,6 +38,7 @@ def _run(*args: str, pre: str = "", timeout: float = 300, env: dict | None = Non
                           cwd=ROOT)
 
 
+@pytest.mark.slow  # an end-to-end run of tools/gpu_check.py
 def test_cpu_smoke_prints_the_table_and_passes(tmp_path):
     """Every row at tiny shapes on CPU, with the NGC image's GPU-only packages (stand-ins,
     below) importable: no process of the smoke run (the table's, the reference's, the two packed
@@ -185,6 +186,7 @@ def test_help_says_what_it_proves():
         assert phrase in r.stdout, phrase
 
 
+@pytest.mark.slow  # an end-to-end run of tools/gpu_check.py
 def test_without_cuda_or_megatron_it_says_what_to_do():
     r = _run()
     assert r.returncode == 2 and "no CUDA device" in r.stderr and "--cpu-smoke" in r.stderr
@@ -246,6 +248,7 @@ def _fake_gpu_site(tmp_path: Path) -> tuple[Path, Path]:
     return fake, tmp_path / "gpu_imports.log"
 
 
+@pytest.mark.slow  # an end-to-end run of tools/gpu_check.py
 def test_cpu_reference_never_loads_the_images_gpu_packages(tmp_path, monkeypatch):
     """The NGC image has apex (and TE): the fp32 reference must still take Megatron's CPU fallbacks
     (torch AdamW, local multi-tensor ops, local layer spec), or it crashes on CPU tensors there."""
@@ -282,6 +285,7 @@ def test_packed_row_is_refused_by_name_without_two_gpus(monkeypatch, capsys):
             assert rows[0]["result"].startswith(f"refused: row {row} needs 2 GPUs, found {found}"), rows[0]
 
 
+@pytest.mark.slow  # an end-to-end run of tools/gpu_check.py
 def test_a_failed_packed_rank_is_reported_with_its_log(tmp_path):
     gc = _module()
     spec = dict(n=2, vocab=128, prompt=(3, 5), response=(4, 6), seed=3)
@@ -292,6 +296,7 @@ def test_a_failed_packed_rank_is_reported_with_its_log(tmp_path):
     assert "no-such-model" in msg, msg  # the rank's own error, from its log
 
 
+@pytest.mark.slow  # an end-to-end run of tools/gpu_check.py
 def test_the_planners_routing_imbalance_default_covers_the_tiny_moes_measurement(tmp_path):
     """Row 7 on the tiny Qwen3-MoE base (``--moe-model tiny``: 4,096 synthetic prompts with its own T=1
     samples) reproduces the dispatch imbalance plan/routing.py records, and ``model.moe.routing_imbalance``'s

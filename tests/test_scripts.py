@@ -45,6 +45,7 @@ def test_shellcheck_clean():
     ("run_qwen3_30b_a3b.sh", 2, 8, "qwen3-30b-a3b"),
     ("run_qwen2.5_math_7b_colocated.sh", 1, 8, "qwen2.5-math-7b-colocated"),
     ("run_qwen2.5_32b_lora.sh", 1, 2, "qwen2.5-32b-lora")])
+@pytest.mark.slow  # the launch scripts end to end (dry run: config, commands, plan)
 def test_recipe_dry_run_prints_config_commands_and_plan(script, nnodes, gpn, model):
     r = sh(script, "--dry-run", "trainer.num_steps=7", MASTER_ADDR="10.0.0.1")
     assert r.returncode == 0, r.stdout + r.stderr
@@ -71,6 +72,7 @@ def test_recipe_dry_run_prints_config_commands_and_plan(script, nnodes, gpn, mod
     assert "--max-restarts" not in argv and argv[argv.index("--master-addr") + 1] == "10.0.0.1"
 
 
+@pytest.mark.slow  # the launch scripts end to end (dry run: config, commands, plan)
 def test_dry_run_rejects_impossible_layout_and_bad_keys():
     r = sh("run_qwen2.5_32b.sh", "--dry-run", "parallel.tensor_parallel=16", "parallel.pipeline_parallel=1",
            MASTER_ADDR="h")  # tp * pp * cp = 16 * 1 * 2 = the 32 GPUs

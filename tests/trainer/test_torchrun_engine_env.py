@@ -56,6 +56,7 @@ def _find(root: int, module: str) -> list[int]:
     return [p for p in _tree(root) if module in _cmdline(p)]
 
 
+@pytest.mark.slow  # m2po train under torchrun, end to end
 @pytest.mark.timeout(600)
 def test_engines_started_under_torchrun_inherit_none_of_its_environment(tmp_path):
     run = tmp_path / "run"

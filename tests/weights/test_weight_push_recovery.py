@@ -47,6 +47,7 @@ def _killing(named, victim, after: int):
         yield item
 
 
+@pytest.mark.slow  # a fleet and a push killed mid-way, end to end
 @pytest.mark.parametrize("kind", ["distributed", "disk"])
 def test_engine_killed_mid_push_is_replaced_refit_and_readmitted(tiny_model_dir, tmp_path, kind):
     cfg = RolloutConfig(engine="cpu_worker", launcher="local", num_engines=2, base_port=0, use_router=True,
