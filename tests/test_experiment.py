@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+import launcher
 
 from megatron_m2po.config import ConfigError, load_config
 from megatron_m2po.utils.logging import read_metrics
@@ -291,8 +292,8 @@ def test_fast_experiment_m2po_masks_far_less_than_grpo_clips_and_does_not_collap
     """
     out = tmp_path / "exp"
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = fast_experiment_command(out)
-    p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    cmd = fast_experiment_command(out)[3:]  # `m2po experiment ...`, through tests/launcher.py
+    p = launcher.run_captured(cmd, env=env, cwd=REPO, timeout=600)
     logs = "".join((out / a / "train.log").read_text()[-3000:] for a in ("m2po_sk", "grpo_sk")
                    if (out / a / "train.log").is_file())
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:] + logs
@@ -309,6 +310,6 @@ def test_fast_experiment_m2po_masks_far_less_than_grpo_clips_and_does_not_collap
     # base reward pools every step trained on base-model rollouts; a collapse drops far below).
     assert st["late_minus_base"] >= FAST_MIN_LATE_MINUS_BASE, st["late_minus_base"]
     # a finished experiment is skipped on re-run and the report is rebuilt
-    p2 = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    p2 = launcher.run_captured(cmd, env=env, cwd=REPO, timeout=120)
     assert p2.returncode == 0 and "| M2PO s=8 |" in p2.stdout, p2.stderr[-2000:]
     assert (out / "figures" / "trust_region.png").is_file()

@@ -24,6 +24,7 @@ from megatron_m2po.rollout_service.waiting import wait_future
 from megatron_m2po.store.store import RolloutStore
 from megatron_m2po.store.types import Group
 from megatron_m2po.utils.background_loop import BackgroundLoop
+from megatron_m2po.utils.timing import TIMER
 
 log = logging.getLogger(__name__)
 
@@ -116,8 +117,16 @@ class ScheduledGeneration:
         plan = self._plan(step)
         if plan is None:
             return []
-        return self.wait(self.bg.submit(self._make(step, *plan)), f"the rollouts of step {step}",
+        return self.wait(self.bg.submit(self._timed(self._make(step, *plan))), f"the rollouts of step {step}",
                          interruptible=True)
+
+    @staticmethod
+    async def _timed(make: Any) -> Any:
+        """``await make`` timed as the step's ``generation`` phase, as :meth:`GroupSampler.store_in_order`
+        times the stored path (without it a run with trainer-side behaviour log-probs logged no
+        ``time/generation_s`` or ``time/engine_idle_frac``)."""
+        with TIMER.union("generation"):
+            return await make
 
     def put(self, groups: list[Group]) -> None:
         """Store groups :meth:`sample` returned."""

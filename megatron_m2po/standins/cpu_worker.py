@@ -242,10 +242,14 @@ class Engine:
                  quantization: Optional[str] = None, prefix_cache_mb: float = 256.0,
                  enable_return_routed_experts: bool = False, memory_saver: bool = False,
                  weights_cpu_backup: bool = False, gpu: int = 0, owner: str = "cpu_worker",
-                 lora: Optional[cpu_worker_lora.LoRASettings] = None) -> None:
+                 lora: Optional[cpu_worker_lora.LoRASettings] = None, tp_size: int = 1) -> None:
         from transformers import AutoConfig, AutoModelForCausalLM
 
         self.model_path = model_path
+        # SGLang's --tp-size as far as a client sees it: server_info's tp_size, and a per-rank
+        # payload list read as that many rank processes read it (tensor_payload.read_per_rank);
+        # the model itself is one whole copy.
+        self.tp_size = int(tp_size)
         self.config = AutoConfig.from_pretrained(model_path)
         self.fp8 = None  # FP8 linears (megatron_m2po.weights.fp8.FP8Linears) when serving FP8
         from megatron_m2po.weights.fp8 import FP8Linears, fp8_block_of, is_fp8_config
@@ -842,7 +846,7 @@ class Engine:
             raise ValueError("serialized_named_tensors is empty: one payload per engine TP rank is needed "
                              "(SGLang 0.5.23 indexes it by tp_rank: IndexError)")
         try:
-            obj = tensor_payload.deserialize(payloads[0])
+            obj = tensor_payload.read_per_rank(payloads, self.tp_size)[0]  # ranks > 0 load theirs and drop it
         except AuthenticationError:
             raise ValueError("cannot open the payload's shared-memory tensors (AuthenticationError): the sender "
                              "used torch's file_descriptor sharing strategy, which only its own children can "
@@ -1089,6 +1093,10 @@ def main(argv: Optional[list[str]] = None) -> None:
                         "(without it their content after a resume is undefined: NaN here).")
     p.add_argument("--base-gpu-id", type=int, default=0,
                    help="SGLang's flag: the engine's GPU among CUDA_VISIBLE_DEVICES (the memory ledger's GPU).")
+    p.add_argument("--tp-size", type=int, default=1,
+                   help="SGLang's flag, as a client sees it: server_info's tp_size, and per-rank payloads "
+                        "(/update_weights_from_tensor, /load_lora_adapter_from_tensors) read by that many ranks, "
+                        "each its own entry; the model is served whole.")
     cpu_worker_lora.add_args(p)
     args = p.parse_args(argv)
     try:
@@ -1111,7 +1119,8 @@ def main(argv: Optional[list[str]] = None) -> None:
                         quantization=args.quantization,
                         enable_return_routed_experts=args.enable_return_routed_experts,
                         memory_saver=args.enable_memory_saver, weights_cpu_backup=args.enable_weights_cpu_backup,
-                        gpu=ledger_gpu(args.base_gpu_id), owner=f"cpu_worker@{args.host}:{args.port}", lora=lora)
+                        gpu=ledger_gpu(args.base_gpu_id), owner=f"cpu_worker@{args.host}:{args.port}", lora=lora,
+                        tp_size=args.tp_size)
     except cpu_worker_lora.LoRAStartError as e:
         p.error(str(e))
     log.info("serving %s on http://%s:%d", args.model_path, args.host, args.port)

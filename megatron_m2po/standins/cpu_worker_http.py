@@ -348,7 +348,7 @@ class WorkerApp(ColocatedRoutes, LoRARoutes):
     async def get_server_info(self, request):
         e = self.engine
         return _ok({"model_path": e.model_path, "tokenizer_path": self._model_info()["tokenizer_path"],
-                     "tp_size": 1, "dp_size": 1, "pp_size": 1, "context_length": e.context_len,
+                     "tp_size": e.tp_size, "dp_size": 1, "pp_size": 1, "context_length": e.context_len,
                      "max_running_requests": e.max_running, "weight_version": e.weight_version,
                      "quantization": "fp8" if e.fp8 is not None else None,
                      "version": _VERSION, "engine": "m2po-cpu-worker",

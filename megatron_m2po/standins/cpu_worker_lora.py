@@ -180,6 +180,17 @@ class Adapter:
     weights: dict[str, tuple[torch.Tensor, torch.Tensor]]
     # experts module name -> expert -> {"gate" / "up" / "down": (A, B)}
     experts: dict[str, dict[int, dict[str, tuple[torch.Tensor, torch.Tensor]]]] = field(default_factory=dict)
+    # What every TP rank loaded from /load_lora_adapter_from_tensors, kept until the adapter is
+    # unloaded (lora.py _process_weight keeps loaded_weight.cpu(): for a CPU tensor its storage).
+    sources: Any = None
+
+
+class RankTensors(dict):
+    """Rank 0's adapter tensors (name -> tensor), holding what every rank read (``ranks``)."""
+
+    def __init__(self, tensors, *, ranks: list) -> None:
+        super().__init__(tensors)
+        self.ranks = ranks
 
 
 def read_adapter_dir(path: str) -> tuple[dict, dict[str, torch.Tensor], Optional[dict]]:
@@ -462,7 +473,9 @@ class LoRAServing:
         try:
             config, tensors, added = source if source is not None else read_adapter_dir(path)
             self._check_new(name, config, added, pinned)
-            self._add(self._build(lora_id, name, path, pinned, config, tensors, self.target_modules))
+            adapter = self._build(lora_id, name, path, pinned, config, tensors, self.target_modules)
+            adapter.sources = getattr(tensors, "ranks", None)
+            self._add(adapter)
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:  # lora_manager.py: any Exception
             return self.result(False, str(e))
         return self.result(True)

@@ -111,7 +111,8 @@ class LoRARoutes:
             return _refused(NOT_ENABLED)
         try:
             payloads = tensor_payload.http_payloads(body["serialized_named_tensors"])
-            tensors = await self.engine.run_model(_adapter_tensors, payloads, body.get("load_format"))
+            tensors = await self.engine.run_model(_adapter_tensors, payloads, body.get("load_format"),
+                                                  self.engine.tp_size)
         except ValueError as e:  # SGLang's tp_worker raises here (its scheduler dies); a clear 400 instead
             return _refused(f"cannot read serialized_named_tensors: {e}")
         config = body["config_dict"]
@@ -239,18 +240,22 @@ def lora_path_per_prompt(lora_path, prompts: int) -> list:
     return [lora_path] * prompts
 
 
-def _adapter_tensors(payloads: list[bytes], load_format: Optional[str]) -> dict:
-    """``tp_worker.py`` ``load_lora_adapter_from_tensors``: rank 0's payload, a dict name -> tensor
-    (``flattened_bucket``: the bucket's tensors)."""
+def _adapter_tensors(payloads: list[bytes], load_format: Optional[str], tp_size: int = 1) -> dict:
+    """``tp_worker.py`` ``load_lora_adapter_from_tensors``: each rank's payload, read by that rank
+    (``tensor_payload.read_per_rank``); rank 0's, a dict name -> tensor (``flattened_bucket``: the
+    bucket's tensors), is the adapter's. The other ranks' tensors are kept with it until it is
+    unloaded, as each rank's ``LoRAAdapter`` keeps the tensors it loaded (``lora.py``
+    ``_process_weight``: ``loaded_weight.cpu()``, the same storage for a CPU tensor)."""
     if not payloads:
         raise ValueError("serialized_named_tensors is empty: one payload per engine TP rank is needed")
     try:
-        obj = tensor_payload.deserialize(payloads[0])
+        ranks = tensor_payload.read_per_rank(payloads, tp_size)
     except (OSError, EOFError, RuntimeError) as e:
         raise ValueError(f"{type(e).__name__}: {e}") from None
+    obj = ranks[0]
     if load_format == "flattened_bucket":
-        return dict(tensor_payload.named_tensors(obj, load_format))
+        return cpu_worker_lora.RankTensors(tensor_payload.named_tensors(obj, load_format), ranks=ranks)
     if not isinstance(obj, dict) or not all(isinstance(t, torch.Tensor) for t in obj.values()):
         raise ValueError(f"load_format=None takes a dict name -> tensor (SGLang passes it to the LoRA loader as "
                          f"is), got {type(obj).__name__}")
-    return {str(k): t for k, t in obj.items()}
+    return cpu_worker_lora.RankTensors({str(k): t for k, t in obj.items()}, ranks=ranks)

@@ -166,6 +166,20 @@ def deserialize(data: bytes | str) -> Any:
     return _SafeUnpickler(io.BytesIO(data)).load()
 
 
+def read_per_rank(payloads: list, tp_size: int) -> list:
+    """What the ``tp_size`` rank processes of an engine read (``tp_worker.py`` ``deserialize_own_rank``:
+    rank ``r`` deserializes entry ``r`` only), in rank order. Each entry is unpickled once, as in its
+    own process: a shared-memory tensor's unpickling releases the reference its pickling took
+    (torch ``reductions.py`` ``reduce_storage`` / ``rebuild_storage_filename``), so a sender that
+    pickles once and repeats the payload for every rank releases the segment before every rank is
+    done with it (its name is gone: a later load of the same tensors fails, ``shm_open ... No such
+    file``), here as in SGLang. Fewer entries than ranks is SGLang's ``IndexError``: a ValueError."""
+    if len(payloads) < tp_size:
+        raise ValueError(f"{len(payloads)} serialized payload(s) for an engine of tp_size {tp_size}: one per TP "
+                         "rank is needed (SGLang 0.5.23 indexes the list by tp_rank: IndexError)")
+    return [deserialize(payloads[r]) for r in range(tp_size)]
+
+
 def http_payloads(value: Any) -> list[bytes]:
     """``serialized_named_tensors`` of an HTTP body -> raw payloads, one per TP rank (``Base64Bytes``
     then ``normalize_serialized_named_tensor_payload``). ``ValueError``: SGLang's 422."""

@@ -193,7 +193,7 @@ class AdapterPush:
                                   + "\n  ".join(errors))
 
     async def _load_tensors(self, c, name: str, version: int) -> None:
-        """One copy of the adapter per engine TP rank (0.5.23 ``LoadLoRAAdapterFromTensorsReqInput``);
+        """One serialization of the adapter per engine TP rank (0.5.23 ``LoadLoRAAdapterFromTensorsReqInput``);
         the tensors stay referenced here until the engine answered (and for a refit)."""
         from megatron_m2po.weights.colocated_bucket import serialize_named_tensors
 
@@ -202,8 +202,11 @@ class AdapterPush:
             raise WeightSyncError(f"no tensors of LoRA version {version} in memory to load (a refit after a restart "
                                   "of the trainer): the next push loads the current one")
         tp = int((await c.get_server_info()).get("tp_size") or 1)
-        payload = serialize_named_tensors(tensors)
-        await c.load_lora_adapter_from_tensors(name, self.config, [payload] * tp, timeout_s=self.timeout_s)
+        # One pickling per rank, as SGLang's engine.py _serialize_tensors_per_rank: each rank's
+        # unpickling releases the shared-memory reference one pickling took (torch reductions.py), so
+        # a payload repeated for every rank released the segment while later loads still needed it.
+        payloads = [serialize_named_tensors(tensors) for _ in range(tp)]
+        await c.load_lora_adapter_from_tensors(name, self.config, payloads, timeout_s=self.timeout_s)
 
     def _unload_old(self, urls: list[str]) -> None:
         """Unload the versions older than the last ``keep``, without waiting: each answers once the

@@ -62,8 +62,9 @@ def adapters(tiny_model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def worker(tiny_model_dir, adapters, tmp_path_factory):
+    """An engine of tp_size 2 as a client sees it: every per-rank payload is read by two ranks."""
     args = ["--lora-paths", f"a1={adapters['a1'][0]}", "--max-lora-rank", "8", "--lora-target-modules",
-            *SERVER_TARGETS, "--max-loras-per-batch", "3"]
+            *SERVER_TARGETS, "--max-loras-per-batch", "3", "--tp-size", "2"]
     with cpu_worker_process(tiny_model_dir, args, tmp_path_factory.mktemp("logs") / "worker.log") as url:
         yield url
 
@@ -192,7 +193,11 @@ def test_load_from_tensors_equals_load_from_disk(worker, adapters):
 
     async def go():
         async with SGLangClient(worker, max_retries=0) as c:
-            out = await c.load_lora_adapter_from_tensors("t2", config, [tensor_payload.serialize(tensors)])
+            # one payload per TP rank (the worker is an engine of tp_size 2); fewer is SGLang's IndexError
+            with pytest.raises(EngineError, match="1 serialized payload.s. for an engine of tp_size 2"):
+                await c.load_lora_adapter_from_tensors("t2", config, [tensor_payload.serialize(tensors)])
+            out = await c.load_lora_adapter_from_tensors("t2", config,
+                                                         [tensor_payload.serialize(tensors) for _ in range(2)])
             assert out["loaded_adapters"]["t2"] == "__tensor__"
             await c.load_lora_adapter("d2", path)
             try:
@@ -391,4 +396,55 @@ def test_adapter_push_loads_routes_tags_and_unloads(worker, adapters, tmp_path):
                     except EngineError:
                         pass
         bg.run(unload_all())
+        bg.close()
+
+
+def test_in_memory_adapter_survives_an_engine_releasing_it_and_refits(worker, adapters, tmp_path):
+    """``model.lora.adapter_transport=memory`` on an engine of tp_size 2: the adapter is pickled once
+    per TP rank (SGLang's ``entrypoints/engine.py`` ``_serialize_tensors_per_rank``). Each rank's
+    unpickling releases the reference one pickling took (torch ``reductions.py``), so one payload
+    repeated for both ranks released the shared-memory segment twice: once the engine let the
+    adapter go (as the ranks of an engine that is relaunched do), its name was gone, and the refit
+    of the relaunched engine failed (``unable to open shared memory object ... No such file``)."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from megatron_m2po.utils.background_loop import BackgroundLoop
+    from megatron_m2po.weights.lora_push import AdapterPush, adapter_name
+
+    d = adapters["a2"][0]
+    a2 = list(load_file(os.path.join(d, "adapter_model.safetensors")).items())
+    cfg = json.load(open(os.path.join(d, "adapter_config.json")))
+    bg = BackgroundLoop("test-adapters-tp2")
+    push = AdapterPush(tmp_path, {**cfg, "r": 8, "lora_alpha": 16,
+                                  "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "down_proj"]},
+                       client_for=lambda url: SGLangClient(url, max_retries=0), bg=bg, keep=2, in_memory=True)
+
+    async def tp_size() -> int:
+        async with SGLangClient(worker, max_retries=0) as c:
+            return int((await c.get_server_info())["tp_size"])
+
+    async def release(name: str) -> None:
+        async with SGLangClient(worker, max_retries=0) as c:
+            await c.unload_lora_adapter(name)
+
+    async def generate():
+        async with SGLangClient(worker, max_retries=0) as c:
+            c.adapter = lambda: push.current
+            return await c.generate(PROMPT, GREEDY)
+
+    try:
+        assert bg.run(tp_size()) == 2
+        push.push(a2, 7, [worker])
+        bg.run(release(adapter_name(7)))  # the engine lets it go: both ranks' references end
+        push.refit(worker, 7)  # the relaunched engine loads the same tensors again
+        out = bg.run(generate())
+        _check(out, adapters["a2"][1])
+        assert out.token_weight_versions == ["7"] * len(out.output_ids)
+    finally:
+        try:
+            bg.run(release(adapter_name(7)))
+        except EngineError:
+            pass
         bg.close()

@@ -233,13 +233,14 @@ def platform_key() -> str:
 
 
 @pytest.mark.slow
-def test_default_build_accuracy_and_reward(tmp_path):
+def test_default_build_accuracy_and_reward():
     """The real default: lands in the RL-friendly accuracy band, and its sampled responses get
     full reward from the math grader exactly when the boxed answer is right.
 
-    Builds into a temporary directory (~40 s on 2 idle cores), or checks the build cached in
-    ``$M2PO_TINY_CACHE`` when set, so CI can share one build with the end-to-end runs (the
-    directory name pins every build parameter; determinism is tested by the fast build).
+    Checks the build the trainer uses (``model.tiny_cache_dir``, or ``$M2PO_TINY_CACHE`` when set),
+    building it there when no test did yet (~40 s on 2 idle cores): one build per run of the suite,
+    shared with the end-to-end runs (the directory name pins every build parameter; determinism is
+    tested by the fast build). CI starts from an empty cache, so this is the build a newcomer gets.
 
     The build is bit-reproducible on one platform but not across CPUs and torch versions (the
     kernels round differently, and the warm-up stops on a sampled-accuracy rule). Where this
@@ -253,7 +254,9 @@ def test_default_build_accuracy_and_reward(tmp_path):
 
     from megatron_m2po.rewards.math_grader import grade_math
 
-    cache = Path(os.environ.get("M2PO_TINY_CACHE") or tmp_path).expanduser()
+    from megatron_m2po.config import load_config
+
+    cache = Path(os.environ.get("M2PO_TINY_CACHE") or load_config(None).model.tiny_cache_dir).expanduser()
     path = tb.ensure_tiny_base(cache, progress=False)
     meta = tb.load_tiny_meta(path)
     assert meta["digest"] == tb.TinyBaseSpec().digest()

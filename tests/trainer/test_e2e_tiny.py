@@ -6,7 +6,8 @@ staleness, and reward rises on the synthetic task (a run killed anywhere and res
 test_restart_faults.py).
 
 Runs that several tests read are shared (the ``shared_runs`` fixture, tests/launcher.py): the MoE
-run (routing replay and expert LoRA in one).
+run (routing replay and expert LoRA in one), and the timed sync run (phase timings, the reference KL
+in the reward and FP8 rollouts with recomputed behaviour log-probs in one).
 """
 
 from __future__ import annotations
@@ -371,22 +372,20 @@ def test_external_producer_feeds_the_trainer(tmp_path):
     assert copy.execute("SELECT COUNT(*) FROM groups WHERE state='consumed'").fetchone()[0] == 16
 
 
-# The timed sync run: 2 steps, a checkpoint each, an evaluation, the trace, the reference KL in the reward.
-# (Not shared with the FP8 run: with FP8 engines and recomputed behaviour log-probs the steps log no
-# time/generation_s, which this test asserts.)
+# One timed sync run for the phase-timing and the FP8 tests: 2 steps, a checkpoint each, an evaluation,
+# the trace, the reference KL in the reward, block-FP8 engines with recomputed behaviour log-probs.
 TIMED_RUN = ("trainer.num_steps=2", "trainer.mode=sync", "checkpoint.save_every_steps=1", "trainer.eval_every_steps=2",
-             "logging.trace=true", "algo.kl.coef=0.05", "algo.kl.placement=reward")
+             "logging.trace=true", "algo.kl.coef=0.05", "algo.kl.placement=reward", "rollout.fp8_weights=true",
+             "rollout.fp8_block_size=[64,64]", "algo.recompute_behav_logprobs=true", "algo.tis=true")
 
 
-def test_fp8_rollouts_update_block_fp8_engines_every_step(tmp_path):
+def test_fp8_rollouts_update_block_fp8_engines_every_step(shared_runs):
     """rollout.fp8_weights: the engine starts from a block-FP8 export of the base model and takes a
     block-FP8 push every step (SGLang 0.5.23 reloads only block FP8); the trainer recomputes behaviour
-    log-probs and measures the FP8 mismatch."""
-    run = tmp_path / "fp8"
-    steps = 3
-    _train(run, f"trainer.num_steps={steps}", "trainer.stale_k=0", "trainer.mode=sync",
-           "rollout.fp8_weights=true", "rollout.fp8_block_size=[64,64]", "algo.recompute_behav_logprobs=true",
-           "algo.tis=true", "checkpoint.save_every_steps=0")
+    log-probs and measures the FP8 mismatch (the timed run, shared with test_phase_timings_table_and_trace,
+    whose phase checks so cover a run with trainer-side behaviour log-probs too)."""
+    run = shared_runs.get(*SHORT, *TIMED_RUN)
+    steps = 2
     cfg = json.loads((run / "engine_base_fp8" / "config.json").read_text())
     assert cfg["quantization_config"]["weight_block_size"] == [64, 64]
     ups = _updates(run)
@@ -395,7 +394,8 @@ def test_fp8_rollouts_update_block_fp8_engines_every_step(tmp_path):
     # FP8 engine vs full-precision trainer (a k1 estimate, either sign): small, never zero.
     assert all(0 < abs(kl) < 0.05 for kl in kls), kls
     versions = sorted({int(p.name[1:]) for p in (run / "weights").glob("v*") if p.name[1:].isdigit()})
-    assert versions and versions[-1] == (steps - 1) * 2  # pushed block FP8 every step (keep_last=2 kept)
+    # pushed block FP8 every step (keep_last=2 kept), the last one for the final step's evaluation
+    assert versions == [(steps - 1) * 2, steps * 2], versions
     assert "weight_block_size" in (run / "weights" / f"v{versions[-1]}" / "config.json").read_text()
 
 
