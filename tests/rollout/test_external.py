@@ -84,6 +84,7 @@ def _hf_logprobs(model_dir: str, prompt: np.ndarray, response: np.ndarray, tempe
     return logp.gather(1, torch.tensor(response, dtype=torch.long)[:, None])[:, 0].numpy()
 
 
+@pytest.mark.slow  # examples/external_producer.py end to end
 def test_external_producer_example_end_to_end(base_model, store_server, tmp_path):
     url, db = store_server
     # The trainer has applied one update: it publishes v1 on disk, then its version.
@@ -284,6 +285,7 @@ def test_load_weights_retries_when_the_trainer_prunes_the_directory(tmp_path):
         producer.load_weights(1, broken)
 
 
+@pytest.mark.slow  # examples/external_producer.py end to end
 def test_external_producer_example_exits_with_one_line_when_the_trainer_is_gone(base_model, tmp_path):
     """The server closes its port mid-run (a finished trainer): exit 3 and one line, no traceback."""
     db = tmp_path / "gone.sqlite"

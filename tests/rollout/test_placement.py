@@ -137,6 +137,7 @@ def test_fleet_reports_an_impossible_placement_before_launching(tmp_path, monkey
     assert not (tmp_path / "engines").exists()  # nothing was launched
 
 
+@pytest.mark.slow  # a Ray cluster started end to end
 def test_ray_cluster_started_here_hands_out_only_the_engine_gpus(tmp_path, monkeypatch):
     """A local Ray cluster started from a torchrun worker: engine actors get GPUs of ``local_gpus``
     only, and the engine child inherits none of the trainer's variables (Ray's workers inherit the

@@ -75,6 +75,7 @@ def ray_fleet(tiny_model_dir, tmp_path_factory):
         ray.shutdown()
 
 
+@pytest.mark.slow  # a Ray cluster and its engines, end to end
 def test_engines_are_ray_actors_with_resources(ray_fleet):
     fleet, model, _ = ray_fleet
     assert isinstance(fleet.launcher, RayLauncher)
@@ -155,6 +156,7 @@ def test_from_config_requests_gpus_for_sglang():
     assert RayLauncher.from_config(cfg).num_gpus == 0.0
 
 
+@pytest.mark.slow  # a Ray cluster and its engines, end to end
 def test_ray_engine_starts_with_sglang_python(ray_fleet, tiny_model_dir, tmp_path, monkeypatch):
     """The Ray actor runs the fleet's SGLang command, i.e. ``$SGLANG_PYTHON -m sglang.launch_server``."""
     from rollout_testlib import sglang_python_standin
