@@ -30,7 +30,7 @@ _SHARED_SCOPES = ("module", "class", "package")
 
 
 def pytest_itemcollected(item):
-    """Under ``pytest -n 2 --dist loadgroup`` (pytest-xdist, the README's command) a file whose tests
+    """Under ``pytest -n 3 --dist loadgroup`` (pytest-xdist, the README's command) a file whose tests
     share a module- or class-scoped fixture runs on one worker, in file order (the fixture is built
     once, and files such as tests/rollout/test_fleet.py walk one fleet through its tests); tests
     that share a run say so with ``pytest.mark.xdist_group``. Every other test goes to whichever
