@@ -382,12 +382,12 @@ def start(argv: Sequence[str], *, log: Path | str, env: Mapping[str, str] | None
 
 
 def run_cli(argv: Sequence[str], *, log: Path | str, env: Mapping[str, str] | None = None,
-            cwd: Path | str = ROOT, timeout: float = 300) -> tuple[int, str]:
+            cwd: Path | str = ROOT, timeout: float = 300, plain: bool = False) -> tuple[int, str]:
     """Run ``m2po <argv>`` to its end (its whole tree SIGKILLed past ``timeout``); returns
     ``(exit code, what this run wrote to the log)``."""
     log = Path(log)
     offset = log.stat().st_size if log.is_file() else 0
-    run = start(argv, log=log, env=env, cwd=cwd)
+    run = start(argv, log=log, env=env, cwd=cwd, plain=plain)
     try:
         rc = run.wait(timeout=timeout)
     finally:
@@ -420,20 +420,13 @@ def train(run_dir: Path, *overrides: str, config: Path | str = EXAMPLE, env: Map
     (``RUN_DIR.log`` beside it by default). ``wait``: to its end, failing the test with the log's
     tail unless it exits 0, and returning what this run wrote to the log; else the running handle."""
     log = Path(log) if log is not None else run_dir.parent / f"{run_dir.name}.log"
-    offset = log.stat().st_size if log.is_file() else 0
-    run = start(["train", str(config), f"trainer.run_dir={run_dir}", *overrides], log=log, env=env, plain=plain)
+    argv = ["train", str(config), f"trainer.run_dir={run_dir}", *overrides]
     if not wait:
-        return run
-    try:
-        rc = run.wait(timeout=timeout)
-    finally:
-        if run.poll() is None:
-            run.kill_tree()
-    text = log.read_bytes()[offset:].decode(errors="replace")
+        return start(argv, log=log, env=env, plain=plain)
+    rc, text = run_cli(argv, log=log, env=env, timeout=timeout, plain=plain)
     if rc != 0:
         raise AssertionError(f"m2po train exited with {rc}:\n{text[-4000:]}")
     return text
-
 
 
 class SharedRuns:
