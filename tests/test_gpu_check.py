@@ -51,7 +51,7 @@ def test_cpu_smoke_prints_the_table_and_passes(tmp_path):
     assert not log.exists(), log.read_text()
     rows = _module().parse_table(r.stdout)
     by_check = {row["check"]: row for row in rows}
-    numerics = [row for row in rows if row["check"].startswith("actor cpu bf16 (local spec) vs CPU fp32")]
+    numerics = [row for row in rows if row["check"].startswith("actor cpu bf16 (te-twin spec) vs CPU fp32")]
     assert [row["check"].split(": ")[1] for row in numerics] == ["log-probs", "entropies", "M2PO grad norm"]
     assert all(row["verdict"] == "PASS" for row in numerics), numerics
     assert "x unit" in numerics[0]["result"] and "rms, max <= 4x unit" in numerics[0]["criterion"]
@@ -74,7 +74,7 @@ def test_cpu_smoke_prints_the_table_and_passes(tmp_path):
     assert "padded to a multiple of 2 x CP" in cp[0]["shape"], cp[0]
     # row 6: a Qwen3-MoE (8 experts, top-2) with the same expert ids replayed on both paths
     moe = [row for row in rows if row["check"].startswith(
-        "MoE actor cpu bf16 (local spec, LocalGroupedMLP, replayed routing) vs CPU fp32")]
+        "MoE actor cpu bf16 (te-twin spec, LocalGroupedMLP, replayed routing) vs CPU fp32")]
     assert [row["check"].split(": ")[1] for row in moe] == ["log-probs", "entropies", "M2PO grad norm"]
     assert all(row["verdict"] == "PASS" for row in moe), moe
     assert "8 experts top-2, EP=1" in moe[0]["shape"], moe[0]

@@ -7,8 +7,8 @@
 It prints one table, a row per claim:
 
 1. **actor numerics** -- the actor's CUDA path (Transformer Engine layer spec when
-   ``transformer_engine`` is importable, Megatron's local spec otherwise) in bf16 computes the
-   same token log-probs, entropies and gradient norm as the CPU fp32 path (local spec, the path
+   ``transformer_engine`` is importable, its CPU twins otherwise: ``actor/te_twin.py``) in bf16
+   computes the same token log-probs, entropies and gradient norm as the CPU fp32 path (the twin, the path
    every CPU test checks against HF transformers to 1e-5) on the same weights and batch: a random
    Qwen2-shaped model (GQA, qkv bias) whose weights are stored in bf16, so both paths start from
    identical values. The CPU fp32 reference runs in a subprocess with CUDA hidden and every
@@ -75,7 +75,7 @@ It prints one table, a row per claim:
 6. **MoE numerics** -- row 1's claim and tolerance on a random Qwen3-MoE-shaped model (4 layers,
    hidden 512, GQA 8/2 with QK norm, every layer MoE: 8 experts of size 512, top-2 renormalised,
    weights stored in bf16): the actor's CUDA bf16 path on one GPU at EP=1 (Transformer Engine
-   spec when importable, its experts then ``TEGroupedMLP``; the local spec's ``LocalGroupedMLP``
+   spec when importable, its experts then ``TEGroupedMLP``; the twin's ``LocalGroupedMLP``
    otherwise) against the CPU fp32 reference, log-probs and entropies RMS and max <= 4 units
    (unit: the 2^-8 weight perturbation), the M2PO gradient norm within 5 %. Routing is replayed
    on both paths (``algo.routing_replay=rollout``) with the same expert ids, those HF

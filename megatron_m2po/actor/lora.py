@@ -26,6 +26,13 @@ and gradients):
   ``reduce_from_tensor_model_parallel_region`` or, with SP, reduce-scattered over the sequence
   (``reduce_scatter_to_sequence_parallel_region``; B is then marked ``sequence_parallel``).
 
+Under Transformer Engine's layer spec (and its CPU twin, ``actor/te_twin.py``) ``linear_qkv`` and
+the dense ``linear_fc1`` normalise their input *inside* the module (``layer_norm_weight``), so the
+forward hook receives the residual stream; the hook applies the module's own norm
+(:func:`~megatron_m2po.actor.te_twin.fused_norm`) before the adapters, which then read exactly the
+input of the base GEMM, ``LN(x)``, as peft and SGLang do (on the sequence shard under SP, gathered
+after ``A`` as above).
+
 The adapter of a linear is a sibling module (``linear_qkv_lora`` next to ``linear_qkv``), added by
 a forward hook: the base linear's own ``sharded_state_dict`` would treat children as replicated,
 and the sibling gives checkpoints its own TP axes (:meth:`LoRALinear.sharded_state_dict`). The
@@ -63,6 +70,7 @@ from typing import Iterator, Optional
 import torch
 from torch import nn
 
+from megatron_m2po.actor.te_twin import fused_norm, is_fused_norm_linear
 from megatron_m2po.utils.settings import ConfigError
 
 __all__ = ["EXPERT_PARTS", "ExpertLoRA", "grouped_gemm_ok", "grouped_gemm_serves", "LINEARS", "LoRALinear", "add_adapters", "adapter_modules", "adapters_disabled",
@@ -123,6 +131,7 @@ class LoRALinear(nn.Module):
                 whole.sequence_parallel = True
             self.register_parameter(f"{part}_A", pa)
             self.register_parameter(f"{part}_B", pb)
+        self.fused_norm = is_fused_norm_linear(linear)  # linear_qkv / dense linear_fc1 of TE's spec
         linear.register_forward_hook(self._hook, with_kwargs=True)
 
     def pair(self, part: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -133,6 +142,10 @@ class LoRALinear(nn.Module):
         if not self.enabled or not self.targets:
             return None
         x = args[0] if args else kwargs["input_"]
+        if self.fused_norm:
+            # Transformer Engine's LayerNormLinear (and its CPU twin) normalise inside the module: the
+            # hook's input is the residual stream; the base GEMM, peft and SGLang see the normalised one
+            x = fused_norm(module, x)
         out, bias = output
         return self.add_delta(x, out), bias
 

@@ -5,12 +5,11 @@ Supported families: Qwen2 / Qwen2.5 (``qwen2``), Qwen3 (``qwen3``, qk-norm), Lla
 router settings from ``model.moe``). mbridge supplies the HF -> Megatron name mapping, QKV / gate-up fusion and TP
 splitting; this module adds what it lacks:
 
-* the layer spec: Transformer Engine when it is importable (GPU), Megatron's local spec
-  otherwise (MoE: the local spec's experts are :class:`~megatron_m2po.actor.experts.LocalGroupedMLP`,
-  named and sharded as ``TEGroupedMLP`` so that mbridge's expert mapping applies). The local spec keeps the two pre-norms as separate modules
-  (``input_layernorm`` / ``pre_mlp_layernorm``) instead of TE's fused
-  ``linear_qkv.layer_norm_weight`` / ``linear_fc1.layer_norm_weight``, so two name mappings are
-  added for it;
+* the layer spec: Transformer Engine's, built by megatron-core's own spec functions, with TE's
+  modules when TE is importable (GPU) and their CPU twins otherwise
+  (:mod:`~megatron_m2po.actor.te_twin`: the norms fused into ``linear_qkv`` / ``linear_fc1``,
+  experts as ``TEGroupedMLP``), so both builds have one module tree and mbridge's own name
+  mapping serves both;
 * ``rope_theta`` copied from ``rope_parameters`` (transformers >= 5 moved it there);
 * tied embeddings handled for every family (mbridge's Llama bridge ignores them, and its Qwen2
   bridge mutates a class-level dict, so each bridge here gets its own mapping tables);
@@ -102,11 +101,9 @@ def is_moe(hf_config) -> bool:
 
 def _bridge_class(base: type) -> type:
     """A per-instance subclass of an mbridge bridge with its own mapping tables (see module doc)."""
-    layer = "model.layers.{layer_number}."
     attention = dict(base._ATTENTION_MAPPING)
     mlp = dict(base._MLP_MAPPING)
-    mlp["pre_mlp_layernorm.weight"] = [layer + "post_attention_layernorm.weight"]
-    other = {"input_layernorm.weight": [layer + "input_layernorm.weight"]}
+    other = dict(getattr(base, "_OTHER_MAPPING", {}))
     direct = {"embedding.word_embeddings.weight": "model.embed_tokens.weight",
               "decoder.final_layernorm.weight": "model.norm.weight",
               "output_layer.weight": "lm_head.weight"}
@@ -239,12 +236,9 @@ def _moe_args(cfg: Config, hf, fused: bool) -> dict:
 
 
 def _layer_spec(config, vp_stage=None):
-    """The decoder spec of one model chunk: Transformer Engine's layer spec when importable, else
-    Megatron's local spec with :class:`~megatron_m2po.actor.norm.SequenceParallelTorchNorm` for the
-    pre-norms and the final norm and :class:`~megatron_m2po.actor.attention.PackedDotProductAttention`
-    as core attention (packed micro-batches) (Megatron's ``WrappedTorchNorm`` refuses sequence parallelism; see
-    ``actor/norm.py``). The local case returns ``TransformerBlockSubmodules`` because the final norm
-    is chosen by the block, not the layer spec (``transformer_block._get_block_submodules``)."""
+    """The decoder spec of one model chunk: Transformer Engine's layer spec when TE is importable
+    (GPU), else the same spec built with TE's CPU twins (:mod:`megatron_m2po.actor.te_twin`): one
+    module tree, one set of parameter names and hook points on both."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
     if have_transformer_engine():
@@ -252,30 +246,9 @@ def _layer_spec(config, vp_stage=None):
             # what mbridge's LLMBridge._get_transformer_layer_spec builds: TE layers with TEGroupedMLP experts
             return specs.get_gpt_decoder_block_spec(config, use_transformer_engine=True, vp_stage=vp_stage)
         return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
-    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+    from megatron_m2po.actor.te_twin import te_layer_spec
 
-    from megatron_m2po.actor.attention import PackedDotProductAttention, install_thd_rope
-    from megatron_m2po.actor.norm import HeadTorchNorm, SequenceParallelTorchNorm
-
-    install_thd_rope()  # packed RoPE in one gather, as TE's fused THD kernel (actor/attention.py)
-
-    layer = specs.get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False,
-                                           qk_layernorm=config.qk_layernorm, normalization=config.normalization)
-    if config.num_moe_experts:
-        from megatron.core.transformer.spec_utils import ModuleSpec
-
-        from megatron_m2po.actor.experts import LocalGroupedMLP
-
-        layer.submodules.mlp.submodules.experts = ModuleSpec(module=LocalGroupedMLP)
-        _bind_missing_te_gemm()
-    layer.submodules.input_layernorm = SequenceParallelTorchNorm
-    layer.submodules.pre_mlp_layernorm = SequenceParallelTorchNorm
-    attn = layer.submodules.self_attention.submodules
-    attn.core_attention = PackedDotProductAttention  # packed (THD) micro-batches, actor/attention.py
-    if config.qk_layernorm:
-        attn.q_layernorm = attn.k_layernorm = HeadTorchNorm
-    return TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config, vp_stage=vp_stage),
-                                      layer_norm=SequenceParallelTorchNorm)
+    return te_layer_spec(config, vp_stage)
 
 
 def _hidden_gpt_model_class():
@@ -292,19 +265,6 @@ def _hidden_gpt_model_class():
             return hidden_states
 
     return HiddenStateGPTModel
-
-
-def _bind_missing_te_gemm() -> None:
-    """Megatron-Core 0.16.1 ``moe_utils`` binds ``te_general_gemm`` only when Transformer Engine
-    imports, yet ``RouterGatingLinearFunction.forward`` (every router's gating GEMM,
-    ``router_gating_linear``) reads the name unconditionally: without TE the first routed token
-    raises ``NameError: name 'te_general_gemm' is not defined`` -- on a GPU too (seen on an H100
-    without TE, ``tools/gpu_check.py`` row 6). ``None`` selects that function's own ``torch.mm``
-    branch (the router logits in ``moe_router_dtype``), which is what a TE-less install means."""
-    from megatron.core.transformer.moe import moe_utils
-
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
 
 
 def build_model(cfg: Config, *, load_weights: bool = True, bridge=None):

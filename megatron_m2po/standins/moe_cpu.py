@@ -20,7 +20,7 @@ after the collective audit, so that the audit still checks every call made here.
    (checked in ``tests/actor/test_moe.py``) and need nothing.
 2. (``te_general_gemm`` without Transformer Engine is not emulated here: a TE-less install fails
    the same way on a GPU, so production binds the name, ``actor/model.py``
-   ``_bind_missing_te_gemm``.)
+   ``actor/te_twin.py _bind_missing_te_gemm``.)
 3. **Device-to-host moves of the dispatcher's split sizes.** ``MoEAlltoAllTokenDispatcher``
    moves its token counts off the GPU with ``moe_utils.maybe_move_tensor_to_cpu(t,
    as_numpy=True)`` (``_maybe_dtoh_and_synchronize``), which acts only ``if tensor.is_cuda``: on a

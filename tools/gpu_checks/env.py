@@ -49,7 +49,7 @@ def install_message(missing: list[str]) -> str:
 
 
 def spec_name() -> str:
-    return "transformer-engine" if _find("transformer_engine") is not None else "local"
+    return "transformer-engine" if _find("transformer_engine") is not None else "te-twin"
 
 
 # Packages whose kernels take CUDA tensors only. An NGC image has several of them; Megatron-Core

@@ -55,7 +55,7 @@ def row_moe_numerics(smoke: bool, work: Path) -> list[Row]:
     what = (f"L={shape['num_hidden_layers']} H={shape['hidden_size']} V={shape['vocab_size']}, "
             f"{shape['num_experts']} experts top-{shape['num_experts_per_tok']}, EP=1, "
             f"{spec['n']} seqs, {len(ref['logp'])} resp tokens")
-    spec_used = spec_name() if device == "cuda" else "local"
-    experts = "TEGroupedMLP" if spec_used != "local" else "LocalGroupedMLP"
+    spec_used = spec_name() if device == "cuda" else "te-twin"
+    experts = "TEGroupedMLP" if spec_used == "transformer-engine" else "LocalGroupedMLP"
     return comparison_rows(f"MoE actor {device} bf16 ({spec_used} spec, {experts}, replayed routing) vs CPU fp32",
                            what, ref, dev, control=True)

@@ -127,7 +127,7 @@ def row_actor_numerics(smoke: bool, work: Path) -> list[Row]:
     dev, ref = bf16_and_reference(hf, spec, work)
     what = (f"L={shape['num_hidden_layers']} H={shape['hidden_size']} V={shape['vocab_size']}, "
             f"{spec['n']} seqs, {len(ref['logp'])} resp tokens")
-    path = f"actor {device} bf16 ({spec_name() if device == 'cuda' else 'local'} spec) vs CPU fp32"
+    path = f"actor {device} bf16 ({spec_name() if device == 'cuda' else 'te-twin'} spec) vs CPU fp32"
     return comparison_rows(path, what, ref, dev, control=True)
 
 
