@@ -252,7 +252,11 @@ class TrainerOffload:
         self._mover.offload(self._tensors(), self._device, copied, released)
         self._offloaded = True
         if cuda:
-            torch.cuda.empty_cache()  # give the freed blocks back to the driver: the engines allocate next
+            # Blocks an engine opened through CUDA IPC (weight buckets of the last push) stay reserved
+            # until the trainer learns they were closed: ipc_collect() frees those first, then
+            # empty_cache() gives every free block back to the driver (the engines allocate next).
+            torch.cuda.ipc_collect()
+            torch.cuda.empty_cache()
         return self._record("offload", t0, before, copied, released)
 
     def reload(self) -> OffloadRecord:

@@ -137,6 +137,9 @@ def rebuild_cuda_tensor(*args: Any) -> torch.Tensor:
     return reductions.rebuild_cuda_tensor(*args[:i], dev, *args[i + 1:])
 
 
+EXPANDABLE_SEGMENT_REBUILD = ("megatron_m2po.weights.colocated_bucket", "rebuild_expandable_segment")
+
+
 class _SafeUnpickler(pickle.Unpickler):
     """utils/common.py ``SafeUnpickler``: only allowed globals resolve (``rebuild_cuda_tensor`` to
     SGLang's patched one, :func:`rebuild_cuda_tensor`)."""
@@ -146,6 +149,10 @@ class _SafeUnpickler(pickle.Unpickler):
             return _SGLANG_CLASSES[(module, name)]
         if (module, name) == ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"):
             return rebuild_cuda_tensor
+        if (module, name) == EXPANDABLE_SEGMENT_REBUILD:
+            # the CPU platform's stand-in for rebuild_cuda_tensor on memory from the sender's expandable
+            # segments: it fails there as pidfd_getfd does without ptrace rights (weights/colocated_bucket.py)
+            return super().find_class(module, name)
         if (module, name) in ALLOWED:
             return super().find_class(module, name)
         raise RuntimeError(f"Blocked unsafe global ({module}.{name}) during pickle deserialization")

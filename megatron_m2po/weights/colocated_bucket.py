@@ -14,8 +14,10 @@ GPU between pushes).
 from __future__ import annotations
 
 import base64
+import contextlib
 import copyreg
 import io
+import os
 import pickle
 import threading
 from typing import Iterable, Iterator, Optional, Sequence
@@ -24,7 +26,8 @@ import torch
 from multiprocessing.reduction import ForkingPickler
 from torch.multiprocessing import reductions
 
-__all__ = ["FlattenedTensorMetadata", "HostBuckets", "HOST_BUCKETS", "SGLANG_META", "pack_bucket",
+__all__ = ["FlattenedTensorMetadata", "HostBuckets", "HOST_BUCKETS", "SGLANG_META", "expandable_segments",
+           "ipc_exportable", "pack_bucket",
            "serialize_bucket", "serialize_named_tensors", "split_buckets", "bucket_layout", "nbytes"]
 
 SGLANG_META = ("sglang.srt.weight_sync.tensor_bucket", "FlattenedTensorMetadata")
@@ -61,6 +64,8 @@ def _reduce_storage(storage):
     (``torch/multiprocessing/reductions.py``): a shared-memory file any local process can open."""
     if storage.device.type != "cpu":
         return reductions.reduce_storage(storage)
+    if storage.data_ptr() in _FROM_EXPANDABLE:
+        return rebuild_expandable_segment, (os.getpid(), storage.nbytes())
     metadata = storage._share_filename_cpu_()
     storage._shared_incref()
     reductions.shared_cache[metadata[1]] = reductions.StorageWeakRef(storage)
@@ -122,13 +127,68 @@ def serialize_named_tensors(named: Sequence[tuple[str, torch.Tensor]]) -> str:
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
+def _allocator_settings() -> dict[str, str]:
+    """The caching allocator's settings now (``PYTORCH_CUDA_ALLOC_CONF`` as changed at run time)."""
+    get = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
+    text = get() if get is not None else os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+    out = {}
+    for item in text.split(","):
+        if ":" in item:
+            k, v = item.split(":", 1)
+            out[k.strip()] = v.strip()
+    return out
+
+
+def expandable_segments() -> bool:
+    """Whether new allocations come from expandable segments (``scripts/train.sh`` turns them on)."""
+    return _allocator_settings().get("expandable_segments", "False").lower() == "true"
+
+
+@contextlib.contextmanager
+def ipc_exportable():
+    """Allocations in this block are memory CUDA IPC exports without ptrace rights.
+
+    Memory from expandable segments is shared as a POSIX file descriptor that the receiving
+    process takes with ``pidfd_getfd`` (torch ``CUDACachingAllocator.cpp``,
+    ``ExpandableSegment::share`` / ``fromShared``), which needs ptrace rights over the trainer:
+    absent under Ubuntu's default Yama setting and in a container without ``CAP_SYS_PTRACE``, so an
+    engine could not open the first bucket. A bucket is therefore allocated with expandable
+    segments off (a classic ``cudaMalloc`` block, opened by ``cudaIpcOpenMemHandle``), and the
+    setting is restored for everything else (what verl does around its colocated update).
+    """
+    if not expandable_segments():
+        yield
+        return
+    torch._C._accelerator_setAllocatorSettings("expandable_segments:False")
+    try:
+        yield
+    finally:
+        torch._C._accelerator_setAllocatorSettings("expandable_segments:True")
+
+
+# CPU stand-in of the failure above: shared-memory buckets allocated while expandable segments were on
+# (by data pointer); the engines cannot open them, as on GPUs (:func:`_reduce_storage`)
+_FROM_EXPANDABLE: set[int] = set()
+
+
 def _empty_flat(n: int, device: torch.device) -> torch.Tensor:
-    if device.type == "cpu":  # born in shared memory: handing it over copies nothing more
-        # Made on ``device`` (the trainer's; the CPU platform's stand-in for a GPU): the bucket is
-        # broadcast on a group that is NCCL on GPUs, where only device tensors may go.
-        shm = torch.UntypedStorage._new_using_filename_cpu(max(n, 1))
-        return torch.empty(0, dtype=torch.uint8, device=device).set_(shm)[:n]
-    return torch.empty(n, dtype=torch.uint8, device=device)
+    with ipc_exportable():
+        if device.type == "cpu":  # born in shared memory: handing it over copies nothing more
+            # Made on ``device`` (the trainer's; the CPU platform's stand-in for a GPU): the bucket is
+            # broadcast on a group that is NCCL on GPUs, where only device tensors may go.
+            shm = torch.UntypedStorage._new_using_filename_cpu(max(n, 1))
+            (_FROM_EXPANDABLE.add if expandable_segments() else _FROM_EXPANDABLE.discard)(shm.data_ptr())
+            return torch.empty(0, dtype=torch.uint8, device=device).set_(shm)[:n]
+        return torch.empty(n, dtype=torch.uint8, device=device)
+
+
+def rebuild_expandable_segment(pid: int, nbytes: int):
+    """What an engine meets when it opens memory from the trainer's expandable segments without
+    ptrace rights over it (the CPU stand-in of ``pidfd_getfd`` failing with EPERM)."""
+    raise RuntimeError(f"pidfd_getfd: Operation not permitted: the weight bucket ({nbytes} bytes) of process {pid} "
+                       "comes from expandable segments (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True), which "
+                       "CUDA IPC shares as a file descriptor this process may only take with ptrace rights over "
+                       "the trainer")
 
 
 class HostBuckets:

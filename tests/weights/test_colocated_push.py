@@ -52,6 +52,7 @@ async def _engine(url: str, names: list[tuple[str, torch.Tensor]]) -> tuple[str,
         return await c.weight_version(), got
 
 
+@pytest.mark.slow  # over 8 s on the CI machine: full suite only; the file keeps a fast test
 def test_push_lands_bit_exact_in_every_engine_in_buckets(fleet):
     f, hf = fleet
     weights = _trainer_weights(hf, seed=1)
@@ -72,6 +73,40 @@ def test_push_lands_bit_exact_in_every_engine_in_buckets(fleet):
             assert torch.equal(got[n].reshape(t.shape), t), n
 
 
+def test_push_under_the_launch_scripts_allocator_settings_lands(fleet):
+    """``scripts/train.sh`` exports ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``; memory from
+    expandable segments reaches another process through ``pidfd_getfd`` (ptrace rights over the
+    trainer, which engines do not have), so a bucket allocated there cannot be opened (the CPU
+    stand-in refuses it the same way, ``colocated_bucket.rebuild_expandable_segment``). Buckets are
+    allocated with expandable segments off, and the trainer's setting is back afterwards."""
+    from megatron_m2po.weights.colocated_bucket import HOST_BUCKETS, expandable_segments
+
+    f, hf = fleet
+    weights = _trainer_weights(hf, seed=2)
+    before = torch._C._accelerator_getAllocatorSettings()
+    HOST_BUCKETS.clear()  # buckets of earlier pushes would be reused: allocate under the setting
+    torch._C._accelerator_setAllocatorSettings("expandable_segments:True")
+    try:
+        sync = ColocatedWeightSync(f.engine_urls, bucket_mb=0.5, timeout_s=60)
+        try:
+            plan = sync.begin(4, 1)
+            res = run_colocated_stage(plan, 0, iter(weights), Phases())
+            stats = sync.finish(plan, [res])
+        finally:
+            sync.close()
+        assert expandable_segments()  # the trainer's own allocations keep the launch script's setting
+    finally:
+        torch._C._accelerator_setAllocatorSettings(before or "expandable_segments:False")
+        HOST_BUCKETS.clear()
+    assert not res.error and stats.engines == 2, res.error
+    for url in f.engine_urls:
+        version, got = asyncio.run(_engine(url, weights[:3]))
+        assert version == "4"
+        for n, t in weights[:3]:
+            assert torch.equal(got[n].reshape(t.shape), t), n
+
+
+@pytest.mark.slow  # over 8 s on the CI machine: full suite only; the file keeps a fast test
 def test_failed_load_names_engine_and_bucket(tiny_model_dir, tmp_path):
     """Its own engine: SGLang's scheduler dies on a failed load, and so does the worker's health."""
     cfg = RolloutConfig(engine="cpu_worker", launcher="local", num_engines=1, base_port=0, use_router=False,
@@ -108,6 +143,7 @@ async def _greedy(url: str) -> list[list[float]]:
     return out
 
 
+@pytest.mark.slow  # over 8 s on the CI machine: full suite only; the file keeps a fast test
 def test_fp8_push_lands_what_the_distributed_fp8_push_lands(tiny_model_dir, tmp_path):
     """``fp8=True`` quantises to block FP8 on the way out as the distributed transport does: the
     block-FP8 engine then serves exactly what the distributed push of the same weights gives it
