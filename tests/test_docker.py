@@ -173,6 +173,7 @@ def test_install_dry_run_plan():
     assert not any("sglang==" in c for c in trainer)
 
 
+@pytest.mark.slow  # over 8 s on the CI machine: full suite only; the file keeps a fast test
 def test_base_image_needs_te_but_not_apex(tmp_path):
     """apex is optional (the project does not need it): a base image with torch and TE but no apex
     passes the build's base check with a note; one without TE is refused, naming it."""
@@ -204,6 +205,7 @@ def test_base_image_needs_te_but_not_apex(tmp_path):
     assert r.returncode == 1 and "transformer-engine 2.12.0 is outside megatron-core 0.16.1's tested range" in r.stderr
 
 
+@pytest.mark.slow  # over 10 s on the CI machine under load: the full suite's lane
 def test_engine_venv_is_made_without_ensurepip(tmp_path):
     """`install.sh --venv DIR` makes the engine venv as the image build does: stdlib venv
     --without-pip (Debian/Ubuntu pythons lack ensurepip without python3-venv), then this python's
@@ -253,6 +255,7 @@ def _readme_rows() -> dict[str, list[str]]:
     return rows
 
 
+@pytest.mark.slow  # over 8 s on the CI machine: full suite only; the file keeps a fast test
 def test_readme_layouts_are_the_recipes():
     """docker/README.md's 32B layout and its table say what the recipes and `m2po plan` say: the
     layout from each recipe's parallel section at its run script's NNODES x GPUS_PER_NODE, the
@@ -299,6 +302,7 @@ def _fake_nccl(tmp_path, name: str, version: str) -> Path:
     return exe
 
 
+@pytest.mark.slow  # over 8 s on the CI machine: full suite only; the file keeps a fast test
 def test_check_nccl_stops_the_build_on_two_builds(tmp_path):
     """--check-nccl asks both Pythons' torch.cuda.nccl.version(): equal passes; different stops the
     build (exit 1) naming both versions and the preload that fixes it."""

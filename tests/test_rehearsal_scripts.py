@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 PROBE = """
@@ -35,6 +37,7 @@ def _probe(target: Path, cwd: Path, config_in_repo: Path, config_outside: Path, 
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # over 10 s on the CI machine under load: the full suite's lane
 def test_rehearsal_finds_scripts_from_a_non_editable_install(tmp_path):
     src = tmp_path / "src"  # build from a copy: an in-tree build would leave build/ in the checkout
     src.mkdir()

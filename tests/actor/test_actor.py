@@ -54,6 +54,7 @@ def _logprob_errors(rank, world_size, root, layouts):
     (1, [("qwen2", False, 1, 1), ("qwen3", False, 1, 1), ("llama", True, 1, 1)]),
     (2, [("qwen2", True, 2, 1), ("qwen3", False, 2, 1), ("llama", False, 1, 2), ("qwen3", False, 1, 2)]),
 ])
+@pytest.mark.slow  # over 8 s on the CI machine: full suite only; the file keeps a fast test
 def test_logprobs_match_hf(tmp_path, world_size, layouts):
     """fp32 log-probs equal HF transformers' within 1e-5 at TP=1, TP=2, PP=2 (and DP=2 for TP=1 at
     world 2); a sequence longer than the model's positions is refused by name."""
@@ -141,6 +142,7 @@ def _train_layouts(rank, world_size, root, layouts):
     return res
 
 
+@pytest.mark.slow  # over 8 s on the CI machine: full suite only; the file keeps a fast test
 def test_train_step_layout_invariance(tmp_path):
     """Same data and initial weights: identical log-probs, entropies, M2 mask, metrics, gradients
     of the replicated norm weights and updated weights for (TP, PP, DP) = (1,1,1) x micro-batch 1
@@ -251,6 +253,7 @@ def _grad_scale_and_onpolicy(rank, world_size, root):
     return out
 
 
+@pytest.mark.slow  # over 10 s on the CI machine under load: the full suite's lane
 def test_gradient_scale_and_on_policy_sanity(tmp_path):
     (out,) = run_distributed(_grad_scale_and_onpolicy, 1, args=(str(tmp_path),), timeout_s=180)
     m = out["onpolicy"]
@@ -286,6 +289,7 @@ def _all_losses(rank, world_size, root):
     return res
 
 
+@pytest.mark.slow  # over 10 s on the CI machine under load: the full suite's lane
 def test_every_registered_loss_trains(tmp_path):
     (res,) = run_distributed(_all_losses, 1, args=(str(tmp_path),), timeout_s=180)
     for loss, (metrics, moved, version) in res.items():
@@ -337,6 +341,7 @@ def _checkpoint_resume(rank, world_size, root, dist_opt):
 
 
 @pytest.mark.parametrize("world_size,dist_opt", [(1, False), (2, True)])
+@pytest.mark.slow  # over 8 s on the CI machine: full suite only; the file keeps a fast test
 def test_checkpoint_resume_gives_identical_next_step(tmp_path, world_size, dist_opt):
     res = run_distributed(_checkpoint_resume, world_size, args=(str(tmp_path), dist_opt), timeout_s=200)
     for extra, version, same, same_metrics, exp_same, listing in res:
@@ -367,6 +372,7 @@ def _sp_precision_recompute(rank, world_size, root, variants):
     return out
 
 
+@pytest.mark.slow  # over 8 s on the CI machine: full suite only; the file keeps a fast test
 def test_sequence_parallel_with_bf16_and_recompute(tmp_path):
     """TP=2 with sequence parallelism runs one update in bf16 with selective recompute and in fp32
     with full recompute: finite metrics, weights move; full recompute gives the metrics and
@@ -471,6 +477,7 @@ def _dump_layouts(rank, world_size, root, layouts):
 
 
 @pytest.mark.multiproc
+@pytest.mark.slow  # over 8 s on the CI machine: full suite only; the file keeps a fast test
 def test_token_dump_is_the_same_at_every_layout(tmp_path):
     """The per-token dump of a step (log-prob and entropy at the training weights, the keep mask
     the loss used, the clip / mask flags) does not depend on the layout: TP=2 with SP, PP=2

@@ -3,6 +3,7 @@ the one HF exporter, ``weights/hf_export.py``: every pipeline stage writes its o
 
 import os
 
+import pytest
 import torch
 
 import actor_testlib as lib
@@ -74,6 +75,7 @@ def _roundtrip_parallel(rank, world_size, root):
     return res
 
 
+@pytest.mark.slow  # over 10 s on the CI machine under load: the full suite's lane
 def test_export_roundtrip_tp2_and_pp2(tmp_path):
     out = run_distributed(_roundtrip_parallel, 2, args=(str(tmp_path),), timeout_s=150)
     for rank_res in out:

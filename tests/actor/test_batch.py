@@ -219,6 +219,7 @@ def _check_attention(attn, lengths, heads, groups, d, packed):
     return got, [x.detach().numpy().copy() for x in (ref, q2.grad, k2.grad, v2.grad)]
 
 
+@pytest.mark.slow  # over 10 s on the CI machine under load: the full suite's lane
 def test_attention_matches_per_sequence_attention():
     """The CPU core attention equals attention computed sequence by sequence, forward and
     backward, with both kernels (the fused ``scaled_dot_product_attention`` one, and the parent's

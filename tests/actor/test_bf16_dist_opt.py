@@ -8,8 +8,12 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 import actor_testlib as lib
 from megatron_m2po.standins.dist_testing import run_distributed
+
+pytestmark = pytest.mark.slow  # engine processes, routers or multi-rank sweeps in module fixtures: the full suite's lane
 
 
 def _bf16_tp2_dp2(rank, world_size, root):

@@ -108,6 +108,7 @@ def _cp_logprobs(rank, world_size, root, layouts):
     (2, [(1, 1, False, False), (1, 2, False, False), (1, 2, False, True)]),
     (4, [(2, 2, True, False), (2, 2, True, True)]),
 ])
+@pytest.mark.slow  # over 8 s on the CI machine: full suite only; the file keeps a fast test
 def test_cp_logprobs_equal_cp1_and_hf(tmp_path, world_size, layouts):
     """fp32 log-probs and entropies at CP=2 (and CP=2 x TP=2 + SP), padded and packed, equal
     CP=1's (DP=2 at world 2) and HF transformers' within 1e-5 on every rank."""
@@ -124,6 +125,7 @@ def test_cp_logprobs_equal_cp1_and_hf(tmp_path, world_size, layouts):
                     np.testing.assert_allclose(a, b, rtol=0, atol=1e-5, err_msg=str(layout))
 
 
+@pytest.mark.slow  # over 8 s on the CI machine: full suite only; the file keeps a fast test
 def test_train_step_at_cp2_equals_one_rank(tmp_path):
     """Two M2PO updates at CP=2 (padded; packed), CP=2 x PP=2, CP=2 x DP=2 (packed) and CP=2 x
     TP=2 + SP (packed) give the one-rank reference's log-probs, global
@@ -157,6 +159,7 @@ def test_train_step_at_cp2_equals_one_rank(tmp_path):
             np.testing.assert_allclose(w[name], w0[name], rtol=0, atol=5e-5, err_msg=f"{layout} {name}")
 
 
+@pytest.mark.slow  # over 8 s on the CI machine: full suite only; the file keeps a fast test
 def test_mask_correction_and_gspo_at_cp2_equal_one_rank(tmp_path):
     """At CP=2 (padded and packed) ``algo.m2po.mask_strategy=correct`` -- every CP rank holding part
     of each sequence, the changed sequences' differences summed over the CP group and cut alike --

@@ -70,6 +70,7 @@ def runs(tmp_path_factory):
     return run_distributed(_both, 2, args=(root,), timeout_s=420)[0], root
 
 
+@pytest.mark.slow  # over 8 s on the CI machine: full suite only; the file keeps a fast test
 def test_lora_equals_peft_at_tp2_sp_pp2_cp2_dp2(runs):
     out, root = runs
     res = out["layouts"]
@@ -155,6 +156,7 @@ def _training(rank, world_size, root):
                 state_numel=state_numel, disabled=disabled, enabled=enabled, base_logps=base_logps, saved=saved)
 
 
+@pytest.mark.slow  # over 10 s on the CI machine under load: the full suite's lane
 def test_lora_training_frozen_base_reference_kl_and_resume(runs):
     r = runs[0]["training"]
     # the optimizer holds the adapters only: fp32 main params and two Adam moments of them

@@ -20,6 +20,8 @@ import torch
 import actor_testlib as lib
 from megatron_m2po.standins.dist_testing import run_distributed
 
+pytestmark = pytest.mark.slow  # engine processes, routers or multi-rank sweeps in module fixtures: the full suite's lane
+
 RANK, ALPHA, EXPERTS = 4, 8.0, 4
 
 

@@ -252,6 +252,7 @@ def _auto(rank, world_size, root):
     return out
 
 
+@pytest.mark.slow  # over 8 s on the CI machine: full suite only; the file keeps a fast test
 def test_correct_equals_prepass_one_process(tmp_path):
     """TP=1, padded micro-batches of 2, and packed with a token budget under full recompute; and
     ``auto``: a pre-pass first, which measures what a correction would have re-run, then the
@@ -271,6 +272,7 @@ def test_correct_equals_prepass_one_process(tmp_path):
 
 
 @pytest.mark.multiproc
+@pytest.mark.slow  # over 8 s on the CI machine: full suite only; the file keeps a fast test
 def test_correct_equals_prepass_at_every_layout(tmp_path):
     """TP=2 + SP (fp32 and bf16), PP=2 (1F1B; the cuts broadcast to the first stage) and DP=2
     packed with a token budget (each replica corrects its own shard, one grad sync)."""
@@ -282,6 +284,7 @@ def test_correct_equals_prepass_at_every_layout(tmp_path):
 
 
 @pytest.mark.multiproc
+@pytest.mark.slow  # over 8 s on the CI machine: full suite only; the file keeps a fast test
 def test_correct_equals_prepass_interleaved_distributed_optimizer_and_recompute(tmp_path):
     """PP=2 x VP=2 (Megatron's interleaved schedule; corrections of one micro-batch are filled up
     with zero-weight ones, ``mask_correction.pad_for_schedule``), the distributed optimizer at
@@ -294,6 +297,7 @@ def test_correct_equals_prepass_interleaved_distributed_optimizer_and_recompute(
 
 
 @pytest.mark.multiproc
+@pytest.mark.slow  # over 8 s on the CI machine: full suite only; the file keeps a fast test
 def test_correct_equals_prepass_under_expert_parallelism(tmp_path):
     """The tiny Qwen3-MoE at EP=2 (DP=2, each rank holds 2 of the 4 experts), one sequence per
     micro-batch: a correction on one data-parallel rank only (the other joins every MoE all-to-all
@@ -306,6 +310,7 @@ def test_correct_equals_prepass_under_expert_parallelism(tmp_path):
 
 
 @pytest.mark.multiproc
+@pytest.mark.slow  # over 8 s on the CI machine: full suite only; the file keeps a fast test
 def test_correct_equals_prepass_under_expert_and_pipeline_parallelism(tmp_path):
     """As above at EP=2 x PP=2 (world 4): each stage's expert all-to-alls step together, the stages
     of a replica take the same count (their cuts are broadcast first). (EP=2 x TP=2 + SP, whose

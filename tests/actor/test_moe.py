@@ -54,6 +54,7 @@ def _logprob_errors(rank, world_size, root, layouts):
     (2, [(2, 1, 1), (1, 1, 2)]),
     (4, [(2, 2, 1)]),
 ])
+@pytest.mark.slow  # over 8 s on the CI machine: full suite only; the file keeps a fast test
 def test_moe_logprobs_match_hf(tmp_path, world_size, layouts):
     """fp32 log-probs of a tiny Qwen3-MoE equal HF transformers' within 1e-5 at (EP, TP, PP) =
     (1,1,1), (2,1,1), (1,1,2) and (2,2,1) (expert TP = 2, sequence parallel)."""
@@ -99,6 +100,7 @@ def _train_layouts(rank, world_size, root, layouts):
     return res
 
 
+@pytest.mark.slow  # over 8 s on the CI machine: full suite only; the file keeps a fast test
 def test_moe_train_step_layout_invariance_under_expert_parallelism(tmp_path):
     """Same data and initial weights: identical log-probs, entropies, M2 mask, metrics, gradients
     of the replicated norm weights and weights after two updates (router and every expert
@@ -112,6 +114,7 @@ def test_moe_train_step_layout_invariance_under_expert_parallelism(tmp_path):
     _check_same_update(single, double)
 
 
+@pytest.mark.slow  # over 8 s on the CI machine: full suite only; the file keeps a fast test
 def test_moe_train_step_layout_invariance_under_expert_and_tensor_parallelism(tmp_path):
     """As above at (EP, TP, PP) = (2, 2, 1) with sequence parallelism (world 4): expert TP splits
     every expert over the TP pair, the router's gradient is a sum over the SP halves (both reach the
@@ -281,6 +284,7 @@ def _export_job(rank, world_size, root, layouts):
 
 
 @pytest.mark.parametrize("world_size,layouts", [(2, [(2, 1, 1)]), (4, [(2, 1, 2), (2, 2, 1)])])
+@pytest.mark.slow  # over 8 s on the CI machine: full suite only; the file keeps a fast test
 def test_moe_hf_export_from_every_stage_and_expert_rank(tmp_path, world_size, layouts):
     """The per-stage HF export (the weight push's iterator) under expert parallelism: every
     expert of every EP rank, merged over expert TP, under the HF checkpoint's names (which SGLang

@@ -17,6 +17,8 @@ import pytest
 import actor_testlib as lib
 from megatron_m2po.standins.dist_testing import run_distributed
 
+pytestmark = pytest.mark.slow  # engine processes, routers or multi-rank sweeps in module fixtures: the full suite's lane
+
 
 def _weights(actor):
     return {k: v.numpy().copy() for k, v in actor.iter_hf_weights()}

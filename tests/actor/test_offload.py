@@ -12,6 +12,8 @@ import pytest
 import actor_testlib as lib
 from megatron_m2po.standins.dist_testing import run_distributed
 
+pytestmark = pytest.mark.slow  # engine processes, routers or multi-rank sweeps in module fixtures: the full suite's lane
+
 UPDATES = 3
 CASES = (("fp32", True), ("bf16", True), ("fp32", False), ("bf16", False))
 

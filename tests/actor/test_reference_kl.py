@@ -61,6 +61,7 @@ def _kl_layouts(rank, world_size, root, layouts):
     return res
 
 
+@pytest.mark.slow  # over 8 s on the CI machine: full suite only; the file keeps a fast test
 def test_reference_kl_layout_invariance_and_first_update(tmp_path):
     single = run_distributed(_kl_layouts, 1, args=(str(tmp_path), [(1, 1, 0.0, False), (1, 1, 0.05, False)]),
                              timeout_s=240)[0]
@@ -109,6 +110,7 @@ def _every_loss(rank, world_size, root):
     return res
 
 
+@pytest.mark.slow  # over 10 s on the CI machine under load: the full suite's lane
 def test_every_registered_loss_takes_the_kl_term(tmp_path):
     """Each loss of the registry: the term is added to its loss (loss/total = loss/policy +
     loss/kl), 0 at the first update, positive after one step away from the reference."""
@@ -156,6 +158,7 @@ def _reward_placement(rank, world_size, root, layouts):
     return res
 
 
+@pytest.mark.slow  # over 8 s on the CI machine: full suite only; the file keeps a fast test
 def test_reward_placement_reference_pass_and_no_loss_term(tmp_path):
     """``algo.kl.placement=reward`` on the actor: ``reference_logprobs`` (the step's reference pass,
     trainer/kl_reward.py) gives every rank all samples' reference log-probs, the same at DP=2 with

@@ -125,6 +125,7 @@ def _with_behav(s, lp):
 
 
 @pytest.mark.multiproc
+@pytest.mark.slow  # over 8 s on the CI machine: full suite only; the file keeps a fast test
 def test_replayed_logprobs_equal_hf_forced_to_the_recorded_experts(tmp_path):
     """With replay the actor's fp32 log-probs equal HF's forced to the recorded experts within 1e-5,
     at (EP, TP, PP, packing) = (2,2,1) (TP = ETP = 2 with sequence parallelism, padded rows of 2
@@ -183,6 +184,7 @@ def _recompute_runs(rank, world_size, root, vpps):
 
 
 @pytest.mark.multiproc
+@pytest.mark.slow  # over 8 s on the CI machine: full suite only; the file keeps a fast test
 def test_full_recompute_with_pipelining_replays_each_micro_batchs_routing(tmp_path):
     """Replay + full recompute at PP=2 (1F1B) and PP=2 x VPP=2 (interleaved, one layer per chunk)
     on a 4-layer tiny MoE, 2 micro-batches (both in flight on the first stage): the log-probs equal HF's forced to the recorded experts

@@ -47,6 +47,7 @@ def _vcpo_updates(rank, world_size, root, layouts):
     return out
 
 
+@pytest.mark.slow  # over 10 s on the CI machine under load: the full suite's lane
 def test_vcpo_scales_each_updates_lr_alike_on_every_layout(tmp_path):
     (ref,) = run_distributed(_vcpo_updates, 1, args=(str(tmp_path), [(1, 1)]), timeout_s=240)[0]
     others = run_distributed(_vcpo_updates, 2, args=(str(tmp_path), [(1, 1), (1, 2)]), timeout_s=300)[0]

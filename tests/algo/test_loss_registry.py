@@ -79,6 +79,7 @@ def _train_with_plugin_loss(rank, world_size, root):
     return out
 
 
+@pytest.mark.slow  # over 10 s on the CI machine under load: the full suite's lane
 def test_plugin_loss_trains_one_step_through_the_actor(tmp_path):
     (out,) = run_distributed(_train_with_plugin_loss, 1, args=(str(tmp_path),), timeout_s=180)
     for scale, (m, moved, calls, strategies) in out.items():

@@ -31,6 +31,7 @@ from waiting import async_wait_until
 
 # One fleet walked through a kill, a relaunch and a weight push: tests keep file order (docs/contributing.md).
 pytestmark = pytest.mark.random_order(disabled=True)
+pytestmark = [pytestmark, pytest.mark.slow]  # engine processes, routers or multi-rank sweeps in module fixtures: the full suite's lane
 
 PARAMS = {"temperature": 1.0, "max_new_tokens": 8, "ignore_eos": True}
 

@@ -47,6 +47,7 @@ def _environ(pid: int) -> dict[str, str]:
     return {k.decode(): v.decode(errors="replace") for k, v in items}
 
 
+@pytest.mark.slow  # over 8 s on the CI machine: full suite only; the file keeps a fast test
 def test_cpu_worker_started_under_a_torchrun_environment_comes_up(tiny_model_dir, tmp_path, monkeypatch):
     for k, v in TORCHRUN_ENV.items():
         monkeypatch.setenv(k, v)

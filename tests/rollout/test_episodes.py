@@ -33,6 +33,8 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "examples"))
 from agentic_tool_env import CalculatorEnv  # noqa: E402
 
+pytestmark = pytest.mark.slow  # engine processes, routers or multi-rank sweeps in module fixtures: the full suite's lane
+
 PARAMS = {"temperature": 1.0, "top_p": 1.0, "max_new_tokens": 8}
 
 

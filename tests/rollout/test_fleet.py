@@ -21,6 +21,7 @@ from waiting import async_wait_until
 # One fleet walks through weight versions 1 to 5 and killed engines, test after test: keep the
 # file order (pytest-random-order still shuffles this module among the others).
 pytestmark = pytest.mark.random_order(disabled=True)
+pytestmark = [pytestmark, pytest.mark.slow]  # engine processes, routers or multi-rank sweeps in module fixtures: the full suite's lane
 
 PROMPTS = [[2, 3, 4, 5, 6, 7, 8], [9, 10], [11, 12, 13, 14, 15], [20], [30, 31, 32, 33, 34, 35, 36, 37, 38]]
 

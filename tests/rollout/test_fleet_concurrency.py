@@ -24,6 +24,8 @@ from megatron_m2po.utils.net import free_port
 from rollout_testlib import FakeEngine
 from waiting import async_wait_until, wait_until
 
+pytestmark = pytest.mark.slow  # engine processes, routers or multi-rank sweeps in module fixtures: the full suite's lane
+
 
 def sglang_server_info(per_dp: list[int] | None, top: int | None = None) -> dict:
     """The fields of SGLang 0.5.23's /server_info read here (http_server.py server_info)."""
@@ -73,8 +75,6 @@ def _fleet(d, model_dir, addrs, **kw) -> tuple[EngineFleet, list[int]]:
     heard: list[int] = []
     cfg = RolloutConfig(launcher="external", external_addrs=addrs, use_router=False, **kw)
     return EngineFleet(cfg, model_dir, run_dir=str(d), on_concurrency=heard.append), heard
-
-
 def test_concurrency_is_the_sum_of_the_engines_limits(engines, tiny_model_dir):
     d, worker, fake, _ = engines
     fleet, heard = _fleet(d, tiny_model_dir, [worker, fake])

@@ -19,6 +19,8 @@ from megatron_m2po.weights.disk import DiskWeightSync  # noqa: E402
 from rollout_testlib import hf_logprobs  # noqa: E402
 from waiting import wait_until  # noqa: E402
 
+pytestmark = pytest.mark.slow  # engine processes, routers or multi-rank sweeps in module fixtures: the full suite's lane
+
 PROMPTS = [[2, 3, 4, 5], [9, 10], [11, 12, 13], [20, 21, 22, 23, 24, 25]]
 GREEDY = {"temperature": 0.0, "max_new_tokens": 6, "ignore_eos": True}
 

@@ -26,6 +26,8 @@ from megatron_m2po.rollout.engines import EngineFleet
 from sglang_source import wheel as _wheel
 from waiting import async_wait_until
 
+pytestmark = pytest.mark.slow  # engine processes, routers or multi-rank sweeps in module fixtures: the full suite's lane
+
 LAYERS, TOP_K = 2, 2
 PROMPT = [5, 9, 14, 3, 22, 7, 40]
 

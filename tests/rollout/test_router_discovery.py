@@ -24,6 +24,7 @@ from waiting import wait_until
 
 # One router and two workers walk through weight versions 1..4 test after test: keep file order.
 pytestmark = pytest.mark.random_order(disabled=True)
+pytestmark = [pytestmark, pytest.mark.slow]  # engine processes, routers or multi-rank sweeps in module fixtures: the full suite's lane
 
 
 def call(url: str, method: str, *args):
@@ -107,8 +108,6 @@ def _up(router: str) -> bool:
         return True
     except Exception:  # noqa: BLE001 - not listening yet
         return False
-
-
 def test_empty_router_is_a_clear_error(env, tiny_model_dir):
     d, router, _ = env
     cfg = RolloutConfig(launcher="external", router_addr=router)

@@ -27,6 +27,7 @@ from waiting import wait_until
 
 # The worker walks through pauses and registrations test after test: keep file order.
 pytestmark = pytest.mark.random_order(disabled=True)
+pytestmark = [pytestmark, pytest.mark.slow]  # engine processes, routers or multi-rank sweeps in module fixtures: the full suite's lane
 
 QUICK = ["--health-check-interval-secs", "1", "--health-check-timeout-secs", "1", "--health-failure-threshold", "2"]
 
@@ -93,8 +94,6 @@ def env(tiny_model_dir, tmp_path_factory):
         for h in procs.handles:
             h.stop()
         fake.close()
-
-
 def test_router_flags_keep_an_engine_paused_for_a_weight_update_routable(env):
     """With router_health_flags(P) the router still lists an engine paused for P seconds healthy; a
     router with 0.3.2's rule scaled down (2 failed checks) marks it unhealthy within that pause."""

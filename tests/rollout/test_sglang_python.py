@@ -13,6 +13,7 @@ from megatron_m2po.rollout.engines import EngineFleet, FleetError
 from rollout_testlib import sglang_python_standin
 
 
+@pytest.mark.slow  # over 8 s on the CI machine: full suite only; the file keeps a fast test
 def test_local_sglang_engine_runs_under_sglang_python(tiny_model_dir, tmp_path, monkeypatch):
     standin = sglang_python_standin(tmp_path)
     monkeypatch.setenv("SGLANG_PYTHON", standin)

@@ -28,6 +28,8 @@ from rollout_testlib import build_tiny_qwen2, hf_logprobs
 from sglang_source import class_fields, sources
 from waiting import async_wait_until, wait_until
 
+pytestmark = pytest.mark.slow  # engine processes, routers or multi-rank sweeps in module fixtures: the full suite's lane
+
 PROMPT = [5, 9, 14, 3, 22, 7]
 GREEDY = {"max_new_tokens": 8, "temperature": 0.0}
 BUDGET = 300 << 20  # the worker holds ~0.1 MiB of weights and reserves 256 MiB of KV (its prefix cache)

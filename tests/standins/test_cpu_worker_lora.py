@@ -26,6 +26,8 @@ from rollout_testlib import cpu_worker_process, hf_logprobs
 from sglang_source import class_fields, sglang_routes, sources, tuple_const
 from waiting import async_wait_until, wait_until
 
+pytestmark = pytest.mark.slow  # engine processes, routers or multi-rank sweeps in module fixtures: the full suite's lane
+
 PROMPT = [5, 9, 14, 3, 22, 7]
 GREEDY = {"max_new_tokens": 8, "temperature": 0.0}
 SERVER_TARGETS = ["q_proj", "o_proj", "down_proj"]

@@ -22,6 +22,8 @@ import torch
 from megatron_m2po.rollout.client import SGLangClient
 from rollout_testlib import cpu_worker_process, hf_logprobs
 
+pytestmark = pytest.mark.slow  # engine processes, routers or multi-rank sweeps in module fixtures: the full suite's lane
+
 PROMPT = [5, 9, 14, 3, 22, 7]
 GREEDY = {"max_new_tokens": 8, "temperature": 0.0}
 E, R, ALPHA = 4, 4, 8
@@ -90,8 +92,6 @@ async def _post(url: str, route: str, body) -> tuple[int, dict]:
     async with aiohttp.ClientSession() as s:
         async with s.post(url + route, json=body, timeout=aiohttp.ClientTimeout(total=60)) as r:
             return r.status, await r.json(content_type=None)
-
-
 def test_expert_adapters_equal_peft_merged(worker, moe):
     """Fused and split per-expert keys both serve peft's merged model; a base row in the same batch
     stays the base."""

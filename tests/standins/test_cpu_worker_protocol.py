@@ -133,6 +133,7 @@ def test_greedy_and_truncated_sampling_rules():
     assert seen == allowed, (seen, allowed)
 
 
+@pytest.mark.slow  # over 8 s on the CI machine: full suite only; the file keeps a fast test
 def test_greedy_with_penalties_equals_hf_with_naive_penalties(fleet):
     url = fleet.router_url
     params = {"temperature": 0.0, "max_new_tokens": 16, "ignore_eos": True, "frequency_penalty": 0.8,

@@ -21,6 +21,8 @@ from megatron_m2po.weights.distributed import DistributedWeightSync
 from rollout_testlib import hf_logprobs
 from waiting import async_wait_until
 
+pytestmark = pytest.mark.slow  # engine processes, routers or multi-rank sweeps in module fixtures: the full suite's lane
+
 PROMPT = [5, 9, 14, 3, 22, 7, 31, 40, 2, 17]
 GREEDY = {"temperature": 0.0, "max_new_tokens": 6, "ignore_eos": True}
 

@@ -332,6 +332,7 @@ def open_server(tmp_path_factory):
 
 # The property tests run derandomized: the same 60 generated cases on every run, so CI stays
 # reproducible; to search further, change derandomize to False and raise max_examples locally.
+@pytest.mark.slow  # over 8 s on the CI machine: full suite only; the file keeps a fast test
 def test_hypothesis_malformed_and_valid_groups(open_server):
     pytest.importorskip("hypothesis")
     from hypothesis import HealthCheck, given, settings
@@ -421,6 +422,7 @@ def _read_back(path, ids) -> dict:
         conn.close()
 
 
+@pytest.mark.slow  # over 10 s on the CI machine under load: the full suite's lane
 def test_hypothesis_mutated_binary_bodies(open_server):
     """Bytes of a valid binary body flipped, overwritten, cut or appended: 200 (stored exactly once,
     as decoded) or 4xx (nothing stored), never 5xx, memory bounded."""

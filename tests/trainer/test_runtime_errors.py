@@ -46,6 +46,7 @@ def train(run: Path, *overrides: str, **kw) -> subprocess.CompletedProcess:
     return m2po("train", str(EXAMPLE), f"trainer.run_dir={run}", *overrides, **kw)
 
 
+@pytest.mark.slow  # over 10 s on the CI machine under load: the full suite's lane
 def test_missing_data_file(tmp_path):
     run, data = tmp_path / "run", tmp_path / "train.jsonl"
     one_line(train(run, f"data.train={data}"), f"m2po train: data.train={str(data)!r} does not exist",
@@ -66,6 +67,7 @@ def test_unwritable_run_dir():
     one_line(train(run), f"trainer.run_dir {run}: cannot create {run.parent}", "choose a writable trainer.run_dir")
 
 
+@pytest.mark.slow  # over 10 s on the CI machine under load: the full suite's lane
 def test_external_source_without_the_ingestion_token(tmp_path):
     run = tmp_path / "run"
     p = train(run, "rollout.source=external", "trainer.mode=async", "store.serve_port=0", drop=("M2PO_STORE_TOKEN",))
@@ -74,6 +76,7 @@ def test_external_source_without_the_ingestion_token(tmp_path):
 
 
 @pytest.mark.parametrize("where", ["ingestion", "router"])
+@pytest.mark.slow  # over 10 s on the CI machine under load: the full suite's lane
 def test_port_in_use(tmp_path, where):
     run = tmp_path / "run"
     with socket.socket() as s:
@@ -132,6 +135,7 @@ def _bad_rows_rank(rank: int, world_size: int, run_dir: str, data: str) -> str:
 
 
 @pytest.mark.multiproc
+@pytest.mark.slow  # over 8 s on the CI machine: full suite only; the file keeps a fast test
 def test_a_rank0_mistake_reaches_every_rank(tmp_path):
     """A data file that passes the start-up checks but holds a bad row fails while rank 0 builds
     its rollout side; rank 1, already past its own start, gets rank 0's message at once instead

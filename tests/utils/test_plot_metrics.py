@@ -48,6 +48,7 @@ def _ink_fraction(path: Path) -> float:
     return float((img.min(axis=-1) < 0.9).mean())
 
 
+@pytest.mark.slow  # over 8 s on the CI machine: full suite only; the file keeps a fast test
 def test_default_panels_overlay_two_runs(tmp_path, monkeypatch):
     a = _write_run(tmp_path / "m2po_s16", "m2po/mask_frac", 0)
     _write_run(tmp_path / "grpo_s16", "loss/clip_frac", 1)

@@ -24,6 +24,7 @@ from megatron_m2po.weights.errors import WeightSyncError
 
 pytestmark = pytest.mark.skipif(not hasattr(SGLangClient, "update_weights_from_tensor"),
                                 reason="SGLangClient.update_weights_from_tensor not there yet")
+pytestmark = [pytestmark, pytest.mark.slow]  # engine processes, routers or multi-rank sweeps in module fixtures: the full suite's lane
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +53,6 @@ async def _engine(url: str, names: list[tuple[str, torch.Tensor]]) -> tuple[str,
         return await c.weight_version(), got
 
 
-@pytest.mark.slow  # over 8 s on the CI machine: full suite only; the file keeps a fast test
 def test_push_lands_bit_exact_in_every_engine_in_buckets(fleet):
     f, hf = fleet
     weights = _trainer_weights(hf, seed=1)
@@ -106,7 +106,6 @@ def test_push_under_the_launch_scripts_allocator_settings_lands(fleet):
             assert torch.equal(got[n].reshape(t.shape), t), n
 
 
-@pytest.mark.slow  # over 8 s on the CI machine: full suite only; the file keeps a fast test
 def test_failed_load_names_engine_and_bucket(tiny_model_dir, tmp_path):
     """Its own engine: SGLang's scheduler dies on a failed load, and so does the worker's health."""
     cfg = RolloutConfig(engine="cpu_worker", launcher="local", num_engines=1, base_port=0, use_router=False,
@@ -143,7 +142,6 @@ async def _greedy(url: str) -> list[list[float]]:
     return out
 
 
-@pytest.mark.slow  # over 8 s on the CI machine: full suite only; the file keeps a fast test
 def test_fp8_push_lands_what_the_distributed_fp8_push_lands(tiny_model_dir, tmp_path):
     """``fp8=True`` quantises to block FP8 on the way out as the distributed transport does: the
     block-FP8 engine then serves exactly what the distributed push of the same weights gives it

@@ -203,6 +203,7 @@ def _check_serves(url, ref, prompts=PROMPTS):
                                    atol=2e-5, rtol=0)
 
 
+@pytest.mark.slow  # over 8 s on the CI machine: full suite only; the file keeps a fast test
 def test_cpu_worker_serves_fp8_close_to_but_not_equal_full_precision(fp8_engine, tiny_model_dir):
     from transformers import AutoModelForCausalLM
     fleet, fp8_dir, _ = fp8_engine
@@ -233,6 +234,7 @@ def test_cpu_worker_serves_fp8_close_to_but_not_equal_full_precision(fp8_engine,
         assert out.output_ids == logits.argmax(-1).tolist()
 
 
+@pytest.mark.slow  # over 8 s on the CI machine: full suite only; the file keeps a fast test
 def test_block_fp8_takes_update_after_update_disk_and_distributed(fp8_engine, tiny_model_dir):
     """SGLang keeps block-FP8 parameters (and their weight_loader) through
     process_weights_after_loading: every push loads into them again."""
@@ -284,6 +286,7 @@ def _per_tensor_dir(src: str, dst: Path) -> str:
     return str(dst)
 
 
+@pytest.mark.slow  # over 8 s on the CI machine: full suite only; the file keeps a fast test
 def test_per_tensor_fp8_loads_once_and_refuses_every_update(tiny_model_dir, tmp_path):
     """SGLang 0.5.23 per-tensor FP8: process_weights_after_loading replaces weight / weight_scale by
     Parameters without weight_loader. The start-up load serves; a distributed update fails (the
@@ -312,6 +315,7 @@ def test_per_tensor_fp8_loads_once_and_refuses_every_update(tiny_model_dir, tmp_
         fleet.stop()
 
 
+@pytest.mark.slow  # over 8 s on the CI machine: full suite only; the file keeps a fast test
 def test_online_fp8_of_a_float_model_refuses_updates(tiny_model_dir, tmp_path):
     """``--quantization fp8`` on a float checkpoint quantises online (per channel / per tensor):
     the parameters are replaced, so even FP8 pushes in the block layout fail."""

@@ -86,6 +86,7 @@ def _push_job(rank, world, hf, url, sync_dir):
     return out
 
 
+@pytest.mark.slow  # over 8 s on the CI machine: full suite only; the file keeps a fast test
 def test_moe_weights_pushed_at_ep2_give_the_engine_the_trainers_logprobs(moe_fleet, tmp_path):
     """EP=2 (each rank 2 of 4 experts; world 2): perturb every weight, push (distributed, then disk),
     sample from the engine: its log-probs equal the trainer's on the sampled tokens (fp32, 1e-5)."""

@@ -121,6 +121,7 @@ def _engine(tp_rank: int, rank_offset: int, port: int, world: int, group: str, v
 
 
 @pytest.mark.parametrize("engine_version,plugin", [("2.30.7", True), ("2.28.9", True), ("2.30.7", False)])
+@pytest.mark.slow  # over 8 s on the CI machine: full suite only; the file keeps a fast test
 def test_plugin_states_each_engine_rank_in_the_group_store(engine_version, plugin):
     """SGLang's real join (its hook registry applying the plugin's AFTER hook to its own
     ``init_weights_update_group``) states every tensor-parallel rank's version in the group's store;
@@ -207,6 +208,7 @@ def cpu_worker(tiny_model_dir, tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("plugin", ["1", "0"])
+@pytest.mark.slow  # over 8 s on the CI machine: full suite only; the file keeps a fast test
 def test_mismatched_push_fails_at_once_in_one_line(emulated_trainer, tiny_model_dir, cpu_worker, plugin):
     """A CPU worker at another NCCL version: the push fails quickly with one line naming both versions,
     before any bucket (plugin) or at NCCL's own check of the first bucket (no plugin); the worker
@@ -227,6 +229,7 @@ def test_mismatched_push_fails_at_once_in_one_line(emulated_trainer, tiny_model_
     assert took < 30, f"the refusal took {took:.1f}s"
 
 
+@pytest.mark.slow  # over 8 s on the CI machine: full suite only; the file keeps a fast test
 def test_matched_push_lands(emulated_trainer, tiny_model_dir, cpu_worker):
     url = cpu_worker(env={})
     sync = DistributedWeightSync([url], backend="gloo", timeout_s=60)

@@ -24,6 +24,8 @@ from megatron_m2po.rollout.client import SGLangClient
 from megatron_m2po.rollout.engines import EngineFleet
 from megatron_m2po.standins.dist_testing import run_distributed
 
+pytestmark = pytest.mark.slow  # engine processes, routers or multi-rank sweeps in module fixtures: the full suite's lane
+
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
