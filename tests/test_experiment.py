@@ -207,6 +207,25 @@ def test_a_field_added_to_the_code_since_a_run_finished_does_not_make_it_differe
         r.finished_before()
 
 
+def test_provenance_names_the_checkouts_commit_and_invocations_accumulate(tmp_path):
+    """Pre-registered experiments (docs/measurements/drift_ladder) show from ``experiment.json`` that
+    every run started from a commit after the registration: each invocation appends its commit."""
+    import subprocess
+
+    from megatron_m2po.experiment import runner
+
+    root = Path(__file__).resolve().parents[1]
+    head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True)
+    p = runner.provenance()
+    assert p["commit"] == (head.stdout.strip() if head.returncode == 0 else None)
+    assert p["started_utc"].endswith("+00:00")
+    spec_file = tmp_path / runner.SPEC_FILE
+    spec_file.write_text(json.dumps({"invocations": [{"commit": "a" * 40}]}))
+    assert runner._earlier_invocations(spec_file) == [{"commit": "a" * 40}]
+    spec_file.write_text("not json")
+    assert runner._earlier_invocations(spec_file) == []
+
+
 def test_metrics_tail_reads_only_complete_lines(tmp_path):
     p = tmp_path / "metrics.jsonl"
     t = MetricsTail(p)

@@ -445,12 +445,41 @@ def skip_finished(runs: list[ArmRun], progress: bool) -> None:
                 print(f"[{r.tag}] finished before: skipped ({r.done_file})", file=sys.stderr)
 
 
+def provenance() -> dict[str, Any]:
+    """Where this invocation's code came from: the git commit of the package's checkout (and whether
+    it had uncommitted changes), or ``None`` outside a git checkout, and when it started (UTC).
+    Pre-registered experiments use it to show that their runs started after the registration."""
+    import datetime
+
+    root = Path(__file__).resolve().parents[2]
+
+    def git(*args: str) -> Optional[str]:
+        try:
+            r = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return r.stdout.strip() if r.returncode == 0 else None
+
+    commit = git("rev-parse", "HEAD")
+    dirty = None if commit is None else bool(git("status", "--porcelain", "--untracked-files=no"))
+    return {"commit": commit, "dirty": dirty,
+            "started_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+
+
+def _earlier_invocations(path: Path) -> list[dict[str, Any]]:
+    try:
+        return list(json.loads(path.read_text()).get("invocations", []))
+    except (OSError, ValueError, AttributeError):
+        return []
+
+
 def execute(runs: list[ArmRun], spec: dict[str, Any], *, parallel: Optional[int], progress: bool) -> None:
     """Run every run that did not finish before (resumable; see the module docstring). Each
     invocation's wall and CPU time go to ``<out>/experiment_time.json`` (:class:`TimeLedger`)."""
     out_dir = Path(spec["out"])
     parallel = resolve_parallel(parallel)
     out_dir.mkdir(parents=True, exist_ok=True)
+    spec["invocations"] = _earlier_invocations(out_dir / SPEC_FILE) + [provenance()]
     (out_dir / SPEC_FILE).write_text(json.dumps(spec, indent=2) + "\n")
     skip_finished(runs, progress)
     t0 = time.monotonic()
