@@ -261,8 +261,10 @@ def test_arena_report_mean_std_standard_errors_and_compute(tmp_path):
     # final acc of GRPO s=0: mean 0.51, std 0.01414, standard error 0.01
     assert "| GRPO s=0 | 0 | 2 | 0.600 ± 0.000 (0.000) | 0.510 ± 0.014 (0.010) |" in md
     assert "| M2PO s=8 | 8 | 2 | 0.600 ± 0.000 (0.000) | 0.420 ± 0.028 (0.020) |" in md
-    # M2PO − GRPO s=0 in final acc: -0.09, se sqrt(0.01414²/2 + 0.02828²/2) = 0.02236, 4.0 x: bold
-    assert "| M2PO s=8 | +0.000 ± 0.000 (0.0×) | **-0.090 ± 0.022 (4.0×)** |" in md
+    # M2PO − GRPO s=0 in final acc, paired by seed: d = -0.10, -0.08; mean -0.09, sd 0.01414, se 0.01:
+    # 9.0 x, bold (Welch's unpaired error would be sqrt(0.01414²/2 + 0.02828²/2) = 0.02236)
+    assert "| M2PO s=8 | +0.000 ± 0.000 (0.0×) | **-0.090 ± 0.010 (9.0×)** |" in md
+    assert "paired by seed" in md
     # clip / mask on stale steps: GRPO s=0 every step (2 %), M2PO s=8 the steps >= 8 updates old (2.5 %)
     assert "| 2.00% ± 0.00% (0.00%) | 2.00% ± 0.00% (0.00%) | 0/2 |" in md
     assert "| 2.50% ± 0.00% (0.00%) | 2.00% ± 0.00% (0.00%) | 0/2 |" in md

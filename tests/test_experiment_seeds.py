@@ -70,11 +70,12 @@ def test_seed_table_marks_only_differences_beyond_the_spread():
     table = format_seed_table([on, st])
     assert "| GRPO s=0 | 8 | 3 | 0.500 ± 0.010 | 0.450 ± 0.010 | 0.500 ± 0.000 |" in table
     assert "| 1.00% ± 0.00% |" in table and "| 0/3 |" in table
-    # final acc: 0.45 - 0.35 = 0.10; se = sqrt(0.01^2/3 + 0.05^2/3) = 0.0294 -> 3.4 se: exceeds
-    assert "- final held-out acc: GRPO s=0 − GRPO s=8 = +0.1000 (standard error 0.0294, 3.4×)" in table
+    # final acc paired by seed: d = 0.14, 0.10, 0.06; mean 0.10, sd 0.04, se 0.04 / sqrt(3) = 0.0231 -> 4.3 se
+    # (Welch's unpaired error would be sqrt(0.01^2/3 + 0.05^2/3) = 0.0294)
+    assert "- final held-out acc: GRPO s=0 − GRPO s=8 = +0.1000 (standard error 0.0231, 4.3×)" in table
     # final reward 0.50 vs 0.50: does not
     assert "final reward: GRPO s=0" not in table
-    assert "seeds 1–3" in table and "Welch" in table
+    assert "seeds 1–3" in table and "paired by seed" in table
     single = format_seed_table([aggregate_seeds([_summary("a", "A", 0.4, 0.5, 0.0)], [7])])
     assert "not judged" in single
 

@@ -296,33 +296,42 @@ def format_seed_table(aggs: Sequence[ArmAggregate], rule: CollapseRule = Collaps
         over = ", ".join(f"{a.label}: {_seed_range(a.seeds)}" for a in aggs)
     lines += ["", f"Mean ± sample standard deviation (n - 1) over {over}."]
     diffs = seed_differences(aggs, z)
-    lines += ["", f"Differences that exceed the seed-to-seed spread (|mean_a - mean_b| > {z:g} x "
-              "sqrt(std_a²/n_a + std_b²/n_b), Welch's standard error of the difference):"]
+    lines += ["", f"Differences paired by seed (the arms of a seed share its prompts and sampling seeds) that "
+              f"exceed {z:g} standard errors: |mean(d)| > {z:g} x sd(d) / sqrt(n), d = a - b per seed:"]
     if diffs is None:
-        lines.append("- not judged: every arm needs at least two seeds (`--seeds 2` or more)")
+        lines.append("- not judged: the arms need at least two seeds in common (`--seeds 2` or more)")
     elif not diffs:
-        lines.append("- none: no difference between arms in these columns exceeds the seed spread")
+        lines.append("- none: no paired difference between arms in these columns exceeds it")
     for col, la, lb, d, se in diffs or []:
         lines.append(f"- {col}: {la} − {lb} = {d:+.4f} (standard error {se:.4f}, {abs(d) / se if se else math.inf:.1f}×)")
     lines += ["", f"Collapse rule (per seed; the column counts collapsed seeds): {rule.describe()}."]
     return "\n".join(lines)
 
 
+def per_seed(agg: ArmAggregate, attr: str) -> dict[int, Optional[float]]:
+    """``{seed: value}`` of one column of an arm (its rows are in the order of its seeds)."""
+    return {seed: getattr(row, attr) for seed, row in zip(agg.seeds, agg.rows)}
+
+
 def seed_differences(aggs: Sequence[ArmAggregate], z: float = SPREAD_Z
                      ) -> Optional[list[tuple[str, str, str, float, float]]]:
-    """(column, arm a, arm b, mean_a - mean_b, standard error) of every pair of arms and column whose
-    difference exceeds the spread; ``None`` when no pair could be judged (fewer than two seeds)."""
+    """(column, arm a, arm b, mean of a - b, its standard error) of every pair of arms and column whose
+    difference, **paired by seed** (arms of one seed share prompts and sampling seeds:
+    :mod:`~megatron_m2po.experiment.paired`), exceeds ``z`` standard errors; ``None`` when no pair
+    could be judged (fewer than two shared seeds)."""
+    from megatron_m2po.experiment.paired import paired
+
     out, judged = [], False
     for attr, title, _ in SEED_COLUMNS:
         for i, a in enumerate(aggs):
             for b in aggs[i + 1:]:
-                sa, sb = a.stats[attr], b.stats[attr]
-                verdict = exceeds_spread(sa, sb, z)
+                p = paired(per_seed(a, attr), per_seed(b, attr))
+                verdict = p.exceeds(z)
                 if verdict is None:
                     continue
                 judged = True
                 if verdict:
-                    out.append((title, a.label, b.label, sa.mean - sb.mean, diff_se(sa, sb)))
+                    out.append((title, a.label, b.label, p.mean, p.se))
     return out if judged else None
 
 

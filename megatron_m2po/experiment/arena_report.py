@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from megatron_m2po.experiment.analysis import SPREAD_Z, SeedStat, diff_se, mean_se
+from megatron_m2po.experiment.paired import paired
 from megatron_m2po.experiment.figures import FIGURES
 from megatron_m2po.experiment.timing import TIME_FILE, TimeLedger, fmt_duration
 
@@ -52,14 +53,24 @@ def _cell(s: SeedStat, pct: bool) -> str:
     return _num(s.mean, pct) + (f" ± {_num(s.std, pct)} ({_num(se, pct)})" if se is not None else "")
 
 
-def _diff(a: SeedStat, b: SeedStat) -> str:
-    if a.mean is None or b.mean is None:
+def _diff(a: dict, b: dict, col: str) -> str:
+    """``a - b`` in column ``col``, paired by seed (summaries written since the drift ladder carry
+    ``per_seed``); Welch's unpaired error for older summaries, and said so."""
+    sa, sb = _stat(a["stats"].get(col)), _stat(b["stats"].get(col))
+    if sa.mean is None or sb.mean is None:
         return "—"
-    d, se = a.mean - b.mean, diff_se(a, b)
+    if "per_seed" in a and "per_seed" in b:
+        p = paired({int(k): v for k, v in a["per_seed"].get(col, {}).items()},
+                   {int(k): v for k, v in b["per_seed"].get(col, {}).items()})
+        d, se, how = p.mean, p.se, ""
+        if d is None:
+            return "—"
+    else:
+        d, se, how = sa.mean - sb.mean, diff_se(sa, sb), " unpaired"
     if se is None:
         return f"{d:+.3f}"
     z = abs(d) / se if se > 0 else (0.0 if d == 0 else float("inf"))  # seeds that agree exactly
-    text = f"{d:+.3f} ± {se:.3f} ({z:.1f}×)"
+    text = f"{d:+.3f} ± {se:.3f} ({z:.1f}×{how})"
     return f"**{text}**" if z > SPREAD_Z else text
 
 
@@ -80,13 +91,14 @@ def differences(aggs: list[dict]) -> list[str]:
     lines: list[str] = []
     by = {a["arm"]: a for a in aggs}
     for ref in (r for r in REFERENCES if r in by):
-        lines += ["", f"Against **{by[ref]['label']}** (arm − reference; ± Welch's standard error of the difference, "
-                  f"and how many of them; bold: more than {SPREAD_Z:g}):", "",
+        lines += ["", f"Against **{by[ref]['label']}** (arm − reference, paired by seed: mean of the per-seed "
+                  f"differences ± their standard error sd / √n, and how many of them; bold: more than {SPREAD_Z:g}):",
+                  "",
                   "| arm | " + " | ".join(t for _, t, _ in DIFF_COLUMNS) + " |", "|" + "---|" * (len(DIFF_COLUMNS) + 1)]
         for a in aggs:
             if a["arm"] != ref:
                 lines.append(f"| {a['label']} | " + " | ".join(
-                    _diff(_stat(a["stats"].get(c)), _stat(by[ref]["stats"].get(c))) for c, _, _ in DIFF_COLUMNS) + " |")
+                    _diff(a, by[ref], c) for c, _, _ in DIFF_COLUMNS) + " |")
     return lines
 
 

@@ -28,7 +28,7 @@ from typing import Any, Optional, Sequence
 
 from megatron_m2po.experiment.analysis import (
     TR_KEY, ArmAggregate, ArmSummary, CollapseRule, aggregate_seeds, format_seed_table, format_table,
-    pooled_base_reward, summarize_arm, tr_kind)
+    per_seed, pooled_base_reward, summarize_arm, tr_kind)
 from megatron_m2po.experiment.timing import TIME_FILE, TimeLedger, children_cpu, fmt_duration
 
 DONE_FILE = "experiment_done.json"
@@ -547,7 +547,9 @@ def report(runs: list[ArmRun], spec: dict[str, Any], out_dir: Path, figures_dir:
          "arms": [asdict(s) for a in aggs for s in a.rows],
          "aggregate": [{"arm": a.arm, "label": a.label, "loss": a.loss, "staleness": a.staleness, "seeds": a.seeds,
                         "collapsed": a.collapsed, "judged": a.judged,
-                        "stats": {k: asdict(v) for k, v in a.stats.items()}} for a in aggs],
+                        "stats": {k: asdict(v) for k, v in a.stats.items()},
+                        "per_seed": {k: {str(seed): v for seed, v in per_seed(a, k).items()} for k in a.stats}}
+                       for a in aggs],
          "figures": [str(p) for p in figs]}, indent=2) + "\n")
     print(table)
     print(f"\nfigures: {figures_dir}\ntable: {out_dir / 'summary.md'}, {out_dir / 'summary.json'}")
