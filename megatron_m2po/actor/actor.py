@@ -745,10 +745,11 @@ class MegatronActor:
                         grad_norm) -> dict[str, float]:
         """Metrics of one update: reduced on the last stage's DP x CP group as each record declares,
         then shared with the other pipeline stages."""
+        from megatron_m2po.algo.diagnostics import finish_drift_metrics
         from megatron_m2po.algo.metrics import reduce_metrics
         out: dict[str, float] = {}
         if self.is_last_stage:
-            out = reduce_metrics(records, group=nontrivial(self.pg.dp_cp))
+            out = finish_drift_metrics(reduce_metrics(records, group=nontrivial(self.pg.dp_cp)))
             out.update(prepass_metrics)
             if "loss/kl" in out:
                 from megatron_m2po.algo.kl import penalty_share

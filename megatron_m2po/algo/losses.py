@@ -57,6 +57,7 @@ from typing import Any, Optional
 
 import torch
 
+from megatron_m2po.algo.diagnostics import drift_metrics
 from megatron_m2po.algo.loss_settings import CISPOConfig, GRPOConfig, GSPOConfig, M2POConfig
 from megatron_m2po.algo.m2_mask import DELTA_CLAMP, m2po_mask, trust_region
 from megatron_m2po.algo.metrics import Metric
@@ -283,6 +284,8 @@ def compute_policy_loss(name: str, logp: torch.Tensor, behav_logp: torch.Tensor,
     # Second moment of the log-ratio over all loss tokens, for every loss (M2PO's m2po/m2_* are
     # over the trust-region tokens only): lets GRPO / no-TR runs be compared on the same axis.
     metrics["policy/m2"] = x.token_mean(delta.detach() ** 2)
+    # |log r| percentile and sequence ESS (algo/diagnostics.py; finished after the update's reduction)
+    metrics.update(drift_metrics(delta, mask, seq_index, seq_group, num_seqs))
     return loss, metrics
 
 

@@ -12,6 +12,8 @@ Reductions:
   value averages over, so micro-batches and ranks of different sizes combine exactly). A total
   weight of 0 gives 0.0.
 * ``"sum"``: sum. ``"max"`` / ``"min"``: extremes (weight ignored).
+* ``"hist"``: a 1-D tensor of counts (a histogram), summed element-wise; reduced to a list of
+  floats (it travels in the SUM all-reduce). Every rank's histogram has the same length.
 
 Every rank of the group must report the same metric names (checked: a mismatch raises
 ValueError on every rank instead of deadlocking or mixing numbers up).
@@ -28,7 +30,7 @@ import torch.distributed as dist
 
 from megatron_m2po.parallel.devices import collective_device
 
-REDUCTIONS = ("mean", "sum", "max", "min")
+REDUCTIONS = ("mean", "sum", "max", "min", "hist")
 
 
 @dataclass(frozen=True)
@@ -59,10 +61,16 @@ def merge_metrics(dicts: Iterable[MetricDict]) -> dict[str, Metric]:
         for name, m in d.items():
             prev = out.get(name)
             if prev is None:
-                out[name] = Metric(_f(m.value), m.reduce, _f(m.weight))
+                if m.reduce == "hist":
+                    out[name] = Metric(m.value.detach().to(torch.float64).clone(), "hist")
+                else:
+                    out[name] = Metric(_f(m.value), m.reduce, _f(m.weight))
                 continue
             if prev.reduce != m.reduce:
                 raise ValueError(f"merge_metrics: {name!r} declared as {prev.reduce!r} and {m.reduce!r}")
+            if m.reduce == "hist":  # element-wise, on the values' device (no sync per micro-batch)
+                out[name] = Metric(prev.value + m.value.detach().to(prev.value), "hist")
+                continue
             v, w = _f(m.value), _f(m.weight)
             if m.reduce == "mean":
                 tw = prev.weight + w
@@ -89,9 +97,13 @@ def reduce_metrics(metrics: Union[MetricDict, Iterable[MetricDict]], group=None)
         metrics = merge_metrics(metrics)
     names = sorted(metrics)
     sum_names = [n for n in names if metrics[n].reduce in ("mean", "sum")]
+    hist_names = [n for n in names if metrics[n].reduce == "hist"]
+    hist_len = [int(metrics[n].value.numel()) for n in hist_names]
     max_names = [n for n in names if metrics[n].reduce == "max"]
     min_names = [n for n in names if metrics[n].reduce == "min"]
-    checksum = float(zlib.crc32("\n".join(f"{n}:{metrics[n].reduce}" for n in names).encode()))
+    checksum = float(zlib.crc32("\n".join(f"{n}:{metrics[n].reduce}" + (f":{metrics[n].value.numel()}" if
+                                                                         metrics[n].reduce == "hist" else "")
+                                          for n in names).encode()))
 
     sums = []
     for n in sum_names:
@@ -101,6 +113,8 @@ def reduce_metrics(metrics: Union[MetricDict, Iterable[MetricDict]], group=None)
             sums += [_f(m.value) * w, w]
         else:
             sums += [_f(m.value), 0.0]
+    for n in hist_names:
+        sums += metrics[n].value.detach().to(torch.float64).cpu().tolist()
     sum_t = torch.tensor(sums, dtype=torch.float64)
     # MIN is folded into the MAX all-reduce as max(-x) = -min(x).
     ext_t = torch.tensor([_f(metrics[n].value) for n in max_names] + [-_f(metrics[n].value) for n in min_names],
@@ -112,7 +126,7 @@ def reduce_metrics(metrics: Union[MetricDict, Iterable[MetricDict]], group=None)
         if float(check[0]) != checksum or float(check[1]) != -checksum:
             raise ValueError(f"reduce_metrics: ranks report different metric names; this rank has {names}. "
                              "Every rank must produce the same metrics (use weight 0 for absent means).")
-        if sum_names:
+        if sum_names or hist_names:
             sum_t = sum_t.to(device)
             dist.all_reduce(sum_t, op=dist.ReduceOp.SUM, group=group)
         if max_names or min_names:
@@ -126,6 +140,10 @@ def reduce_metrics(metrics: Union[MetricDict, Iterable[MetricDict]], group=None)
             out[n] = a / b if b else 0.0
         else:
             out[n] = a
+    pos = 2 * len(sum_names)
+    for n, k in zip(hist_names, hist_len):
+        out[n] = s[pos:pos + k]
+        pos += k
     e = ext_t.cpu().tolist()
     for i, n in enumerate(max_names):
         out[n] = e[i]
