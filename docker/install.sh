@@ -25,7 +25,8 @@
 #   docker/install.sh --print-constraints  the derived constraints file, as the install uses it
 #   docker/install.sh --venv DIR           only create the engine venv at DIR (pip included)
 #   docker/install.sh --check-base         only check this python's base packages (torch, TE; apex optional)
-#   docker/install.sh --check-nccl         compare the NCCL the trainer's and the engines' torch load; exit 1 on a mismatch
+#   docker/install.sh --check-nccl         compare the NCCL the trainer's (under its preload) and the engines' torch load; exit 1 on a mismatch
+#   docker/install.sh --compare-nccl       exit 1 unless the engines' NCCL is at least the trainer's own (the one to preload)
 #   docker/install.sh --plugin-project DIR write the engine-side SGLang plugin's project (rollout/sglang_plugin.py) to DIR
 #
 # One NCCL. NCCL refuses a communicator whose ranks run different builds ("Mismatched NCCL version
@@ -33,11 +34,16 @@
 # sender and the engines. The engines' torch (PyPI, SGLang's pin) finds its pinned nvidia-nccl wheel
 # through its DT_RPATH, which LD_LIBRARY_PATH cannot override; the NGC torch links the image's
 # libnccl.so.2. NCCL keeps its ABI backward compatible within major version 2, so the newer of the
-# two serves both: the install links the engines' libnccl.so.2 at $NCCL_LINK and the Dockerfile
-# preloads it (LD_PRELOAD) for every process; a preloaded library answers the NEEDED libnccl.so.2
-# of both torches. --check-nccl (run by the Dockerfile after it sets LD_PRELOAD) asks both Pythons'
-# torch.cuda.nccl.version() and stops the build when they differ, naming both. At run time the
-# trainer compares again when a weight-update group forms (the plugin below, weights/nccl_handshake.py).
+# two serves both, and only the newer may be preloaded into the other torch (an older libnccl under
+# a newer torch fails with an undefined symbol). The engines' NCCL must therefore be the newer one
+# (or the same): --compare-nccl (run by the install) stops the build otherwise, naming both. The
+# install links the engines' libnccl.so.2 at $NCCL_LINK; the image names it in M2PO_NCCL_PRELOAD and
+# scripts/train.sh preloads it (LD_PRELOAD) for the trainer's processes only -- the engines' RPATH
+# already finds the same file, and nothing else in the image (compilers Triton and TE spawn, Ray's
+# daemons, reward sandboxes) loads it. --check-nccl (run by the Dockerfile) asks the trainer's
+# Python under that preload and the engines' Python as they start, and stops the build when their
+# torch.cuda.nccl.version() differ, naming both. At run time the trainer compares again when its
+# weight-update groups form (the plugin below, weights/nccl_handshake.py).
 # The engine venv also gets megatron_m2po's SGLang plugin (entry point sglang.srt.plugins), which
 # states each engine rank's NCCL version in the group's store.
 set -euo pipefail
@@ -52,7 +58,7 @@ TRAIN_REQS=(
 )
 SGLANG_REQS=("sglang==0.5.23")
 SGLANG_VENV=${SGLANG_VENV:-/opt/sglang}
-NCCL_LINK=${NCCL_LINK:-/opt/m2po-nccl/libnccl.so.2}
+NCCL_LINK=${NCCL_LINK:-${M2PO_NCCL_PRELOAD:-/opt/m2po-nccl/libnccl.so.2}}
 # megatron-core 0.16.1 is tested with transformer-engine >=2.9,<2.12 (its [dev] extra).
 TE_MIN=2.9 TE_MAX=2.12
 PY=${PYTHON:-python3}
@@ -70,6 +76,7 @@ for a in "$@"; do
     --print-constraints) mode=constraints ;;
     --check-base) mode=base ;;
     --check-nccl) mode=nccl ;;
+    --compare-nccl) mode=compare ;;
     --plugin-project) mode=plugin; want_venv=1 ;;
     --venv) mode=venv; want_venv=1 ;;
     -*) echo "install.sh: unknown option $a" >&2; exit 2 ;;
@@ -170,20 +177,39 @@ nccl_version() {
   "$1" -c 'import torch; v = torch.cuda.nccl.version(); print(".".join(map(str, v)) if isinstance(v, tuple) else v)'
 }
 
-# check_nccl: the trainer's python ($PY) and the engines' ($SGLANG_VENV/bin/python) load one NCCL.
+# check_nccl: the trainer's python ($PY, under the preload scripts/train.sh applies) and the engines'
+# ($SGLANG_VENV/bin/python, as they start: no preload) load one NCCL.
 check_nccl() {
   local t e
-  t=$(nccl_version "$PY") || { echo "install.sh: could not ask $PY for its NCCL version (above)" >&2; exit 1; }
-  e=$(nccl_version "$SGLANG_VENV/bin/python") || {
+  t=$(LD_PRELOAD="$NCCL_LINK${LD_PRELOAD:+:$LD_PRELOAD}" nccl_version "$PY") || {
+    echo "install.sh: could not ask $PY for its NCCL version (above)" >&2; exit 1; }
+  e=$(env -u LD_PRELOAD "$SGLANG_VENV/bin/python" -c 'import torch; v = torch.cuda.nccl.version(); print(".".join(map(str, v)) if isinstance(v, tuple) else v)') || {
     echo "install.sh: could not ask $SGLANG_VENV/bin/python for its NCCL version (above)" >&2; exit 1; }
   if [ "$t" != "$e" ]; then
-    echo "install.sh: NCCL mismatch: the trainer ($PY) loads NCCL $t, the engines ($SGLANG_VENV/bin/python) load" \
-      "NCCL $e; distributed weight pushes would all be refused. Preload the engines' NCCL for the trainer" \
-      "(LD_PRELOAD=$NCCL_LINK, as the Dockerfile sets it; LD_PRELOAD=${LD_PRELOAD:-<unset>} here) or rebuild with one" \
-      "torch for both" >&2
+    echo "install.sh: NCCL mismatch: the trainer ($PY, with LD_PRELOAD=$NCCL_LINK as scripts/train.sh sets it from" \
+      "M2PO_NCCL_PRELOAD) loads NCCL $t, the engines ($SGLANG_VENV/bin/python) load NCCL $e; distributed weight" \
+      "pushes would all be refused. Link the engines' libnccl.so.2 at $NCCL_LINK (docker/install.sh does) or" \
+      "rebuild with one torch for both" >&2
     exit 1
   fi
   echo "install.sh: one NCCL for trainer and engines: $t"
+}
+
+# compare_nccl: the engines' NCCL (what the trainer will preload) is at least the trainer's own; a
+# newer image NCCL under an older preloaded one would fail with undefined symbols at import.
+compare_nccl() {
+  local t e
+  t=$(env -u LD_PRELOAD "$PY" -c 'import torch; v = torch.cuda.nccl.version(); print(".".join(map(str, v)) if isinstance(v, tuple) else v)') || {
+    echo "install.sh: could not ask $PY for its NCCL version (above)" >&2; exit 1; }
+  e=$(env -u LD_PRELOAD "$SGLANG_VENV/bin/python" -c 'import torch; v = torch.cuda.nccl.version(); print(".".join(map(str, v)) if isinstance(v, tuple) else v)') || {
+    echo "install.sh: could not ask $SGLANG_VENV/bin/python for its NCCL version (above)" >&2; exit 1; }
+  if [ "$(printf '%s\n%s\n' "$t" "$e" | sort -V | tail -n 1)" != "$e" ]; then
+    echo "install.sh: the image's NCCL $t (trainer, $PY) is newer than the engines' NCCL $e ($SGLANG_VENV/bin/python);" \
+      "the trainer can only preload the newer of the two, and the engines load theirs through their torch's RPATH." \
+      "Use an NGC tag whose NCCL is at most $e, or an SGLang whose torch pins NCCL $t or newer" >&2
+    exit 1
+  fi
+  echo "install.sh: the engines' NCCL $e serves the trainer (its own: $t)"
 }
 
 # plugin_project DIR: the engine-side SGLang plugin as a pip-installable project.
@@ -211,6 +237,10 @@ TOML
 
 if [ "$mode" = nccl ]; then
   check_nccl
+  exit 0
+fi
+if [ "$mode" = compare ]; then
+  compare_nccl
   exit 0
 fi
 if [ "$mode" = plugin ]; then
@@ -314,8 +344,9 @@ plugin_dir=${TMPDIR:-/tmp}/m2po-sglang-plugin
 if [ "$mode" = install ]; then plugin_project "$plugin_dir"; fi
 run env PIP_CONSTRAINT= "$SGLANG_VENV/bin/python" -m pip install --no-cache-dir "$plugin_dir"
 
-# One NCCL (header): link the library the engines' torch loads, for the Dockerfile's LD_PRELOAD.
+# One NCCL (header): link the library the engines' torch loads, for the trainer's preload.
 if [ "$mode" = install ]; then
+  compare_nccl
   engine_nccl=$("$SGLANG_VENV/bin/python" - <<'PYEOF'
 import glob, os, site, sys
 import torch  # noqa: F401 - loads libnccl.so.2 through the torch wheel's RPATH
@@ -341,5 +372,5 @@ if [ "$mode" = install ]; then
   "$PY" -m pip check || echo "install.sh: warning: pip check reports conflicts (above)" >&2
   "$SGLANG_VENV/bin/python" -c 'import sglang; print("sglang", sglang.__version__, "ok")'
   "$SGLANG_VENV/bin/python" -c 'from importlib.metadata import entry_points as e; import sys; sys.exit(0 if any(p.name == "m2po_nccl_handshake" for p in e(group="sglang.srt.plugins")) else "install.sh: the m2po SGLang plugin is not registered in the engine venv")'
-  LD_PRELOAD=$NCCL_LINK check_nccl
+  check_nccl
 fi

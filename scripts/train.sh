@@ -56,6 +56,15 @@ die() { echo "train.sh: $*" >&2; exit 2; }
 export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}
+# One NCCL (docker/install.sh): the image names the engines' libnccl.so.2; the trainer's processes
+# preload it, so a distributed weight push joins one NCCL build on both sides.
+if [ -n "${M2PO_NCCL_PRELOAD:-}" ]; then
+  [ -e "$M2PO_NCCL_PRELOAD" ] || die "M2PO_NCCL_PRELOAD=$M2PO_NCCL_PRELOAD does not exist (docker/install.sh links it)"
+  case ":${LD_PRELOAD:-}:" in
+    *":$M2PO_NCCL_PRELOAD:"*) ;;
+    *) export LD_PRELOAD="$M2PO_NCCL_PRELOAD${LD_PRELOAD:+:$LD_PRELOAD}" ;;
+  esac
+fi
 if [ -n "${IFNAME:-}" ]; then
   export NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-$IFNAME}
   export GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-$IFNAME}

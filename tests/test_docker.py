@@ -63,9 +63,11 @@ def test_dockerfile_never_pip_installs_apex_or_te_and_runs_install_script():
     for ln in runs:
         assert not FORBIDDEN.search(ln), ln
     assert runs == ["RUN bash docker/install.sh /opt/megatron_m2po", "RUN bash docker/install.sh --check-nccl"]
-    # one NCCL: the preload is set before the check runs, so the check sees what every process loads
-    preload = next(i for i, ln in enumerate(ins) if ln.startswith("ENV LD_PRELOAD=/opt/m2po-nccl/libnccl.so.2"))
+    # one NCCL: the image names the library scripts/train.sh preloads for the trainer, never LD_PRELOAD
+    # itself (every process of the image would load the engines' 252 MB NCCL)
+    preload = next(i for i, ln in enumerate(ins) if ln.startswith("ENV M2PO_NCCL_PRELOAD=/opt/m2po-nccl/libnccl.so.2"))
     assert ins.index(runs[0]) < preload < ins.index(runs[1])
+    assert not any("LD_PRELOAD" in ln for ln in ins if ln.startswith("ENV "))
     copy_idx = next(i for i, ln in enumerate(ins) if ln.startswith("COPY docker/install.sh"))
     run_idx = ins.index(runs[0])
     pkg_idx = next(i for i, ln in enumerate(ins) if ln.startswith("COPY megatron_m2po"))
@@ -318,6 +320,22 @@ def test_check_nccl_stops_the_build_on_two_builds(tmp_path):
     (engines / "bin" / "python").symlink_to(_fake_nccl(tmp_path, "engine2", (2, 28, 9)))
     r = _install("--check-nccl", env={"PYTHON": str(trainer), "SGLANG_VENV": str(engines)})
     assert r.returncode == 0 and "one NCCL for trainer and engines: 2.28.9" in r.stdout, r.stdout + r.stderr
+
+
+def test_the_build_stops_when_the_image_nccl_is_newer_than_the_engines(tmp_path):
+    """Only the newer NCCL may be preloaded into the other torch: the engines' (what the trainer
+    preloads) must be at least the image's own, else the build stops naming both and what to pin."""
+    engines = tmp_path / "venv"
+    (engines / "bin").mkdir(parents=True)
+    (engines / "bin" / "python").symlink_to(_fake_nccl(tmp_path, "engine", (2, 27, 3)))
+    trainer = _fake_nccl(tmp_path, "trainer", (2, 28, 9))
+    r = _install("--compare-nccl", env={"PYTHON": str(trainer), "SGLANG_VENV": str(engines)})
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "image's NCCL 2.28.9" in r.stderr and "engines' NCCL 2.27.3" in r.stderr and "NGC tag" in r.stderr
+    (engines / "bin" / "python").unlink()
+    (engines / "bin" / "python").symlink_to(_fake_nccl(tmp_path, "engine2", (2, 30, 7)))
+    r = _install("--compare-nccl", env={"PYTHON": str(trainer), "SGLANG_VENV": str(engines)})
+    assert r.returncode == 0 and "engines' NCCL 2.30.7 serves the trainer" in r.stdout, r.stdout + r.stderr
 
 
 def test_sglang_plugin_project_installs_the_entry_point_sglang_loads(tmp_path):

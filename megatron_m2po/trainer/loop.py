@@ -336,6 +336,20 @@ class Trainer:
                         "their staleness is below the scheduled %d", missing, v, v, self.schedule.k)
         self._generate_steps(missing, v)
 
+    def _form_weight_groups(self) -> None:
+        """Distributed weight sync (all ranks): the weight-update groups form before the first step,
+        as slime and verl connect the trainer to its engines at initialisation, by pushing the
+        weights the run starts from. A mismatched NCCL pair, an engine the senders cannot reach or a
+        wrong network interface then ends the run in its first seconds, before a step of GPU time is
+        spent, instead of at the first push after step 1. On a fresh run the engines hold these
+        weights already, so this costs one transfer; an engine relaunched later forms its groups
+        again at its refit (:meth:`_run_step`)."""
+        if self.colocated is not None or self.cfg.rollout.weight_sync != "distributed":
+            return
+        secs = self._push_weights()
+        if self.lead:
+            log.info("weight-update groups formed with the engines at version %d (%.1f s)", self.actor.version, secs)
+
     def _start_continuous(self) -> None:
         """A schedule that generates continuously (async, all ranks): the engines get the weights the
         run starts from, then generate on their own. Engines kept from a run that died hold its
@@ -343,7 +357,7 @@ class Trainer:
         if not self.schedule.continuous:
             return
         off = self._from_rank0(lambda: self.weights.check_engines(), what="the engine check")
-        if self.actor.version > 0 or off:
+        if self.weights.version != self.actor.version or off:  # not when the groups' forming pushed them
             self._push_weights()
         if self.lead:
             self.service.start_continuous()
@@ -513,6 +527,7 @@ class Trainer:
         if self.rank == 0:
             log.info("training steps %d..%d; SIGINT / SIGTERM: the step finishes, a checkpoint is written, the run "
                      "exits", self.start_step + 1, cfg.trainer.num_steps)
+        self._form_weight_groups()  # distributed sync: the groups form (and their NCCL builds match) now
         self._catch_up()          # exact schedules: steps scheduled before the resume point, never generated
         self._start_continuous()  # async: the engines generate from now on
         # Where the time goes (utils/timing.py): a step's wall time runs from the previous step's

@@ -240,13 +240,7 @@ def test_matched_push_lands(emulated_trainer, tiny_model_dir, cpu_worker):
     assert stats.version == 1
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_tiny_run_with_two_nccl_builds_stops_in_one_line(tmp_path):
-    """``M2PO_STANDIN_ENGINE_NCCL_VERSION=2.30.7 m2po train examples/tiny_cpu.yaml
-    rollout.weight_sync=distributed``: the first push is refused at the group's forming, the run ends
-    non-zero with one line naming both versions and no traceback (today's main trained on: gloo
-    compares no versions)."""
+def _tiny_distributed_run(tmp_path, engine_nccl: str, *extra: str):
     from pathlib import Path
 
     import launcher
@@ -255,10 +249,32 @@ def test_tiny_run_with_two_nccl_builds_stops_in_one_line(tmp_path):
     cmd = ["train", str(root / "examples" / "tiny_cpu.yaml"),
            f"trainer.run_dir={tmp_path / 'run'}", "rollout.weight_sync=distributed", "trainer.mode=sync",
            "trainer.prompts_per_step=4", "trainer.prompts_per_update=4", "rollout.num_engines=1",
-           "logging.progress=false", "checkpoint.export_hf_at_end=false", "trainer.eval_every_steps=0"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", nccl_emulation.ENGINE_ENV: "2.30.7"}
+           "logging.progress=false", "checkpoint.export_hf_at_end=false", "trainer.eval_every_steps=0", *extra]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", nccl_emulation.ENGINE_ENV: engine_nccl}
     env.pop(nccl_emulation.TRAINER_ENV, None)
-    r = launcher.run_captured(cmd, env=env, cwd=root, timeout=280)
+    return launcher.run_captured(cmd, env=env, cwd=root, timeout=280)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_tiny_run_with_one_nccl_build_forms_its_groups_before_the_first_step(tmp_path):
+    """The same run with matching builds: the groups form at start-up (one push of the weights the
+    run starts from, logged before step 1), then the run trains and pushes as usual."""
+    r = _tiny_distributed_run(tmp_path, "2.28.9", "trainer.num_steps=1")
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-3000:]
+    formed = out.find("weight-update groups formed with the engines at version 0")
+    assert 0 <= formed < out.find("step 1/1"), out[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_tiny_run_with_two_nccl_builds_stops_in_one_line(tmp_path):
+    """``M2PO_STANDIN_ENGINE_NCCL_VERSION=2.30.7 m2po train examples/tiny_cpu.yaml
+    rollout.weight_sync=distributed``: the groups form at start-up (slime and verl connect at
+    initialisation), so the run ends before its first step, non-zero, with one line naming both
+    versions and no traceback (before: it trained step 1 and was refused at the first push)."""
+    r = _tiny_distributed_run(tmp_path, "2.30.7")
     out = r.stdout + r.stderr
     assert r.returncode != 0, out[-3000:]
     assert "Traceback" not in out, out[-3000:]
@@ -266,3 +282,4 @@ def test_tiny_run_with_two_nccl_builds_stops_in_one_line(tmp_path):
     assert last.startswith("m2po train: NCCL version mismatch in weight-update group"), out[-3000:]
     assert "NCCL 2.28.9" in last and "has 2.30.7" in last and "docker/install.sh" in last, last
     assert out.count("NCCL version mismatch") == 1, out[-3000:]  # refused once: no relaunch-and-retry
+    assert "step 1/" not in out and not list((tmp_path / "run").glob("checkpoints/step_*")), out[-3000:]  # no step
