@@ -65,5 +65,8 @@ def register(sub) -> None:
     """``m2po experiment ...`` (megatron_m2po/cli.py): the commands of :mod:`.commands` and ``arena``."""
     from megatron_m2po.experiment.arena import register as register_arena
     from megatron_m2po.experiment.commands import register as register_commands
+    from megatron_m2po.experiment.drift import register as register_drift
 
-    register_arena(register_commands(sub))
+    esub = register_commands(sub)
+    register_arena(esub)
+    register_drift(esub)
