@@ -172,9 +172,9 @@ print("\n".join(rows))
 PYEOF
 }
 
-# nccl_version PYTHON: the NCCL version that PYTHON's torch loads (major.minor.patch).
+# nccl_version [env ...] PYTHON: the NCCL version that PYTHON's torch loads (major.minor.patch).
 nccl_version() {
-  "$1" -c 'import torch; v = torch.cuda.nccl.version(); print(".".join(map(str, v)) if isinstance(v, tuple) else v)'
+  "$@" -c 'import torch; v = torch.cuda.nccl.version(); print(".".join(map(str, v)) if isinstance(v, tuple) else v)'
 }
 
 # check_nccl: the trainer's python ($PY, under the preload scripts/train.sh applies) and the engines'
@@ -183,7 +183,7 @@ check_nccl() {
   local t e
   t=$(LD_PRELOAD="$NCCL_LINK${LD_PRELOAD:+:$LD_PRELOAD}" nccl_version "$PY") || {
     echo "install.sh: could not ask $PY for its NCCL version (above)" >&2; exit 1; }
-  e=$(env -u LD_PRELOAD "$SGLANG_VENV/bin/python" -c 'import torch; v = torch.cuda.nccl.version(); print(".".join(map(str, v)) if isinstance(v, tuple) else v)') || {
+  e=$(nccl_version env -u LD_PRELOAD "$SGLANG_VENV/bin/python") || {
     echo "install.sh: could not ask $SGLANG_VENV/bin/python for its NCCL version (above)" >&2; exit 1; }
   if [ "$t" != "$e" ]; then
     echo "install.sh: NCCL mismatch: the trainer ($PY, with LD_PRELOAD=$NCCL_LINK as scripts/train.sh sets it from" \
@@ -199,9 +199,9 @@ check_nccl() {
 # newer image NCCL under an older preloaded one would fail with undefined symbols at import.
 compare_nccl() {
   local t e
-  t=$(env -u LD_PRELOAD "$PY" -c 'import torch; v = torch.cuda.nccl.version(); print(".".join(map(str, v)) if isinstance(v, tuple) else v)') || {
+  t=$(nccl_version env -u LD_PRELOAD "$PY") || {
     echo "install.sh: could not ask $PY for its NCCL version (above)" >&2; exit 1; }
-  e=$(env -u LD_PRELOAD "$SGLANG_VENV/bin/python" -c 'import torch; v = torch.cuda.nccl.version(); print(".".join(map(str, v)) if isinstance(v, tuple) else v)') || {
+  e=$(nccl_version env -u LD_PRELOAD "$SGLANG_VENV/bin/python") || {
     echo "install.sh: could not ask $SGLANG_VENV/bin/python for its NCCL version (above)" >&2; exit 1; }
   if [ "$(printf '%s\n%s\n' "$t" "$e" | sort -V | tail -n 1)" != "$e" ]; then
     echo "install.sh: the image's NCCL $t (trainer, $PY) is newer than the engines' NCCL $e ($SGLANG_VENV/bin/python);" \

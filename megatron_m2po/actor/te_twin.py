@@ -43,6 +43,7 @@ GEMM sees from either module (the LoRA hook uses it on GPU and CPU alike).
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Optional
 
 import torch
@@ -127,14 +128,12 @@ def _make_layer_norm_linear_class():
     return LayerNormColumnParallelLinear
 
 
-_CLASSES: dict[str, type] = {}
+_layer_norm_linear_class = functools.cache(_make_layer_norm_linear_class)  # megatron-core imported on first use
 
 
 def __getattr__(name: str):
     if name == "LayerNormColumnParallelLinear":
-        if name not in _CLASSES:
-            _CLASSES[name] = _make_layer_norm_linear_class()
-        return _CLASSES[name]
+        return _layer_norm_linear_class()
     raise AttributeError(name)
 
 
@@ -156,7 +155,7 @@ class CpuTESpecProvider:
         return True
 
     def column_parallel_layer_norm_linear(self) -> Optional[type]:
-        return __getattr__("LayerNormColumnParallelLinear")
+        return _layer_norm_linear_class()
 
     def layer_norm(self, rms_norm: bool = False, for_qk: bool = False) -> type:
         from megatron_m2po.actor.norm import HeadTorchNorm, SequenceParallelTorchNorm

@@ -26,6 +26,7 @@ import math
 import torch
 
 from megatron_m2po.algo.metrics import Metric
+from megatron_m2po.algo.sequences import sequence_sums
 
 __all__ = ["EDGES", "drift_metrics", "finish_drift_metrics"]
 
@@ -51,20 +52,7 @@ def drift_metrics(delta: torch.Tensor, mask: torch.Tensor, seq_index=None, seq_g
         out[_W_MEAN] = Metric(0.0, "mean", 0.0)
         out[_W2_MEAN] = Metric(0.0, "mean", 0.0)
         return out
-    if seq_group is not None:
-        inv, n_seq = seq_index.to(torch.int64), int(num_seqs)
-    else:
-        _, inv = torch.unique(seq_index, return_inverse=True)
-        n_seq = int(inv.max()) + 1 if inv.numel() else 0
-    mf = m.to(torch.float64)
-    sums = torch.zeros(n_seq, dtype=torch.float64, device=d.device).index_add(0, inv, d * mf)
-    tokens = torch.zeros(n_seq, dtype=torch.float64, device=d.device).index_add(0, inv, mf)
-    if seq_group is not None:
-        import torch.distributed as dist
-
-        both = torch.stack([sums, tokens])
-        dist.all_reduce(both, group=seq_group)
-        sums, tokens = both[0], both[1]
+    sums, tokens, _ = sequence_sums(d, m, seq_index, seq_group, num_seqs)  # CP parts summed over seq_group
     w = torch.exp(sums[tokens > 0].clamp(max=_LOG_W_CAP))
     n = float(w.numel())
     out[_W_MEAN] = Metric(w.mean() if n else 0.0, "mean", n)

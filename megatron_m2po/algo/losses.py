@@ -58,6 +58,7 @@ from typing import Any, Optional
 import torch
 
 from megatron_m2po.algo.diagnostics import drift_metrics
+from megatron_m2po.algo.sequences import sequence_sums
 from megatron_m2po.algo.loss_settings import CISPOConfig, GRPOConfig, GSPOConfig, M2POConfig
 from megatron_m2po.algo.m2_mask import DELTA_CLAMP, m2po_mask, trust_region
 from megatron_m2po.algo.metrics import Metric
@@ -152,46 +153,14 @@ def _grpo(x: LossInputs, cfg: GRPOConfig) -> Objective:
     return obj, metrics
 
 
-class _SumOverGroup(torch.autograd.Function):
-    """Sum of a tensor over a process group. Every rank's loss depends on the sum, so the gradient of
-    a rank's part is the sum over the group of every rank's gradient of the sum (backward: the same
-    all-reduce)."""
-
-    @staticmethod
-    def forward(ctx, t: torch.Tensor, group) -> torch.Tensor:
-        import torch.distributed as dist
-
-        ctx.group = group
-        out = t.detach().clone().contiguous()
-        dist.all_reduce(out, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        import torch.distributed as dist
-
-        grad = grad.detach().clone().contiguous()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
 @register_loss("gspo", settings=GSPOConfig, needs_seq_index=True)
 def _gspo(x: LossInputs, cfg: GSPOConfig) -> Objective:
     if x.seq_index is None:
         raise ValueError("loss 'gspo' needs seq_index= (an integer sequence id per token)")
-    if x.seq_group is not None:  # ids shared by the CP ranks: sum each sequence's parts over them
-        if x.num_seqs is None:
-            raise ValueError("loss 'gspo' with seq_group= needs num_seqs= (the same on every rank of the group)")
-        inv, n_seq = x.seq_index.to(torch.int64), int(x.num_seqs)
-    else:
-        _, inv = torch.unique(x.seq_index, return_inverse=True)
-        n_seq = int(inv.max()) + 1 if inv.numel() else 0
-    m = x.mask.to(x.delta.dtype)
-    sums = torch.zeros(n_seq, dtype=x.delta.dtype, device=x.delta.device).index_add(0, inv, x.delta * m)
-    counts = torch.zeros(n_seq, dtype=x.delta.dtype, device=x.delta.device).index_add(0, inv, m)
-    if x.seq_group is not None:
-        sums = _SumOverGroup.apply(sums, x.seq_group)
-        counts = _SumOverGroup.apply(counts, x.seq_group)
+    if x.seq_group is not None and x.num_seqs is None:
+        raise ValueError("loss 'gspo' with seq_group= needs num_seqs= (the same on every rank of the group)")
+    # ids shared by the CP ranks under seq_group: each sequence's parts are summed over them
+    sums, counts, inv = sequence_sums(x.delta, x.mask, x.seq_index, x.seq_group, x.num_seqs)
     s = torch.exp(sums / counts.clamp_min(1.0))[inv]
     a = x.advantages
     unclipped = s * a
