@@ -1,14 +1,15 @@
 """Start-up checks: what a user can get wrong at run time, found before anything starts.
 
-Global rank 0 runs :func:`check_start` once, inside
+Global rank 0 runs :func:`check_data` (the data files read and every row validated) before the
+run directory is touched, then the other checks of :func:`check_start` inside
 :func:`~megatron_m2po.trainer.run_lock.claim_run_dir` (:func:`claim_checked_run_dir`: the run
 directory locked, nothing in it read or written yet, no engine, store or actor started); a
 failure removes what the claim created. A single process does it before Megatron-Core is
 imported (``trainer/cli.py``); under torchrun rank 0 does it in the trainer, and its failure reaches every
 rank (``parallel/rank0.py``). Each check looks and creates nothing: a
-file's existence and first byte, a trial bind of a port, one HTTP GET with a 5 s deadline.
+data file's rows, a trial bind of a port, one HTTP GET with a 5 s deadline.
 Each failure is one :class:`~megatron_m2po.utils.errors.UserError` naming the setting, its
-value, what is wrong and what to do. What cannot be seen in advance (a data file's rows, an
+value, what is wrong and what to do. What cannot be seen in advance (an
 engine that fails to load its model, a port taken after the check) is still reported where it
 happens.
 """
@@ -19,6 +20,7 @@ import logging
 from pathlib import Path
 
 from megatron_m2po.config import Config
+from megatron_m2po.data.io import load_rows
 from megatron_m2po.data.settings import DataConfig
 from megatron_m2po.rollout.settings import RolloutConfig
 from megatron_m2po.store.settings import StoreConfig
@@ -33,15 +35,19 @@ log = logging.getLogger(__name__)
 
 def claim_checked_run_dir(cfg: Config) -> RunDirLock:
     """The run directory created if needed and locked (:func:`~.run_lock.claim_run_dir`), and
-    :func:`check_start` passed; nothing is left behind when it fails."""
-    lock = claim_run_dir(cfg.trainer.run_dir, check=lambda: check_start(cfg))
+    :func:`check_start` passed; nothing is left behind when it fails. The data files are read
+    first, before the claim: a bad row leaves no run directory and no lock behind."""
+    check_data(cfg.data, evaluating=bool(cfg.trainer.eval_every_steps))
+    lock = claim_run_dir(cfg.trainer.run_dir, check=lambda: check_start(cfg, data=False))
     log.info("run dir: %s", lock.run_dir)
     return lock
 
 
-def check_start(cfg: Config) -> None:
-    """Every check below for ``cfg``; the first failure raises :class:`UserError`."""
-    check_data(cfg.data, evaluating=bool(cfg.trainer.eval_every_steps))
+def check_start(cfg: Config, *, data: bool = True) -> None:
+    """Every check below for ``cfg`` (the data files' unless ``data=False``: checked already); the
+    first failure raises :class:`UserError`."""
+    if data:
+        check_data(cfg.data, evaluating=bool(cfg.trainer.eval_every_steps))
     if cfg.model.hf_path != "tiny":  # the tiny base is built on first use; anything else must exist
         from megatron_m2po.utils.hf_dir import resolve_model_path
         resolve_model_path(cfg.model)
@@ -52,7 +58,8 @@ def check_start(cfg: Config) -> None:
 
 def check_data(data: DataConfig, *, evaluating: bool) -> None:
     """``data.train`` (unless ``synthetic``) and, when the run evaluates, every ``data.eval``
-    file exist and can be read."""
+    file exist, can be read and hold rows of the DeepScaleR schema (every row validated, as the
+    dataset will read it: a bad row is named by its number and field)."""
     files = [("data.train", data.train)] if data.train != "synthetic" else []
     if evaluating:
         files += [("data.eval", p) for p in data.eval]
@@ -70,6 +77,7 @@ def check_data(data: DataConfig, *, evaluating: bool) -> None:
         except OSError as e:
             raise UserError(f"{where} cannot be read ({e.strerror}): fix its permissions, or copy it somewhere "
                             "readable") from None
+        load_rows(p)  # every row, as the dataset reads them; its UserError names the row and the field
 
 
 def check_ingestion(store: StoreConfig) -> None:

@@ -128,6 +128,10 @@ def claim_run_dir(run_dir: str | os.PathLike, check: Callable[[], None] = lambda
     while not p.exists() and p != p.parent:
         created.append(p)
         p = p.parent
+    if not p.is_dir():  # the path, or the nearest part of it that exists, is a file
+        what = "is a file" if p == path else f"is inside {p}, which is a file, not a directory"
+        raise UserError(f"trainer.run_dir {path} {what}: choose a directory (or a path that does not exist yet) "
+                        "for trainer.run_dir")
     lock = None
     try:
         try:
@@ -141,7 +145,10 @@ def claim_run_dir(run_dir: str | os.PathLike, check: Callable[[], None] = lambda
         return lock
     except BaseException:
         if created:
-            (path / LOCK_NAME).unlink(missing_ok=True)
+            try:
+                (path / LOCK_NAME).unlink(missing_ok=True)
+            except OSError:  # never created (the path could not be made): nothing to remove
+                pass
             for d in created:  # deepest first; a directory someone else filled meanwhile stays
                 try:
                     d.rmdir()

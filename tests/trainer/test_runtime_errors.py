@@ -137,14 +137,35 @@ def _bad_rows_rank(rank: int, world_size: int, run_dir: str, data: str) -> str:
 @pytest.mark.multiproc
 @pytest.mark.slow  # over 8 s on the CI machine: full suite only; the file keeps a fast test
 def test_a_rank0_mistake_reaches_every_rank(tmp_path):
-    """A data file that passes the start-up checks but holds a bad row fails while rank 0 builds
-    its rollout side; rank 1, already past its own start, gets rank 0's message at once instead
-    of waiting for rank 0's next result (under torchrun, on another node, until killed)."""
+    """A data file with a bad row fails rank 0's start-up checks; rank 1, waiting for rank 0, gets
+    rank 0's message at once instead of waiting for rank 0's next result (under torchrun, on
+    another node, until killed); no run directory is left behind."""
     data = tmp_path / "train.jsonl"
     data.write_text('{"problem": "1+1"}\n')
     out = run_distributed(_bad_rows_rank, world_size=2, args=(str(tmp_path / "run"), str(data)), timeout_s=240)
     assert "row 0 (line 1) lacks field(s) ['answer']" in out[0], out
     assert out[1] == f"rank 0: {out[0]}", out
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_bad_row_is_found_before_the_run_dir_is_created(tmp_path):
+    """A parsable data file with one bad row (row 2: no answer) is refused in one line naming the row
+    and the field, before the run directory or its lock exist."""
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"problem": "1+1", "answer": "2"}\n\n{"problem": "2+2"}\n')
+    run = tmp_path / "run"
+    one_line(train(run, f"data.train={data}"), "row 1 (line 3) lacks field(s) ['answer']", "DeepScaleR schema")
+    assert not run.exists()
+
+
+def test_run_dir_inside_a_regular_file_is_refused_in_one_line(tmp_path):
+    """A run_dir whose parent is a file (and a run_dir that is a file) is refused before anything is
+    created; the clean-up of the refusal used to crash (NotADirectoryError unlinking <file>/run/.lock)."""
+    f = tmp_path / "notes.txt"
+    f.write_text("x")
+    one_line(train(f / "run"), f"trainer.run_dir {f / 'run'} is inside {f}, which is a file", "choose a directory")
+    one_line(train(f), f"trainer.run_dir {f} is a file", "choose a directory")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"] and f.read_text() == "x"
 
 
 def test_external_engine_that_is_not_an_sglang_engine(tmp_path):
