@@ -7,7 +7,8 @@ directory locked, nothing in it read or written yet, no engine, store or actor s
 failure removes what the claim created. A single process does it before Megatron-Core is
 imported (``trainer/cli.py``); under torchrun rank 0 does it in the trainer, and its failure reaches every
 rank (``parallel/rank0.py``). Each check looks and creates nothing: a
-data file's rows, a trial bind of a port, one HTTP GET with a 5 s deadline.
+data file's rows, a trial bind of a port, HTTP GETs with a 5 s deadline (an external engine's ``/health``
+and ``/model_info``: a ready SGLang engine, not another server).
 Each failure is one :class:`~megatron_m2po.utils.errors.UserError` naming the setting, its
 value, what is wrong and what to do. What cannot be seen in advance (an
 engine that fails to load its model, a port taken after the check) is still reported where it
@@ -16,6 +17,7 @@ happens.
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
@@ -26,7 +28,7 @@ from megatron_m2po.rollout.settings import RolloutConfig
 from megatron_m2po.store.settings import StoreConfig
 from megatron_m2po.trainer.run_lock import RunDirLock, claim_run_dir
 from megatron_m2po.utils.errors import UserError
-from megatron_m2po.utils.net import bind_error, unreachable
+from megatron_m2po.utils.net import bind_error, http_get, unreachable
 
 __all__ = ["claim_checked_run_dir", "check_start", "check_data", "check_ingestion", "check_engines"]
 
@@ -117,6 +119,9 @@ def check_engines(rollout: RolloutConfig) -> None:
             if why:
                 raise UserError(f"rollout.external_addrs: nothing answers at {addr} ({why}): start the engine there "
                                 "(scripts/launch_sglang_fleet.sh) or correct the address")
+            why = not_an_sglang_engine(addr)
+            if why:
+                raise UserError(f"rollout.external_addrs: {addr} {why}")
     if r.router_addr and (r.use_router or discovered):
         why = unreachable(r.router_addr)
         if why:
@@ -135,3 +140,35 @@ def check_engines(rollout: RolloutConfig) -> None:
             raise UserError(f"rollout.base_port={r.base_port}: {what} {r.host}:{port} cannot be used ({why}): stop "
                             "what listens there (engines of another run?), choose another rollout.base_port, or 0 "
                             "for free ports")
+
+
+def _said(status: int, ctype: str, body: bytes) -> str:
+    text = " ".join(body[:120].decode("utf-8", "replace").split())
+    return f"{status} {ctype or 'no content type'}" + (f" {text!r}" if text else "")
+
+
+def not_an_sglang_engine(addr: str) -> str | None:
+    """Why the server answering at ``addr`` is not a ready SGLang engine (None when it is): SGLang
+    0.5.23 answers ``GET /health`` with 200 once its model is loaded (``srt/entrypoints/http_server.py``
+    ``health_generate``: 503 while it starts or is unhealthy) and ``GET /model_info`` with a JSON object holding ``model_path``.
+    What it answered is quoted, so a wrong port (another web server) reads differently from an
+    engine still loading."""
+    try:
+        status, ctype, body = http_get(addr, "/health")
+        if status == 503:
+            return ("answers GET /health with 503: an SGLang engine that is still loading its model (or an "
+                    "unhealthy one); wait until its log says the server is fired up and run the same command again")
+        if status != 200:
+            return (f"answers GET /health with {_said(status, ctype, body)}, where an SGLang engine answers 200: "
+                    "is this the engine's port? Correct the address (scripts/launch_sglang_fleet.sh prints them)")
+        status, ctype, body = http_get(addr, "/model_info")
+    except (OSError, ValueError) as e:
+        return f"stopped answering during the check ({e}): is the engine restarting? Run the same command again"
+    try:
+        info = json.loads(body) if status == 200 else None
+    except ValueError:
+        info = None
+    if not isinstance(info, dict) or "model_path" not in info:
+        return (f"answers GET /model_info with {_said(status, ctype, body)}, where an SGLang engine answers a JSON "
+                "object with model_path: it is not an SGLang engine; correct the address (wrong port?)")
+    return None

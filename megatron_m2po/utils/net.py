@@ -7,7 +7,7 @@ import urllib.error
 import urllib.request
 from typing import Optional
 
-__all__ = ["free_port", "bind_error", "unreachable"]
+__all__ = ["free_port", "bind_error", "http_get", "unreachable"]
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -34,6 +34,18 @@ def bind_error(host: str, port: int) -> Optional[str]:
         except OSError as e:
             return e.strerror or str(e)
     return None
+
+
+def http_get(url: str, path: str, timeout_s: float = 5.0, limit: int = 65536) -> tuple[int, str, bytes]:
+    """``GET url + path`` without proxies: (status, content type, the first ``limit`` bytes of the
+    body), whatever the status. ``OSError`` / ``ValueError`` when nothing answers."""
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    try:
+        with opener.open(url.rstrip("/") + path, timeout=timeout_s) as r:
+            return r.status, r.headers.get("Content-Type", ""), r.read(limit)
+    except urllib.error.HTTPError as e:
+        with e:
+            return e.code, e.headers.get("Content-Type", "") if e.headers else "", e.read(limit)
 
 
 def unreachable(url: str, path: str = "/health", timeout_s: float = 5.0) -> Optional[str]:

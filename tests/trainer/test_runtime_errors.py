@@ -168,22 +168,52 @@ def test_run_dir_inside_a_regular_file_is_refused_in_one_line(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"] and f.read_text() == "x"
 
 
-def test_external_engine_that_is_not_an_sglang_engine(tmp_path):
-    """Something answers at the address, but not SGLang: the fleet's validation refuses it with its
-    message and exit 2, no traceback (it used to end in a FleetError traceback)."""
-    import functools
-    import http.server
-    import threading
+class _NotSGLang:
+    """A web server at the engine's address that is not a ready SGLang engine: ``health`` and
+    ``model_info`` are what it answers to ``GET /health`` and ``GET /model_info``."""
 
-    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path))
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    url = f"http://127.0.0.1:{server.server_address[1]}"
+    def __init__(self, health: tuple[int, str], model_info: tuple[int, str]):
+        import http.server
+        import threading
+
+        answers = {"/health": health, "/model_info": model_info}
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                status, body = answers.get(self.path, (404, "<html>Not Found</html>"))
+                data = body.encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json" if body.startswith("{") else "text/html")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *a):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+
+
+@pytest.mark.parametrize("health,model_info,said", [
+    ((404, "<html>Not Found</html>"), (404, ""), "answers GET /health with 404 text/html '<html>Not Found</html>', "
+                                                 "where an SGLang engine answers 200"),
+    ((503, ""), (200, '{"model_path": "m"}'), "answers GET /health with 503: an SGLang engine that is still loading"),
+    ((200, "ok"), (200, '{"status": "ok"}'), "answers GET /model_info with 200 application/json '{\"status\": "
+                                             "\"ok\"}', where an SGLang engine answers a JSON object with model_path"),
+], ids=["wrong-server", "loading", "no-model-info"])
+def test_external_engine_that_is_not_a_ready_sglang_engine(tmp_path, health, model_info, said):
+    """Something answers at the address, but not a ready SGLang engine: the start-up check says what
+    it answered and what SGLang answers (a wrong port reads differently from an engine still
+    loading), exit 2 in one line, before the run directory exists (the fleet's own validation used
+    to find it after the run dir, store and lock were created)."""
+    fake = _NotSGLang(health, model_info)
+    run = tmp_path / "run"
     try:
-        p = train(tmp_path / "run", "rollout.launcher=external", f"rollout.external_addrs=[{url}]",
-                  "trainer.num_steps=1", "logging.progress=false")
+        p = train(run, "rollout.launcher=external", f"rollout.external_addrs=[{fake.url}]", "trainer.num_steps=1",
+                  "logging.progress=false")
     finally:
-        server.shutdown()
-    out = p.stdout + p.stderr
-    assert p.returncode == 2 and "Traceback" not in out, out[-4000:]
-    assert "m2po train: external engines" in p.stderr and url in p.stderr, p.stderr[-4000:]
+        fake.server.shutdown()
+    one_line(p, f"m2po train: rollout.external_addrs: {fake.url} {said}")
+    assert not run.exists()
