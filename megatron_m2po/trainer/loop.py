@@ -103,11 +103,13 @@ class _Lead:
             raise
 
     def log_step(self, step: int, version: int, metrics: dict, per_update: list[dict]) -> None:
-        # x-axis everywhere: optimizer updates (the weight version after them).
+        # metrics.jsonl's "step" (and W&B's): optimizer updates (the weight version after them);
+        # TensorBoard plots the step records against the training step (1, 2, ...), as the console and
+        # the plots count, and the update/* records against the update.
         first = version - len(per_update)
         for j, m in enumerate(per_update):
             self.logger.log({f"update/{k}": v for k, v in m.items()}, step=first + j + 1)
-        self.logger.log(metrics, step=version)
+        self.logger.log(metrics, step=version, x=step + 1)
         self.progress.update(step + 1, metrics)
 
     def close(self) -> None:

@@ -25,7 +25,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 import numpy as np
 
@@ -157,8 +157,11 @@ class MetricsLogger:
     def metrics_path(self) -> Path:
         return self.run_dir / METRICS_FILE
 
-    def log(self, metrics: Mapping[str, Any], step: int) -> None:
-        """Write one record ``{"step": step, "time": unix_seconds, **metrics}``."""
+    def log(self, metrics: Mapping[str, Any], step: int, *, x: Optional[int] = None) -> None:
+        """Write one record ``{"step": step, "time": unix_seconds, **metrics}``; TensorBoard plots it
+        at ``x`` (default ``step``): the trainer's step records at the training step, as the console
+        and ``tools/plot_metrics.py`` count, while ``step`` stays the weight version. W&B keeps
+        ``step`` (it drops a record whose step is below the last one's)."""
         if not self.enabled:
             return
         if self._jsonl is None:
@@ -168,7 +171,7 @@ class MetricsLogger:
         self._jsonl.write(json.dumps(record, allow_nan=False) + "\n")
         self._jsonl.flush()
         if self._tb is not None:
-            self._write_tb(values, int(step))
+            self._write_tb(values, int(step if x is None else x))
         if self._wandb is not None:
             self._write_wandb(values, int(step))
 

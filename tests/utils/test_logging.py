@@ -79,6 +79,26 @@ def test_tensorboard_scalars_and_histograms(tmp_path):
     assert s.num == 3 and s.sum == pytest.approx(3.0)
 
 
+def test_tensorboard_counts_steps_like_the_console_and_metrics_jsonl_keeps_versions(tmp_path):
+    """The trainer's step records (``_Lead.log_step``, 4 updates a step) go to TensorBoard at the
+    training step 1, 2 (the console's and plot_metrics' count) and the update/* records at updates
+    1..8; metrics.jsonl keeps the weight version in "step"."""
+    import types
+
+    from megatron_m2po.trainer.loop import _Lead
+
+    run = tmp_path / "run"
+    with MetricsLogger(run) as ml:
+        lead = types.SimpleNamespace(logger=ml, progress=types.SimpleNamespace(update=lambda *a: None))
+        for step in (0, 1):
+            _Lead.log_step(lead, step, 4 * (step + 1), {"train/step": float(step), "rollout/reward_mean": 0.5 + step},
+                           [{"loss": float(j)} for j in range(4)])
+    acc = _tb_events(run)
+    assert [(e.step, e.value) for e in acc.Scalars("rollout/reward_mean")] == [(1, 0.5), (2, 1.5)]
+    assert [e.step for e in acc.Scalars("update/loss")] == list(range(1, 9))
+    assert [r["step"] for r in read_metrics(run) if "train/step" in r] == [4, 8]
+
+
 def test_disabled_logger_writes_nothing(tmp_path):
     ml = MetricsLogger(tmp_path / "rank1", config_dict={"a": 1}, enabled=False)
     ml.log({"x": 1.0}, step=1)
