@@ -250,9 +250,13 @@ class Trainer:
             # async mode, groups of weights that are gone: rewound here as after a checkpoint.
             r = self.service.rewind(extra["store_cursor"] if extra is not None else None, self.actor.version,
                                     retire_ahead=self.schedule.retires_ahead)
+            dropped = self.lead.logger.rewind(self.actor.version)  # records past it are logged again
             if ckpt is not None:
                 log.info("resumed from %s at step %d (version %d); %d lease(s) will be replayed, %d group(s) "
                          "retired", ckpt, self.start_step, self.actor.version, r["replays"], r["retired"])
+            if dropped:
+                log.info("metrics.jsonl: %d record(s) past version %d dropped (they are logged again)", dropped,
+                         self.actor.version)
 
     def _save(self, step: int, *, at_boundary: bool = False) -> None:
         """Checkpoint after ``step`` steps (all ranks); the actor's checkpoint moves ``latest``.

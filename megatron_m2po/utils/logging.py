@@ -212,6 +212,32 @@ class MetricsLogger:
                     out[k] = wandb.Histogram(arr)
         self._wandb.log(out, step=step)
 
+    def rewind(self, version: int) -> int:
+        """Drop the records of metrics.jsonl past ``version`` (a resumed run logs those updates
+        again; a run killed before its first checkpoint resumes at 0 and keeps none), so the file
+        holds each update once. Returns the number of lines dropped (torn lines included)."""
+        if not self.enabled or self._jsonl is None:
+            return 0
+        self._jsonl.close()
+        path = self.metrics_path
+        keep, dropped = [], 0
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                rec = json.loads(line)
+                ok = isinstance(rec, dict) and int(rec.get("step", version + 1)) <= version
+            except (ValueError, TypeError):
+                ok = False
+            if ok:
+                keep.append(line + "\n")
+            else:
+                dropped += bool(line.strip())
+        if dropped:
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text("".join(keep), encoding="utf-8")
+            os.replace(tmp, path)
+        self._jsonl = open(path, "a", encoding="utf-8")
+        return dropped
+
     def close(self) -> None:
         if self._jsonl is not None:
             self._jsonl.close()

@@ -67,39 +67,46 @@ def _run(run: Path, mode: str, fault: str | None, timeout: float = 300) -> tuple
                             env=env, timeout=timeout)
 
 
-def _steps_logged(run: Path, offset: int) -> list[int]:
-    """``train/step`` of the step records appended after byte ``offset`` of metrics.jsonl."""
+def _lines(run: Path) -> list[str]:
     path = run / "metrics.jsonl"
-    if not path.is_file():
-        return []
-    data = path.read_bytes()[offset:].decode(errors="replace")
+    return path.read_text(errors="replace").splitlines() if path.is_file() else []
+
+
+def _new_records(run: Path, before: list[str]) -> list[dict]:
+    """The records a run added to metrics.jsonl, whose lines were ``before`` when it started: the
+    lines after the longest common prefix (a resumed run first drops the records past its resume
+    point, then logs those updates again; a record's "time" makes every line unique)."""
+    now = _lines(run)
+    n = 0
+    while n < min(len(now), len(before)) and now[n] == before[n]:
+        n += 1
     out = []
-    for line in data.splitlines():
+    for line in now[n:]:
         try:
-            r = json.loads(line)
+            out.append(json.loads(line))
         except ValueError:
             continue  # the torn last line of a killed run
-        if "train/step" in r:
-            out.append(int(r["train/step"]))
     return out
 
 
-def _size(path: Path) -> int:
-    return path.stat().st_size if path.is_file() else 0
+def _steps_logged(run: Path, before: list[str]) -> list[int]:
+    """``train/step`` of the step records a run added (``before``: the file's lines when it started)."""
+    return [int(r["train/step"]) for r in _new_records(run, before) if "train/step" in r]
 
 
-def _updates(run: Path, offset: int = 0) -> dict[int, dict]:
-    """Per-update metrics of the records after byte ``offset`` of metrics.jsonl (later records win)."""
+def _updates(run: Path, before: list[str] | None = None) -> dict[int, dict]:
+    """Per-update metrics of the records a run added (all records when ``before`` is None; later
+    records win)."""
     out: dict[int, dict] = {}
-    path = run / "metrics.jsonl"
-    for line in (path.read_bytes()[offset:].decode(errors="replace") if path.is_file() else "").splitlines():
-        try:
-            r = json.loads(line)
-        except ValueError:
-            continue
+    for r in _new_records(run, before or []):
         if any(k.startswith("update/") for k in r):
             out[r["step"]] = {k[len("update/"):]: v for k, v in r.items() if k.startswith("update/")}
     return out
+
+
+def _raw_update_steps(run: Path) -> list[int]:
+    """The "step" of every per-update record in metrics.jsonl as it lies on disk, duplicates kept."""
+    return [r["step"] for r in _new_records(run, []) if any(k.startswith("update/") for k in r)]
 
 
 @pytest.mark.parametrize("mode", list(MODES))
@@ -109,10 +116,10 @@ def test_killed_anywhere_the_same_command_finishes(tmp_path, mode):
         second = random.Random(f"{mode}-{seed}").choice(KILLS)
         history, logged = [], []
         for fault in ("step_end@2", "%s@%d" % second, None):
-            offset = _size(run / "metrics.jsonl")
+            before = _lines(run)
             rc, log = _run(run, mode, fault)
             history.append((fault, rc))
-            logged.append(_updates(run, offset))
+            logged.append(_updates(run, before))
             if fault and rc == -signal.SIGKILL:
                 assert f"m2po fault point {fault}: SIGKILL" in log, log[-3000:]
                 continue
@@ -121,8 +128,11 @@ def test_killed_anywhere_the_same_command_finishes(tmp_path, mode):
             break
         assert history[0][1] == -signal.SIGKILL, f"the first run was not killed at step_end@2: {history}"
         # The last run logged each step from its resume point on, once.
-        steps = _steps_logged(run, offset)
+        steps = _steps_logged(run, before)
         assert steps == list(range(STEPS - len(steps), STEPS)) and steps, (history, steps)
+        # metrics.jsonl holds each update once: the records a killed run logged past the checkpoint
+        # the next run resumed from were dropped before it logged those updates again.
+        assert _raw_update_steps(run) == list(range(1, STEPS * U + 1)), (history, _raw_update_steps(run))
         _check_store(run, mode)
         assert not list((run / "checkpoints").glob("*.tmp")), "a killed checkpoint write was left behind"
         ups = _updates(run)
@@ -232,7 +242,7 @@ def test_sigterm_while_waiting_for_data_checkpoints_the_finished_steps_and_exits
     assert rc == 0, log[-4000:]
     assert "stopped while waiting for the rollouts of step 1" in log
     assert (run / "checkpoints" / "latest").read_text().strip() == "step_000001"
-    assert _steps_logged(run, 0) == [0]
+    assert _steps_logged(run, []) == [0]
 
     # The same command with a short deadline: resumes at step 1 and fails at the deadline, naming the wait.
     rc, err = launcher.run_cli([*argv, "trainer.wait_timeout_s=3"], log=tmp_path / "ext_deadline.log", env=env)

@@ -99,6 +99,27 @@ def test_tensorboard_counts_steps_like_the_console_and_metrics_jsonl_keeps_versi
     assert [r["step"] for r in read_metrics(run) if "train/step" in r] == [4, 8]
 
 
+def test_rewind_keeps_each_update_once_after_a_resume(tmp_path):
+    """A run killed after logging versions 1-6 (a torn last line) resumes from its version-4
+    checkpoint: rewind drops 5, 6 and the torn line, so the re-logged 5, 6 appear once in the
+    raw file; a run killed before its first checkpoint rewinds to 0 and keeps nothing."""
+    run = tmp_path / "run"
+    with MetricsLogger(run, tensorboard=False) as ml:
+        for v in range(1, 7):
+            ml.log({"loss": float(v)}, step=v)
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write('{"step": 7, "lo')
+    with MetricsLogger(run, tensorboard=False) as ml:
+        assert ml.rewind(4) == 3
+        for v in (5, 6):
+            ml.log({"loss": 10.0 + v}, step=v)
+    raw = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["loss"]) for r in raw] == [(1, 1), (2, 2), (3, 3), (4, 4), (5, 15), (6, 16)]
+    with MetricsLogger(run, tensorboard=False) as ml:
+        assert ml.rewind(0) == 6 and ml.rewind(0) == 0
+    assert (run / "metrics.jsonl").read_text() == ""
+
+
 def test_disabled_logger_writes_nothing(tmp_path):
     ml = MetricsLogger(tmp_path / "rank1", config_dict={"a": 1}, enabled=False)
     ml.log({"x": 1.0}, step=1)
