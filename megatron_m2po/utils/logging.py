@@ -302,16 +302,21 @@ _PROGRESS_FIELDS: list[tuple[tuple[str, ...], str, str]] = [
     (("staleness/mean",), "stale", "{:.1f}"),
     (("staleness/max",), "max", "{:.0f}"),
     (("policy/kl_k3",), "kl", "{:.2e}"),
+    (("ref/kl",), "ref kl", "{:.2e}"),
     (("perf/tokens_per_s",), "tok/s", "{:.0f}"),
 ]
+# Every loss that masks tokens logs "<loss>/mask_frac" (m2po, icepop, mis, areal_m2po, a plugin's):
+# the console's mask column shows whichever the run's loss logged.
+_MASK_SUFFIX = "/mask_frac"
 
 
 def format_progress(metrics: Mapping[str, Any]) -> str:
     """``"reward 0.412 | acc 0.310 | mask 0.31% | stale 4.0 | max 7 | tok/s 1234"`` from what
-    is present."""
+    is present: the mask of whichever loss masks tokens, the reference KL when ``algo.kl`` is on."""
     parts = []
+    masks = tuple(sorted(k for k in metrics if k.endswith(_MASK_SUFFIX) and k.count("/") == 1))
     for keys, label, fmt in _PROGRESS_FIELDS:
-        for k in keys:
+        for k in (keys + masks if label == "mask" else keys):
             v = metrics.get(k)
             if isinstance(v, (int, float, np.generic)) and math.isfinite(float(v)):
                 parts.append(f"{label} {fmt.format(float(v))}")

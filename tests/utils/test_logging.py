@@ -149,6 +149,11 @@ def test_format_progress_picks_present_metrics():
     assert line == "reward 0.412 | acc 0.310 | mask 0.31% | stale 4.0 | max 7 | tok/s 1234"
     assert format_progress({"loss/clip_frac": 0.25, "eval/acc": 0.5}) == "acc 0.500 | clip 25.00%"
     assert format_progress({}) == ""
+    # every masking loss's mask (icepop's, not its low / high parts; mis; areal_m2po), the reference KL
+    assert format_progress({"icepop/mask_low_frac": 0.01, "icepop/mask_frac": 0.03, "ref/kl": 2e-3}) == \
+        "mask 3.00% | ref kl 2.00e-03"
+    assert format_progress({"mis/mask_frac": 0.5}) == "mask 50.00%"
+    assert format_progress({"areal_m2po/mask_frac": 0.001, "rollout/reward_mean": 0.5}) == "reward 0.500 | mask 0.10%"
 
 
 def test_progress_plain_lines_when_not_a_tty(caplog):
