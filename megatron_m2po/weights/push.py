@@ -98,6 +98,7 @@ class WeightPushController:
         self.sync, self.fleet, self.store, self.bg, self.drain = sync, fleet, store, bg, drain
         self.version = 0  # fresh engines start from the base model
         self._pushed: list = []  # rank 0: SyncStats of the pushes since take_metrics()
+        self._first_push_s: Optional[float] = None  # the first push's seconds (what a slow push is)
         # Every rank, after a failed push: relaunch the dead engines, return their URLs. Colocated mode
         # sets its own (the trainer offloads around the relaunch, trainer/colocated.py).
         self.relaunch: Optional[Callable[[], list[str]]] = None
@@ -238,8 +239,16 @@ class WeightPushController:
         if stats.load_s is not None:
             disk = (f"; stages wrote in {stats.write_s:.1f} s, {stats.engines} engine(s) loaded in {stats.load_s:.1f} s "
                     f"of a {stats.timeout_s:.0f} s timeout")
-        log.info("weight push of version %d: %.3g GB in %.1f s (%.3g GB/s%s)", stats.version, stats.bytes / 1e9,
-                 stats.seconds, stats.gb_per_s, disk)
+        # One INFO line for the first push, and for a push over twice as slow as the first: every push is
+        # in metrics.jsonl (sync/weight_*) and the time table; the rest go to DEBUG (M2PO_DEBUG=1).
+        first = self._first_push_s is None
+        if first:
+            self._first_push_s = stats.seconds
+        slow = stats.seconds > 2 * max(self._first_push_s, 0.5)
+        note = "; later pushes are logged when over twice as slow (each is in metrics.jsonl, sync/weight_*)" \
+            if first else (" (over twice the first push's time)" if slow else "")
+        log.log(logging.INFO if first or slow else logging.DEBUG, "weight push of version %d: %.3g GB in %.1f s "
+                "(%.3g GB/s%s)%s", stats.version, stats.bytes / 1e9, stats.seconds, stats.gb_per_s, disk, note)
         self._pushed.append(stats)
 
     def take_metrics(self) -> dict[str, float]:

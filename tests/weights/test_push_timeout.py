@@ -99,3 +99,25 @@ def test_a_load_beyond_the_bytes_budget_fails_naming_the_timeout(tmp_path):
         engine.close()
     assert "update_weights_from_disk failed" in str(e.value)
     assert f"(the load's timeout: 1 s for 0.00 GB at rollout.weight_sync_min_gbps={floor:g})" in str(e.value)
+
+
+def test_one_push_line_then_only_slow_pushes(tmp_path, caplog):
+    """The first push is logged at INFO (saying that later ones are logged when over twice as slow),
+    later pushes at DEBUG unless over twice the first's time; take_metrics still sums all of them."""
+    import types
+
+    sync = DiskWeightSync(["http://127.0.0.1:9"], str(tmp_path / "sync"), timeout_s=CONFIGURED_S, min_gbps=1.0)
+    ctl = WeightPushController(sync, store=_Store())
+    try:
+        with caplog.at_level(logging.DEBUG, logger="megatron_m2po.weights.push"):
+            for v, secs in ((1, 2.0), (2, 2.5), (3, 4.5)):
+                ctl._record(types.SimpleNamespace(version=v, bytes=1e9, seconds=secs, gb_per_s=1 / secs, load_s=None))
+    finally:
+        sync.close()
+    lines = {r.getMessage().split(":")[0]: (r.levelno, r.getMessage()) for r in caplog.records
+             if "weight push of version" in r.getMessage()}
+    assert lines["weight push of version 1"][0] == logging.INFO and "over twice as slow" in lines["weight push of version 1"][1]
+    assert lines["weight push of version 2"][0] == logging.DEBUG
+    assert lines["weight push of version 3"][0] == logging.INFO and "over twice the first push's time" in \
+        lines["weight push of version 3"][1]
+    assert ctl.take_metrics()["sync/weight_gb"] == pytest.approx(3.0)
