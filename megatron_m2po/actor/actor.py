@@ -67,6 +67,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import logging
 import os
 from functools import partial
 from typing import Any, Callable, Iterator, Optional
@@ -161,7 +162,27 @@ def init_parallel(p: ParallelConfig, seed: int) -> bool:
                          f"parallel.tensor_parallel={p.tensor_parallel}, pipeline_parallel={p.pipeline_parallel}, "
                          f"expert_parallel={p.expert_parallel}, expert_tensor_parallel={etp}")
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    _make_rerun_state_machine()
     return created
+
+
+def _make_rerun_state_machine() -> None:
+    """Megatron-Core's rerun state machine (its re-run / fault-injection machinery, which this
+    trainer does not use) made explicitly in its default mode, DISABLED, without the two WARNING
+    lines its implicit creation on first use logs on every run ("Implicit initialization of Rerun
+    State Machine!", "RerunStateMachine initialized in mode RerunMode.DISABLED":
+    megatron/core/rerun_state_machine.py ``get_rerun_state_machine``, ``RerunStateMachine.__init__``)."""
+    from megatron.core import rerun_state_machine as rsm
+
+    if getattr(rsm, "_GLOBAL_RERUN_STATE_MACHINE", None) is not None:
+        return
+    quiet = logging.getLogger(rsm.__name__)
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        rsm.initialize_rerun_state_machine(mode=rsm.RerunMode.DISABLED)
+    finally:
+        quiet.setLevel(level)
 
 
 def destroy_parallel(process_group: bool) -> None:
