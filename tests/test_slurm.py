@@ -1,0 +1,108 @@
+"""scripts/slurm/m2po.sbatch: what each node of a Slurm job runs, derived from Slurm's variables.
+
+Slurm's two commands the script calls are replaced on PATH by stand-ins that do what the real ones
+do for these calls (Slurm 22.05 man pages): ``scontrol show hostnames LIST`` prints one host a
+line; ``srun --ntasks=N ... CMD ARGS`` runs CMD once per task with that task's ``SLURM_PROCID``
+(0..N-1, one task per node in node order with ``--ntasks-per-node=1``). train.sh's torchrun is a
+recorder (``TORCHRUN``), so each node's torchrun command line is checked exactly as
+tests/test_scripts.py checks a single node's.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SBATCH = REPO / "scripts" / "slurm" / "m2po.sbatch"
+
+SRUN = r'''#!/usr/bin/env bash
+# srun stand-in: every option is --name=value; the command follows them; one run per task.
+n=1
+while [ $# -gt 0 ] && [ "${1#--}" != "$1" ]; do
+  case "$1" in --ntasks=*) n=${1#--ntasks=} ;; esac
+  printf '%s\n' "$1" >> "$SRUN_LOG"
+  shift
+done
+printf -- '-- %s\n' "$1" >> "$SRUN_LOG"
+for ((i = 0; i < n; i++)); do SLURM_PROCID=$i SLURM_NODEID=$i "$@" || exit $?; done
+'''
+
+
+def _slurm_env(tmp_path: Path, hosts: list[str], **kw) -> dict[str, str]:
+    bin_ = tmp_path / "bin"
+    bin_.mkdir(exist_ok=True)
+    (bin_ / "scontrol").write_text("#!/usr/bin/env bash\n[ \"$1 $2\" = 'show hostnames' ] || exit 1\n"
+                                   f"printf '%s\\n' {' '.join(hosts)}\n")
+    (bin_ / "srun").write_text(SRUN)
+    rec = tmp_path / "torchrun"
+    rec.write_text(f'#!/usr/bin/env bash\nprintf "%s\\n" "$@" > {tmp_path}/argv.$NODE_RANK\n')
+    for f in (bin_ / "scontrol", bin_ / "srun", rec):
+        f.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "NNODES", "NODE_RANK", "MASTER_",
+                                                                      "ROUTER_ADDR", "ROLLOUT_NODES", "GPUS_PER"))}
+    env.update(PATH=f"{bin_}{os.pathsep}{env['PATH']}", PYTHON=sys.executable, TORCHRUN=str(rec),
+               SLURM_JOB_NODELIST=f"node[0-{len(hosts) - 1}]", SLURM_JOB_NUM_NODES=str(len(hosts)),
+               SLURM_JOB_ID="77", SLURM_SUBMIT_DIR=str(REPO), SRUN_LOG=str(tmp_path / "srun.log"))
+    env.update({k: str(v) for k, v in kw.items()})
+    return env
+
+
+def _sbatch(tmp_path: Path, env: dict, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(SBATCH), *args], capture_output=True, text=True, env=env, timeout=120,
+                          cwd=tmp_path)
+
+
+def test_each_training_node_runs_torchrun_with_its_rank_from_slurm(tmp_path):
+    """Two nodes, the 32B recipe: one srun task a node, NODE_RANK from the task's SLURM_PROCID,
+    NNODES and MASTER_ADDR (the first node) from the job's node list; the recipe's overrides go
+    through unchanged to every node."""
+    env = _slurm_env(tmp_path, ["node0", "node1"])
+    r = _sbatch(tmp_path, env, "scripts/run_qwen2.5_32b.sh", "trainer.num_steps=7")
+    assert r.returncode == 0, r.stdout + r.stderr
+    srun = (tmp_path / "srun.log").read_text().splitlines()
+    assert "--ntasks=2" in srun and "--ntasks-per-node=1" in srun and "--nodelist=node0,node1" in srun
+    assert "--kill-on-bad-exit=1" in srun and not any(s.startswith("--container") for s in srun)
+    for rank in (0, 1):
+        argv = (tmp_path / f"argv.{rank}").read_text().splitlines()
+        i = argv.index
+        assert argv[i("--nnodes") + 1] == "2" and argv[i("--node-rank") + 1] == str(rank)
+        assert argv[i("--rdzv-endpoint") + 1] == "node0:29500" and argv[i("--nproc-per-node") + 1] == "8"
+        assert argv[-2:] == [str(REPO / "examples" / "qwen2.5-32b.yaml"), "trainer.num_steps=7"]
+
+
+def test_rollout_nodes_run_the_fleet_and_the_trainer_attaches_to_its_router(tmp_path):
+    """ROLLOUT_NODES=1 of 3: the first node runs launch_sglang_fleet.sh (with the router), the other
+    two train with MASTER_ADDR = the first training node and ROUTER_ADDR = the fleet's router; the
+    dry run prints what every node runs, then the recipe's own dry run; a pyxis image adds the
+    container flags to every step."""
+    env = _slurm_env(tmp_path, ["n0", "n1", "n2"], ROLLOUT_NODES=1, CONTAINER_IMAGE="/images/m2po.sqsh",
+                     CONTAINER_MOUNTS="/models:/models")
+    r = _sbatch(tmp_path, env, "--dry-run", "scripts/run_qwen2.5_32b.sh", "trainer.num_steps=7")
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = r.stdout
+    assert "# rollout nodes (1): n0; router at http://n0:29999" in out
+    fleet = shlex.split([ln for ln in out.splitlines() if ln.startswith("fleet: ")][0][len("fleet: "):])
+    assert fleet[0] == "srun" and "--nodelist=n0" in fleet and str(REPO / "scripts/launch_sglang_fleet.sh") in fleet
+    assert "--container-image=/images/m2po.sqsh" in fleet and "--container-mounts=/models:/models" in fleet
+    train = shlex.split([ln for ln in out.splitlines() if ln.startswith("train: ")][0][len("train: "):])
+    assert "--nodelist=n1,n2" in train and "--ntasks=2" in train and "--container-image=/images/m2po.sqsh" in train
+    assert "node 1 (n2): NODE_RANK=1 NNODES=2 MASTER_ADDR=n1" in out
+    # the recipe's dry run as node 0 prints it: the router address reached the trainer's config
+    assert "rollout.router_addr=http://n0:29999" in out and "OK: worst stage" in out
+    assert not list(tmp_path.glob("argv.*"))  # nothing launched
+
+
+@pytest.mark.parametrize("case,env,args,said", [
+    ("no allocation", {"SLURM_JOB_NODELIST": ""}, ["scripts/run_qwen3_8b.sh"], "no Slurm allocation"),
+    ("no recipe", {}, ["scripts/run_nothing.sh"], "recipe"),
+    ("all rollout", {"ROLLOUT_NODES": "2"}, ["scripts/run_qwen3_8b.sh"], "leaves no training node"),
+])
+def test_mistakes_are_one_line(tmp_path, case, env, args, said):
+    r = _sbatch(tmp_path, _slurm_env(tmp_path, ["a", "b"], **env), *args)
+    assert r.returncode == 2 and said in r.stderr and len(r.stderr.strip().splitlines()) == 1, (case, r.stderr)
