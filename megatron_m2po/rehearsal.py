@@ -351,7 +351,9 @@ class Rehearsal:
     timeout_s: float = 900.0
     procs: list[_Proc] = field(default_factory=list)
     kill: str = "node"  # "worker": one worker dies, torchrun --max-restarts restarts the group by itself;
-    # "node+worker": node 1 dies, and in the resumed run a worker dies too and torchrun restarts the group
+    # "node+worker": node 1 dies, and in the resumed run a worker dies too and torchrun restarts the group;
+    # "none": nothing killed here: the rehearsal is stopped from outside (a Slurm requeue) and run again
+    resumed_from: Optional[str] = None  # kill="none": the checkpoint an earlier attempt left (see main)
 
     @property
     def shared(self) -> Path:
@@ -410,6 +412,8 @@ class Rehearsal:
     def run(self) -> dict:
         if self.kill == "worker":
             return self.run_worker_kill()
+        if self.kill == "none":
+            return self.run_to_the_end()
         t0 = time.monotonic()
         plan = self.plan
         ck = f"step_{plan.kill_after:06d}"
@@ -486,6 +490,30 @@ class Rehearsal:
             if launches < 2 or text.count("init torch.distributed: backend=gloo") != launches:
                 raise RehearsalError(f"{p}: not launched and initialised in each run (first run and resume):\n"
                                      f"{_tail(p)}")
+
+    def run_to_the_end(self) -> dict:
+        """Nothing killed by the rehearsal: the nodes run to the last step. What stops them comes from
+        outside (``scontrol requeue``, a node failure: scripts/slurm/m2po.sbatch); the same command
+        on the same ``--workdir`` then runs this again, and the nodes resume from the checkpoint the
+        stopped attempt left (:attr:`resumed_from`), as a requeued job's run does."""
+        t0 = time.monotonic()
+        attempt = 1 + len(list((self.workdir / "node0").glob("train_*.log")))
+        try:
+            router = None if self.trainer_launches_engines else self.start_fleet()
+            nodes = self.start_nodes(router, attempt)
+            self.say(f"nodes: {NODES} x {PROCS_PER_NODE} processes (attempt {attempt}"
+                     + (f", resuming from {self.resumed_from}" if self.resumed_from else "") + ")")
+            for n in nodes:
+                _wait(lambda n=n: n.poll() is not None, f"{n.name} finishing", self.timeout_s,
+                      lambda: next((f"{m.name} exited with {m.poll()}; log {m.log}:\n{_tail(m.log)}" for m in nodes
+                                    if m.poll() not in (None, 0)), None))
+            if self.resumed_from and f"resumed from {self.ckpt_dir / self.resumed_from}" not in \
+                    nodes[0].log.read_text(errors="replace"):
+                raise RehearsalError(f"node 0 did not report resuming from {self.resumed_from}; log {nodes[0].log}")
+            return self.summary(self.resumed_from, time.monotonic() - t0)
+        finally:
+            for p in reversed(self.procs):
+                p.stop(10.0)
 
     def run_worker_kill(self) -> dict:
         """torchrun's own restarts: the nodes run ``scripts/train.sh`` with ``MAX_RESTARTS=1``; global
@@ -569,7 +597,16 @@ def prune_workdir(workdir: Path) -> int:
 
 
 KILL_NOTES = {"node": "node 1 SIGKILLed after it", "worker": "a worker SIGKILLed, torchrun restarted the group",
-              "node+worker": "node 1 SIGKILLed after it, then a worker, torchrun restarted the group"}
+              "node+worker": "node 1 SIGKILLed after it, then a worker, torchrun restarted the group",
+              "none": "an earlier attempt stopped from outside, this one resumed"}
+
+
+class _Stopped(Exception):
+    """SIGTERM (Slurm's requeue or scancel, a plain kill): stop every process tree, then exit."""
+
+
+def _on_sigterm(signum, frame):
+    raise _Stopped()
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -582,10 +619,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--steps", type=int, default=8, help="total steps (default 8)")
     ap.add_argument("--kill-after", type=int, default=4, help="checkpoint after this step, then SIGKILL node 1")
     ap.add_argument("--timeout", type=float, default=900.0, help="bound on each phase, seconds")
-    ap.add_argument("--kill", choices=("node", "worker", "node+worker"), default="node",
+    ap.add_argument("--kill", choices=("node", "worker", "node+worker", "none"), default="node",
                     help="node: SIGKILL node 1 after the checkpoint, then relaunch both nodes; worker: one worker "
                          "SIGKILLs itself after it, torchrun (MAX_RESTARTS=1) restarts the group by itself; "
-                         "node+worker: both, the worker in the relaunched run")
+                         "node+worker: both, the worker in the relaunched run; none: nothing killed here (stopped "
+                         "from outside, e.g. a Slurm requeue: the same command on the same --workdir resumes)")
     a = ap.parse_intermixed_args(argv)
     if not 0 < a.kill_after < a.steps:
         ap.error(f"--kill-after={a.kill_after} must be between 0 and --steps={a.steps}")
@@ -595,8 +633,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         scripts = find_scripts(config)
         workdir = Path(a.workdir).resolve() if a.workdir else Path(tempfile.mkdtemp(prefix=f"rehearse-{recipe}-"))
+        resumed_from = None
         if workdir.exists() and any(workdir.iterdir()):
-            raise RehearsalError(f"--workdir {workdir} is not empty: a rehearsal starts from nothing")
+            if a.kill != "none" or not (workdir / "shared" / "run").is_dir():
+                raise RehearsalError(f"--workdir {workdir} is not empty: a rehearsal starts from nothing (only --kill "
+                                     "none continues an earlier attempt of itself there)")
+            latest = workdir / "shared" / "run" / "checkpoints" / "latest"
+            resumed_from = latest.read_text().strip() if latest.is_file() else None
+            print(f"continuing the rehearsal in {workdir}: an earlier attempt was stopped (a requeued job?); the run "
+                  f"resumes from {resumed_from or 'its start (no checkpoint yet)'}")
         workdir.mkdir(parents=True, exist_ok=True)
         family = family_of(load_config(config))
         tb = load_standin("tiny_base")
@@ -623,10 +668,16 @@ def main(argv: Optional[list[str]] = None) -> int:
                 f"dtype={p.cfg.model.dtype} loss={p.cfg.algo.loss} launcher={p.cfg.rollout.launcher} "
                 f"weight_sync={p.cfg.rollout.weight_sync}")
         print(f"  kept: {kept}")
-        out = Rehearsal(p, workdir, model_dir, router_port, scripts, timeout_s=a.timeout, kill=a.kill).run()
+        signal.signal(signal.SIGTERM, _on_sigterm)
+        out = Rehearsal(p, workdir, model_dir, router_port, scripts, timeout_s=a.timeout, kill=a.kill,
+                        resumed_from=resumed_from).run()
     except (RehearsalError, ValueError) as e:
         print(f"rehearsal FAILED {recipe}: {e}", file=sys.stderr)
         return 1
+    except _Stopped:
+        print(f"rehearsal of {recipe} stopped by SIGTERM: every process it started was stopped; the same command "
+              f"with --workdir {workdir} --kill none continues it", file=sys.stderr)
+        return 143
     if not a.keep and not a.workdir:
         # The logs its lines pointed to stay where they said (checkpoints, weights and stores go).
         size = prune_workdir(workdir)
@@ -635,7 +686,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                else "engines=launch_sglang_fleet.sh")
     print(f"rehearsal ok {recipe} steps={out['steps']} updates={out['updates']} nodes={NODES}x{PROCS_PER_NODE} "
           f"{kept} resumed_from={out['resumed_from']} "
-          f"({KILL_NOTES[a.kill]}) "
+          f"({KILL_NOTES[a.kill] if a.kill != 'none' or out['resumed_from'] else 'not interrupted'}) "
           f"staleness={out['staleness_min']}..{out['staleness_max']} ({p.stale_k_note}) "
           f"{engines} time={time.monotonic() - t0:.0f}s")
     return 0

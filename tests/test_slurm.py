@@ -106,3 +106,47 @@ def test_rollout_nodes_run_the_fleet_and_the_trainer_attaches_to_its_router(tmp_
 def test_mistakes_are_one_line(tmp_path, case, env, args, said):
     r = _sbatch(tmp_path, _slurm_env(tmp_path, ["a", "b"], **env), *args)
     assert r.returncode == 2 and said in r.stderr and len(r.stderr.strip().splitlines()) == 1, (case, r.stderr)
+
+
+@pytest.mark.slow  # a recipe rehearsal as a Slurm job, requeued once
+@pytest.mark.timeout(1500)
+def test_rehearsal_as_a_slurm_job_is_requeued_and_resumes_from_its_checkpoint(tmp_path):
+    """A real local Slurm (tests/slurm_local.py: slurmctld, one slurmd, munge): the 8B recipe's
+    rehearsal submitted with ``sbatch scripts/slurm/m2po.sbatch scripts/run_qwen3_8b.sh --rehearse
+    --kill none``; once its step-2 checkpoint exists the job is requeued (``scontrol requeue``:
+    Slurm stops it with SIGTERM, as for a failed node with --requeue), runs the same command again,
+    resumes from that checkpoint and ends ``rehearsal ok``. Nothing of the first attempt is left
+    running when the second starts (the rehearsal stops its process trees on SIGTERM)."""
+    from slurm_local import LocalSlurm, missing
+    from waiting import wait_until
+
+    why = missing()
+    if why:
+        pytest.skip(why)
+    work, out = tmp_path / "rehearsal", tmp_path / "job.out"
+    latest = work / "shared" / "run" / "checkpoints" / "latest"
+    with LocalSlurm(tmp_path / "slurm") as slurm:
+        job = slurm.sbatch(["--nodes=1", f"--output={out}", str(SBATCH), "scripts/run_qwen3_8b.sh", "--rehearse",
+                            "--workdir", str(work), "--kill", "none", "--steps", "6", "--kill-after", "2"],
+                           cwd=REPO, env={"PYTHON": sys.executable})
+
+        def gone(state_ok=("PENDING", "RUNNING", "CONFIGURING", "REQUEUED", "COMPLETING")) -> str | None:
+            st = slurm.job(job).get("JobState", "?")
+            return None if st in state_ok else f"job {job} is {st}:\n{out.read_text(errors='replace')[-4000:]}" \
+                if out.exists() else f"job {job} is {st}" + slurm.logs()
+
+        wait_until(lambda: latest.is_file() and latest.read_text().strip() == "step_000002",
+                   what="the rehearsal's step-2 checkpoint", timeout=600, hopeless=gone)
+        r = slurm.run("scontrol", "requeue", job)
+        assert r.returncode == 0, r.stdout + r.stderr
+        wait_until(lambda: slurm.job(job).get("JobState") == "COMPLETED", what=f"job {job} completed after the requeue",
+                   timeout=900, hopeless=lambda: gone(("PENDING", "RUNNING", "CONFIGURING", "REQUEUED", "COMPLETING",
+                                                       "COMPLETED")))
+        info = slurm.job(job)
+    text = out.read_text(errors="replace")
+    assert int(info.get("Restarts", 0)) == 1, info
+    assert "stopped by SIGTERM: every process it started was stopped" in text, text[-4000:]
+    assert "continuing the rehearsal" in text and "resumes from step_000002" in text, text[-4000:]
+    last = text.strip().splitlines()[-1]
+    assert last.startswith("rehearsal ok qwen3-8b steps=6") and "resumed_from=step_000002" in last, text[-4000:]
+    assert "(an earlier attempt stopped from outside, this one resumed)" in last, last
