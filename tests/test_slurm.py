@@ -127,7 +127,7 @@ def test_rehearsal_as_a_slurm_job_is_requeued_and_resumes_from_its_checkpoint(tm
     latest = work / "shared" / "run" / "checkpoints" / "latest"
     with LocalSlurm(tmp_path / "slurm") as slurm:
         job = slurm.sbatch(["--nodes=1", f"--output={out}", str(SBATCH), "scripts/run_qwen3_8b.sh", "--rehearse",
-                            "--workdir", str(work), "--kill", "none", "--steps", "6", "--kill-after", "2"],
+                            "--workdir", str(work), "--kill", "none", "--steps", "4", "--kill-after", "2"],
                            cwd=REPO, env={"PYTHON": sys.executable})
 
         def gone(state_ok=("PENDING", "RUNNING", "CONFIGURING", "REQUEUED", "COMPLETING")) -> str | None:
@@ -148,5 +148,5 @@ def test_rehearsal_as_a_slurm_job_is_requeued_and_resumes_from_its_checkpoint(tm
     assert "stopped by SIGTERM: every process it started was stopped" in text, text[-4000:]
     assert "continuing the rehearsal" in text and "resumes from step_000002" in text, text[-4000:]
     last = text.strip().splitlines()[-1]
-    assert last.startswith("rehearsal ok qwen3-8b steps=6") and "resumed_from=step_000002" in last, text[-4000:]
+    assert last.startswith("rehearsal ok qwen3-8b steps=4") and "resumed_from=step_000002" in last, text[-4000:]
     assert "(an earlier attempt stopped from outside, this one resumed)" in last, last

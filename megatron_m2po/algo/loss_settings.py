@@ -18,7 +18,7 @@ from typing import Literal, Optional
 from megatron_m2po.utils.settings import setting as _f
 
 __all__ = ["M2POConfig", "GRPOConfig", "GSPOConfig", "CISPOConfig", "IcePopConfig", "MISConfig", "AReaLM2POConfig",
-           "VCPOConfig", "KLConfig", "KL_ESTIMATORS"]
+           "VCPOConfig", "KLConfig", "KL_ESTIMATORS", "BUILTIN_LOSS_SETTINGS"]
 
 
 @dataclass
@@ -149,3 +149,12 @@ class KLConfig:
         "trajectory's loss tokens subtracted from its reward before the GRPO advantages (verl use_kl_in_reward; "
         "behaviour log-probs: the recomputed ones with algo.recompute_behav_logprobs), by a reference pass over "
         "the whole step; no loss term then.")
+
+
+# The built-in losses' names and settings classes (None: no settings), as algo/losses.py and
+# algo/offpolicy_losses.py register them. Validating a config that names one of them, without
+# plugins, reads this table instead of the registry, so `m2po config` / `m2po plan` (and a recipe's
+# --dry-run) never import torch; tests/algo/test_loss_registry.py holds it equal to the registry.
+BUILTIN_LOSS_SETTINGS: dict[str, Optional[type]] = {
+    "m2po": M2POConfig, "no_tr": None, "grpo": GRPOConfig, "gspo": GSPOConfig, "cispo": CISPOConfig,
+    "icepop": IcePopConfig, "mis": MISConfig, "areal_m2po": AReaLM2POConfig, "vcpo": VCPOConfig}

@@ -13,8 +13,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from megatron_m2po.algo.loss_settings import (AReaLM2POConfig, CISPOConfig, GRPOConfig, GSPOConfig, IcePopConfig,
-                                             KLConfig, M2POConfig, MISConfig, VCPOConfig)
+from megatron_m2po.algo.loss_settings import (BUILTIN_LOSS_SETTINGS, AReaLM2POConfig, CISPOConfig, GRPOConfig,
+                                             GSPOConfig, IcePopConfig, KLConfig, M2POConfig, MISConfig, VCPOConfig)
 from megatron_m2po.utils.settings import ConfigError, check_ranges, settings_from_dict
 from megatron_m2po.utils.settings import setting as _f
 
@@ -69,6 +69,9 @@ class AlgoConfig:
 
     def _check_loss(self) -> None:
         """``algo.loss`` names a registered loss (after importing ``algo.plugins``); its settings are valid."""
+        if not self.plugins and self.loss in BUILTIN_LOSS_SETTINGS:  # no torch needed (loss_settings.py)
+            self._check_builtin_loss()
+            return
         from megatron_m2po.algo import losses  # the registry; imports torch, so only when validating
 
         try:
@@ -87,7 +90,20 @@ class AlgoConfig:
             # a plugin's settings: checked like the rest of the tree, then stored complete and coerced
             self.loss_options = dataclasses.asdict(settings_from_dict(spec.settings, self.loss_options,
                                                                       "algo.loss_options"))
-        settings = losses.loss_settings(spec, self)
+        self._check_settings(losses.loss_settings(spec, self))
+
+    def _check_builtin_loss(self) -> None:
+        """:meth:`_check_loss` for a built-in loss without plugins, the same rules on the same
+        settings, from the table of ``loss_settings.BUILTIN_LOSS_SETTINGS``."""
+        cls = BUILTIN_LOSS_SETTINGS[self.loss]
+        if self.loss_options:
+            where = f"it reads algo.{self.loss}.*" if cls is not None else "it has no settings"
+            raise ConfigError(f"algo.loss_options={self.loss_options!r} is only read by a plugin loss that registers a "
+                              f"settings dataclass; loss {self.loss!r} ignores it ({where})")
+        self._check_settings(getattr(self, self.loss) if cls is not None else None)
+
+    @staticmethod
+    def _check_settings(settings) -> None:
         try:
             if hasattr(settings, "check"):
                 settings.check()

@@ -4,6 +4,7 @@ MegatronActor; misspelt losses and plugins that fail to import are clear config 
 
 import os
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -89,3 +90,24 @@ def test_plugin_loss_trains_one_step_through_the_actor(tmp_path):
         assert m["example/scale"] == scale and not any(k.startswith("m2po/") for k in m)
     # the loss read its own setting: same data and weights, twice the scale -> twice the loss
     assert out[2.0][0]["loss/policy"] == pytest.approx(2 * out[1.0][0]["loss/policy"], rel=1e-5)
+
+
+def test_the_torch_free_table_of_built_in_losses_is_the_registry():
+    """Config validation of a built-in loss without plugins reads loss_settings.BUILTIN_LOSS_SETTINGS
+    (so `m2po config` / `m2po plan` import no torch): the same names and settings classes as the
+    registry's built-ins, and a config naming one validates without importing torch."""
+    import subprocess
+    import sys
+
+    from megatron_m2po.algo import losses
+    from megatron_m2po.algo.loss_settings import BUILTIN_LOSS_SETTINGS
+
+    builtin = {name: spec.settings for name, spec in losses.LOSSES.items()
+               if spec.objective.__module__ in ("megatron_m2po.algo.losses", "megatron_m2po.algo.offpolicy_losses")}
+    assert BUILTIN_LOSS_SETTINGS == builtin
+    code = ("import sys; from megatron_m2po.config import load_config; "
+            "[load_config('examples/tiny_cpu.yaml', [f'algo.loss={n}']) for n in sys.argv[1:]]; "
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    r = subprocess.run([sys.executable, "-c", code, *BUILTIN_LOSS_SETTINGS], capture_output=True, text=True,
+                       cwd=Path(__file__).resolve().parents[2], timeout=120)
+    assert r.returncode == 0, r.stderr
