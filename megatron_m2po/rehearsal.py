@@ -609,6 +609,22 @@ def _on_sigterm(signum, frame):
     raise _Stopped()
 
 
+def _workdir(given: Optional[str], recipe: str, kill: str) -> tuple[Path, Optional[str]]:
+    """The work directory (``--workdir`` or a new temporary one) and, when it holds an earlier
+    attempt that ``--kill none`` continues, the checkpoint that attempt left (None: none yet)."""
+    workdir = Path(given).resolve() if given else Path(tempfile.mkdtemp(prefix=f"rehearse-{recipe}-"))
+    if not (workdir.exists() and any(workdir.iterdir())):
+        return workdir, None
+    if kill != "none" or not (workdir / "shared" / "run").is_dir():
+        raise RehearsalError(f"--workdir {workdir} is not empty: a rehearsal starts from nothing (only --kill "
+                             "none continues an earlier attempt of itself there)")
+    latest = workdir / "shared" / "run" / "checkpoints" / "latest"
+    resumed_from = latest.read_text().strip() if latest.is_file() else None
+    print(f"continuing the rehearsal in {workdir}: an earlier attempt was stopped (a requeued job?); the run "
+          f"resumes from {resumed_from or 'its start (no checkpoint yet)'}")
+    return workdir, resumed_from
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="rehearse", description=__doc__.split("\n\n")[0])
     ap.add_argument("config", help="the recipe's YAML (examples/*.yaml)")
@@ -632,16 +648,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     t0 = time.monotonic()
     try:
         scripts = find_scripts(config)
-        workdir = Path(a.workdir).resolve() if a.workdir else Path(tempfile.mkdtemp(prefix=f"rehearse-{recipe}-"))
-        resumed_from = None
-        if workdir.exists() and any(workdir.iterdir()):
-            if a.kill != "none" or not (workdir / "shared" / "run").is_dir():
-                raise RehearsalError(f"--workdir {workdir} is not empty: a rehearsal starts from nothing (only --kill "
-                                     "none continues an earlier attempt of itself there)")
-            latest = workdir / "shared" / "run" / "checkpoints" / "latest"
-            resumed_from = latest.read_text().strip() if latest.is_file() else None
-            print(f"continuing the rehearsal in {workdir}: an earlier attempt was stopped (a requeued job?); the run "
-                  f"resumes from {resumed_from or 'its start (no checkpoint yet)'}")
+        workdir, resumed_from = _workdir(a.workdir, recipe, a.kill)
         workdir.mkdir(parents=True, exist_ok=True)
         family = family_of(load_config(config))
         tb = load_standin("tiny_base")

@@ -54,7 +54,13 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, qu
                        "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank)})
     try:
         kw = {"timeout": datetime.timedelta(seconds=pg_timeout_s)} if pg_timeout_s else {}
-        dist.init_process_group("gloo", rank=rank, world_size=world_size, **kw)
+        try:
+            dist.init_process_group("gloo", rank=rank, world_size=world_size, **kw)
+        except Exception as e:  # noqa: BLE001
+            if "EADDRINUSE" in str(e):  # the free port was taken before rank 0's store bound it: run again
+                queue.put((rank, None, traceback.format_exc()))
+                return
+            raise
         out = fn(rank, world_size, *args)
         # By value (plain pickle): through the queue torch's reducers would share a tensor's storage
         # by file descriptor, which the parent fetches from this process's resource sharer, and this
@@ -72,10 +78,25 @@ def run_distributed(fn: Callable, world_size: int, args: tuple = (), timeout_s: 
     """Start ``world_size`` gloo ranks running ``fn(rank, world_size, *args)``; return results.
 
     ``pg_timeout_s`` sets the default process group's collective timeout (torch's default else)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    for attempt in range(3):
+        # A port free when picked can be taken before rank 0's store binds it (other tests pick ports
+        # too): rank 0 then fails in init_process_group, before fn ran anywhere, and the ranks start
+        # again on another port.
+        out = _run_once(fn, world_size, args, timeout_s, env, pg_timeout_s)
+        if out is not None or attempt == 2:
+            break
+    if out is None:
+        raise RuntimeError("rank 0 could not bind a free port for its store three times (EADDRINUSE)")
+    return out
+
+
+def _run_once(fn: Callable, world_size: int, args: tuple, timeout_s: float, env: dict[str, str],
+              pg_timeout_s: float | None) -> list[Any] | None:
+    """One start of the ranks; None when rank 0's store could not bind its port."""
     ctx = _context()
     queue = ctx.Queue()
     port = free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue, env, pg_timeout_s),
                          daemon=True)
              for r in range(world_size)]
@@ -83,9 +104,13 @@ def run_distributed(fn: Callable, world_size: int, args: tuple = (), timeout_s: 
         p.start()
     results: dict[int, Any] = {}
     errors: list[str] = []
+    port_taken = False
     try:
         for _ in range(world_size):
             rank, ok, out = queue.get(timeout=timeout_s)
+            if ok is None:
+                port_taken = True
+                break
             if ok:
                 results[rank] = pickle.loads(out)
             else:
@@ -93,9 +118,11 @@ def run_distributed(fn: Callable, world_size: int, args: tuple = (), timeout_s: 
                 break
     finally:
         for p in procs:
-            p.join(timeout=5 if not errors else 0.5)
+            p.join(timeout=5 if not (errors or port_taken) else 0.5)
             if p.is_alive():
                 p.kill()
+    if port_taken:
+        return None
     if errors:
         raise RuntimeError("\n".join(errors))
     return [results[r] for r in range(world_size)]

@@ -112,6 +112,10 @@ class _Lead:
         self.logger.log(metrics, step=version, x=step + 1)
         self.progress.update(step + 1, metrics)
 
+    def rewind_metrics(self, version: int) -> int:
+        """metrics.jsonl without the records past ``version`` (the resume point logs them again)."""
+        return self.logger.rewind(version)
+
     def close(self) -> None:
         for c in (self.service, self.progress, self.logger):
             if c is None:
@@ -250,7 +254,7 @@ class Trainer:
             # async mode, groups of weights that are gone: rewound here as after a checkpoint.
             r = self.service.rewind(extra["store_cursor"] if extra is not None else None, self.actor.version,
                                     retire_ahead=self.schedule.retires_ahead)
-            dropped = self.lead.logger.rewind(self.actor.version)  # records past it are logged again
+            dropped = self.lead.rewind_metrics(self.actor.version)  # records past it are logged again
             if ckpt is not None:
                 log.info("resumed from %s at step %d (version %d); %d lease(s) will be replayed, %d group(s) "
                          "retired", ckpt, self.start_step, self.actor.version, r["replays"], r["retired"])
