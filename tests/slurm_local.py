@@ -25,6 +25,8 @@ DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "squeue")
 
 
 def missing() -> Optional[str]:
+    if os.environ.get("M2PO_TEST_SLURM") == "0":
+        return "local Slurm switched off (M2PO_TEST_SLURM=0)"
     absent = [d for d in DAEMONS if not shutil.which(d, path=os.environ.get("PATH", "") + ":/usr/sbin")]
     if absent:
         return f"no local Slurm: {', '.join(absent)} not installed (apt-get install slurm-wlm munge; .ci/run does)"
