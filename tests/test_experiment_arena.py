@@ -87,6 +87,19 @@ def _write_run(run_dir: Path, times, done=None, attempts=1):
         (run_dir / "experiment_done.json").write_text(json.dumps(done))
 
 
+def test_dry_run_without_lr_warns_that_the_configs_lr_is_far_too_high(tmp_path, capsys):
+    """The plan of 27 runs at the config's lr used to print with no word that the docs call that lr
+    far too high for the tiny model; with --lr (or an optim.lr override) nothing is said."""
+    from megatron_m2po.cli import main
+
+    assert main(["experiment", "arena", CONFIG, "--dry-run", "--out", str(tmp_path / "a")]) == 0
+    err = capsys.readouterr().err
+    assert "warning: no --lr: every arm runs at the config's optim.lr=0.0002" in err and "--calibrate-lr" in err
+    assert main(["experiment", "arena", CONFIG, "--dry-run", "--out", str(tmp_path / "b"), "--lr", "5e-5"]) == 0
+    assert "warning: no --lr" not in capsys.readouterr().err
+    assert not (tmp_path / "a").exists() or not any((tmp_path / "a").rglob("metrics.jsonl"))
+
+
 def test_measure_run_by_hand(tmp_path):
     # gaps 2, 2, 46 (a restart: > 10 x the median, left out), 2 -> 2 s per step
     _write_run(tmp_path / "a", [100, 102, 104, 150, 152], {"wall_s": 40.0, "cpu_s": 60.0, "parallel": 2})

@@ -158,6 +158,10 @@ def run_arena(args: argparse.Namespace) -> int:
         parallel = resolve_parallel(args.parallel)
         skip_finished(runs, progress=not args.no_progress)
         print(describe_plan(runs, spec, verbose=args.dry_run))
+        if args.lr is None and not any(o.startswith("optim.lr=") for o in args.overrides):
+            print(f"warning: no --lr: every arm runs at the config's optim.lr={spec['lr']:g}, at which the tiny model "
+                  "drifts far more per update than an LLM (stale GRPO clips several times the paper's ~1.2 %); "
+                  "choose one with --calibrate-lr first (docs/staleness_experiment.md, \"Arena\")", file=sys.stderr)
         print(_estimate(args, runs, spec, parallel), flush=True)
         if args.dry_run or args.estimate_only:
             return 0
