@@ -61,7 +61,7 @@ class Leaser:
         n = self.trainer.prompts_per_step
         timeout_s = self.trainer.wait_timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout_s
-        notes = WaitNotes(f"the {n} groups of step {step} generated at version {generated_at}",
+        notes = WaitNotes(f"the {n} groups of step {step + 1} generated at version {generated_at}",  # 1-based, as the console
                           f"they are generated in the background (engine logs in {self.trainer.run_dir}/engines)",
                           timeout_s)
         while True:
@@ -72,7 +72,7 @@ class Leaser:
                 break
             except NotReadyError:
                 if self.stop_event.is_set():
-                    raise StopRequested(f"stopped while waiting for the rollouts of step {step}") from None
+                    raise StopRequested(f"stopped while waiting for the rollouts of step {step + 1}") from None
                 self._fail_if_quarantined(step)
                 notes.tick(f"{self.store.count_available(generated_at=generated_at)} available")
                 if self._idle():
@@ -94,7 +94,7 @@ class Leaser:
         policy = bounded(s.max_staleness, s.order, s.retire_overage)
         timeout_s = self.trainer.wait_timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout_s
-        notes = WaitNotes(f"{n} groups for step {step} within store.max_staleness={s.max_staleness} of version "
+        notes = WaitNotes(f"{n} groups for step {step + 1} within store.max_staleness={s.max_staleness} of version "
                           f"{version}", self.producers, timeout_s)
         while True:
             self._raise_failed()
@@ -105,7 +105,7 @@ class Leaser:
                 return lease.groups, lease
             except NotReadyError as e:
                 if self.stop_event.is_set():
-                    raise StopRequested(f"stopped while waiting for the rollouts of step {step}") from None
+                    raise StopRequested(f"stopped while waiting for the rollouts of step {step + 1}") from None
                 notes.tick(str(e))
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"step {step}: no {n} servable groups within {timeout_s:.0f}s "
@@ -145,7 +145,7 @@ class Leaser:
     def _never_message(self, step: int, generated_at: int) -> str:
         n = self.trainer.prompts_per_step
         have = len(self.store.existing_group_ids(group_ids.step_group_ids(step, n)))
-        return (f"step {step}: waiting for {n} groups generated at version {generated_at}, but no generation is in "
+        return (f"step {step + 1}: waiting for {n} groups generated at version {generated_at}, but no generation is in "
                 f"flight and the store holds {self.store.count_available(generated_at=generated_at)} available "
                 f"(of this step's groups {have}/{n} are stored, counts {self.store.counts()}): they can never come. "
                 f"The store in {self.store.path} holds consumption this run did not record (a run_dir reused by "

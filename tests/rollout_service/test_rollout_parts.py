@@ -107,11 +107,11 @@ def test_a_step_nothing_generates_fails_at_once_and_a_stop_request_ends_the_wait
 
     gen = _generator(side)
     leaser = Leaser(side.trainer, StoreConfig(), side.store, stop_event=side.stop, sources=[gen])
-    with pytest.raises(RuntimeError, match="step 5: waiting for 3 groups generated at version 0, but no generation "
+    with pytest.raises(RuntimeError, match="step 6: waiting for 3 groups generated at version 0, but no generation "
                                            "is in flight.*they can never come"):
         leaser.take_step(5, version=10, generated_at=0)
     side.stop.set()
-    with pytest.raises(StopRequested, match="stopped while waiting for the rollouts of step 1"):
+    with pytest.raises(StopRequested, match="stopped while waiting for the rollouts of step 2"):
         leaser.take_async(1, version=0)
 
 

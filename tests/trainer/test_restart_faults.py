@@ -227,10 +227,10 @@ def test_sigterm_while_waiting_for_data_checkpoints_the_finished_steps_and_exits
     try:
         text = lambda: log_path.read_text(errors="replace")  # noqa: E731
         gone = lambda: proc.poll() is not None and f"the trainer exited ({proc.returncode}):\n{text()[-3000:]}"  # noqa: E731
-        wait_until(lambda: "waiting for 4 groups for step 0" in text(), what="the trainer waiting for step 0",
+        wait_until(lambda: "waiting for 4 groups for step 1 " in text(), what="the trainer waiting for step 1",
                    timeout=240, hopeless=gone)
         StoreClient(f"http://127.0.0.1:{port}", "tok").put_groups(_external_groups("x0", PROMPTS))
-        wait_until(lambda: "waiting for 4 groups for step 1" in text(), what="the trainer waiting for step 1",
+        wait_until(lambda: "waiting for 4 groups for step 2 " in text(), what="the trainer waiting for step 2",
                    timeout=120, hopeless=gone)
         assert "external producers push to http://" in text()
         proc.send_signal(signal.SIGTERM)
@@ -240,7 +240,7 @@ def test_sigterm_while_waiting_for_data_checkpoints_the_finished_steps_and_exits
             proc.kill_tree()
     log = text()
     assert rc == 0, log[-4000:]
-    assert "stopped while waiting for the rollouts of step 1" in log
+    assert "stopped while waiting for the rollouts of step 2" in log
     assert (run / "checkpoints" / "latest").read_text().strip() == "step_000001"
     assert _steps_logged(run, []) == [0]
 
