@@ -26,6 +26,7 @@ __all__ = ["finished_step", "finished_message", "run_summary", "metric_movement"
 log = logging.getLogger(__name__)
 
 FINAL_HF = "final_hf"
+FINAL_ADAPTER = "final_adapter"  # next to final_hf in a LoRA run
 # Steps averaged at each end of a run for "reward 0.36 -> 0.47": one step's reward is noisy.
 ENDS = 5
 
@@ -146,4 +147,8 @@ def run_summary(run_dir: str | os.PathLike, *, trace: Optional[str | os.PathLike
                      f"{_tool('plot_trace.py', _show(run))})")
     if final_hf is not None and Path(final_hf).is_dir():
         lines.append(f"  weights: {_show(final_hf)} (HF format: transformers, SGLang, `m2po eval --model`)")
+        adapter = Path(final_hf).parent / FINAL_ADAPTER  # a LoRA run's adapter (weights/hf_export.py)
+        if adapter.is_dir():
+            lines.append(f"  adapter: {_show(adapter)} (peft: PeftModel.from_pretrained(base, adapter); SGLang "
+                         "--lora-paths)")
     return "\n".join(lines)

@@ -89,3 +89,7 @@ def test_the_summary_names_every_output_and_its_plot_command_draws_the_plots(tmp
     assert (run / "plots" / "overview.png").is_file() and (run / "plots" / "reward.png").is_file()
     # without a trace or exported weights: not named
     assert [ln.split(":")[0].strip() for ln in run_summary(run).splitlines()] == ["moved", "metrics", "plots"]
+    # a LoRA run exports its adapter next to final_hf: named too
+    (run / "final_adapter").mkdir()
+    adapter = [ln for ln in run_summary(run, final_hf=run / "final_hf").splitlines() if ln.strip().startswith("adapter:")]
+    assert len(adapter) == 1 and str(run / "final_adapter") in adapter[0] and "PeftModel" in adapter[0]
