@@ -142,6 +142,10 @@ def test_cli_prints_both_phases_and_refuses(capsys):
     assert d["colocated"]["pushing"]["total"] <= d["colocated"]["pushing"]["budget"]
     rc, out = run("rollout.engine_mem_fraction=0.85")
     assert rc == 1 and "generating" in out and "training" in out and "REJECTED" in out
+    # the OK line names the shared GPU's tightest phase, not the training phase alone
+    rc, out = run("rollout.engine_mem_fraction=0.8")
+    peak = max(("generating", "training", "pushing"), key=lambda k: d["colocated"][k]["total"])
+    assert rc == 0 and f"tightest phase of the shared GPU: {peak}, " in " ".join(out.split()), out[-600:]
 
 
 def test_search_compares_colocated_with_the_disaggregated_splits_of_the_node():

@@ -930,7 +930,12 @@ def print_plan(p: LayoutPlan) -> None:
         con.print(n)
     for w in p.warnings:
         con.print(f"[yellow]warning:[/] {w}")
-    if p.ok:
+    if p.ok and p.colocated is not None:  # the shared GPU's tightest phase, not the training phase alone
+        peak = p.colocated.peak
+        con.print(f"[green]OK[/]: worst stage {p.worst.total / GiB:.1f} GiB of {lay.budget_gib:.1f} GiB while "
+                  f"training; tightest phase of the shared GPU: {peak.name}, {peak.total / GiB:.1f} of "
+                  f"{peak.budget / GiB:.1f} GiB")
+    elif p.ok:
         con.print(f"[green]OK[/]: worst stage {p.worst.total / GiB:.1f} GiB of {lay.budget_gib:.1f} GiB")
     else:
         for e in p.errors:
