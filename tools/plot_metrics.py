@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import fnmatch
+import json
 import math
 import re
 import sys
@@ -37,8 +38,12 @@ from megatron_m2po.utils.logging import METRICS_FILE, moving_average, read_metri
 # (file stem, panel title, metric patterns in legend order)
 PANELS: list[tuple[str, str, list[str]]] = [
     ("reward", "Reward / accuracy", ["rollout/reward_mean", "rollout/acc", "eval/*acc*"]),
-    ("trust_region", "Masked / clipped token fraction", ["m2po/mask_frac", "loss/clip_frac"]),
-    ("m2", "M2 = mean (log r)^2", ["m2po/m2_before", "m2po/m2_after", "m2po/threshold_value"]),
+    # every loss that masks tokens logs <loss>/mask_frac (m2po, icepop, mis, areal_m2po, a plugin's)
+    ("trust_region", "Masked / clipped token fraction", ["*/mask_frac", "loss/clip_frac", "vcpo/is_trunc_frac"]),
+    # M2 against its target (the run's algo.<loss>.threshold: a dashed line); M2PO's |log r| cut has
+    # its own panel, as its scale (1-3.5) would flatten M2 (~0.04) to zero
+    ("m2", "M2 = mean (log r)^2 and its target", ["*/m2_before", "*/m2_after"]),
+    ("m2_cut", "M2PO's cut: tokens with |log r| above it are masked", ["m2po/threshold_value"]),
     ("kl", "KL(behaviour || current)", ["policy/kl_k1", "policy/kl_k3",
                                          "mismatch/train_vs_engine_kl"]),
     ("entropy", "Entropy", ["policy/entropy"]),
@@ -110,7 +115,24 @@ def _match(patterns: Sequence[str], keys: Sequence[str]) -> list[str]:
     return out
 
 
-def _draw(ax, runs, labels, keys, x_key, title, smooth) -> bool:
+def m2_targets(paths: Sequence[Path]) -> list[float]:
+    """The M2 targets of the runs (``algo.<loss>.threshold`` of each run's config.json, for the losses
+    that constrain M2: m2po, areal_m2po), distinct, in run order."""
+    out: list[float] = []
+    for p in paths:
+        cfg = (p if p.is_dir() else p.parent) / "config.json"
+        try:
+            algo = json.loads(cfg.read_text()).get("algo", {})
+        except (OSError, ValueError):
+            continue
+        loss = algo.get("loss")
+        tau = (algo.get(loss) or {}).get("threshold") if loss in ("m2po", "areal_m2po") else None
+        if isinstance(tau, (int, float)) and tau not in out:
+            out.append(float(tau))
+    return out
+
+
+def _draw(ax, runs, labels, keys, x_key, title, smooth, targets: Sequence[float] = ()) -> bool:
     import matplotlib.pyplot as plt
 
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
@@ -130,11 +152,18 @@ def _draw(ax, runs, labels, keys, x_key, title, smooth) -> bool:
                     linestyle=_LINESTYLES[ki % len(_LINESTYLES)], linewidth=1.4,
                     marker="o" if len(xs) < 30 else None, markersize=3, label=name)
             drew = True
+    if drew:
+        for tau in targets:
+            ax.axhline(tau, color="black", linestyle="--", linewidth=1.0, label=f"target {tau:g}")
     ax.set_title(title, fontsize=10)
     ax.set_xlabel(_AXIS_LABELS.get(x_key, x_key))
     ax.grid(True, alpha=0.3)
     if drew:
-        ax.legend(fontsize=7, loc="best")
+        n = len(ax.get_legend_handles_labels()[1])
+        if n > 4:  # many lines (the time panel): the legend beside the axes, not over the lines
+            ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
+        else:
+            ax.legend(fontsize=7, loc="best")
     return drew
 
 
@@ -188,9 +217,10 @@ def plot_metrics(files: Sequence[str | Path], out_dir: str | Path, metrics: Sequ
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     written: list[Path] = []
+    targets = {"m2": m2_targets(paths)}
     for stem, title, pkeys in panels:
         fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
-        _draw(ax, runs, labels, pkeys, x_key, title, smooth)
+        _draw(ax, runs, labels, pkeys, x_key, title, smooth, targets.get(stem, ()))
         fig.tight_layout()
         path = out / f"{stem}.png"
         fig.savefig(path)
@@ -200,8 +230,8 @@ def plot_metrics(files: Sequence[str | Path], out_dir: str | Path, metrics: Sequ
     ncol = min(3, len(panels))
     nrow = math.ceil(len(panels) / ncol)
     fig, axes = plt.subplots(nrow, ncol, figsize=(5.2 * ncol, 3.6 * nrow), dpi=100, squeeze=False)
-    for ax, (_, title, pkeys) in zip(axes.flat, panels):
-        _draw(ax, runs, labels, pkeys, x_key, title, smooth)
+    for ax, (stem, title, pkeys) in zip(axes.flat, panels):
+        _draw(ax, runs, labels, pkeys, x_key, title, smooth, targets.get(stem, ()))
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
     fig.suptitle(", ".join(labels), fontsize=11)

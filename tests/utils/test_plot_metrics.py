@@ -183,3 +183,42 @@ def test_cli_writes_one_run_s_plots_next_to_it(tmp_path, monkeypatch):
     assert (tmp_path / "run" / "plots" / "overview.png").is_file()
     with pytest.raises(SystemExit):  # several runs: where to is not obvious
         plot_mod.main([str(tmp_path / "run"), str(tmp_path / "run")])
+
+
+def test_m2_against_its_target_and_every_losss_mask(tmp_path, monkeypatch):
+    """An areal_m2po run with tau 0.05 in its config: the trust-region panel draws its mask, the M2
+    panel its M2 with a dashed line at 0.05 (the run's target), M2PO's |log r| cut is a panel of its
+    own (its 1-3.5 would flatten M2 to zero), and the time panel's many lines get the legend beside
+    the axes."""
+    import json
+
+    import matplotlib.figure
+
+    run = tmp_path / "areal"
+    with MetricsLogger(run, tensorboard=False, config_dict={"algo": {"loss": "areal_m2po",
+                                                                     "areal_m2po": {"threshold": 0.05}}}) as ml:
+        for s in range(1, 6):
+            ml.log({"areal_m2po/mask_frac": 0.01 * s, "areal_m2po/m2_before": 0.1, "areal_m2po/m2_after": 0.049,
+                    "m2po/threshold_value": 2.5, **{f"time/{k}_s": float(s) for k in
+                                                    ("wall", "generation_wait", "data_wait", "push", "optimizer")}},
+                   step=s)
+    assert json.loads((run / "config.json").read_text())["algo"]["areal_m2po"]["threshold"] == 0.05
+    seen = {}
+    orig = matplotlib.figure.Figure.savefig
+
+    def record(fig, path, *args, **kw):
+        out = orig(fig, path, *args, **kw)  # drawn: the legend's place is known
+        ax = fig.axes[0]
+        leg = ax.get_legend()
+        beside = leg is not None and leg.get_window_extent().x0 >= ax.get_window_extent().x1
+        seen[Path(path).stem] = (ax.get_legend_handles_labels()[1], beside,
+                                 [tuple(line.get_ydata()) for line in ax.get_lines()])
+        return out
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", record)
+    plot_metrics([run], tmp_path / "plots")
+    assert "areal_m2po/mask_frac" in seen["trust_region"][0]
+    labels, _, ys = seen["m2"]
+    assert labels == ["areal_m2po/m2_before", "areal_m2po/m2_after", "target 0.05"] and (0.05, 0.05) in ys
+    assert seen["m2_cut"][0] == ["m2po/threshold_value"]
+    assert seen["time"][1] and not seen["m2"][1]  # many lines: the legend beside the axes; few: inside
