@@ -112,6 +112,11 @@ class _Lead:
         self.logger.log(metrics, step=version, x=step + 1)
         self.progress.update(step + 1, metrics)
 
+    def log_start_eval(self, metrics: dict) -> None:
+        self.logger.log({**metrics, "eval/at_step": 0}, step=0, x=0)
+        log.info("held-out before training: %s", ", ".join(f"{k} {v:.3f}" for k, v in sorted(metrics.items())
+                                                          if isinstance(v, float) and k.endswith("acc")))
+
     def rewind_metrics(self, version: int) -> int:
         """metrics.jsonl without the records past ``version`` (the resume point logs them again)."""
         return self.logger.rewind(version)
@@ -254,7 +259,9 @@ class Trainer:
             # async mode, groups of weights that are gone: rewound here as after a checkpoint.
             r = self.service.rewind(extra["store_cursor"] if extra is not None else None, self.actor.version,
                                     retire_ahead=self.schedule.retires_ahead)
-            dropped = self.lead.rewind_metrics(self.actor.version)  # records past it are logged again
+            # Records past the resume point are logged again (from the start: everything, the step-0
+            # evaluation too).
+            dropped = self.lead.rewind_metrics(self.actor.version if ckpt is not None else -1)
             if ckpt is not None:
                 log.info("resumed from %s at step %d (version %d); %d lease(s) will be replayed, %d group(s) "
                          "retired", ckpt, self.start_step, self.actor.version, r["replays"], r["retired"])
@@ -546,6 +553,8 @@ class Trainer:
         self._t_mark = time.perf_counter()
         ended: Optional[str] = None  # the summary's heading, once the run ended as planned
         try:
+            if self.start_step == 0 and cfg.trainer.eval_every_steps and cfg.trainer.eval_at_start:
+                self._evaluate_at_start()
             for step in range(self.start_step, cfg.trainer.num_steps):
                 end = self._run_step(step)
                 if end is not None:  # stopped on request
@@ -645,6 +654,13 @@ class Trainer:
                     log.info("trace written to %s (open it in https://ui.perfetto.dev)", path)
         except Exception as e:  # noqa: BLE001
             log.warning("could not report where the time went: %s", e)
+
+    def _evaluate_at_start(self) -> None:
+        """The base model's held-out accuracy, before the first step (``trainer.eval_at_start``):
+        logged at step 0 with ``eval/at_step`` 0, so curves and the run's summary start there."""
+        metrics = self._evaluate(0)
+        if self.lead and metrics:
+            self.lead.log_start_eval(metrics)
 
     def _evaluate(self, step: int) -> dict[str, float]:
         self._engines_generate(self.actor.version)

@@ -115,8 +115,10 @@ def metric_movement(records: list[dict[str, Any]], ends: int = ENDS) -> str:
         parts.append(", ".join(moved) + f" (training rollouts, mean of steps {span(first)} vs {span(last)})")
     evals = sorted({k for r in records for k in r if k.startswith("eval/") and k.endswith("acc")})
     for key in evals:
-        pts = [(int(r["train/step"]) + 1, r[key]) for r in records
-               if isinstance(r.get(key), (int, float)) and isinstance(r.get("train/step"), (int, float))]
+        # a step record's evaluation is after step train/step + 1; the one before training says eval/at_step 0
+        pts = [(int(r["train/step"]) + 1 if isinstance(r.get("train/step"), (int, float)) else int(r["eval/at_step"]),
+                r[key]) for r in records if isinstance(r.get(key), (int, float))
+               and (isinstance(r.get("train/step"), (int, float)) or isinstance(r.get("eval/at_step"), (int, float)))]
         if pts:
             (s0, a0), (s1, a1) = pts[0], pts[-1]
             parts.append(f"held-out {key} {a0:.3f} (step {s0}) -> {a1:.3f} (step {s1})" if s1 != s0

@@ -29,6 +29,8 @@ class TrainerConfig:
     run_dir: str = _f("runs/default", help="Output directory: metrics, checkpoints, store, weights.")
     eval_every_steps: int = _f(0, ge=0, help="Held-out evaluation every N steps (0 = off).")
     eval_samples: int = _f(1, ge=1, help="Samples per held-out problem (avg@k).")
+    eval_at_start: bool = _f(True, help="With eval_every_steps > 0: evaluate the base model once before the first "
+                             "step (logged at step 0), so the held-out curve starts where training starts.")
     wait_timeout_s: float = _f(3600.0, ge=1, help="Longest the trainer waits for data (a step's rollouts, a "
                                "generation, an evaluation) before it fails with a message naming what it waited for; "
                                "SIGINT / SIGTERM end such a wait at once.")

@@ -413,6 +413,9 @@ def test_phase_timings_table_and_trace(shared_runs):
     log_path = run.parent / f"{run.name}.log"
     steps = [r for r in _records(run) if "time/wall_s" in r]
     assert len(steps) == 2, steps
+    # trainer.eval_at_start: the base model's held-out accuracy, once, at step 0, before step 1
+    start = [r for r in _records(run) if r.get("eval/at_step") == 0]
+    assert len(start) == 1 and start[0]["step"] == 0 and any(k.endswith("/acc") for k in start[0]), start
     for r in steps:
         assert r["ref/kl"] == r["ref/kl_k3"] and r["reward/kl_penalty"] >= 0, r
         assert r["reward/mean"] == pytest.approx(r["rollout/reward_mean"]), r

@@ -67,6 +67,11 @@ def test_movement_of_reward_and_accuracy_from_the_first_to_the_last_steps(tmp_pa
     assert line == ("reward 0.310 -> 0.430, acc 0.210 -> 0.330 (training rollouts, mean of steps 1-2 vs 7-8); "
                     "held-out eval/synthetic/acc 0.280 (step 4) -> 0.320 (step 8)")
     assert metric_movement([]) == ""
+    # the evaluation before training (trainer.eval_at_start) is the held-out curve's start: step 0
+    recs = [{"step": 0, "eval/at_step": 0, "eval/synthetic/acc": 0.25}] + \
+        [{"step": 4 * (s + 1), "train/step": s, "rollout/reward_mean": 0.3, **({"eval/synthetic/acc": 0.3}
+                                                                             if s == 3 else {})} for s in range(4)]
+    assert "held-out eval/synthetic/acc 0.250 (step 0) -> 0.300 (step 4)" in metric_movement(recs)
 
 
 def test_the_summary_names_every_output_and_its_plot_command_draws_the_plots(tmp_path):
