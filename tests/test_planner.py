@@ -663,6 +663,9 @@ def test_cli_search_prints_ranked_layouts_and_assumptions(capsys):
     assert main(["plan", "--search", "--nnodes", "4", "--gpus-per-node", "8", str(EX / "qwen2.5-32b.yaml")]) == 0
     out = capsys.readouterr().out
     assert "layouts fit; fastest first" in out and "chosen" in out and "(config)" in out
+    # the 32B recipe's layout is row 2, chosen over row 1 for its memory: the table says why
+    assert "(chosen*)" in out and "* chosen over row 1: the least memory among the layouts within 2% of the " \
+        "fastest" in " ".join(out.split())
     for f in ("peak_tflops", "gemm_eff", "intra_node_gbs", "inter_node_gbs", "layer_overhead_s", "headroom"):
         assert f in out
     assert main(["plan", "--search", "--json", "--top", "3", "--nnodes", "4", str(EX / "qwen3-32b.yaml")]) == 0

@@ -812,12 +812,15 @@ def print_search(res: SearchResult, top: int = 5) -> None:
         r = _row(res, c)
         rank = res.rank_of(c)
         name = r["layout"] + (" (config)" if res.current is not None and same_layout(c, res.current) else "") \
-            + (" (chosen)" if same_layout(c, best) else "")
+            + ((" (chosen)" if same_layout(c, res.ranked[0]) else " (chosen*)") if same_layout(c, best) else "")
         t.add_row(str(rank) if rank is not None else "-", name, f"{r['memory_gib']:.1f}", str(r["micro_batches"]), f"{r['step_s']:.1f}",
                   f"{r['compute']:.1f}", f"{r['recompute']:.1f}", f"{r['mask']:.1f}", f"{r['tp_comm']:.1f}", f"{r['cp_comm']:.1f}",
                   f"{r['ep_comm']:.1f}", f"{r['pp_comm']:.1f}",
                   f"{r['bubble']:.1f}", f"{r['dp_comm']:.1f}", f"{r['optimizer']:.2f}", f"{r['mfu']:.2f}")
     con.print(t)
+    if not same_layout(best, res.ranked[0]):
+        con.print(f"* chosen over row 1: the least memory among the layouts within {res.tie:.0%} of the fastest "
+                  "(the time estimate is not finer than that; spare memory is not)", highlight=False)
     cur = res.current
     if cur is not None and cur.fits and res.rank_of(cur) is None:
         con.print(f"config's layout fits the GPU but not the {res.headroom:.0%} headroom: {cur.memory_gib:.1f} GiB, "
