@@ -544,6 +544,10 @@ class Trainer:
         if self.rank == 0:
             log.info("training steps %d..%d; SIGINT / SIGTERM: the step finishes, a checkpoint is written, the run "
                      "exits", self.start_step + 1, cfg.trainer.num_steps)
+        if self.rank == 0 and cfg.trainer.eval_every_steps and not self._evaluates:
+            log.warning("trainer.eval_every_steps=%d: no held-out evaluation, as the trainer has no engines to sample "
+                        "with (rollout.source=external without rollout.external_addrs); list engines there to "
+                        "evaluate", cfg.trainer.eval_every_steps)
         self._form_weight_groups()  # distributed sync: the groups form (and their NCCL builds match) now
         self._catch_up()          # exact schedules: steps scheduled before the resume point, never generated
         self._start_continuous()  # async: the engines generate from now on
@@ -553,7 +557,7 @@ class Trainer:
         self._t_mark = time.perf_counter()
         ended: Optional[str] = None  # the summary's heading, once the run ended as planned
         try:
-            if self.start_step == 0 and cfg.trainer.eval_every_steps and cfg.trainer.eval_at_start:
+            if self.start_step == 0 and self._evaluates and cfg.trainer.eval_at_start:
                 self._evaluate_at_start()
             for step in range(self.start_step, cfg.trainer.num_steps):
                 end = self._run_step(step)
@@ -593,7 +597,7 @@ class Trainer:
                         "with the same command", step, step)
             return _Ended(None)
         metrics, per_update = trained
-        if cfg.trainer.eval_every_steps and (step + 1) % cfg.trainer.eval_every_steps == 0:
+        if self._evaluates and (step + 1) % cfg.trainer.eval_every_steps == 0:
             metrics.update(self._evaluate(step + 1))
         self._log_step(step, metrics, per_update)
         fault_point("step_end")  # logged, not yet checkpointed
@@ -654,6 +658,13 @@ class Trainer:
                     log.info("trace written to %s (open it in https://ui.perfetto.dev)", path)
         except Exception as e:  # noqa: BLE001
             log.warning("could not report where the time went: %s", e)
+
+    @property
+    def _evaluates(self) -> bool:
+        """Held-out evaluation is on and has engines to sample with: external producers without
+        ``rollout.external_addrs`` leave the trainer none (the run says so once, at start)."""
+        r = self.cfg.rollout
+        return bool(self.cfg.trainer.eval_every_steps) and not (r.source == "external" and not r.external_addrs)
 
     def _evaluate_at_start(self) -> None:
         """The base model's held-out accuracy, before the first step (``trainer.eval_at_start``):
