@@ -140,6 +140,12 @@ class RolloutConfig:
                                    help="FP8 weight_block_size [block_n, block_k]; both sizes of every decoder linear must "
                                         "be multiples (SGLang refuses fused / tensor-parallel partitions that are not).")
 
+    @property
+    def has_engines(self) -> bool:
+        """Whether the trainer has engines to sample with: external producers without
+        ``external_addrs`` push their rollouts and leave it none."""
+        return not (self.source == "external" and not self.external_addrs)
+
     def validate(self) -> None:
         """Field ranges (``rollout.*``, ``rollout.agentic.*``), then the pairings within the section."""
         check_ranges(self, "rollout")

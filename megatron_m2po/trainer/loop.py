@@ -663,8 +663,7 @@ class Trainer:
     def _evaluates(self) -> bool:
         """Held-out evaluation is on and has engines to sample with: external producers without
         ``rollout.external_addrs`` leave the trainer none (the run says so once, at start)."""
-        r = self.cfg.rollout
-        return bool(self.cfg.trainer.eval_every_steps) and not (r.source == "external" and not r.external_addrs)
+        return bool(self.cfg.trainer.eval_every_steps) and self.cfg.rollout.has_engines
 
     def _evaluate_at_start(self) -> None:
         """The base model's held-out accuracy, before the first step (``trainer.eval_at_start``):

@@ -109,7 +109,7 @@ def check_engines(rollout: RolloutConfig) -> None:
     (``rollout.router_addr``), and the ports of the engines and router this node will start are
     free (``rollout.base_port`` > 0)."""
     r = rollout
-    if r.source == "external" and not r.external_addrs:
+    if not r.has_engines:
         return  # no engines: external producers push on their own
     external = r.launcher == "external"
     discovered = external and not r.external_addrs  # engines listed by the router

@@ -91,6 +91,14 @@ def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs)
 
 
+def _eval_step(r: dict[str, Any]) -> Optional[int]:
+    """The step an evaluation in record ``r`` followed: a step record's is after step
+    ``train/step`` + 1; the one before training says ``eval/at_step`` 0; None for other records."""
+    if isinstance(r.get("train/step"), (int, float)):
+        return int(r["train/step"]) + 1
+    return int(r["eval/at_step"]) if isinstance(r.get("eval/at_step"), (int, float)) else None
+
+
 def metric_movement(records: list[dict[str, Any]], ends: int = ENDS) -> str:
     """``"reward 0.362 -> 0.478, acc 0.291 -> 0.432 (mean of steps 1-5 vs 56-60)"`` from a run's
     step records (``train/step`` and ``rollout/*``; :func:`~megatron_m2po.utils.logging.read_metrics`),
@@ -115,10 +123,8 @@ def metric_movement(records: list[dict[str, Any]], ends: int = ENDS) -> str:
         parts.append(", ".join(moved) + f" (training rollouts, mean of steps {span(first)} vs {span(last)})")
     evals = sorted({k for r in records for k in r if k.startswith("eval/") and k.endswith("acc")})
     for key in evals:
-        # a step record's evaluation is after step train/step + 1; the one before training says eval/at_step 0
-        pts = [(int(r["train/step"]) + 1 if isinstance(r.get("train/step"), (int, float)) else int(r["eval/at_step"]),
-                r[key]) for r in records if isinstance(r.get(key), (int, float))
-               and (isinstance(r.get("train/step"), (int, float)) or isinstance(r.get("eval/at_step"), (int, float)))]
+        pts = [(_eval_step(r), r[key]) for r in records
+               if isinstance(r.get(key), (int, float)) and _eval_step(r) is not None]
         if pts:
             (s0, a0), (s1, a1) = pts[0], pts[-1]
             parts.append(f"held-out {key} {a0:.3f} (step {s0}) -> {a1:.3f} (step {s1})" if s1 != s0

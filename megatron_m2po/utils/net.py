@@ -55,12 +55,9 @@ def unreachable(url: str, path: str = "/health", timeout_s: float = 5.0) -> Opti
     used, as the engine and store clients (aiohttp) do not use them."""
     if not url.startswith(("http://", "https://")):
         return "not an http:// or https:// address"
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     try:
-        with opener.open(url.rstrip("/") + path, timeout=timeout_s):
-            return None
-    except urllib.error.HTTPError:
-        return None  # it answered
+        http_get(url, path, timeout_s, limit=0)  # any status: it answered
+        return None
     except urllib.error.URLError as e:
         reason = e.reason
         return getattr(reason, "strerror", None) or str(reason)
