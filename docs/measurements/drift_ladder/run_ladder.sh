@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# The drift ladder's runs, exactly as registered (PREREGISTRATION.md), resumable: rerun it after a
+# reboot or a kill and finished runs are skipped (the harness resumes a run from its checkpoint;
+# a finished drift is kept in <run>/drift/drift.json).
+#
+#   bash docs/measurements/drift_ladder/run_ladder.sh            # from the repository root
+#
+# OUT       where the runs go (default runs/drift_ladder; checkpoints included, large)
+# HARVEST   where each finished piece's small files are copied (default
+#           docs/measurements/drift_ladder/results): metrics.jsonl, config.yaml, experiment.json,
+#           drift.json. Those are what the report is built from, so they can be committed as they
+#           come in and nothing measured is lost with the machine.
+set -euo pipefail
+OUT=${OUT:-runs/drift_ladder}
+HARVEST=${HARVEST:-docs/measurements/drift_ladder/results}
+M2PO=${M2PO:-m2po}
+COMMON=(examples/staleness_tiny.yaml optim.lr=5e-5 trainer.num_steps=256)
+
+harvest() {
+  # Copy the small files of everything finished so far under $OUT into $HARVEST (same layout).
+  (cd "$OUT" && find . \( -name metrics.jsonl -o -name config.yaml -o -name experiment.json \
+      -o -name drift.json -o -name summary.json \) -not -path '*/checkpoints/*' -print0) |
+    while IFS= read -r -d '' f; do
+      mkdir -p "$HARVEST/$(dirname "$f")"
+      cp -p "$OUT/$f" "$HARVEST/$f"
+    done
+}
+
+echo "ladder: on-policy arm, 3 seeds ($(date -u +%FT%TZ))"
+"$M2PO" experiment staleness "${COMMON[@]}" checkpoint.save_every_steps=2 checkpoint.keep_last=1000 \
+    --arms grpo_s0 --seeds 3 --parallel 1 --no-progress --out "$OUT/onpolicy"
+harvest
+# The drift (the x-axis) needs the on-policy checkpoints: measured before anything else so that a
+# lost machine loses no measurement that the harvested files do not already hold.
+for s in 1234 1235 1236; do
+  run="$OUT/onpolicy/grpo_s0/seed_$s"
+  if [ ! -f "$run/drift/drift.json" ]; then
+    echo "ladder: drift of seed $s ($(date -u +%FT%TZ))"
+    "$M2PO" experiment drift "$run" --ks 8,32,128
+  fi
+  harvest
+done
+for k in 128 32 8; do
+  echo "ladder: k=$k, three stale arms x 3 seeds ($(date -u +%FT%TZ))"
+  "$M2PO" experiment staleness "${COMMON[@]}" --arms grpo_sk no_tr_sk m2po_sk --k "$k" \
+      --seeds 3 --parallel 1 --no-progress --out "$OUT/k$k"
+  harvest
+done
+echo "ladder: done ($(date -u +%FT%TZ))"
