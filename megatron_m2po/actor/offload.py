@@ -8,7 +8,7 @@ the GPU; before the next update they come back bit for bit. What moves, and by w
   ``reload_from_cpu(move_params=True, move_grads=False)`` (``distributed/param_and_grad_buffer.py``):
   a copy to ``param_data_cpu``, then ``storage().resize_(0)``; reload resizes and copies back, and
   every view (the parameters, the buckets, the fp32 main shards of fp32 parameters) is valid again.
-  We hand it its host buffer (``param_data_cpu``, pinned on CUDA, allocated once): left to itself it
+  We hand it its host buffer (``param_data_cpu``, pinned on CUDA at its exact size, allocated once): left to itself it
   makes one with ``param_data.cpu().pin_memory()``, which is the *same* tensor on a host-only
   platform (``.cpu()`` of a host tensor returns it; ``standins/cpu_platform.py`` makes pinning the
   identity), so its ``resize_(0)`` would destroy the only copy. verl does the same
@@ -50,6 +50,8 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 import torch
+
+from megatron_m2po.utils.pinned import host_empty, host_like
 
 __all__ = ["KINDS", "OffloadRecord", "TrainerOffload"]
 
@@ -101,8 +103,9 @@ def _byte_view(storage: torch.UntypedStorage) -> torch.Tensor:
 
 
 def _host_buffer(nbytes: int) -> torch.Tensor:
-    """Host memory for ``nbytes``: pinned where CUDA is (asynchronous copies), plain elsewhere."""
-    return torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=torch.cuda.is_available())
+    """Host memory for exactly ``nbytes``: pinned where CUDA is (asynchronous copies; no
+    power-of-two rounding, ``utils/pinned.py``), plain elsewhere."""
+    return host_empty(nbytes, pin=torch.cuda.is_available())
 
 
 @dataclass(slots=True)
@@ -240,7 +243,7 @@ class TrainerOffload:
             data = buf.param_data
             if data is not None and data.untyped_storage().nbytes() > 0:
                 if buf.param_data_cpu is None:  # our host buffer (module docstring: why not Megatron's)
-                    buf.param_data_cpu = torch.empty(data.shape, dtype=data.dtype, device="cpu", pin_memory=cuda)
+                    buf.param_data_cpu = host_like(data, pin=cuda)
                 n = data.untyped_storage().nbytes()
                 buf.offload_to_cpu(move_params=True, move_grads=False)
                 _add(copied, "params", n)

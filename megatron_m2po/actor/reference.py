@@ -11,12 +11,13 @@ log-prob path (the actor's ``run_schedule`` / ``token_logprobs``, the passes of 
 *same micro-batches* as the policy's forward-backward, so every layout and micro-batching gives
 the same reference log-probs as the policy path gives policy log-probs.
 
-Memory: the weights live in host memory between uses. On a GPU each parameter and buffer keeps
-a pinned host copy; :meth:`FrozenReference.logprobs` copies them to the device
-(``non_blocking``), runs the forward and points the modules back at the host copies (the device
-copies are freed; the weights never change, so nothing is copied back). The planner counts the
-device copy while it is resident (``plan/memory.py``, ``reference_bytes``). On the CPU platform
-the "device" is host memory: the copies are the same tensors and moving is a no-op.
+Memory: the weights live in host memory between uses: one host buffer of exactly their bytes
+(pinned on a GPU at its exact size, ``utils/pinned.py``), a view of it per parameter and buffer.
+:meth:`FrozenReference.logprobs` copies them to the device (``non_blocking``), runs the forward
+and points the modules back at the host copies (the device copies are freed; the weights never
+change, so nothing is copied back). The planner counts the device copy while it is resident
+(``plan/memory.py``, ``reference_bytes``) and the host buffer in the node's host memory
+(``plan/host.py``). On the CPU platform the "device" is host memory: moving is a no-op.
 
 The seam: a reference is anything with ``logprobs(actor, mbs) -> list`` (one float tensor per
 micro-batch on the last pipeline stage, ``None`` each elsewhere) and ``close()``. Under LoRA
@@ -31,7 +32,30 @@ from typing import Any, Optional
 
 import torch
 
+from megatron_m2po.utils.pinned import host_empty
+
 __all__ = ["FrozenReference", "AdapterDisabledReference", "make_reference"]
+
+
+_ALIGN = 256  # bytes: every host copy starts at a multiple (any dtype's alignment, and the DMA engine's)
+
+
+def _host_copies(tensors: list[torch.Tensor], *, pin: bool) -> list[torch.Tensor]:
+    """One host buffer of exactly the tensors' bytes (pinned on a GPU, so that the copies to the
+    device run asynchronously; ``utils/pinned.py``: no power-of-two rounding per tensor), a view
+    of it per tensor holding that tensor's values."""
+    sizes = [t.numel() * t.element_size() for t in tensors]
+    offsets, total = [], 0
+    for n in sizes:
+        offsets.append(total)
+        total += -(-n // _ALIGN) * _ALIGN
+    flat = host_empty(total, pin=pin)
+    out = []
+    for t, off, n in zip(tensors, offsets, sizes):
+        h = flat[off:off + n].view(t.dtype).view(t.shape)
+        h.copy_(t.data)
+        out.append(h)
+    return out
 
 
 class FrozenReference:
@@ -46,9 +70,7 @@ class FrozenReference:
             for p in chunk.parameters():
                 p.requires_grad_(False)
             self._tensors += list(chunk.parameters()) + list(chunk.buffers())
-        pin = device.type == "cuda"
-        # the host copies: pinned on a GPU so that the copy to the device runs asynchronously
-        self._host = [t.data.to("cpu").pin_memory() if pin else t.data.to("cpu") for t in self._tensors]
+        self._host = _host_copies(self._tensors, pin=device.type == "cuda")
         self._offload()
 
     @classmethod

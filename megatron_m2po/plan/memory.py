@@ -61,6 +61,7 @@ from typing import Any, Optional
 from megatron_m2po.config import Config, load_config
 from megatron_m2po.utils.settings import ConfigError
 from megatron_m2po.plan import colocated as colocated_plan
+from megatron_m2po.plan import host as host_plan
 from megatron_m2po.plan import lease, moe, routing
 from megatron_m2po.plan import lora as plan_lora
 
@@ -311,6 +312,10 @@ class Layout:
     reference: bool = False                 # algo.kl.coef > 0: a frozen reference copy (actor/reference.py)
     lora_rank: int = 0                      # model.lora.rank: frozen base, adapters train (plan/lora.py)
     lora_targets: tuple[str, ...] = plan_lora.DEFAULT_TARGETS
+    offload: bool = False                   # rollout.colocate: the trainer's state waits in host memory (plan/host.py)
+    engine_procs: int = 0                   # engine ranks on a node beside the trainer's (host memory)
+    host_mem_gib: float = host_plan.NODE_GIB  # RAM of one node
+    host_process_gib: float = host_plan.PROCESS_GIB  # pageable host memory allowed per GPU process
 
     @property
     def world_size(self) -> int:
@@ -355,6 +360,7 @@ class LayoutPlan:
     refusal: Optional[MemoryRefusal] = None  # the memory check's error of ``errors``, in figures
     # rollout.colocate=true: the generating and training phases of a shared GPU (plan/colocated.py)
     colocated: Optional["colocated_plan.ColocatedPhases"] = None
+    host: Optional[host_plan.HostMemory] = None  # one node's host memory (plan/host.py)
 
     @property
     def worst(self) -> StageMemory:
@@ -545,6 +551,11 @@ def plan(m: ModelShape, lay: Layout) -> LayoutPlan:
     if worst.total > budget:
         p.refusal = _memory_refusal(worst, lay, budget, experts=m.is_moe)
         p.errors.append(p.refusal.message)
+    p.host = host_plan.host_memory(reference_bytes=worst.reference, weights=worst.weights, optimizer=worst.optimizer,
+                                   offload=lay.offload, trainer_procs=lay.gpus_per_node, engine_procs=lay.engine_procs,
+                                   node_gib=lay.host_mem_gib, process_gib=lay.host_process_gib)
+    if not p.host.ok:
+        p.errors.append(p.host.refusal())
     return p
 
 
@@ -615,7 +626,7 @@ def layout_from_config(cfg: Config, *, nnodes: int = 1, gpus_per_node: int = 8, 
                                         routed_experts=cfg.rollout.return_routed_experts,
                                         engine_logprobs=cfg.algo.recompute_behav_logprobs),
                  reference=cfg.algo.kl.coef > 0, lora_rank=cfg.model.lora.rank,
-                 lora_targets=tuple(cfg.model.lora.targets))
+                 lora_targets=tuple(cfg.model.lora.targets), offload=cfg.rollout.colocate)
     for k, v in overrides.items():
         if v is not None:
             setattr(lay, k, v)
@@ -675,6 +686,7 @@ def plan_from_config(cfg: Config, m: ModelShape, **kw: Any) -> LayoutPlan:
             placement.check_weight_sync_placement(cfg, node, placement.engine_gpus(r, node))
         except ValueError as e:
             extra.append(str(e))
+        lay.engine_procs = len(eng)  # engine ranks on node 0, beside its trainer ranks (host memory)
         shared = sorted(set(eng) & set(range(lay.gpus_per_node)))
         if shared:  # colocated: engines release their memory while training runs (plan/colocated.py)
             lay.reserved_gib = _engine_share(cfg, lay).residue_bytes() / GiB
@@ -795,6 +807,11 @@ def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     _bool_flag(p, "fused-logprobs", "Fused chunked log-prob (default on; --no-fused-logprobs = naive logits).")
     _bool_flag(p, "flash-attention", "Flash/TE attention (no s x s scores stored; default on).")
     p.add_argument("--overhead-gib", type=float, default=None, help="Fixed overhead per GPU (GiB, default 3).")
+    p.add_argument("--host-mem-gib", type=float, default=None,
+                   help=f"RAM of one node (GiB, default {host_plan.NODE_GIB:g}): the reference copy and colocated "
+                        "mode's offloaded state are pinned there (plan/host.py).")
+    p.add_argument("--host-process-gib", type=float, default=None,
+                   help=f"Pageable host memory allowed per GPU process (GiB, default {host_plan.PROCESS_GIB:g}).")
     p.add_argument("--lora-rank", type=int, default=None,
                    help="Override model.lora.rank (0 = full fine-tuning; > 0: frozen base, adapters train).")
     p.add_argument("--json", action="store_true", help="Print the plan as JSON.")
@@ -853,7 +870,8 @@ def run(args: argparse.Namespace) -> int:
                  "seq_len": "seq_len", "num_microbatches": "num_microbatches", "recompute": "recompute",
                  "sequence_parallel": "sequence_parallel", "distributed_optimizer": "distributed_optimizer",
                  "fused_logprobs": "fused_logprobs", "flash_attention": "flash_attention",
-                 "overhead_gib": "overhead_gib", "lora_rank": "lora_rank"}
+                 "overhead_gib": "overhead_gib", "lora_rank": "lora_rank", "host_mem_gib": "host_mem_gib",
+                 "host_process_gib": "host_process_gib"}
         kw = {dst: getattr(args, src) for src, dst in names.items()}
         nnodes, gpus_per_node = cluster_of(args)
         p = plan_from_config(cfg, m, nnodes=nnodes, gpus_per_node=gpus_per_node,
@@ -877,7 +895,10 @@ def plan_to_dict(p: LayoutPlan) -> dict:
             "stages": [dict(dataclasses.asdict(s), total=s.total) for s in p.stages],
             "worst_total_gib": p.worst.total / GiB if p.stages else None,
             "budget_gib": p.layout.budget_gib, "ok": p.ok, "errors": p.errors, "warnings": p.warnings,
-            "notes": p.notes, "colocated": colocated_plan.to_dict(p.colocated) if p.colocated else None}
+            "notes": p.notes, "colocated": colocated_plan.to_dict(p.colocated) if p.colocated else None,
+            "host": None if p.host is None else {"parts_gib": {k: v / GiB for k, v in p.host.parts.items()},
+                                                 "total_gib": p.host.total / GiB, "budget_gib": p.host.budget / GiB,
+                                                 "ok": p.host.ok}}
 
 
 def print_plan(p: LayoutPlan) -> None:
@@ -926,6 +947,8 @@ def print_plan(p: LayoutPlan) -> None:
         con.print(t)
     if p.colocated is not None:
         colocated_plan.print_phases(con, p.colocated)
+    if p.host is not None:
+        con.print(p.host.describe(), highlight=False)
     for n in p.notes:
         con.print(n)
     for w in p.warnings:

@@ -529,7 +529,8 @@ def _evaluate(cfg: Config, m: ModelShape, work: Workload, cost: CostModel, k: in
 
 def search_config(cfg: Config, m: ModelShape, *, nnodes: int = 1, gpus_per_node: int = 8,
                   node_gpus: Optional[int] = None, gpu_mem_gib: float = 80.0, cost: CostModel = CostModel(),
-                  headroom: float = 0.1, max_vpp: int = 4, tie: float = 0.02) -> SearchResult:
+                  headroom: float = 0.1, max_vpp: int = 4, tie: float = 0.02, host_mem_gib: Optional[float] = None,
+                  host_process_gib: Optional[float] = None) -> SearchResult:
     """Every layout of ``cfg``'s model on ``nnodes x gpus_per_node`` GPUs, ranked by step time.
 
     A layout fits when :func:`~megatron_m2po.plan.memory.plan` accepts it and its worst stage needs at
@@ -551,7 +552,8 @@ def search_config(cfg: Config, m: ModelShape, *, nnodes: int = 1, gpus_per_node:
                     prepass=spec.needs_global_mask_prepass(loss_settings(spec, cfg.algo)),
                     mask_strategy=getattr(loss_settings(spec, cfg.algo), "mask_strategy", "prepass"),
                     cp_comm_type=cfg.parallel.cp_comm_type)
-    common = dict(nnodes=nnodes, gpus_per_node=gpus_per_node, node_gpus=node_gpus, gpu_mem_gib=gpu_mem_gib)
+    common = dict(nnodes=nnodes, gpus_per_node=gpus_per_node, node_gpus=node_gpus, gpu_mem_gib=gpu_mem_gib,
+                  host_mem_gib=host_mem_gib, host_process_gib=host_process_gib)
     ranked: list[Candidate] = []
     rejected: list[Candidate] = []
 
@@ -891,7 +893,8 @@ def run(args: argparse.Namespace) -> int:
         m = memory.resolve_model(args, cfg)
         def search(nnodes: int) -> SearchResult:
             r = search_config(cfg, m, nnodes=nnodes, gpus_per_node=gpn, node_gpus=args.node_gpus,
-                              gpu_mem_gib=args.gpu_mem_gib, headroom=args.headroom, tie=args.tie)
+                              gpu_mem_gib=args.gpu_mem_gib, headroom=args.headroom, tie=args.tie,
+                              host_mem_gib=args.host_mem_gib, host_process_gib=args.host_process_gib)
             r.best  # noqa: B018 -- raises PlanError naming why nothing fits
             return r
 
