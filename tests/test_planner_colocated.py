@@ -74,13 +74,14 @@ def test_generating_phase_that_does_not_fit_is_refused_with_its_figures():
     assert p.refusal is not None and p.refusal.cause == "generating" and p.colocated.kv_bytes == 0
 
 
-def test_pushing_phase_holds_the_trainers_state_beside_the_engines_weights():
-    """During the push the trainer is not offloaded yet and the engines have resumed their weights
-    (trainer/colocated.py to_engines); the push adds two buckets and one gathered tensor."""
+def test_pushing_phase_holds_the_trainers_weights_beside_the_engines_weights():
+    """During the push the trainer has offloaded its gradients and optimizer states but not its
+    weights, and the engines have resumed theirs (trainer/colocated.py to_engines); the push adds
+    two buckets and one gathered tensor."""
     _, p = _math7b("rollout.engine_mem_fraction=0.8")
     push, w = p.colocated.pushing, p.worst
     m = P.MODELS["qwen2.5-math-7b"]
-    assert push.parts["trainer state (no activations)"] == w.weights + w.gradients + w.optimizer
+    assert push.parts["trainer weights (states offloaded)"] == w.weights
     assert push.parts["trainer residue (overhead)"] == w.overhead
     assert push.parts["engine weights (resumed)"] == m.num_params() * 2
     assert push.parts["push buckets"] == 2 * 512 * MiB + m.vocab * m.hidden * 2
@@ -90,19 +91,30 @@ def test_pushing_phase_holds_the_trainers_state_beside_the_engines_weights():
 
 
 def test_a_push_that_does_not_fit_is_refused_though_both_phases_fit():
-    """The 7B trainer at TP=1 with full recomputation (53 GiB of state, few activations) fits the
-    training phase, and the engines fit the generating phase, but with 16 GiB buckets not the
-    trainer's state beside the engine's whole bf16 weights at the push: refused with cause
-    ``pushing`` and what to change; at the default 512 MiB buckets the same layout fits."""
-    tp1 = ("parallel.tensor_parallel=1", "parallel.sequence_parallel=false", "parallel.recompute=full")
-    _, p = _math7b("rollout.engine_mem_fraction=0.8", *tp1, "rollout.weight_sync_bucket_mb=16384")
+    """A 32B trainer (TP=4 x PP=2, 7.6 GiB of weights a GPU) with TP=2 engines (30.5 GiB of weights
+    each): training and generating fit, but with 32 GiB buckets the push holds the engine's weights
+    twice over (the resumed weights, and buckets as large as all the weights plus the gathered
+    embedding) beside the trainer's:
+    refused with cause ``pushing`` and what to change; at 16 GiB buckets the same layout fits."""
+    base = ("rollout.colocate=true", "rollout.engine_gpu_ids=[0,1,2,3,4,5,6,7]", "rollout.num_engines=4",
+            "rollout.engine_tp=2", "rollout.engine_mem_fraction=0.8", "parallel.tensor_parallel=4",
+            "parallel.pipeline_parallel=2", "parallel.sequence_parallel=true", "parallel.recompute=full",
+            "parallel.use_distributed_optimizer=true")
+    m = P.MODELS["qwen2.5-32b"]
+
+    def plan(bucket_mb: int):
+        cfg = load_config(EX / "qwen2.5-math-7b.yaml", [*base, f"rollout.weight_sync_bucket_mb={bucket_mb}"])
+        return P.plan_from_config(cfg, m, nnodes=1, gpus_per_node=8)
+
+    p = plan(32768)
     ph = p.colocated
     assert ph.training.ok and ph.generating.ok, (ph.training.total / GiB, ph.generating.total / GiB)
     assert not ph.pushing.ok and not p.ok
+    assert ph.pushing.parts["push buckets"] == m.num_params() * 2 + m.vocab * m.hidden * 2  # buckets capped
     r = p.refusal
     assert r is not None and r.cause == "pushing" and r.need == pytest.approx(ph.pushing.total)
     assert "lower rollout.weight_sync_bucket_mb" in r.message and r.message in p.errors
-    _, ok = _math7b("rollout.engine_mem_fraction=0.8", *tp1)
+    ok = plan(16384)
     assert ok.ok and ok.colocated.pushing.ok and ok.colocated.pushing.total < ph.pushing.total
 
 

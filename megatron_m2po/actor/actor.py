@@ -822,17 +822,28 @@ class MegatronActor:
         off = getattr(self, "_offload", None)
         return off is not None and off.offloaded
 
-    def offload(self):
-        """Parameters, gradients and optimizer states off the device while colocated engines
-        generate (``actor/offload.py``: Megatron's buffer offload plus the storages it misses).
-        Returns the :class:`~megatron_m2po.actor.offload.OffloadRecord` (bytes released per kind,
-        what stayed resident). Rank-local; nothing may read the weights until :meth:`reload`."""
+    def _offloader(self):
         from megatron_m2po.actor.offload import TrainerOffload
 
         if getattr(self, "_offload", None) is None:
             self._offload = TrainerOffload(self.model, self.optimizer, self.device)
+        return self._offload
+
+    def offload_states(self):
+        """Gradients and optimizer states off the device, the weights kept (readable: the
+        colocated push runs between this and :meth:`offload`); returns the
+        :class:`~megatron_m2po.actor.offload.OffloadRecord`. Rank-local; no update until :meth:`reload`."""
         with TIMER.phase("offload"):
-            return self._offload.offload()
+            return self._offloader().offload_states()
+
+    def offload(self):
+        """Parameters, gradients and optimizer states off the device while colocated engines
+        generate (``actor/offload.py``: Megatron's buffer offload plus the storages it misses), or
+        what :meth:`offload_states` left. Returns the :class:`~megatron_m2po.actor.offload.OffloadRecord`
+        (bytes released per kind, what stayed resident). Rank-local; nothing may read the weights
+        until :meth:`reload`."""
+        with TIMER.phase("offload"):
+            return self._offloader().offload()
 
     def reload(self):
         """The state :meth:`offload` took, back on the device bit for bit (gradient buffers zeroed);

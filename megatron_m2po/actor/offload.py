@@ -53,10 +53,13 @@ import torch
 
 from megatron_m2po.utils.pinned import host_empty, host_like
 
-__all__ = ["KINDS", "OffloadRecord", "TrainerOffload"]
+__all__ = ["KINDS", "OFFLOADED", "RESIDENT", "STATES", "OffloadRecord", "TrainerOffload"]
 
 # What the record counts bytes of. ``module_buffers`` are never moved (resident by design).
 KINDS = ("params", "grads", "main_params", "optimizer_states", "module_buffers")
+# TrainerOffload.state: everything on the device; gradients and optimizer states off (the weights
+# readable: the colocated push); everything off.
+RESIDENT, STATES, OFFLOADED = "resident", "states", "offloaded"
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,14 +130,15 @@ class _StorageMover:
         self._hosts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(owner) -> (owner, host)
 
     def offload(self, tensors: Iterator[tuple[str, torch.Tensor]], device: torch.device,
-                copied: dict[str, int], released: dict[str, int]) -> None:
+                copied: dict[str, int], released: dict[str, int], *, keep: frozenset[int] = frozenset()) -> None:
+        """Moves every device storage the tensors reach but those in ``keep`` (data pointers)."""
         assert not self.moved, "offload called twice without reload"
-        seen: set[int] = set()
+        seen: set[int] = set(keep)
         for kind, t in tensors:
             s = t.untyped_storage()
             n = s.nbytes()
             if t.device.type != device.type or n == 0 or s.data_ptr() in seen:
-                continue  # on the host already, freed already (a Megatron buffer's view), or counted
+                continue  # on the host already, freed already (a Megatron buffer's view), counted or kept
             seen.add(s.data_ptr())
             kept = self._hosts.get(id(t))
             host = kept[1] if kept is not None and kept[0] is t and kept[1].numel() == n else _host_buffer(n)
@@ -175,12 +179,14 @@ class TrainerOffload:
         self._chunks = list(ddp_chunks)
         self._optimizer = optimizer
         self._device = device
-        self._mover = _StorageMover()
-        self._offloaded = False
+        self._states = _StorageMover()   # gradients, main parameters, optimizer states
+        self._params = _StorageMover()   # parameters outside Megatron's buffers
+        self.state = RESIDENT
 
     @property
     def offloaded(self) -> bool:
-        return self._offloaded
+        """Whether anything is off the device (:data:`STATES` or :data:`OFFLOADED`)."""
+        return self.state != RESIDENT
 
     def _buffers(self) -> list:
         """Megatron's DDP parameter-and-gradient buffers of every chunk (dense and expert)."""
@@ -229,16 +235,52 @@ class TrainerOffload:
             out[kind] += s.nbytes()
         return out
 
-    def offload(self) -> OffloadRecord:
-        """Everything but the census's ``module_buffers`` off the device (module docstring)."""
-        if self._offloaded:
-            raise RuntimeError("the trainer is offloaded already: reload() it before offloading again")
+    def _param_storages(self) -> frozenset[int]:
+        """Data pointers of the storages the model's parameters live in (Megatron's parameter
+        buffers and every parameter's own): what a push reads, kept by :meth:`offload_states`."""
+        ptrs = {p.untyped_storage().data_ptr() for ddp in self._chunks for p in ddp.parameters()}
+        ptrs |= {b.param_data.untyped_storage().data_ptr() for b in self._buffers() if b.param_data is not None}
+        return frozenset(ptrs)
+
+    def offload_states(self) -> OffloadRecord:
+        """The first half of :meth:`offload`: gradients (freed), the optimizer's main parameters and
+        states (copied) off the device; the parameters stay, so the weights can still be read (the
+        colocated push: its peak holds the weights, not the whole training state). A storage that
+        a parameter shares (an fp32 model's main parameters are the parameters themselves, or views
+        of Megatron's parameter buffer) stays with the parameters."""
+        if self.state != RESIDENT:
+            raise RuntimeError(f"the trainer is offloaded already ({self.state}): reload() it before offloading again")
         t0, before = time.perf_counter(), _allocated()
         copied: dict[str, int] = {}
         released: dict[str, int] = {}
         cuda = torch.cuda.is_available()
         if cuda:
             torch.cuda.synchronize()  # the last update's kernels are done with what moves
+        for buf in self._buffers():
+            if buf.grad_data is not None:
+                _add(released, "grads", buf.grad_data.untyped_storage().nbytes())
+        for ddp in self._chunks:
+            ddp.offload_grad_buffers(synchronize=cuda, empty_cache=False)
+        self._states.offload(self._tensors(), self._device, copied, released, keep=self._param_storages())
+        self.state = STATES
+        if cuda:
+            torch.cuda.empty_cache()  # the engines resume their weights next
+        return self._record("offload", t0, before, copied, released)
+
+    def offload(self) -> OffloadRecord:
+        """Everything but the census's ``module_buffers`` off the device (module docstring); after
+        :meth:`offload_states`, the parameters that it left. The record counts this call's moves."""
+        if self.state == OFFLOADED:
+            raise RuntimeError("the trainer is offloaded already: reload() it before offloading again")
+        t0, before = time.perf_counter(), _allocated()
+        copied: dict[str, int] = {}
+        released: dict[str, int] = {}
+        cuda = torch.cuda.is_available()
+        if self.state == RESIDENT:
+            first = self.offload_states()
+            copied, released = dict(first.copied), dict(first.released)
+        elif cuda:
+            torch.cuda.synchronize()  # a push's copies are done with what moves
         for buf in self._buffers():
             data = buf.param_data
             if data is not None and data.untyped_storage().nbytes() > 0:
@@ -248,12 +290,8 @@ class TrainerOffload:
                 buf.offload_to_cpu(move_params=True, move_grads=False)
                 _add(copied, "params", n)
                 _add(released, "params", n)
-            if buf.grad_data is not None:
-                _add(released, "grads", buf.grad_data.untyped_storage().nbytes())
-        for ddp in self._chunks:
-            ddp.offload_grad_buffers(synchronize=cuda, empty_cache=False)
-        self._mover.offload(self._tensors(), self._device, copied, released)
-        self._offloaded = True
+        self._params.offload(self._tensors(), self._device, copied, released)
+        self.state = OFFLOADED
         if cuda:
             # Blocks an engine opened through CUDA IPC (weight buckets of the last push) stay reserved
             # until the trainer learns they were closed: ipc_collect() frees those first, then
@@ -263,8 +301,9 @@ class TrainerOffload:
         return self._record("offload", t0, before, copied, released)
 
     def reload(self) -> OffloadRecord:
-        """Everything :meth:`offload` moved back, bit-identical; gradient buffers re-zeroed."""
-        if not self._offloaded:
+        """Everything :meth:`offload` (or :meth:`offload_states`) moved back, bit-identical;
+        gradient buffers re-zeroed."""
+        if self.state == RESIDENT:
             raise RuntimeError("the trainer is not offloaded: nothing to reload")
         t0, before = time.perf_counter(), _allocated()
         copied: dict[str, int] = {}
@@ -281,10 +320,11 @@ class TrainerOffload:
         for buf in self._buffers():
             if buf.grad_data is not None:
                 _add(released, "grads", buf.grad_data.untyped_storage().nbytes())
-        self._mover.reload(copied, released)
+        self._params.reload(copied, released)
+        self._states.reload(copied, released)
         if torch.cuda.is_available():
             torch.cuda.synchronize()  # the host-to-device copies are complete before training reads them
-        self._offloaded = False
+        self.state = RESIDENT
         return self._record("reload", t0, before, copied, released)
 
     def _record(self, direction: str, t0: float, before: int, copied: dict[str, int],

@@ -28,14 +28,14 @@ Each must fit the GPU. The figures, with their sources (SGLang 0.5.23):
   not in SGLang's figures), SGLang's constant metadata (512 MiB, ``memory_hook.py``), the NCCL
   share ``tp/8`` GiB (``memory_hook.py``'s "adjustments for large parallel size") and, when the
   ``cuda_graph`` tag is not released, the graph pool (``2 MiB x max_bs``).
-* **pushing** (between the two, ``trainer/colocated.py`` ``to_engines``): the engines have resumed
-  their weights (not their KV pool) and the trainer, not yet offloaded (the handles point into its
-  parameters), holds its whole state -- weights, gradients, main parameters, optimizer states and
-  its fixed overhead, no activations -- plus the push's buckets: at most two packed buckets
-  (``rollout.weight_sync_bucket_mb``) and one gathered tensor, the largest HF tensor whole
-  (``weights/colocated.py`` ``run_colocated_stage``; measured on one H200 by ``tools/gpu_check.py
-  --only colocated``: 1.1 GiB above the state at 512 MiB buckets, 2.9 GiB at 2048 with 2.9 GiB of
-  weights in all).
+* **pushing** (between the two, ``trainer/colocated.py`` ``to_engines``): the trainer has offloaded
+  its gradients and optimizer states (``actor.offload_states``) but not its weights (the handles
+  point into its parameters), the engines have resumed their weights (not their KV pool): the
+  trainer's weights and fixed overhead beside the engine's weights, plus the push's buckets: at most
+  two packed buckets (``rollout.weight_sync_bucket_mb``) and one gathered tensor, the largest HF
+  tensor whole (``weights/colocated.py`` ``run_colocated_stage``; measured on one H200 by
+  ``tools/gpu_check.py --only colocated``: 1.1 GiB above the weights at 512 MiB buckets, 2.9 GiB
+  at 2048 with 2.9 GiB of weights in all).
 * What the offloaded trainer leaves: none of its training state (``actor/offload.py`` measures
   it: ``tests/actor/test_offload.py`` asserts 0 bytes of parameters, gradients, main parameters
   and Adam states after an offload); the fixed ``overhead`` of the layout (CUDA context, NCCL
@@ -142,14 +142,14 @@ class ColocatedPhases:
 
 
 def phases(trainer_total: float, trainer_residue: float, engine_weight_bytes: float, share: EngineShare,
-           *, trainer_state: float = 0.0, push_bytes: float = 0.0, budget: Optional[float] = None) -> ColocatedPhases:
+           *, trainer_weights: float = 0.0, push_bytes: float = 0.0, budget: Optional[float] = None) -> ColocatedPhases:
     """The phases of one shared GPU.
 
     ``trainer_total``: the worst stage's training peak (``StageMemory.total``); ``trainer_residue``:
     what the offloaded trainer leaves (its fixed overhead); ``engine_weight_bytes``: one engine
-    rank's weights (the model's bytes over ``engine_tp``); ``trainer_state``: the worst stage's
-    weights, gradients and optimizer states (no activations); ``push_bytes``: the push's buffers
-    on a GPU (:func:`push_buffer_bytes`)."""
+    rank's weights (the model's bytes over ``engine_tp``); ``trainer_weights``: the worst stage's
+    weights (its gradients and optimizer states left before the push); ``push_bytes``: the push's
+    buffers on a GPU (:func:`push_buffer_bytes`)."""
     gpu = share.gpu_mem_gib * GiB if budget is None else budget
     ctx = CUDA_CONTEXT_GIB * GiB
     free = gpu - trainer_residue - ctx
@@ -162,7 +162,7 @@ def phases(trainer_total: float, trainer_residue: float, engine_weight_bytes: fl
     train = PhaseMemory("training", {"trainer peak": trainer_total,
                                      "released engine residue": share.residue_bytes()}, gpu)
     push = PhaseMemory("pushing", {
-        "trainer state (no activations)": trainer_state, "trainer residue (overhead)": trainer_residue,
+        "trainer weights (states offloaded)": trainer_weights, "trainer residue (overhead)": trainer_residue,
         "push buckets": push_bytes, "engine weights (resumed)": engine_weight_bytes,
         "released engine residue": share.residue_bytes()}, gpu)
     max_frac = max(0.0, 1.0 - work / free) if free > 0 else 0.0

@@ -734,7 +734,7 @@ def _colocated_phases(p: LayoutPlan, cfg: Config) -> None:
     push = colocated_plan.push_buffer_bytes(cfg.rollout.weight_sync_bucket_mb * 2**20, largest,
                                             m.num_params() * engine_bytes)
     ph = colocated_plan.phases(w.total, w.overhead, engine_weights, _engine_share(cfg, lay),
-                               trainer_state=w.weights + w.gradients + w.optimizer, push_bytes=push)
+                               trainer_weights=w.weights, push_bytes=push)
     p.colocated = ph
     gen, share = ph.generating, ph.share
     free = gen.budget - gen.parts["trainer residue (offloaded)"] - gen.parts["engine CUDA context"]
@@ -751,11 +751,12 @@ def _colocated_phases(p: LayoutPlan, cfg: Config) -> None:
     push_phase = ph.pushing
     if not problem and not push_phase.ok:
         msg = (f"pushing phase needs {_g(push_phase.total)} > {_g(push_phase.budget)} GPU: during the push the "
-               f"trainer's state ({_g(push_phase.parts['trainer state (no activations)'])}) and the engine's resumed "
+               f"trainer's weights ({_g(push_phase.parts['trainer weights (states offloaded)'])}) "
+               "and the engine's resumed "
                f"weights ({_g(engine_weights)}) are resident together, with "
                f"{_g(push_phase.parts['push buckets'])} of push buckets; lower rollout.weight_sync_bucket_mb, raise "
-               "rollout.engine_tp (smaller engine shards), or shard the trainer further (tensor / pipeline parallel, "
-               "parallel.use_distributed_optimizer)")
+               "rollout.engine_tp (smaller engine shards), or shard the trainer's weights further (tensor / pipeline "
+               "parallel)")
         if p.refusal is None:
             p.refusal = MemoryRefusal(stage=w.stage, need=push_phase.total, budget=push_phase.budget, cause="pushing",
                                       figure=push_phase.parts["push buckets"], message=msg)

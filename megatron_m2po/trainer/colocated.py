@@ -16,7 +16,8 @@ loop; rank 0 drives the engines through the rollout service):
 colocated transport (``/update_weights_from_tensor``: weights the engines resumed without
 ``--enable-weights-cpu-backup`` hold nothing usable, ``model_executor/model_runner.py``, so every
 resume is followed by a full push, even at an unchanged version), the trainer offloads (after the
-push: the handles point into its parameters), the engines resume ``kv_cache``.
+push: the handles point into its parameters; its gradients and optimizer states left before the
+engines resumed, ``actor.offload_states``), the engines resume ``kv_cache``.
 
 At the start the trainer offloads before the engines start (:meth:`ColocatedPhases.start`): they
 load the base model, version 0, exactly as in the other modes, so the first generation needs no
@@ -171,7 +172,12 @@ class ColocatedPhases:
 
     def _resume_and_push(self) -> float:
         """:meth:`to_engines` from ``trainer``: resume weights, push, offload, resume KV cache; the
-        push's seconds. An engine that dies after the push is relaunched pending (base weights)."""
+        push's seconds. An engine that dies after the push is relaunched pending (base weights).
+
+        The trainer's gradients and optimizer states leave before the engines resume their weights
+        (``actor.offload_states``): the push reads the weights only, so its peak on a shared GPU is
+        the trainer's weights beside the engine's (``plan/colocated.py``, the pushing phase)."""
+        self._offload_states()
         with TIMER.phase("resume"):
             dead = self._from_rank0(lambda: self.service.resume_engines(("weights",)),
                                     what="the engines' weights resume")
@@ -202,6 +208,7 @@ class ColocatedPhases:
         """All ranks: rank 0 relaunches the dead engines and releases ``release`` on them; with
         ``offload`` the trainer leaves the GPUs around it (it is resident, and a relaunched engine
         loads its weights and reserves its KV cache at start-up). Returns their URLs."""
+        states_off = self.actor.offloaded  # between offload_states and the push: back to that state after
         if offload:
             if not self._from_rank0(lambda: bool(self.service.dead_engines()), what="the engine check"):
                 return []
@@ -210,6 +217,8 @@ class ColocatedPhases:
             urls = self._from_rank0(lambda: self.service.relaunch_engines(release), what="the engines' relaunch")
         if offload:
             self._reload()
+            if states_off:
+                self._offload_states()
         if urls and self.service is not None:
             log.warning("relaunched %d engine(s) %s (the trainer %s); they get the weights with the next push",
                         len(urls), ", ".join(urls), "offloaded around it" if offload else "offloaded")
@@ -224,6 +233,10 @@ class ColocatedPhases:
     # ------------------------------------------------------------------ the trainer's side
     def _offload(self) -> None:
         rec = self.actor.offload()
+        self._ledger(rec.resident_bytes)
+
+    def _offload_states(self) -> None:
+        rec = self.actor.offload_states()
         self._ledger(rec.resident_bytes)
 
     def _reload(self) -> None:

@@ -36,6 +36,22 @@ def _train(actor, batches, offload: bool) -> list[dict]:
     return records
 
 
+def _train_two_phase(actor, batches) -> list[dict]:
+    """The colocated cycle (trainer/colocated.py): states off, the weights read (the push), the
+    rest off, everything back; the weights must read the same as before the first half."""
+    import torch
+
+    out = []
+    for b in batches:
+        weights = [p.detach().clone() for p in actor.model[0].parameters()]
+        states = actor.offload_states()
+        read = [bool(torch.equal(a, p.detach())) for a, p in zip(weights, actor.model[0].parameters())]
+        rest = actor.offload()
+        out.append({"states": states, "read": read, "rest": rest, "reload": actor.reload()})
+        actor.train_update(b)
+    return out
+
+
 def _case(root: str, dtype: str, dist_opt: bool):
     import torch
 
@@ -53,6 +69,9 @@ def _case(root: str, dtype: str, dist_opt: bool):
         lib.restore(actor, start)
         records = _train(actor, batches, offload=True)
         moved = _state(actor)
+        lib.restore(actor, start)
+        two_phase = _train_two_phase(actor, batches)
+        staged = _state(actor)
         with pytest.raises(RuntimeError, match="without a preceding"):
             actor.reload()
         first = actor.offload()
@@ -60,7 +79,9 @@ def _case(root: str, dtype: str, dist_opt: bool):
             actor.offload()
         actor.reload()
         same = [bool(torch.equal(a, b)) and a.dtype == b.dtype for a, b in zip(plain, moved)]
-        return {"same": same, "n": (len(plain), len(moved)), "records": records, "first": first}
+        same_staged = [bool(torch.equal(a, b)) and a.dtype == b.dtype for a, b in zip(plain, staged)]
+        return {"same": same, "n": (len(plain), len(moved)), "records": records, "first": first,
+                "two_phase": two_phase, "same_staged": same_staged}
     finally:
         actor.close()
 
@@ -116,3 +137,25 @@ def test_offload_releases_everything_but_module_buffers(results, case):
         if distopt and bf16:
             assert offs[1].released["main_params"] == pytest.approx(offs[1].released["params"], rel=0.01)  # padding
             assert offs[1].released["optimizer_states"] == pytest.approx(2 * offs[1].released["params"], rel=0.01)
+
+
+@pytest.mark.parametrize("case", [f"{d}-{'distopt' if o else 'ddp'}" for d, o in CASES])
+def test_states_leave_first_and_the_weights_stay_readable_for_the_push(results, case):
+    """``offload_states`` (before the colocated push) frees the gradients and moves the optimizer's
+    main parameters and states, and leaves every parameter on the device with its values (an fp32
+    model's main parameters are its parameters: they stay too); ``offload`` then takes the rest;
+    training through the two halves is bit-identical to training without any offload."""
+    for r in results:
+        out = r[case]
+        assert all(out["same_staged"]), f"{case}: {out['same_staged'].count(False)} tensors differ"
+        for cyc in out["two_phase"]:
+            states, rest, reload = cyc["states"], cyc["rest"], cyc["reload"]
+            assert all(cyc["read"]) and len(cyc["read"]) > 0
+            left = {k: v for k, v in states.resident.items() if k != "module_buffers"}
+            assert left["params"] > 0 and left["grads"] == left["main_params"] == left["optimizer_states"] == 0, left
+            assert states.released["grads"] > 0 and "params" not in states.released
+            assert rest.released["params"] == left["params"] and set(rest.released) == {"params"}
+            assert {k: v for k, v in rest.resident.items() if k != "module_buffers"} == \
+                {"params": 0, "grads": 0, "main_params": 0, "optimizer_states": 0}
+            both = {k: states.released.get(k, 0) + rest.released.get(k, 0) for k in set(states.released) | set(rest.released)}
+            assert reload.released == both
