@@ -3,6 +3,7 @@
 #
 #   NNODES=4 NODE_RANK=0 MASTER_ADDR=node0 GPUS_PER_NODE=8 scripts/train.sh CONFIG.yaml [key=value ...]
 #   scripts/train.sh --dry-run CONFIG.yaml [key=value ...]   # print + validate, launch nothing
+#   scripts/train.sh --exec CMD [ARGS ...]   # CMD in the trainer's environment below (tools/gpu_check.py uses it)
 #   scripts/train.sh CONFIG.yaml --rehearse [options]   # the recipe end to end on this CPU machine: 2 simulated
 #       nodes x 2 processes through this script, CPU engines behind the router, a node SIGKILLed and resumed
 #       (python -m megatron_m2po.rehearsal --help; every scripts/run_*.sh passes --rehearse here)
@@ -68,6 +69,12 @@ fi
 if [ -n "${IFNAME:-}" ]; then
   export NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-$IFNAME}
   export GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-$IFNAME}
+fi
+export M2PO_TRAINER_ENV=1  # what runs below knows it has the trainer's environment
+if [ "${1:-}" = --exec ]; then
+  shift
+  [ "$#" -ge 1 ] || die "--exec needs a command"
+  exec "$@"
 fi
 for v in NNODES NODE_RANK MASTER_PORT GPUS_PER_NODE MAX_RESTARTS; do
   [[ "${!v}" =~ ^[0-9]+$ ]] || die "$v=${!v} must be a non-negative integer"

@@ -31,6 +31,8 @@ def _module():
 
 
 def _run(*args: str, pre: str = "", timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
+    if pre:  # code run before the check: in this interpreter, so not re-executed through scripts/train.sh
+        args = (*args, "--shell-env")
     code = f"import sys, runpy; {pre + '; ' if pre else ''}sys.argv = {[str(SCRIPT), *args]!r}; runpy.run_path({str(SCRIPT)!r}, run_name='__main__')"
     env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "CUDA_VISIBLE_DEVICES": "", "PYTHONWARNINGS": "ignore",
            "HOME": str(Path.home()), **(env or {})}
@@ -49,6 +51,9 @@ def test_cpu_smoke_prints_the_table_and_passes(tmp_path):
              env={"PYTHONPATH": f"{ROOT}{os.pathsep}{fake}", "FAKE_GPU_IMPORT_LOG": str(log)})
     assert r.returncode == 0, r.stdout + r.stderr
     assert not log.exists(), log.read_text()
+    # the rows ran in scripts/train.sh's environment (the allocator and CUDA settings the trainer gets)
+    assert "environment: scripts/train.sh's: CUDA_DEVICE_MAX_CONNECTIONS=1 " \
+        "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True TORCH_NCCL_ASYNC_ERROR_HANDLING=1" in r.stdout, r.stdout[:800]
     rows = _module().parse_table(r.stdout)
     by_check = {row["check"]: row for row in rows}
     numerics = [row for row in rows if row["check"].startswith("actor cpu bf16 (te-twin spec) vs CPU fp32")]

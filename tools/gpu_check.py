@@ -4,6 +4,10 @@
     python tools/gpu_check.py --cpu-smoke       # CPU, tiny shapes: the machinery only (CI runs this)
     python tools/gpu_check.py --json out.json   # the rows as JSON too
 
+Every row runs in the trainer's environment: the check re-executes itself through
+``scripts/train.sh --exec`` (allocator, NCCL and CUDA settings, the NCCL preload) and prints it
+under the header; ``--shell-env`` runs in the shell's instead.
+
 It prints one table, a row per claim:
 
 1. **actor numerics** -- the actor's CUDA path (Transformer Engine layer spec when
@@ -147,6 +151,17 @@ for _p in (ROOT, ROOT / "tools"):  # the package and the rows (tools/gpu_checks/
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
 
+# The rows run in the environment the trainer runs in: scripts/train.sh's (allocator, NCCL, CUDA
+# settings, the NCCL preload), not the shell's. Run directly, the check re-executes itself through
+# ``scripts/train.sh --exec`` before anything reads that environment (torch included); the worker
+# subprocesses it starts inherit it. ``--shell-env`` keeps the shell's environment instead.
+TRAINER_ENV_VARS = ("CUDA_DEVICE_MAX_CONNECTIONS", "PYTORCH_CUDA_ALLOC_CONF", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+                    "LD_PRELOAD", "NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")
+if (__name__ == "__main__" and os.environ.get("M2PO_TRAINER_ENV") != "1" and "--shell-env" not in sys.argv
+        and not any(a.startswith("--_") for a in sys.argv)):
+    os.execv("/bin/bash", ["bash", str(ROOT / "scripts" / "train.sh"), "--exec", sys.executable,
+                           str(Path(__file__).resolve()), *sys.argv[1:]])
+
 import torch  # noqa: E402
 
 from gpu_checks.colocated import COLOCATED_CHECK, row_colocated  # noqa: E402
@@ -175,6 +190,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--cpu-smoke", action="store_true",
                     help="tiny shapes on CPU; CUDA-only measurements are skipped with the reason (CI)")
     ap.add_argument("--json", help="also write the rows as JSON to this file")
+    ap.add_argument("--shell-env", action="store_true",
+                    help="run in the shell's environment, not scripts/train.sh's (the default: the trainer's)")
     ap.add_argument("--peak-tflops", type=float, default=None, help="dense bf16 peak of this GPU for the MFU")
     ap.add_argument("--work-dir", help="where the random models go (default: a temporary directory)")
     ap.add_argument("--moe-model", help="row 7: an HF MoE checkpoint to measure (or 'tiny'; default the row's random MoE)")
@@ -213,7 +230,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     missing = missing_packages()
     mc = _version("megatron-core")
     header = (f"gpu_check{' --cpu-smoke' if a.cpu_smoke else ''}: device={dev} torch={torch.__version__} "
-              f"megatron-core={mc or 'missing'} layer-spec={spec_name()}")
+              f"megatron-core={mc or 'missing'} layer-spec={spec_name()}\n"
+              + ("environment: scripts/train.sh's: " if os.environ.get("M2PO_TRAINER_ENV") == "1" else
+                 "environment: the shell's (--shell-env), not the trainer's: ")
+              + " ".join(f"{k}={os.environ[k]}" for k in TRAINER_ENV_VARS if os.environ.get(k)))
     rows: list[Row] = []
     rc = 0
     with tempfile.TemporaryDirectory(prefix="gpu_check-") as tmp:
