@@ -688,3 +688,15 @@ def test_search_without_a_cluster_size_finds_the_smallest_that_fits(capsys):
     assert d["top"] and d["chosen"]["parallel"]["tensor_parallel"] * d["chosen"]["parallel"]["pipeline_parallel"] <= 16
     assert main(["plan", "--search", "--nnodes", "1", str(EX / "qwen2.5-32b.yaml")]) == 1
     assert "no layout of qwen2.5-32b fits 8 GPUs" in capsys.readouterr().err
+
+
+def test_a_recipes_cluster_is_said_as_its_script_launches_it(capsys):
+    """``m2po plan`` of a recipe plans the cluster its launch script starts and says so on stderr:
+    the 32B LoRA recipe trains on 2 GPUs of one 8-GPU node (engines on the other six), not on a
+    2-GPU node."""
+    assert main(["plan", str(EX / "qwen2.5-32b-lora.yaml")]) == 0
+    err = capsys.readouterr().err
+    assert "# 1 node(s) x 2 trainer GPUs (of an 8-GPU node; engines on the others): the cluster " \
+           "run_qwen2.5_32b_lora.sh launches" in err, err
+    assert main(["plan", str(EX / "qwen2.5-32b.yaml")]) == 0
+    assert "node(s) x 8 GPUs: the cluster run_qwen2.5_32b.sh launches" in capsys.readouterr().err

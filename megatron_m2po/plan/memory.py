@@ -851,7 +851,8 @@ def cluster_of(args: argparse.Namespace) -> tuple[int, int]:
         rc = launch_cluster(args.config)
         if rc is not None:
             nnodes, gpn = nnodes or rc.nnodes, gpn or rc.gpus_per_node
-            print(f"# {nnodes} node(s) x {gpn} GPUs: the cluster {rc.script.name} launches this recipe on "
+            gpus = f"{gpn} GPUs" if gpn >= 8 else f"{gpn} trainer GPUs (of an 8-GPU node; engines on the others)"
+            print(f"# {nnodes} node(s) x {gpus}: the cluster {rc.script.name} launches this recipe on "
                   "(NNODES, GPUS_PER_NODE); --nnodes / --gpus-per-node plan another", file=sys.stderr)
     return nnodes or 1, gpn or 8
 
