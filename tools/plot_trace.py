@@ -23,7 +23,7 @@ from pathlib import Path
 # Phases in legend order (utils/timing.py TRAINER_PHASES, then the driver's); others follow.
 _ORDER = ["push", "generation_wait", "data_wait", "mask", "forward_backward", "optimizer", "checkpoint",
           "evaluation", "generation", "reward"]
-_COUNTERS = ("engine/running_reqs", "engine/queued_reqs")
+_COUNTERS = ("engine/inflight_reqs", "engine/running_reqs", "engine/queued_reqs")
 
 
 def _load(trace: str | Path) -> dict:
@@ -94,8 +94,9 @@ def plot_trace(trace: str | Path, out: str | Path, t_from: float | None = None,
         for name in _COUNTERS:
             pts = sorted((e["ts"] / 1e6, e["args"]["value"]) for e in counters if e["name"] == name)
             if pts:
-                cax.step([p[0] for p in pts], [p[1] for p in pts], where="post", label=name, marker=".")
-        cax.set_ylabel("engines\n(/v1/loads)", fontsize=8)
+                cax.step([p[0] for p in pts], [p[1] for p in pts], where="post", label=name,
+                         marker="." if name != "engine/inflight_reqs" else None)
+        cax.set_ylabel("requests\n(in flight; /v1/loads)", fontsize=8)
         cax.legend(fontsize=7, frameon=False)
         cax.grid(alpha=0.3)
     axes[-1][0].set_xlabel("seconds since the run's first traced event")

@@ -45,7 +45,9 @@ states them, ``plan/colocated.py``).
 
 from __future__ import annotations
 
+import contextlib
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -98,6 +100,17 @@ class OffloadRecord:
 
 def _add(d: dict[str, int], kind: str, n: int) -> None:
     d[kind] = d.get(kind, 0) + int(n)
+
+
+@contextlib.contextmanager
+def _megatron_storage_calls() -> Iterator[None]:
+    """Around megatron-core 0.16.1's buffer offload / reload: they resize ``tensor.storage()``
+    (``param_and_grad_buffer.py`` ``offload_to_cpu`` / ``reload_from_cpu``), which makes torch warn
+    "TypedStorage is deprecated" once per process, in every colocated run; that one warning is
+    silenced here, where its cause is known (nothing of ours uses typed storages)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="TypedStorage is deprecated", category=UserWarning)
+        yield
 
 
 def _byte_view(storage: torch.UntypedStorage) -> torch.Tensor:
@@ -259,8 +272,9 @@ class TrainerOffload:
         for buf in self._buffers():
             if buf.grad_data is not None:
                 _add(released, "grads", buf.grad_data.untyped_storage().nbytes())
-        for ddp in self._chunks:
-            ddp.offload_grad_buffers(synchronize=cuda, empty_cache=False)
+        with _megatron_storage_calls():
+            for ddp in self._chunks:
+                ddp.offload_grad_buffers(synchronize=cuda, empty_cache=False)
         self._states.offload(self._tensors(), self._device, copied, released, keep=self._param_storages())
         self.state = STATES
         if cuda:
@@ -287,7 +301,8 @@ class TrainerOffload:
                 if buf.param_data_cpu is None:  # our host buffer (module docstring: why not Megatron's)
                     buf.param_data_cpu = host_like(data, pin=cuda)
                 n = data.untyped_storage().nbytes()
-                buf.offload_to_cpu(move_params=True, move_grads=False)
+                with _megatron_storage_calls():
+                    buf.offload_to_cpu(move_params=True, move_grads=False)
                 _add(copied, "params", n)
                 _add(released, "params", n)
         self._params.offload(self._tensors(), self._device, copied, released)
@@ -311,12 +326,14 @@ class TrainerOffload:
         for buf in self._buffers():
             data = buf.param_data
             if data is not None and data.untyped_storage().nbytes() == 0 and buf.param_data_cpu is not None:
-                buf.reload_from_cpu(move_params=True, move_grads=False)
+                with _megatron_storage_calls():
+                    buf.reload_from_cpu(move_params=True, move_grads=False)
                 n = data.untyped_storage().nbytes()
                 _add(copied, "params", n)
                 _add(released, "params", n)
-        for ddp in self._chunks:
-            ddp.restore_grad_buffers(synchronize=False)
+        with _megatron_storage_calls():
+            for ddp in self._chunks:
+                ddp.restore_grad_buffers(synchronize=False)
         for buf in self._buffers():
             if buf.grad_data is not None:
                 _add(released, "grads", buf.grad_data.untyped_storage().nbytes())

@@ -75,6 +75,8 @@ from typing import Any, Callable, Optional, Sequence
 import aiohttp
 import numpy as np
 
+from megatron_m2po.utils.timing import TIMER
+
 log = logging.getLogger("m2po.client")
 
 class EngineError(RuntimeError):
@@ -226,6 +228,23 @@ def generate_payload(input_ids: Sequence[int], sampling_params: dict, return_log
     if lora_path is not None:
         payload["lora_path"] = str(lora_path)
     return payload
+
+
+class _InFlight:
+    """Generate requests this process has in flight to engines, over every client (a router's, or
+    each engine's under ``rollout/dispatch.py``): the load over time, traced as the counter
+    ``engine/inflight_reqs`` at every change (``logging.trace``). The engines' own ``/v1/loads``
+    is a snapshot at a step's end, when a step's generation is usually done."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def change(self, d: int) -> None:
+        self.n += d
+        TIMER.counters({"engine/inflight_reqs": float(self.n)})
+
+
+IN_FLIGHT = _InFlight()
 
 
 class _Limiter:
@@ -380,6 +399,7 @@ class SGLangClient:
         rid = payload["rid"]
         self._sess()
         async with self._sem:
+            IN_FLIGHT.change(+1)
             try:
                 # A generate that timed out is not retried: the engine may still be running it.
                 out = await self._generate_with_retry(payload)
@@ -390,6 +410,8 @@ class SGLangClient:
                 if "timed out" in str(e):
                     await self._abort_quietly(rid)
                 raise
+            finally:
+                IN_FLIGHT.change(-1)
         return self._tagged(GenerateOutput.from_json(out), adapter_version)
 
     async def _generate_with_retry(self, payload: dict) -> dict:

@@ -50,7 +50,11 @@ def test_trace_of_a_two_rank_run_has_every_rank(tmp_path):
     assert {e["name"] for e in spans if e["name"] in ("generation", "reward")} == {"generation", "reward"}
     assert {e["pid"] for e in spans if e["name"] == "generation"} == {0}  # the driver lives on rank 0
     counters = {e["name"] for e in events if e["ph"] == "C" and e["pid"] == ENGINES_PID}
-    assert counters == {"engine/running_reqs", "engine/queued_reqs", "engine/used_tokens"}
+    assert counters == {"engine/running_reqs", "engine/queued_reqs", "engine/used_tokens", "engine/inflight_reqs"}
+    # the requests in flight, at every change: up while generating (every request counts), 0 at the end
+    inflight = [e["args"]["value"] for e in sorted((e for e in events if e["ph"] == "C"), key=lambda e: e["ts"])
+                if e["name"] == "engine/inflight_reqs"]
+    assert max(inflight) >= 1 and inflight[-1] == 0 and min(inflight) >= 0, inflight[:20]
     procs = {e["pid"]: e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
     assert procs == {0: "rank 0", 1: "rank 1", ENGINES_PID: "engines (/v1/loads)"}
     assert min(e["ts"] for e in spans) >= 0 and "trace written to" in log.read_text()
