@@ -7,9 +7,10 @@
 #
 # OUT       where the runs go (default runs/drift_ladder; checkpoints included, large)
 # HARVEST   where each finished piece's small files are copied (default
-#           docs/measurements/drift_ladder/results): metrics.jsonl, config.yaml, experiment.json,
-#           drift.json. Those are what the report is built from, so they can be committed as they
-#           come in and nothing measured is lost with the machine.
+#           docs/measurements/drift_ladder/results): of each finished run metrics.jsonl (gzipped),
+#           config.yaml, config.json, experiment_done.json; each experiment.json and drift.json.
+#           Those are what the report is built from, so they are committed as they come in and
+#           nothing measured is lost with the machine.
 set -euo pipefail
 OUT=${OUT:-runs/drift_ladder}
 HARVEST=${HARVEST:-docs/measurements/drift_ladder/results}
@@ -17,9 +18,18 @@ M2PO=${M2PO:-m2po}
 COMMON=(examples/staleness_tiny.yaml optim.lr=5e-5 trainer.num_steps=256)
 
 harvest() {
-  # Copy the small files of everything finished so far under $OUT into $HARVEST (same layout).
-  (cd "$OUT" && find . \( -name metrics.jsonl -o -name config.yaml -o -name experiment.json \
-      -o -name drift.json -o -name summary.json \) -not -path '*/checkpoints/*' -print0) |
+  # Copy the small files of every finished run under $OUT (experiment_done.json), and every finished
+  # drift, into $HARVEST (same layout).
+  (cd "$OUT" && find . -name experiment_done.json -not -path '*/checkpoints/*' -print0) |
+    while IFS= read -r -d '' done_file; do
+      d=$(dirname "$done_file")
+      mkdir -p "$HARVEST/$d"
+      gzip -9nc "$OUT/$d/metrics.jsonl" > "$HARVEST/$d/metrics.jsonl.gz"
+      for f in config.yaml config.json experiment_done.json; do
+        if [ -f "$OUT/$d/$f" ]; then cp -p "$OUT/$d/$f" "$HARVEST/$d/$f"; fi
+      done
+    done
+  (cd "$OUT" && find . \( -name experiment.json -o -path '*/drift/drift.json' \) -print0) |
     while IFS= read -r -d '' f; do
       mkdir -p "$HARVEST/$(dirname "$f")"
       cp -p "$OUT/$f" "$HARVEST/$f"
