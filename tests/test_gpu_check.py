@@ -308,10 +308,12 @@ def test_the_planners_routing_imbalance_default_covers_the_tiny_moes_measurement
     default is at least the recorded worst layer and at least 1.5 (docs/planner.md says why).
 
     The samples are drawn at T=1, and which tokens are drawn follows the CPU's float rounding, so the
-    measurement moves with the CPU type: 1.21 recorded for EP=2 on one, 1.27 measured on an AMD EPYC.
-    The tolerance, 0.1, is that spread with half of it again as margin; a change of the router, the
-    dispatch count or the prompts moves the values by far more (1.0 balanced, 2.0 at EP=4 for one
-    expert taking everything)."""
+    measurement moves with the CPU type, and the worst layer at EP=4 (one expert a rank) most: 1.21
+    and 1.60 recorded (EP=2, EP=4) on one machine, 1.27 for EP=2 on an AMD EPYC, 1.22 and 1.37 on
+    another. So what is asserted is what holds on any machine: the measurement lies strictly between
+    the balanced router (1.0) and one expert taking every token (2.0 at EP=4 and at EP=2 with top-2
+    of 4: a rank holds half the experts), away from both by 0.05, and the planner's default covers it
+    (it must on every machine, or a real run's dispatch outgrows the plan)."""
     from megatron_m2po.config import MoEConfig
     from megatron_m2po.plan.routing import MEASURED_TINY_IMBALANCE
 
@@ -319,7 +321,8 @@ def test_the_planners_routing_imbalance_default_covers_the_tiny_moes_measurement
     (row,) = gc.row_routing_imbalance(True, tmp_path, "tiny")
     measured = {int(ep): d["layer_max"] for ep, d in row.values["per_ep"].items()}
     assert measured.keys() == MEASURED_TINY_IMBALANCE.keys() == {2, 4}, row  # EP=8 does not divide 4 experts
-    for ep, value in MEASURED_TINY_IMBALANCE.items():
-        assert measured[ep] == pytest.approx(value, abs=0.1), (ep, measured)
+    for ep in MEASURED_TINY_IMBALANCE:
+        assert 1.05 < measured[ep] < 1.95, (ep, measured)
+        assert MoEConfig().routing_imbalance >= measured[ep], (ep, measured)
     assert row.verdict == "INFO" and row.values["counts_shape"][1:] == [2, 4]
     assert MoEConfig().routing_imbalance >= max(max(MEASURED_TINY_IMBALANCE.values()), 1.5)  # recorded to 2 digits
