@@ -1,4 +1,6 @@
+import json
 import os
+from pathlib import Path
 
 # Keep tests deterministic and light on the 2-core CI machine.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -42,3 +44,27 @@ def pytest_itemcollected(item):
     defs = info.name2fixturedefs.values() if info is not None else ()
     if any(fd.scope in _SHARED_SCOPES for fds in defs for fd in fds):
         item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+
+
+_COSTS = Path(__file__).with_name("suite_costs.json")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist, the costliest test files first (longest-processing-time first): the files'
+    CPU seconds measured on the CI machine (``tests/suite_costs.json``, written by
+    ``tools/cpu_per_test.py --write-costs``; docs/contributing.md). xdist hands out tests in
+    collection order, so a long rehearsal that came last would run alone at the end while the other
+    workers idle. The order inside a file is kept; a file not in the list (new) goes first, as if
+    costly, until it is measured. Serial runs keep pytest's order."""
+    if not os.environ.get("PYTEST_XDIST_WORKER") or not _COSTS.is_file():
+        return
+    costs = json.loads(_COSTS.read_text())
+    top = max(costs.values(), default=0.0) + 1.0
+    items.sort(key=lambda it: -costs.get(it.nodeid.split("::")[0], top))
+
+
+def pytest_configure(config):
+    """pytest-xdist's ``loadgroup`` would reorder its work units by their number of tests (its
+    ``--loadscope-reorder`` default); the costliest-first order above is kept instead."""
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False

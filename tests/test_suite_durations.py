@@ -44,3 +44,35 @@ def test_slowest_first_with_outcomes_and_the_folded_tests(tmp_path, capsys):
     assert "| `tests/trainer/test_gone.py::test_folded` | 70.0 | (folded) |" in out
     assert "after: 3 tests" in out and "1 failure, 2 passed" in out
     assert tool.main([str(tmp_path / "missing.xml")]) == 2
+
+
+def test_costliest_files_are_scheduled_first(tmp_path):
+    """tests/conftest.py orders the collection by tests/suite_costs.json under xdist (longest first,
+    a file's own order kept, an unmeasured file first) and turns off xdist's reordering by scope
+    size, which would undo it; the committed costs are tools/cpu_per_test.py's format."""
+    import json
+    import subprocess
+    import sys
+
+    costs = json.loads((ROOT / "tests" / "suite_costs.json").read_text())
+    assert list(costs.values()) == sorted(costs.values(), reverse=True) and len(costs) > 50
+    assert all(f.startswith("tests/") and f.endswith(".py") for f in costs)
+    (tmp_path / "tests").mkdir()
+    for name in ("test_dear.py", "test_new.py"):
+        (tmp_path / "tests" / name).write_text("def test_1(): pass\ndef test_2(): pass\n")
+    # one work unit of two tests: xdist's reordering by unit size would start it first
+    (tmp_path / "tests" / "test_cheap.py").write_text(
+        "import pytest\npytestmark = pytest.mark.xdist_group('g')\ndef test_1(): pass\ndef test_2(): pass\n")
+    (tmp_path / "tests" / "suite_costs.json").write_text(json.dumps({"tests/test_dear.py": 9.0,
+                                                                     "tests/test_cheap.py": 1.0}))
+    src = (ROOT / "tests" / "conftest.py").read_text()
+    src = src[src.index("_COSTS = "):]  # the ordering hooks alone (the rest needs the suite's helpers)
+    (tmp_path / "tests" / "conftest.py").write_text("import json\nimport os\nfrom pathlib import Path\n\n" + src)
+    out = subprocess.run([sys.executable, "-m", "pytest", "-n", "1", "--dist", "loadgroup", "-v", "-p",
+                          "no:cacheprovider", "tests"],
+                         cwd=tmp_path, capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+    rows = out.stdout
+    ran = [ln.split()[-1].split("@")[0] for ln in rows.splitlines() if " PASSED " in ln]
+    assert ran == ["tests/test_new.py::test_1", "tests/test_new.py::test_2", "tests/test_dear.py::test_1",
+                   "tests/test_dear.py::test_2", "tests/test_cheap.py::test_1", "tests/test_cheap.py::test_2"], rows

@@ -2,6 +2,7 @@
 
     PYTHONPATH=tools .venv/bin/python -m pytest -q -n 3 --dist loadgroup -p cpu_per_test
     python tools/cpu_per_test.py .ci/reports/cpu          # the 30 costliest tests and files, totals
+    python tools/cpu_per_test.py .ci/reports/cpu --write-costs tests/suite_costs.json   # the scheduling order
 
 A test's time in the JUnit report is its wall time while other workers run beside it, so on CI's
 two cores it measures the machine's load as much as the test. What the suite's budget is spent on
@@ -82,11 +83,21 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("directory", nargs="?", default=".ci/reports/cpu")
     ap.add_argument("--top", type=int, default=30)
+    ap.add_argument("--write-costs", metavar="JSON",
+                    help="also write each test file's CPU seconds (largest first) here: tests/suite_costs.json, "
+                         "from which tests/conftest.py starts the costliest files first under pytest-xdist")
     a = ap.parse_args(argv)
     rows = read(Path(a.directory))
     if not rows:
         print(f"no measurements in {a.directory}", file=sys.stderr)
         return 1
+    if a.write_costs:
+        costs: dict[str, float] = {}
+        for name, cpu, _ in rows:
+            f = name.split("::")[0]
+            costs[f] = costs.get(f, 0.0) + cpu
+        ordered = {f: round(c, 1) for f, c in sorted(costs.items(), key=lambda kv: (-kv[1], kv[0]))}
+        Path(a.write_costs).write_text(json.dumps(ordered, indent=0) + "\n")
     total = sum(r[1] for r in rows)
     print(f"{len(rows)} tests, {total:.0f} CPU s ({total / 60 / 2:.1f} min of 2 cores), "
           f"{sum(r[2] for r in rows):.0f} s of test wall time summed")
