@@ -66,7 +66,9 @@ def register(sub) -> None:
     from megatron_m2po.experiment.arena import register as register_arena
     from megatron_m2po.experiment.commands import register as register_commands
     from megatron_m2po.experiment.drift import register as register_drift
+    from megatron_m2po.experiment.ladder import register as register_ladder
 
     esub = register_commands(sub)
     register_arena(esub)
     register_drift(esub)
+    register_ladder(esub)
