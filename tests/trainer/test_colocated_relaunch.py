@@ -17,20 +17,33 @@ from megatron_m2po.trainer.colocated import ENGINES, TRAINER, ColocatedPhases
 
 
 class _Actor:
+    """The actor's offload interface (actor/actor.py): ``offload_states`` takes the gradients and
+    optimizer states (the weights stay: the push reads them), ``offload`` the rest."""
+
     version = 3
 
     def __init__(self, events: list) -> None:
-        self.events, self.resident = events, True
+        self.events, self.resident, self.states = events, True, True  # resident: the weights
+
+    @property
+    def offloaded(self) -> bool:
+        return not (self.resident and self.states)
+
+    def offload_states(self):
+        assert self.resident and self.states
+        self.events.append("offload states")
+        self.states = False
+        return SimpleNamespace(resident_bytes=1)
 
     def offload(self):
         self.events.append("offload")
-        self.resident = False
+        self.resident = self.states = False
         return SimpleNamespace(resident_bytes=0)
 
     def reload(self):
         self.events.append("reload")
-        self.resident = True
-        return SimpleNamespace(resident_bytes=1)
+        self.resident = self.states = True
+        return SimpleNamespace(resident_bytes=2)
 
 
 class _Service:
@@ -100,7 +113,7 @@ def test_died_while_generating_is_relaunched_before_the_trainer_reloads_and_push
     assert phases.state == TRAINER and service.pending == ["e0"]
     events.clear()
     phases.to_engines()
-    assert events == ["resume weights", "push", "offload", "resume kv_cache"]
+    assert events == ["offload states", "resume weights", "push", "offload", "resume kv_cache"]
     assert service.pending == [] and phases.state == ENGINES
 
 
@@ -110,8 +123,8 @@ def test_died_while_the_trainer_holds_the_gpus_is_relaunched_with_the_trainer_of
     phases.to_trainer()
     events.clear()
     phases.to_engines()
-    assert events == ["resume weights", "offload", "relaunch, release kv_cache", "reload", "push", "offload",
-                      "resume kv_cache"]
+    assert events == ["offload states", "resume weights", "offload", "relaunch, release kv_cache", "reload",
+                      "offload states", "push", "offload", "resume kv_cache"]
     assert service.pending == [] and phases.weights.version == 3
 
 
@@ -126,8 +139,8 @@ def test_died_before_the_push_is_relaunched_by_the_push_controller_hook():
         return push(actor, phase=phase)
     phases.weights.push_actor = dies_now
     phases.to_engines()
-    assert events == ["resume weights", "push failed", "offload", "relaunch, release kv_cache", "reload", "push",
-                      "offload", "resume kv_cache"]
+    assert events == ["offload states", "resume weights", "push failed", "offload", "relaunch, release kv_cache",
+                      "reload", "offload states", "push", "offload", "resume kv_cache"]
 
 
 def test_died_after_the_push_or_between_steps_is_refit_by_a_cycle_before_it_generates():
@@ -137,8 +150,9 @@ def test_died_after_the_push_or_between_steps_is_refit_by_a_cycle_before_it_gene
     events.clear()
     phases.to_engines()
     # Relaunched with the base weights while the engines generate: released and pushed before anyone generates.
-    assert events == ["resume weights", "push", "offload", "resume kv_cache", "relaunch, release ",
-                      "release weights+kv_cache", "reload", "resume weights", "push", "offload", "resume kv_cache"]
+    assert events == ["offload states", "resume weights", "push", "offload", "resume kv_cache", "relaunch, release ",
+                      "release weights+kv_cache", "reload", "offload states", "resume weights", "push", "offload",
+                      "resume kv_cache"]
     assert service.pending == [] and phases.state == ENGINES
     events.clear()
     service.dead = True  # dies between two steps, the engines resident: relaunched now, refit when asked for
@@ -146,7 +160,8 @@ def test_died_after_the_push_or_between_steps_is_refit_by_a_cycle_before_it_gene
     assert events == ["relaunch, release "] and service.pending == ["e0"]
     events.clear()
     phases.to_engines()
-    assert events == ["release weights+kv_cache", "reload", "resume weights", "push", "offload", "resume kv_cache"]
+    assert events == ["release weights+kv_cache", "reload", "offload states", "resume weights", "push", "offload",
+                      "resume kv_cache"]
     assert phases.to_engines() == 0.0  # nothing pending: the engines generate as they are
 
 
