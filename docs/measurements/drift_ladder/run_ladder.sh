@@ -5,7 +5,9 @@
 #
 #   bash docs/measurements/drift_ladder/run_ladder.sh            # from the repository root
 #
-# OUT       where the runs go (default runs/drift_ladder; checkpoints included, large)
+# OUT       where the runs go (default runs/drift_ladder; checkpoints included, large). The runs so
+#           far used OUT=/work/runs/drift_ladder: a finished run is recognised by its settings,
+#           its run directory's absolute path among them, so continue with the same OUT.
 # HARVEST   where each finished piece's small files are copied (default
 #           docs/measurements/drift_ladder/results): of each finished run metrics.jsonl (gzipped),
 #           config.yaml, config.json, experiment_done.json; each experiment.json and drift.json.
@@ -36,6 +38,28 @@ harvest() {
     done
 }
 
+restore() {
+  # A new machine: every run and drift finished (and harvested) before is put back under $OUT as the
+  # harness recognises a finished run (experiment_done.json with its metrics and configs), so it is
+  # skipped, never run again; the checkpoints are not needed once a run's drift is measured.
+  [ -d "$HARVEST" ] || return 0
+  (cd "$HARVEST" && find . \( -name experiment_done.json -o -path '*/drift/drift.json' -o -name experiment.json \) \
+      -print0) |
+    while IFS= read -r -d '' f; do
+      d=$(dirname "$f")
+      [ -e "$OUT/$f" ] && continue
+      mkdir -p "$OUT/$d"
+      if [ "$(basename "$f")" = experiment_done.json ]; then
+        for g in config.yaml config.json; do
+          if [ -f "$HARVEST/$d/$g" ]; then cp -p "$HARVEST/$d/$g" "$OUT/$d/$g"; fi
+        done
+        gunzip -c "$HARVEST/$d/metrics.jsonl.gz" > "$OUT/$d/metrics.jsonl"
+      fi
+      cp -p "$HARVEST/$f" "$OUT/$f"
+    done
+}
+
+restore
 echo "ladder: on-policy arm, 3 seeds ($(date -u +%FT%TZ))"
 "$M2PO" experiment staleness "${COMMON[@]}" checkpoint.save_every_steps=2 checkpoint.keep_last=1000 \
     --arms grpo_s0 --seeds 3 --parallel 1 --no-progress --out "$OUT/onpolicy"
