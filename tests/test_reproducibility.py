@@ -120,12 +120,16 @@ def test_rerun_with_the_same_seed_reproduces_the_first_steps(tmp_path):
     for ra, rb in zip(ma, mb):
         assert {k: ra.get(k) for k in rollout} == {k: rb.get(k) for k in rollout}  # exactly the same rollouts
     # n_trust counts the tokens whose log-ratio has the advantage's sign: at an on-policy update
-    # the log-ratio is the engine's rounding (~1e-7), so its sign is not reproducible.
+    # the log-ratio is the engine's rounding (~1e-7), so its sign is not reproducible; nor is the
+    # 99.9th percentile of |log-ratio|, the largest of those roundings (2e-6 and 3e-6 measured in
+    # two runs on an AMD EPYC): both runs must hold it within the dump's tolerance instead.
     first_a = [r for r in ma if r["step"] == 1 and any(k.startswith("update/") for k in r)]
     first_b = [r for r in mb if r["step"] == 1 and any(k.startswith("update/") for k in r)]
     assert len(first_a) == len(first_b) == 1
-    bad = _compare_metrics(first_a, first_b, rel=1e-3, skip=("m2po/n_trust",))
+    bad = _compare_metrics(first_a, first_b, rel=1e-3, skip=("m2po/n_trust", "policy/abs_logratio_p999"))
     assert not bad, "\n".join(bad[:20])
+    for r in (first_a[0], first_b[0]):
+        assert 0 <= r["update/policy/abs_logratio_p999"] < 1e-5, r["update/policy/abs_logratio_p999"]
     _dump_matches_metrics(da, ma)
 
 
