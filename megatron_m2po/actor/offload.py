@@ -267,6 +267,13 @@ class TrainerOffload:
         copied: dict[str, int] = {}
         released: dict[str, int] = {}
         cuda = torch.cuda.is_available()
+        self._move_states(copied, released, cuda)
+        if cuda:
+            torch.cuda.empty_cache()  # the engines resume their weights next
+        return self._record("offload", t0, before, copied, released)
+
+    def _move_states(self, copied: dict[str, int], released: dict[str, int], cuda: bool) -> None:
+        """:meth:`offload_states`' moves, counted into ``copied`` / ``released``."""
         if cuda:
             torch.cuda.synchronize()  # the last update's kernels are done with what moves
         for buf in self._buffers():
@@ -277,9 +284,6 @@ class TrainerOffload:
                 ddp.offload_grad_buffers(synchronize=cuda, empty_cache=False)
         self._states.offload(self._tensors(), self._device, copied, released, keep=self._param_storages())
         self.state = STATES
-        if cuda:
-            torch.cuda.empty_cache()  # the engines resume their weights next
-        return self._record("offload", t0, before, copied, released)
 
     def offload(self) -> OffloadRecord:
         """Everything but the census's ``module_buffers`` off the device (module docstring); after
@@ -291,8 +295,7 @@ class TrainerOffload:
         released: dict[str, int] = {}
         cuda = torch.cuda.is_available()
         if self.state == RESIDENT:
-            first = self.offload_states()
-            copied, released = dict(first.copied), dict(first.released)
+            self._move_states(copied, released, cuda)
         elif cuda:
             torch.cuda.synchronize()  # a push's copies are done with what moves
         for buf in self._buffers():
