@@ -33,11 +33,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import multiprocessing
 import os
+import queue
 import random
 import shutil
-from multiprocessing.managers import SyncManager
 from pathlib import Path
 from typing import Any
 
@@ -170,30 +169,30 @@ def save_checkpoint(actor, path: str, extra_state: dict[str, Any]) -> None:
 
 
 def _own_writer_results_queue() -> None:
-    """Give Megatron's checkpoint writer a results queue whose process dies with the trainer.
+    """Give Megatron's checkpoint writer an in-process results queue instead of a manager process.
 
     megatron-core 0.16.1 ``dist_checkpointing/strategies/filesystem_async.py``
     ``_get_write_results_queue`` creates, on the first save of a process, a ``spawn`` context
     ``Manager().Queue()`` and caches it in the module's ``_results_queue``: a manager server process
-    (the trainer's ``__main__`` re-imported, ~330 MB) that lives as long as the trainer and, started
-    with no initializer, also after it: a trainer killed by SIGKILL (``kill -9``, torchrun's
-    restart of a group) left it and the resource tracker, whose pipe it holds, running forever.
-    Here the same manager is started with :func:`~megatron_m2po.utils.lifeline.die_with_parent`
-    as its initializer (CPython ``multiprocessing/managers.py`` ``BaseManager._run_server`` calls it
-    first), from a thread that lives as long as the trainer, and put in that cache; Megatron then
-    uses it as its own. The resource tracker exits on EOF of its pipe
-    (``multiprocessing/resource_tracker.py`` ``main``) once the trainer and the manager are gone.
+    (the trainer's ``__main__`` re-imported: ~4 s of CPU and ~330 MB per rank) that lives as long as
+    the trainer and, started with no initializer, also after a ``kill -9``. A queue shared between
+    processes is needed only for an *asynchronous* save, whose writer runs in a forked process. This
+    project's saves are synchronous (``dist_checkpointing.save`` without ``async_sharded_save``:
+    ``async_utils.py`` ``AsyncRequest.execute_sync`` calls ``write_preloaded_data_multiproc`` in the
+    calling process, which forks the per-bucket writers, collects their results over its own local
+    queue and puts the dict into ``_results_queue``; ``retrieve_write_results`` then takes it with
+    ``get_nowait()`` in the same process). A thread-safe ``queue.Queue`` does exactly that: no process,
+    and ``put`` completes before ``get_nowait`` (a multiprocessing queue's feeder thread would race
+    it).
     """
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     if not hasattr(filesystem_async, "_results_queue"):  # not megatron-core 0.16's layout: its own queue
         log.warning("megatron.core filesystem_async has no _results_queue (not megatron-core 0.16.1): its "
-                    "checkpoint writer process may outlive a killed trainer")
+                    "checkpoint writer may start a manager process that outlives a killed trainer")
         return
     if filesystem_async._results_queue is None:
-        manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
-        lifeline.on_lifetime_thread(manager.start, lifeline.die_with_parent, (os.getpid(),))
-        filesystem_async._results_queue = manager.Queue()  # the proxy keeps the manager referenced
+        filesystem_async._results_queue = queue.Queue()
 
 
 def _expert_layout(actor) -> list[int]:
