@@ -6,7 +6,10 @@
   ``self.actor.method.remote()`` idiom) and none is in the training loop;
 * no module reads a private member (``obj._name``) of a class defined in another module: what a
   collaborator needs from a class is in its public interface (the mask strategy's ``MaskHost``,
-  for example), so a class can change its insides without breaking another module.
+  for example), so a class can change its insides without breaking another module;
+* no module imports a private name (``from megatron_m2po.x import _name``) of another: what is
+  shared is public (upstream libraries' private names, read where no public API exists, are
+  outside this rule and say why at their import).
 """
 
 from __future__ import annotations
@@ -78,6 +81,14 @@ def foreign_private_reads(trees: dict[str, ast.Module]) -> list[str]:
     return sorted(out)
 
 
+def private_imports(trees: dict[str, ast.Module]) -> list[str]:
+    """``from megatron_m2po.<module> import _name`` (a private name of another package module)."""
+    return sorted(f"{mod}:{n.lineno} from {n.module} import {a.name}" for mod, tree in trees.items()
+                  for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
+                  and (n.level > 0 or (n.module or "").split(".")[0] == "megatron_m2po")
+                  for a in n.names if a.name.startswith("_") and not a.name.startswith("__"))
+
+
 def test_no_function_over_80_lines():
     assert long_functions(_trees()) == []
 
@@ -92,6 +103,17 @@ def test_no_module_reads_another_class_private_members():
     assert foreign_private_reads(_trees()) == []
 
 
+def test_no_module_imports_another_modules_private_names():
+    assert private_imports(_trees()) == []
+
+
+def test_every_package_says_what_it_owns():
+    """Each package's ``__init__`` opens with a docstring saying what the package is for."""
+    bare = [mod for mod, tree in _trees().items() if mod.endswith("__init__.py")
+            and len((ast.get_docstring(tree) or "").split()) < 12]
+    assert bare == [], f"packages whose __init__ does not say what they own: {bare}"
+
+
 def test_the_checks_see_what_they_should():
     """The checkers themselves, on a small source: each rule finds its violation."""
     src = ast.parse("class A:\n    def __init__(self):\n        self._hint = 1\n"
@@ -102,3 +124,7 @@ def test_the_checks_see_what_they_should():
     assert long_functions({"m.py": src}) == ["m.py:8 h (82 lines)"]
     # Read in its own module: allowed; from another module: reported.
     assert foreign_private_reads({"m.py": src, "n.py": other}) == ["n.py:2 a._hint (private to m.py)"]
+    imports = ast.parse("from megatron_m2po.rollout.client import RETRY, _hidden\nfrom torch.x import _y\n"
+                        "from .m import _z\n")
+    assert private_imports({"n.py": imports}) == ["n.py:1 from megatron_m2po.rollout.client import _hidden",
+                                                  "n.py:3 from m import _z"]

@@ -137,7 +137,7 @@ def save_checkpoint(actor, path: str, extra_state: dict[str, Any]) -> None:
     dist.barrier()
     # a never-stepped torch Adam (a run saved before its first update, a converted or weights-only
     # loaded actor) has no state: the distributed optimizer's state_dict asserts on the missing step
-    _materialise_optimizer_state(actor.optimizer)
+    materialise_optimizer_state(actor.optimizer)
     _own_writer_results_queue()
     # The writer processes Megatron forks for this save die with the trainer (utils/lifeline.py).
     with lifeline.forks_die_with_process():
@@ -227,7 +227,7 @@ def resolve_checkpoint(path: str) -> Path | None:
     return None
 
 
-def _materialise_optimizer_state(optimizer) -> None:
+def materialise_optimizer_state(optimizer) -> None:
     """Give a fresh torch Adam (Megatron's fallback without TE / apex) zero state with a ``step``.
 
     Megatron's distributed optimizer reads the step count from the inner optimizer's state while
@@ -316,7 +316,7 @@ def load_checkpoint(actor, path: str, *, model_only: bool = False) -> dict[str, 
     if model_only:
         sharded = _sharded_state(actor, is_loading=True, with_optimizer=False)
     else:
-        _materialise_optimizer_state(actor.optimizer)
+        materialise_optimizer_state(actor.optimizer)
         sharded = _sharded_state(actor, is_loading=True)
     state = dist_checkpointing.load(sharded, str(ckpt / "dist"))  # optimizer entries unused when model_only
     if len(actor.chunks) == 1:

@@ -62,7 +62,7 @@ def step_records(records: Sequence[dict]) -> list[dict]:
     return [r for r in records if "train/step" in r and isinstance(r.get("step"), (int, float))]
 
 
-def _values(recs: Sequence[dict], key: str) -> list[tuple[int, float]]:
+def metric_values(recs: Sequence[dict], key: str) -> list[tuple[int, float]]:
     out = []
     for r in recs:
         v = r.get(key)
@@ -86,12 +86,12 @@ def summarize_arm(records: Sequence[dict], *, arm: str, label: str, loss: str, s
     recs = step_records(records)
     s = ArmSummary(arm=arm, label=label, loss=loss, staleness=staleness, steps=len(recs),
                    updates=int(recs[-1]["step"]) if recs else 0)
-    acc = _values(recs, acc_key)
+    acc = metric_values(recs, acc_key)
     if acc:
         best = max(acc, key=lambda t: t[1])  # first occurrence of the maximum
         s.best_acc, s.best_acc_update = best[1], best[0]
         s.final_acc = acc[-1][1]
-    rew = [v for _, v in _values(recs, reward_key)]
+    rew = [v for _, v in metric_values(recs, reward_key)]
     if rew:
         n_tail = max(1, int(round(rule.tail_frac * len(rew))))
         s.base_reward = rew[0] if base_reward is None else float(base_reward)
@@ -99,12 +99,12 @@ def summarize_arm(records: Sequence[dict], *, arm: str, label: str, loss: str, s
         s.best_reward = max(_mean(rew[i:i + n_tail]) for i in range(len(rew) - n_tail + 1))
     if loss in TR_KEY:
         s.tr_key = TR_KEY[loss]
-        s.mean_tr_frac = _mean([v for _, v in _values(recs, s.tr_key)])
+        s.mean_tr_frac = _mean([v for _, v in metric_values(recs, s.tr_key)])
         s.stale_tr_frac = _mean([float(r[s.tr_key]) for r in recs if _is_num(r.get(s.tr_key))
                                  and _is_num(r.get("staleness/min")) and r["staleness/min"] >= staleness])
     elif loss == "no_tr":
         s.mean_tr_frac = s.stale_tr_frac = 0.0  # no trust region: nothing is clipped or masked
-    s.mean_kl_k3 = _mean([v for _, v in _values(recs, "policy/kl_k3")])
+    s.mean_kl_k3 = _mean([v for _, v in metric_values(recs, "policy/kl_k3")])
     s.collapsed, s.collapse_reason = collapse_verdict(s, rule)
     return s
 

@@ -31,7 +31,7 @@ import sys
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from megatron_m2po.experiment.commands import ARMS, FAST_K, FAST_OVERRIDES, _common, _csv
+from megatron_m2po.experiment.commands import ARMS, FAST_K, FAST_OVERRIDES, add_common_args, csv_of
 from megatron_m2po.experiment.runner import ArmRun, Variant, plan_runs
 
 ARENA_K = 256
@@ -116,13 +116,13 @@ def register(esub: argparse._SubParsersAction) -> None:
         description="Runs the arena's arms (docs/staleness_experiment.md, Arena) as `m2po train` subprocesses "
                     "that differ only in algo.loss (and its settings) and trainer.stale_k; estimates the compute "
                     "first; resumable (re-run the same command); writes <out>/arena.md and <out>/figures.")
-    _common(a, f"Smoke variant: {' '.join(FAST_OVERRIDES)}, k={FAST_K}, {FAST_UPDATES} updates (overrides win)",
+    add_common_args(a, f"Smoke variant: {' '.join(FAST_OVERRIDES)}, k={FAST_K}, {FAST_UPDATES} updates (overrides win)",
             seeds_default=ARENA_SEEDS)
     a.add_argument("--k", type=int, default=None, help=f"Staleness of the stale arms in updates (default {ARENA_K})")
     a.add_argument("--updates", type=int, default=None,
                    help=f"Optimizer updates per run (default {ARENA_UPDATES}; a multiple of the updates per step)")
     a.add_argument("--lr", type=float, default=None, help="optim.lr of every arm (wins over a dotted override)")
-    a.add_argument("--arms", type=_csv(str), default=None,
+    a.add_argument("--arms", type=csv_of(str), default=None,
                    help="Comma-separated subset of the arms (default all; --dry-run lists them)")
     a.add_argument("--dry-run", action="store_true",
                    help="Print the plan and the compute estimate from runs measured already; run nothing")
@@ -133,7 +133,7 @@ def register(esub: argparse._SubParsersAction) -> None:
                         "trainer.eval_every_steps + 1, at least 4; 0: no probe)")
     a.add_argument("--cost-from", nargs="+", default=[], metavar="DIR",
                    help="Earlier experiment directories (this machine) to estimate the cost from")
-    a.add_argument("--calibrate-lr", type=_csv(float), default=None, metavar="LRS",
+    a.add_argument("--calibrate-lr", type=csv_of(float), default=None, metavar="LRS",
                    help="Run only the learning-rate calibration at these lrs (e.g. 5e-6,1e-5,2e-5) and name the "
                         "one whose stale GRPO clip fraction is nearest --target-clip")
     a.add_argument("--calibration-updates", type=int, default=64,
@@ -146,7 +146,7 @@ def register(esub: argparse._SubParsersAction) -> None:
 def run_arena(args: argparse.Namespace) -> int:
     from megatron_m2po.experiment.arena_calibration import run_calibration
     from megatron_m2po.experiment.arena_report import ARENA_FIGURES, write_arena_report
-    from megatron_m2po.experiment.commands import _go
+    from megatron_m2po.experiment.commands import run_and_report
     from megatron_m2po.experiment.runner import resolve_parallel, skip_finished
 
     runs, spec = plan_arena(args.config, args.overrides, k=args.k, updates=args.updates, seeds=args.seeds,
@@ -165,7 +165,7 @@ def run_arena(args: argparse.Namespace) -> int:
         print(_estimate(args, runs, spec, parallel), flush=True)
         if args.dry_run or args.estimate_only:
             return 0
-    rc = _go(args, runs, spec, figures=ARENA_FIGURES, title=f"Arena: k = {spec['k']}, {spec['updates']} updates")
+    rc = run_and_report(args, runs, spec, figures=ARENA_FIGURES, title=f"Arena: k = {spec['k']}, {spec['updates']} updates")
     path = write_arena_report(out_dir, spec, runs)
     print(f"arena report: {path}")
     return rc
@@ -191,9 +191,9 @@ def _estimate(args: argparse.Namespace, runs: list[ArmRun], spec: dict[str, Any]
     from megatron_m2po.config import load_config
     from megatron_m2po.experiment.cost import (
         PROBE_DIR, estimate, format_estimate, measure_dirs, measure_run, plan_probe, probe_steps)
-    from megatron_m2po.experiment.runner import _cores, execute
+    from megatron_m2po.experiment.runner import usable_cores, execute
 
-    out_dir, cores = Path(spec["out"]), _cores()
+    out_dir, cores = Path(spec["out"]), usable_cores()
     sources = [("this arena's runs", [c for c in (measure_run(r.run_dir) for r in runs) if c is not None]),
                ("the probe " + str(out_dir / PROBE_DIR), measure_dirs([out_dir / PROBE_DIR])),
                ("--cost-from " + " ".join(args.cost_from), measure_dirs(args.cost_from))]

@@ -93,7 +93,7 @@ def format_calibration(res: dict[str, Any]) -> str:
 def run_calibration(args: argparse.Namespace, arena_spec: dict[str, Any], parallel: int) -> int:
     """The ``--calibrate-lr`` command: plan, estimate, run, write ``calibration.{md,json}``."""
     from megatron_m2po.experiment.cost import estimate, format_estimate, measure_dirs
-    from megatron_m2po.experiment.runner import _cores, execute, mark_finished, skip_finished
+    from megatron_m2po.experiment.runner import usable_cores, execute, mark_finished, skip_finished
 
     out = Path(arena_spec["out"])
     base = [o for o in arena_spec["overrides"] if not o.startswith("trainer.num_steps=")]
@@ -105,7 +105,7 @@ def run_calibration(args: argparse.Namespace, arena_spec: dict[str, Any], parall
         skip_finished(runs, progress=not args.no_progress)
         cal_dir = Path(spec["out"])
         costs = measure_dirs([cal_dir] + [Path(d) for d in args.cost_from])
-        print(format_estimate(estimate(runs, costs, parallel=parallel, cores=_cores(),
+        print(format_estimate(estimate(runs, costs, parallel=parallel, cores=usable_cores(),
                                        updates_per_step=spec["updates_per_step"],
                                        source=f"{cal_dir} / --cost-from"),
                               hint="pass --cost-from DIR with earlier runs on this machine"), flush=True)

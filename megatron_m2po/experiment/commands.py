@@ -125,7 +125,7 @@ def plan_threshold_sweep(config: str, overrides: Sequence[str], thresholds: Sequ
 # The command line
 
 
-def _common(p: argparse.ArgumentParser, fast_help: str, seeds_default: int = 1) -> None:
+def add_common_args(p: argparse.ArgumentParser, fast_help: str, seeds_default: int = 1) -> None:
     p.add_argument("config", help="YAML config shared by every arm (e.g. examples/staleness_tiny.yaml)")
     p.add_argument("overrides", nargs="*", help="section.key=value overrides applied to every arm")
     p.add_argument("--seeds", type=int, default=seeds_default,
@@ -141,7 +141,7 @@ def _common(p: argparse.ArgumentParser, fast_help: str, seeds_default: int = 1) 
     p.add_argument("--smooth", type=int, default=5, help="Moving-average window for noisy curves (0 = raw)")
 
 
-def _csv(kind):
+def csv_of(kind):
     def parse(text: str):
         try:
             return [kind(x) for x in text.split(",") if x.strip()]
@@ -164,7 +164,7 @@ def register(sub: argparse._SubParsersAction) -> argparse._SubParsersAction:
         description="Runs GRPO s=0, GRPO s=k, no trust region s=k and M2PO s=k as `m2po train` subprocesses "
                     "that differ only in algo.loss and trainer.stale_k (same config, seed and data), then writes "
                     "one figure per metric and the paper-style table. Resumable: re-run the same command.")
-    _common(s, fast)
+    add_common_args(s, fast)
     s.add_argument("--arms", nargs="+", default=list(ARMS), metavar="ARM",
                    help=f"Arms to run, any of {', '.join(ARMS)} (default: all four)")
     s.add_argument("--k", type=int, default=None, help="Staleness k of the stale arms (default: trainer.stale_k)")
@@ -173,23 +173,23 @@ def register(sub: argparse._SubParsersAction) -> argparse._SubParsersAction:
     w = esub.add_parser("sweep-staleness", help="GRPO at several staleness values (paper Fig. 2).",
                         description="One GRPO run per staleness k (0 = on-policy), otherwise identical; figures "
                                     "over updates, a summary figure against k and the table.")
-    _common(w, fast.replace(f", k={FAST_K}", ""))
-    w.add_argument("--ks", type=_csv(int), required=True, help="Staleness values, e.g. 0,4,8,16,32")
+    add_common_args(w, fast.replace(f", k={FAST_K}", ""))
+    w.add_argument("--ks", type=csv_of(int), required=True, help="Staleness values, e.g. 0,4,8,16,32")
     w.add_argument("--loss", default="grpo", help="algo.loss of every arm (default grpo)")
     w.set_defaults(func=run_staleness_sweep)
 
     t = esub.add_parser("sweep-threshold", help="M2PO at several thresholds τ on stale data (paper Fig. 7).",
                         description="One M2PO run per threshold algo.m2po.threshold at staleness k, otherwise "
                                     "identical; figures over updates, a summary figure against τ and the table.")
-    _common(t, fast)
-    t.add_argument("--thresholds", type=_csv(float), required=True, help="Thresholds, e.g. 0.01,0.02,0.04,0.08,0.16")
+    add_common_args(t, fast)
+    t.add_argument("--thresholds", type=csv_of(float), required=True, help="Thresholds, e.g. 0.01,0.02,0.04,0.08,0.16")
     t.add_argument("--k", type=int, default=None, help="Staleness of every arm (default: trainer.stale_k)")
     t.set_defaults(func=run_threshold_sweep)
     register_entropy(esub)
     return esub
 
 
-def _go(args: argparse.Namespace, runs: list[ArmRun], spec: dict[str, Any], **report_kw) -> int:
+def run_and_report(args: argparse.Namespace, runs: list[ArmRun], spec: dict[str, Any], **report_kw) -> int:
     import sys
 
     out_dir = Path(spec["out"])
@@ -216,18 +216,18 @@ def _go(args: argparse.Namespace, runs: list[ArmRun], spec: dict[str, Any], **re
 def run_staleness(args: argparse.Namespace) -> int:
     arms = [a for item in args.arms for a in item.split(",") if a]
     runs, spec = plan(args.config, args.overrides, arms, args.k, args.out, args.fast, args.seeds)
-    return _go(args, runs, spec)
+    return run_and_report(args, runs, spec)
 
 
 def run_staleness_sweep(args: argparse.Namespace) -> int:
     runs, spec = plan_staleness_sweep(args.config, args.overrides, args.ks, args.out, args.fast, args.seeds,
                                       loss=args.loss)
-    return _go(args, runs, spec, figures=SWEEP_FIGURES, title=f"Staleness sweep ({args.loss}): k = "
+    return run_and_report(args, runs, spec, figures=SWEEP_FIGURES, title=f"Staleness sweep ({args.loss}): k = "
                + ", ".join(map(str, spec["values"])))
 
 
 def run_threshold_sweep(args: argparse.Namespace) -> int:
     runs, spec = plan_threshold_sweep(args.config, args.overrides, args.thresholds, args.k, args.out, args.fast,
                                       args.seeds)
-    return _go(args, runs, spec, figures=SWEEP_FIGURES, title=f"Threshold sweep (M2PO, s={spec['k']}): τ = "
+    return run_and_report(args, runs, spec, figures=SWEEP_FIGURES, title=f"Threshold sweep (M2PO, s={spec['k']}): τ = "
                + ", ".join(f"{t:g}" for t in spec["values"]))

@@ -40,11 +40,11 @@ def export_versions(ckpts: dict[int, Path], versions: Sequence[int], out_dir: Pa
     todo = [v for v in sorted(set(versions)) if not (out_dir / f"v{v}" / "config.json").is_file()]
     if todo:
         from megatron_m2po.actor.actor import MegatronActor
-        from megatron_m2po.weights.convert import _config
+        from megatron_m2po.weights.convert import actor_config
         from megatron_m2po.weights.hf_export import export_hf
 
         meta = json.loads((ckpts[todo[0]] / "actor.json").read_text())
-        actor = MegatronActor.from_config(_config(meta["hf_path"], 1, 1, "float32", meta.get("lora")))
+        actor = MegatronActor.from_config(actor_config(meta["hf_path"], 1, 1, "float32", meta.get("lora")))
         try:
             for v in todo:
                 actor.load_checkpoint(str(ckpts[v]), model_only=True)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
-from megatron_m2po.experiment.analysis import TR_KEY, _values, step_records
+from megatron_m2po.experiment.analysis import TR_KEY, metric_values, step_records
 
 FIGURES: list[tuple[str, str, str]] = [
     # (file stem, title, metric key; "@tr" = the arm's clip / mask fraction; "@m2" = M2)
@@ -30,18 +30,18 @@ def _curves(recs: list[dict], loss: str, key: str) -> list[tuple[str, list[int],
         key = TR_KEY.get(loss, "")
     if key == "@m2":
         out = []
-        exact = _values(recs, "policy/m2") or _values(recs, "m2po/m2_before")
+        exact = metric_values(recs, "policy/m2") or metric_values(recs, "m2po/m2_before")
         if exact:
-            src = "" if _values(recs, "policy/m2") else " (exact, trust-region tokens)"
+            src = "" if metric_values(recs, "policy/m2") else " (exact, trust-region tokens)"
             out.append((src, [x for x, _ in exact], [y for _, y in exact], "-"))
-            after = _values(recs, "m2po/m2_after")
+            after = metric_values(recs, "m2po/m2_after")
             if after:
                 out.append((" after mask", [x for x, _ in after], [y for _, y in after], "--"))
-        k3 = _values(recs, "policy/kl_k3")
-        if k3 and not _values(recs, "policy/m2"):
+        k3 = metric_values(recs, "policy/kl_k3")
+        if k3 and not metric_values(recs, "policy/m2"):
             out.append((" ≈ 2·KL_k3 (all tokens)", [x for x, _ in k3], [2 * y for _, y in k3], ":"))
         return out
-    vals = _values(recs, key)
+    vals = metric_values(recs, key)
     return [("", [x for x, _ in vals], [y for _, y in vals], "-")] if vals else []
 
 

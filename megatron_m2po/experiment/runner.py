@@ -419,7 +419,7 @@ def plan_runs(config: str, base_overrides: Sequence[str], variants: Sequence[Var
     return runs, out_spec
 
 
-def _cores() -> int:
+def usable_cores() -> int:
     try:
         return len(os.sched_getaffinity(0))
     except AttributeError:
@@ -428,7 +428,7 @@ def _cores() -> int:
 
 def resolve_parallel(parallel: Optional[int]) -> int:
     """``--parallel``: runs at once (default ``max(1, cores // 2)``)."""
-    parallel = parallel if parallel is not None else max(1, _cores() // 2)
+    parallel = parallel if parallel is not None else max(1, usable_cores() // 2)
     if parallel < 1:
         raise ValueError(f"--parallel={parallel}: run at least one arm at a time")
     return parallel

@@ -185,7 +185,7 @@ def expand_weight_version_spans(spans: Any, n: int) -> Optional[list[str]]:
     return out  # type: ignore[return-value]
 
 
-_RETRY_STATUS = {500, 502, 503, 504}
+RETRY_STATUS = {500, 502, 503, 504}
 
 
 def max_running_requests(server_info: Any) -> Optional[int]:
@@ -364,7 +364,7 @@ class SGLangClient:
             try:
                 async with self._sess().request(method, url, json=payload, timeout=timeout) as r:
                     text = await r.text()
-                    if r.status in _RETRY_STATUS:
+                    if r.status in RETRY_STATUS:
                         last = f"HTTP {r.status}: {text[:300]}"
                         continue
                     if r.status >= 400:
@@ -424,7 +424,7 @@ class SGLangClient:
             try:
                 async with self._sess().post(url, json=payload, timeout=timeout) as r:
                     text = await r.text()
-                    if r.status in _RETRY_STATUS:
+                    if r.status in RETRY_STATUS:
                         last = f"HTTP {r.status}: {text[:300]}"
                         continue
                     if r.status >= 400:

@@ -48,7 +48,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 import aiohttp
 
-from megatron_m2po.rollout.client import (_RETRY_STATUS, EngineError, GenerateOutput, SGLangClient,
+from megatron_m2po.rollout.client import (RETRY_STATUS, EngineError, GenerateOutput, SGLangClient,
                                           generate_payload, max_running_requests)
 
 log = logging.getLogger("m2po.dispatch")
@@ -225,7 +225,7 @@ class DispatchClient(SGLangClient):
             try:
                 async with self._sess().post(slot.url + "/generate", json=payload, timeout=timeout) as r:
                     text = await r.text()
-                    if r.status in _RETRY_STATUS:
+                    if r.status in RETRY_STATUS:
                         last = f"{slot.url}: HTTP {r.status}: {text[:300]}"
                         await self._mark_down(slot, f"HTTP {r.status}")
                         continue

@@ -70,7 +70,7 @@ import numpy as np
 
 from megatron_m2po.rollout.settings import AgenticConfig
 from megatron_m2po.rollout.group_ids import trajectory_uid
-from megatron_m2po.rollout.producer import ProducerContext, _sample, request_seed, routed_rows
+from megatron_m2po.rollout.producer import ProducerContext, sample_one, request_seed, routed_rows
 from megatron_m2po.rollout.routing_versions import RoutedRows, keep_replayable, response_routing_version
 from megatron_m2po.store.types import Group, Trajectory
 
@@ -339,7 +339,7 @@ async def _turns(ctx: ProducerContext, env: Environment, render: "_Renderer", pr
         if getattr(env, "stop", None):
             params["stop"] = list(env.stop)
         start = tape.routed.ask_from()
-        out = await _bounded(_sample(ctx, prompt + tape.resp, params, routed_start=start, affinity=group), float("inf"),
+        out = await _bounded(sample_one(ctx, prompt + tape.resp, params, routed_start=start, affinity=group), float("inf"),
                              deadline, "episode_timeout")
         floor = tape.versions[-1] if tape.versions else ctx.version
         if ctx.routed_experts is not None:  # this turn's prefill and decode: up to its last token

@@ -123,7 +123,7 @@ def routed_rows(ctx: ProducerContext, out: Any, start: int, stop: int) -> Option
     return out.routed_experts_array(layers, k, stop - start)
 
 
-async def _sample(ctx: ProducerContext, prompt_ids: Sequence[int], params: Optional[dict] = None,
+async def sample_one(ctx: ProducerContext, prompt_ids: Sequence[int], params: Optional[dict] = None,
                   routed_start: int = 0, affinity: Optional[str] = None) -> Any:
     """One response; an aborted one (engine restarted under it) is sampled again. With
     ``ctx.routed_experts`` it asks for the routed experts of the positions from ``routed_start`` on.
@@ -149,7 +149,7 @@ async def _sample(ctx: ProducerContext, prompt_ids: Sequence[int], params: Optio
 
 async def default_producer(ctx: ProducerContext, prompts: list) -> list[Group]:
     """Sample ``ctx.n_samples`` responses per prompt, score them, return one group per prompt."""
-    jobs = [_sample(ctx, item.prompt_ids, ctx.sampling_params_for(ctx.group_id(p), j), affinity=ctx.group_id(p))
+    jobs = [sample_one(ctx, item.prompt_ids, ctx.sampling_params_for(ctx.group_id(p), j), affinity=ctx.group_id(p))
             for p, item in enumerate(prompts) for j in range(ctx.n_samples)]
     outs = await asyncio.gather(*jobs)
     texts = [ctx.tokenizer.decode(o.output_ids, skip_special_tokens=True) for o in outs]

@@ -90,7 +90,7 @@ from megatron_m2po.standins import cpu_worker_lora
 from megatron_m2po.standins.hf_fused_experts import expert_target, is_fused_expert_name
 from megatron_m2po.standins.memory_ledger import MemoryLedger
 from megatron_m2po.standins import tensor_payload
-from megatron_m2po.standins.cpu_worker_http import _DEFAULT_GROUP, RequestError, WorkerApp
+from megatron_m2po.standins.cpu_worker_http import DEFAULT_GROUP, RequestError, WorkerApp
 from megatron_m2po.standins.sglang_sampling import Sampling
 from megatron_m2po.utils.hf_dir import iter_safetensors
 
@@ -927,7 +927,7 @@ class Engine:
         if backend != "gloo":
             raise ValueError(f"backend={backend!r}: the CPU worker joins weight-update groups over "
                              "gloo only (set backend='gloo')")
-        name = req.get("group_name", _DEFAULT_GROUP)
+        name = req.get("group_name", DEFAULT_GROUP)
         if name in self.groups:
             raise ValueError(f"group {name!r} already exists; destroy it first")
         pg = new_side_group("gloo", req["master_address"], int(req["master_port"]),
@@ -944,7 +944,7 @@ class Engine:
         return self.groups.pop(name, None)
 
     def receive(self, req: dict) -> list[tuple[str, torch.Tensor]]:
-        name = req.get("group_name", _DEFAULT_GROUP)
+        name = req.get("group_name", DEFAULT_GROUP)
         if name not in self.groups:
             raise ValueError(f"group {name!r} not in {sorted(self.groups)}; call "
                              "/init_weights_update_group first")

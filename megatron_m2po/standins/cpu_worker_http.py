@@ -22,7 +22,7 @@ from megatron_m2po.standins.cpu_worker_lora_routes import LoRARequestError, LoRA
 from megatron_m2po.rollout.sglang_version import SUPPORTED_SGLANG
 
 _VERSION = SUPPORTED_SGLANG  # the SGLang version it emulates: server_info's "version" (SGLang's __version__)
-_DEFAULT_GROUP = "weight_update_group"
+DEFAULT_GROUP = "weight_update_group"
 log = logging.getLogger("m2po.cpu_worker")
 HEALTH_CHECK_RID_PREFIX = "HEALTH_CHECK"  # sglang/srt/constants.py
 
@@ -555,7 +555,7 @@ class WorkerApp(ColocatedRoutes, LoRARoutes):
 
     async def destroy_group(self, request):
         req = await _body(request)
-        name = req.get("group_name", _DEFAULT_GROUP)
+        name = req.get("group_name", DEFAULT_GROUP)
         async with self.group_ops:
             pg = self.engine.drop_group(name)
         if pg is None:

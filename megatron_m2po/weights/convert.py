@@ -21,7 +21,7 @@ import json
 from megatron_m2po.config import Config
 
 
-def _config(hf: str, tp: int, pp: int, dtype: str, lora: dict | None = None):
+def actor_config(hf: str, tp: int, pp: int, dtype: str, lora: dict | None = None):
     from megatron_m2po.actor.actor import ActorConfig
     from megatron_m2po.actor.settings import LoRAConfig
 
@@ -37,11 +37,11 @@ def _config(hf: str, tp: int, pp: int, dtype: str, lora: dict | None = None):
 
 def hf_to_mcore(hf: str, out: str, *, tp: int = 1, pp: int = 1, dtype: str = "float32") -> None:
     from megatron_m2po.actor.actor import MegatronActor
-    from megatron_m2po.actor.checkpoint import _materialise_optimizer_state
+    from megatron_m2po.actor.checkpoint import materialise_optimizer_state
 
-    actor = MegatronActor.from_config(_config(hf, tp, pp, dtype))
+    actor = MegatronActor.from_config(actor_config(hf, tp, pp, dtype))
     try:
-        _materialise_optimizer_state(actor.optimizer)  # a never-stepped Adam has no state to shard
+        materialise_optimizer_state(actor.optimizer)  # a never-stepped Adam has no state to shard
         actor.save_checkpoint(out, {"converted_from": hf})
     finally:
         actor.close()
@@ -60,7 +60,7 @@ def mcore_to_hf(ckpt: str, out: str, *, hf: str | None = None, tp: int = 1, pp: 
     hf = hf or meta.get("hf_path")
     if not hf:
         raise ValueError("the checkpoint does not record its HF model directory: pass --hf")
-    actor = MegatronActor.from_config(_config(hf, tp, pp, dtype, meta.get("lora")))
+    actor = MegatronActor.from_config(actor_config(hf, tp, pp, dtype, meta.get("lora")))
     try:
         actor.load_checkpoint(str(path), model_only=True)
         export_hf(actor, out, adapter_dir=str(out).rstrip("/") + "_adapter")  # under LoRA: <out>_adapter too
