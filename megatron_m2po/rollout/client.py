@@ -393,12 +393,9 @@ class SGLangClient:
         ``routed_experts_start_len`` on (:meth:`GenerateOutput.routed_experts_array`). ``affinity``
         is not sent: one URL has nothing to choose (a router picks by prompt prefix); the
         ``DispatchClient`` (``rollout/dispatch.py``) keeps requests with one key on one engine."""
-        lora_path, adapter_version = self._adapter_for(lora_path)
-        payload = generate_payload(input_ids, sampling_params, return_logprob, rid=rid,
-                                   return_routed_experts=return_routed_experts,
-                                   routed_experts_start_len=routed_experts_start_len, lora_path=lora_path)
+        payload, adapter_version = self._generate_request(input_ids, sampling_params, return_logprob, rid,
+                                                          return_routed_experts, routed_experts_start_len, lora_path)
         rid = payload["rid"]
-        self._sess()
         async with self._sem:
             IN_FLIGHT.change(+1)
             try:
@@ -414,6 +411,18 @@ class SGLangClient:
             finally:
                 IN_FLIGHT.change(-1)
         return self._tagged(GenerateOutput.from_json(out), adapter_version)
+
+    def _generate_request(self, input_ids: Sequence[int], sampling_params: dict, return_logprob: bool,
+                          rid: Optional[str], return_routed_experts: bool, routed_experts_start_len: int,
+                          lora_path: Optional[str]) -> tuple[dict, Optional[int]]:
+        """A ``/generate`` body (under the adapter ``lora_path`` resolves to) and that adapter's version,
+        with the HTTP session open (the plain and the dispatching client send the same body)."""
+        lora_path, adapter_version = self._adapter_for(lora_path)
+        payload = generate_payload(input_ids, sampling_params, return_logprob, rid=rid,
+                                   return_routed_experts=return_routed_experts,
+                                   routed_experts_start_len=routed_experts_start_len, lora_path=lora_path)
+        self._sess()
+        return payload, adapter_version
 
     async def _generate_with_retry(self, payload: dict) -> dict:
         timeout = aiohttp.ClientTimeout(total=self.timeout_s)

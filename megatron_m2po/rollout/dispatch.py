@@ -49,7 +49,7 @@ from typing import Any, Mapping, Optional, Sequence
 import aiohttp
 
 from megatron_m2po.rollout.client import (RETRY_STATUS, EngineError, GenerateOutput, SGLangClient,
-                                          generate_payload, max_running_requests)
+                                          max_running_requests)
 
 log = logging.getLogger("m2po.dispatch")
 
@@ -209,12 +209,9 @@ class DispatchClient(SGLangClient):
                        lora_path: Optional[str] = None) -> GenerateOutput:
         """:meth:`SGLangClient.generate` on the engine the policy picks; ``affinity`` (e.g. the group
         id) keeps requests with the same key on one engine."""
-        lora_path, adapter_version = self._adapter_for(lora_path)
-        payload = generate_payload(input_ids, sampling_params, return_logprob, rid=rid,
-                                   return_routed_experts=return_routed_experts,
-                                   routed_experts_start_len=routed_experts_start_len, lora_path=lora_path)
+        payload, adapter_version = self._generate_request(input_ids, sampling_params, return_logprob, rid,
+                                                          return_routed_experts, routed_experts_start_len, lora_path)
         rid = payload["rid"]
-        self._sess()
         timeout = aiohttp.ClientTimeout(total=self.timeout_s)
         last = ""
         for attempt in range(self.max_retries + 1):

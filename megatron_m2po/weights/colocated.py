@@ -76,7 +76,7 @@ from megatron_m2po.weights.fp8 import DEFAULT_BLOCK, is_fp8_config, quantize_nam
 from megatron_m2po.weights.colocated_bucket import (HOST_BUCKETS, FlattenedTensorMetadata, bucket_layout,
                                                     pack_bucket, serialize_bucket, split_buckets)
 from megatron_m2po.weights.stage import PushPlan, StageResult, describe, each_engine, nbytes, push_from_stages
-from megatron_m2po.weights.transport import SyncStats, WeightSync, push_stats
+from megatron_m2po.weights.transport import SessionWeightSync, SyncStats
 
 __all__ = ["ColocatedWeightSync", "ColocatedPlan", "EngineRank", "colocated_assignment", "pack_bucket",
            "serialize_bucket", "split_buckets", "run_colocated_stage", "Phases", "exchange_colocated",
@@ -446,7 +446,7 @@ def push_colocated(controller, weights: Iterable[tuple[str, torch.Tensor]], vers
                             group=group, exchanges={"colocated": exchange_colocated})
 
 
-class ColocatedWeightSync(WeightSync):
+class ColocatedWeightSync(SessionWeightSync):
     """Hand each stage's buckets to the engines of this node through memory handles (module docstring).
 
     ``bucket_mb``: the most bytes one bucket (one extra copy on the sender) holds.
@@ -491,27 +491,11 @@ class ColocatedWeightSync(WeightSync):
         urls = self._urls(engine_urls)
         plan = ColocatedPlan("colocated", int(version), urls, n_stages, self.timeout_s, fp8=self.fp8,
                              fp8_block=self.fp8_block, bucket_bytes=self.bucket_bytes, flush_last=self._may_flush)
-        try:
+
+        def prepare() -> None:  # asks the engines: inside the session's error handling
             plan.engine_tp = self._engine_tp(urls)
             plan.servers = self._servers(urls, plan.engine_tp)
-            self._pause(urls)
-            self._each(urls, lambda c: c.begin_weight_update(timeout_s=self.timeout_s), "begin_weight_update")
-        except WeightSyncError as e:
-            self._end_quietly(urls)
-            self._continue_quietly(urls)
-            raise self._failed(plan, [str(e)]) from None
-        return plan
-
-    def finish(self, plan: PushPlan, results: list[StageResult]) -> SyncStats:
-        urls = plan.urls
-        try:
-            errors = self._session_errors(plan, results)
-            if errors:
-                self._end_quietly(urls)
-                raise self._failed(plan, errors)
-        finally:
-            self._continue_quietly(urls)
-        return push_stats(plan, results, time.perf_counter() - self._t0)
+        return self._open_session(plan, prepare)
 
     def _from_dir(self, path: str, plan: PushPlan):
         if is_fp8_config(read_hf_config(path)):

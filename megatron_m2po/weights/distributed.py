@@ -28,13 +28,13 @@ from typing import Optional
 from megatron_m2po.utils.hf_dir import iter_safetensors
 from megatron_m2po.weights.errors import WeightSyncError
 from megatron_m2po.weights.fp8 import DEFAULT_BLOCK, is_fp8_config
-from megatron_m2po.weights.stage import PushPlan, StageResult, forget_groups
-from megatron_m2po.weights.transport import SyncStats, WeightSync, push_stats
+from megatron_m2po.weights.stage import PushPlan, forget_groups
+from megatron_m2po.weights.transport import SessionWeightSync
 
 __all__ = ["DistributedWeightSync"]
 
 
-class DistributedWeightSync(WeightSync):
+class DistributedWeightSync(SessionWeightSync):
     """Broadcast from each pipeline stage's sender to the engines over one group per stage.
 
     ``master_address``: the senders' address as the engines reach it; ``""`` lets each sender use
@@ -110,29 +110,10 @@ class DistributedWeightSync(WeightSync):
                         fp8_block=self.fp8_block, groups=self._groups, world=self._world, offsets=self._offsets, backend=self.backend,
                         device=self.device, bucket_bytes=self.bucket_bytes, prefetch_bytes=self.prefetch_bytes,
                         flush_last=self._may_flush, master_address=self.master_address)
-        try:
-            self._pause(urls)
-            # SGLang 0.5.23 refuses /update_weights_from_distributed outside a
-            # /begin_weight_update ... /end_weight_update session (weight_updater.py).
-            self._each(urls, lambda c: c.begin_weight_update(timeout_s=self.timeout_s), "begin_weight_update")
-        except WeightSyncError as e:
-            self._stale = True
-            self._end_quietly(urls)
-            self._continue_quietly(urls)
-            raise self._failed(plan, [str(e)]) from None
-        return plan
+        return self._open_session(plan)
 
-    def finish(self, plan: PushPlan, results: list[StageResult]) -> SyncStats:
-        urls = plan.urls
-        try:
-            errors = self._session_errors(plan, results)
-            if errors:
-                self._stale = True  # a failed collective leaves the groups unusable
-                self._end_quietly(urls)  # close the session where it is open, so the next push can begin
-                raise self._failed(plan, errors)
-        finally:
-            self._continue_quietly(urls)
-        return push_stats(plan, results, time.perf_counter() - self._t0)
+    def _session_failed(self) -> None:
+        self._stale = True  # a failed collective leaves the groups unusable: new ones for the next push
 
     def _from_dir(self, path: str, plan: PushPlan):
         if _is_fp8_dir(path):

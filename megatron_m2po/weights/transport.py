@@ -41,8 +41,9 @@ fails every later update.
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
-from typing import Iterable, Optional, Union
+from typing import Callable, Iterable, Optional, Union
 
 import torch
 
@@ -53,7 +54,7 @@ from megatron_m2po.weights.errors import WeightSyncError, weight_sync_error
 from megatron_m2po.weights.nccl_handshake import MISMATCH
 from megatron_m2po.weights.stage import PushPlan, StageResult, each_engine, run_stage
 
-__all__ = ["WeightSync", "SyncStats", "WeightSyncError", "push_stats"]
+__all__ = ["WeightSync", "SessionWeightSync", "SyncStats", "WeightSyncError", "push_stats"]
 
 Weights = Union[str, os.PathLike, Iterable[tuple[str, torch.Tensor]]]
 
@@ -210,3 +211,42 @@ def push_stats(plan: PushPlan, results: list[StageResult], seconds: float) -> Sy
     """The :class:`SyncStats` of a push whose stages reported ``results``, ``seconds`` after it began."""
     return SyncStats(int(plan.version), sum(r.bytes for r in results), seconds,
                      sum(r.n_tensors for r in results), len(plan.urls), plan.n_stages)
+
+
+class SessionWeightSync(WeightSync):
+    """A transport that sends tensors into SGLang's weight-update session (the distributed and the
+    colocated ones): 0.5.23 refuses ``/update_weights_from_distributed`` and
+    ``/update_weights_from_tensor`` outside a ``/begin_weight_update ... /end_weight_update`` session
+    (``scheduler_components/weight_updater.py``). A subclass's :meth:`begin` builds its plan and calls
+    :meth:`_open_session`; :meth:`finish` closes the session. A failure on either side closes what
+    opened, continues the engines, calls :meth:`_session_failed` and raises the push's error."""
+
+    def _open_session(self, plan: PushPlan, prepare: Optional[Callable[[], None]] = None) -> PushPlan:
+        """``prepare()`` (what must be known of the engines first), pause, ``/begin_weight_update`` on each."""
+        urls = plan.urls
+        try:
+            if prepare is not None:
+                prepare()
+            self._pause(urls)
+            self._each(urls, lambda c: c.begin_weight_update(timeout_s=self.timeout_s), "begin_weight_update")
+        except WeightSyncError as e:
+            self._session_failed()
+            self._end_quietly(urls)
+            self._continue_quietly(urls)
+            raise self._failed(plan, [str(e)]) from None
+        return plan
+
+    def finish(self, plan: PushPlan, results: list[StageResult]) -> SyncStats:
+        urls = plan.urls
+        try:
+            errors = self._session_errors(plan, results)
+            if errors:
+                self._session_failed()
+                self._end_quietly(urls)  # close the session where it is open, so the next push can begin
+                raise self._failed(plan, errors)
+        finally:
+            self._continue_quietly(urls)
+        return push_stats(plan, results, time.perf_counter() - self._t0)
+
+    def _session_failed(self) -> None:
+        """What a failed session leaves unusable (the distributed transport's groups); nothing here."""
