@@ -131,7 +131,10 @@ class Config:
 
 def _check_lora_push(cfg: "Config") -> None:
     """``model.lora.push=adapter`` needs engines that load adapters next to a base they keep; LoRA
-    dropout cannot run under full recomputation."""
+    dropout cannot run under full recomputation. ``auto`` is resolved here, the one place its rule
+    is written: ``adapter`` except for colocated engines (their in-node transfer carries full
+    weights) and external producers (they load the published ``v<version>`` model directories),
+    where the adapters are folded into the base (``merged``)."""
     lora, r = cfg.model.lora, cfg.rollout
     if lora.rank > 0 and lora.dropout > 0 and cfg.parallel.recompute == "full":
         # the adapters drop out in forwards that build gradients (actor/lora.py); a fully recomputed
@@ -140,10 +143,14 @@ def _check_lora_push(cfg: "Config") -> None:
         raise ConfigError(f"model.lora.dropout={lora.dropout} with parallel.recompute=full: the recomputed "
                           "forward would drop out where the first one did not; set model.lora.dropout=0 or "
                           "parallel.recompute=selective / none")
-    if lora.rank <= 0 or lora.push == "merged":
+    if lora.rank <= 0:
         return
-    if lora.push == "auto" and (r.colocate or r.source == "external"):
-        return  # merged (weights/lora_push.py lora_push_mode)
+    if lora.push == "auto":  # resolved here, once: every reader sees adapter or merged
+        lora.push = "merged" if r.colocate or r.source == "external" else "adapter"
+        if lora.push == "merged":
+            return
+    if lora.push == "merged":
+        return
     if r.colocate:
         raise ConfigError("model.lora.push=adapter with rollout.colocate=true: colocated engines get full weights "
                           "through the in-node transfer; use model.lora.push=merged (or auto)")

@@ -137,3 +137,26 @@ def test_config_reexports_the_sections_from_their_homes():
     from megatron_m2po.utils import settings as machinery
 
     assert config.RolloutConfig is rollout_settings.RolloutConfig and config.ConfigError is machinery.ConfigError
+
+
+@pytest.mark.parametrize("overrides, push", [
+    ([], "adapter"),
+    (["rollout.colocate=true", "trainer.mode=sync"], "merged"),
+    (["rollout.source=external", "trainer.mode=async"], "merged"),
+    (["model.lora.push=merged"], "merged"),
+])
+def test_lora_push_auto_is_resolved_once_at_validation(overrides, push):
+    """``model.lora.push=auto`` is resolved by ``Config.validate`` (config.py ``_check_lora_push``,
+    the one place its rule is written); every reader (``lora_push_mode``: the trainer, the rollout
+    service) sees the resolved value, and the resolved config dumps and reloads to itself."""
+    from megatron_m2po.weights.lora_push import lora_push_mode
+
+    cfg = load_config(None, ["model.lora.rank=8", *overrides])
+    assert cfg.model.lora.push == push and lora_push_mode(cfg) == push
+    assert config_to_dict(load_config(None, ["model.lora.rank=8", f"model.lora.push={push}", *overrides[:2]])) == \
+        config_to_dict(cfg)
+    assert load_config(None).model.lora.push == "auto" and lora_push_mode(load_config(None)) is None  # no LoRA
+    unresolved = Config()
+    unresolved.model.lora.rank = 8
+    with pytest.raises(ValueError, match="not resolved"):
+        lora_push_mode(unresolved)

@@ -59,16 +59,14 @@ def adapter_version(name: Optional[str]) -> Optional[int]:
 
 
 def lora_push_mode(cfg: Any) -> Optional[str]:
-    """How a LoRA run's weights reach the engines: None without LoRA, else ``model.lora.push``, whose
-    ``auto`` is ``adapter`` except for colocated engines (their in-node transfer carries full
-    weights) and external producers (they load the published ``v<version>`` model directories):
-    there the adapters are folded into the base (``merged``)."""
+    """How a LoRA run's weights reach the engines: None without LoRA, else ``model.lora.push`` as
+    ``Config.validate`` resolved it (``adapter`` or ``merged``; config.py ``_check_lora_push``)."""
     lora = cfg.model.lora
     if lora.rank <= 0:
         return None
-    if lora.push != "auto":
-        return lora.push
-    return "merged" if cfg.rollout.colocate or cfg.rollout.source == "external" else "adapter"
+    if lora.push not in ("adapter", "merged"):
+        raise ValueError(f"model.lora.push={lora.push!r} is not resolved: validate the config (Config.validate)")
+    return lora.push
 
 
 def engine_args(rank: int, targets: list[str], keep: int = 2) -> list[str]:
