@@ -7,6 +7,10 @@
 * no module reads a private member (``obj._name``) of a class defined in another module: what a
   collaborator needs from a class is in its public interface (the mask strategy's ``MaskHost``,
   for example), so a class can change its insides without breaking another module;
+* no component is wired by mutation: no ``self.<collaborator>.<attr> = ...`` outside the CPU
+  stand-ins (collaborators arrive through constructors); the one exception is Megatron-Core's
+  ``TransformerConfig`` hooks, which its own API sets on the config after the model is built
+  (:data:`UPSTREAM_HOOKS`);
 * no module imports a private name (``from megatron_m2po.x import _name``) of another: what is
   shared is public (upstream libraries' private names, read where no public API exists, are
   outside this rule and say why at their import).
@@ -89,6 +93,29 @@ def private_imports(trees: dict[str, ast.Module]) -> list[str]:
                   for a in n.names if a.name.startswith("_") and not a.name.startswith("__"))
 
 
+# Megatron-Core's TransformerConfig fields that its training code sets after the model and the
+# optimizer exist (megatron/training/training.py: config.grad_scale_func, no_sync_func, ...).
+UPSTREAM_HOOKS = {"actor/actor.py": {"self._tconfig.finalize_model_grads_func", "self._tconfig.no_sync_func",
+                                     "self._tconfig.grad_scale_func"}}
+
+
+def collaborator_mutations(trees: dict[str, ast.Module]) -> list[str]:
+    """``self.a.b = ...``: an attribute of a collaborator assigned from outside it (stand-ins excepted)."""
+    out = []
+    for mod, tree in trees.items():
+        if mod.startswith("standins/"):
+            continue
+        for n in ast.walk(tree):
+            targets = n.targets if isinstance(n, ast.Assign) else [n.target] if isinstance(
+                n, (ast.AugAssign, ast.AnnAssign)) else []
+            for t in targets:
+                if (isinstance(t, ast.Attribute) and isinstance(t.value, ast.Attribute)
+                        and isinstance(t.value.value, ast.Name) and t.value.value.id == "self"
+                        and ast.unparse(t) not in UPSTREAM_HOOKS.get(mod, ())):
+                    out.append(f"{mod}:{n.lineno} {ast.unparse(t)}")
+    return sorted(out)
+
+
 def test_no_function_over_80_lines():
     assert long_functions(_trees()) == []
 
@@ -105,6 +132,10 @@ def test_no_module_reads_another_class_private_members():
 
 def test_no_module_imports_another_modules_private_names():
     assert private_imports(_trees()) == []
+
+
+def test_no_component_is_wired_after_construction():
+    assert collaborator_mutations(_trees()) == []
 
 
 def test_every_package_says_what_it_owns():
@@ -124,6 +155,8 @@ def test_the_checks_see_what_they_should():
     assert long_functions({"m.py": src}) == ["m.py:8 h (82 lines)"]
     # Read in its own module: allowed; from another module: reported.
     assert foreign_private_reads({"m.py": src, "n.py": other}) == ["n.py:2 a._hint (private to m.py)"]
+    wired = ast.parse("class B:\n    def f(self, w):\n        self.weights.drain = w\n        self.n = 1\n")
+    assert collaborator_mutations({"m.py": wired, "standins/x.py": wired}) == ["m.py:3 self.weights.drain"]
     imports = ast.parse("from megatron_m2po.rollout.client import RETRY, _hidden\nfrom torch.x import _y\n"
                         "from .m import _z\n")
     assert private_imports({"n.py": imports}) == ["n.py:1 from megatron_m2po.rollout.client import _hidden",

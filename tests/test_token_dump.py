@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import types
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +21,15 @@ from megatron_m2po.experiment.entropy import run as entropy_run
 from megatron_m2po.trainer.token_dump import TokenDump, grpo_clipped, m2po_masked, read_token_dump
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+class _FakeActor:
+    """What TokenDump uses of the actor: its stage, TP rank and the token observer."""
+
+    is_last_stage, tp_rank, token_hook = True, 0, None
+
+    def observe_tokens(self, hook) -> None:
+        self.token_hook = hook
 
 
 def _microbatches(samples, indices, size: int):
@@ -87,7 +95,7 @@ def test_dump_assembles_micro_batches_across_ranks_and_writes_the_step(tmp_path)
     several data-parallel ranks would); the file holds every loss token once, in canonical order."""
     rng = np.random.default_rng(1)
     cfg = _dump_cfg(tmp_path, dump_tokens_every=2)
-    actor = types.SimpleNamespace(is_last_stage=True, tp_rank=0, token_hook=None)
+    actor = _FakeActor()
     dump = TokenDump(cfg, actor, tmp_path)
     assert [s for s in range(6) if dump.wants(s)] == [1, 3, 5]
     dump.begin(3)
@@ -126,7 +134,7 @@ def test_dump_assembles_micro_batches_across_ranks_and_writes_the_step(tmp_path)
 def test_dump_size_is_bounded_by_a_seeded_subset(tmp_path):
     rng = np.random.default_rng(2)
     cfg = _dump_cfg(tmp_path, dump_tokens_every=1, dump_tokens_max=7)
-    actor = types.SimpleNamespace(is_last_stage=True, tp_rank=0, token_hook=None)
+    actor = _FakeActor()
     paths = []
     for out in ("a", "b"):
         dump = TokenDump(cfg, actor, tmp_path / out)
@@ -148,7 +156,7 @@ def test_dump_size_is_bounded_by_a_seeded_subset(tmp_path):
 
 def test_dump_refuses_tokens_nobody_recorded(tmp_path):
     cfg = _dump_cfg(tmp_path, dump_tokens_every=1)
-    actor = types.SimpleNamespace(is_last_stage=True, tp_rank=0, token_hook=None)
+    actor = _FakeActor()
     dump = TokenDump(cfg, actor, tmp_path)
     dump.begin(0)
     with pytest.raises(RuntimeError, match="not recorded"):
@@ -212,7 +220,7 @@ def _dp_dump_worker(rank, world, payload):
     from megatron_m2po.actor.batch import dp_shard
 
     cfg, minis, values, out = payload
-    actor = types.SimpleNamespace(is_last_stage=True, tp_rank=0, token_hook=None)
+    actor = _FakeActor()
     dump = TokenDump(cfg, actor, Path(out))
     dump.begin(0)
     first = 0

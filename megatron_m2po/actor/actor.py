@@ -215,9 +215,14 @@ class MegatronActor:
         4
     """
 
-    # Opt-in observer of training updates: called with one ``actor.global_mask.TokenRecord`` per
-    # training micro-batch (last stage) when set; the record holds the mask the loss finally used.
+    # Opt-in observer of training updates (:meth:`observe_tokens`): called with one
+    # ``actor.global_mask.TokenRecord`` per training micro-batch (last stage) when set; the record
+    # holds the mask the loss finally used.
     token_hook: Optional[Callable[[TokenRecord], None]] = None
+
+    def observe_tokens(self, hook: Optional[Callable[[TokenRecord], None]]) -> None:
+        """Call ``hook`` with every training micro-batch's :class:`TokenRecord` from now on (None: stop)."""
+        self.token_hook = hook
 
     def __init__(self, cfg: ActorConfig, chunks: list, bridge, ddp_chunks: list, optimizer, scheduler,
                  *, pg=None, owns_parallel: bool = False, owns_process_group: bool = False, reference=None) -> None:

@@ -290,7 +290,8 @@ class SGLangClient:
 
     def __init__(self, base_url: str, *, concurrency: int = 64, timeout_s: float = 600.0,
                  max_retries: int = 3, backoff_s: float = 0.5, control_timeout_s: float = 60.0,
-                 engine_urls: Optional[Sequence[str]] = None) -> None:
+                 engine_urls: Optional[Sequence[str]] = None,
+                 adapter: Optional[Callable[[], Optional[tuple[str, int]]]] = None) -> None:
         if concurrency < 1 or timeout_s <= 0 or max_retries < 0:
             raise ValueError(f"SGLangClient: concurrency={concurrency} (>=1), timeout_s={timeout_s} "
                              f"(>0), max_retries={max_retries} (>=0)")
@@ -305,7 +306,7 @@ class SGLangClient:
         # LoRA adapter pushes (weights/lora_push.py ``AdapterPush.current``): the (name, version) of the
         # adapter a request without its own lora_path runs under (None: the base model). Its tokens are
         # tagged with that version: a request keeps its adapter to its end, across later pushes.
-        self.adapter: Optional[Callable[[], Optional[tuple[str, int]]]] = None
+        self.adapter = adapter
 
     def _adapter_for(self, lora_path: Optional[str]) -> tuple[Optional[str], Optional[int]]:
         """``(lora_path to send, version to tag the tokens with or None)`` of one request."""

@@ -44,7 +44,7 @@ import logging
 import random
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import aiohttp
 
@@ -80,13 +80,15 @@ class DispatchClient(SGLangClient):
 
     def __init__(self, engines: Mapping[str, int] | Sequence[str], *, concurrency: int = 64,
                  timeout_s: float = 600.0, max_retries: int = 3, backoff_s: float = 0.5,
-                 control_timeout_s: float = 60.0, max_affinity_keys: int = MAX_AFFINITY_KEYS) -> None:
+                 control_timeout_s: float = 60.0, max_affinity_keys: int = MAX_AFFINITY_KEYS,
+                 adapter: Optional[Callable[[], Optional[tuple[str, int]]]] = None) -> None:
         limits = dict(engines) if isinstance(engines, Mapping) else split_limits(list(engines), concurrency)
         if not limits:
             raise ValueError("DispatchClient: no engines; pass {url: max in-flight requests}")
         self._slots: dict[str, _Slot] = {}
         super().__init__(next(iter(limits)), concurrency=max(1, sum(limits.values())), timeout_s=timeout_s,
-                         max_retries=max_retries, backoff_s=backoff_s, control_timeout_s=control_timeout_s)
+                         max_retries=max_retries, backoff_s=backoff_s, control_timeout_s=control_timeout_s,
+                         adapter=adapter)
         self._apply(limits)
         self._affinity: OrderedDict[str, str] = OrderedDict()
         self._max_keys = max_affinity_keys

@@ -188,16 +188,18 @@ class EngineFleet:
             return split_limits([e.url for e in live], self.cfg.concurrency)
         return {e.url: e.max_running or FALLBACK_MAX_RUNNING for e in live}
 
-    def client(self, *, timeout_s: Optional[float] = None, max_retries: Optional[int] = None) -> SGLangClient:
+    def client(self, *, timeout_s: Optional[float] = None, max_retries: Optional[int] = None,
+               adapter: Optional[Callable[[], Optional[tuple[str, int]]]] = None) -> SGLangClient:
         """The trainer's generation client: an :class:`SGLangClient` of the router, or without one a
         :class:`DispatchClient` over :meth:`dispatch_limits` (module docstring). Create it on the event
-        loop that uses it; with a DispatchClient, route ``on_engines`` to its ``set_engines``."""
+        loop that uses it; with a DispatchClient, route ``on_engines`` to its ``set_engines``.
+        ``adapter``: the LoRA adapter requests run under (``SGLangClient``'s)."""
         timeout_s = self.cfg.request_timeout_s if timeout_s is None else timeout_s
         retries = self.cfg.max_retries if max_retries is None else max_retries
         if self.router_url:
             return SGLangClient(self.router_url, concurrency=max(1, self.concurrency), timeout_s=timeout_s,
-                                max_retries=retries)
-        return DispatchClient(self.dispatch_limits(), timeout_s=timeout_s, max_retries=retries)
+                                max_retries=retries, adapter=adapter)
+        return DispatchClient(self.dispatch_limits(), timeout_s=timeout_s, max_retries=retries, adapter=adapter)
 
     def _announce(self) -> None:
         """Tell a dispatching client the engines (no router: it is the router)."""

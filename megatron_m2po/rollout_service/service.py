@@ -58,7 +58,7 @@ import logging
 import shutil
 import threading
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from megatron_m2po.config import Config
 from megatron_m2po.rollout.settings import RolloutConfig
@@ -113,8 +113,12 @@ class RolloutService:
     :meth:`filter_metrics` / :meth:`engine_loads`, :meth:`close`; and it takes :attr:`weights`
     once (every rank pushes through its controller)."""
 
-    def __init__(self, cfg: Config, model_path: str, tokenizer: Any):
+    def __init__(self, cfg: Config, model_path: str, tokenizer: Any, *,
+                 relaunch: Optional[Callable[[], list[str]]] = None):
+        """``relaunch``: what the push controller calls to relaunch dead engines after a failed push
+        (colocated mode's offload around it, trainer/colocated.py); None: rank 0 restarts them."""
         self.cfg, self.model_path = cfg, model_path
+        self._relaunch = relaunch
         run_dir = Path(cfg.trainer.run_dir)
         # The data first: a mistake in it (a bad row, a prompt too long) is found before the store is created.
         self._dataset = build_prompt_dataset(cfg.data, tokenizer, cfg.trainer.seed)
@@ -130,6 +134,7 @@ class RolloutService:
         self._fleet: Optional[EngineFleet] = None
         self._bg = BackgroundLoop("m2po-rollout")  # the producer runs here
         self._client: Optional[SGLangClient] = None
+        self._adapters: Optional[AdapterPush] = None  # model.lora.push=adapter: built before the client
         self._weights = WeightPushController()  # replaced by rank 0's controller once the engines run
         self._scheduled: Optional[ScheduledGeneration] = None
         self._ingestion: Optional[IngestionServer] = None
@@ -149,16 +154,13 @@ class RolloutService:
         self._weights = WeightPushController(
             build_weight_sync(cfg.rollout, self.engine_urls, sync_dir=str(self._sync_dir),
                               base_model_dir=self.model_path, external=self._external),
-            fleet=self._fleet, store=self._store, bg=self._bg)
-        self._weights.adapters = self._adapter_push()
-        if self._fleet is not None:
-            self._fleet.refit_fn = self._weights.refit  # a restarted engine gets the current weights
+            fleet=self._fleet, store=self._store, bg=self._bg, drain=self._drain, adapters=self._adapters,
+            lora_push=lora_push_mode(cfg), relaunch=self._relaunch)
         self._sampler = GroupSampler(cfg.rollout, seed=cfg.trainer.seed, tokenizer=tokenizer, reward=self._reward,
                                      producer=build_producer(cfg.rollout), client=self._client, store=self._store,
                                      weights=self._weights)
         self._scheduled = ScheduledGeneration(cfg.trainer, sampler=self._sampler, dataset=self._dataset,
                                               store=self._store, bg=self._bg, stop_event=self._stop_event)
-        self._weights.drain = self._scheduled.drain  # a push waits for scheduled generation in flight
         self._filter_counters = self._sampler.counters  # counted where groups are made or ingested
         producers = None
         if self._external:
@@ -201,8 +203,8 @@ class RolloutService:
         node = node_gpus(count=cuda_count(), trainer_on_gpu=cuda_count() is not None)
         if cfg.rollout.launcher == "local":
             placement(cfg, node)
-        # No refit_fn yet: the push controller needs the started fleet's URLs first (_build_parts joins them).
-        self._fleet = EngineFleet(cfg.rollout, engine_model, run_dir=str(run_dir), node=node,
+        self._adapters = self._adapter_push()
+        self._fleet = EngineFleet(cfg.rollout, engine_model, run_dir=str(run_dir), node=node, refit_fn=self._refit,
                                   on_concurrency=self._resize_client, on_engines=self._reset_engines,
                                   extra_engine_args=self._lora_engine_args())
         self._fleet.start()
@@ -215,10 +217,20 @@ class RolloutService:
             return []
         return lora_engine_args(lora.rank, list(lora.targets), keep=ADAPTERS_KEPT)
 
+    def _refit(self, url: str) -> None:
+        """The fleet's ``refit_fn``: a restarted engine gets the current weights (the push controller,
+        built once the fleet's URLs are known)."""
+        self._weights.refit(url)
+
+    def _drain(self) -> None:
+        """The push controller's ``drain``: a push waits for scheduled generation in flight."""
+        if self._scheduled is not None:
+            self._scheduled.drain()
+
     def _adapter_push(self) -> Optional[AdapterPush]:
-        """Rank 0's adapter pushes (``model.lora.push=adapter``); the client sends every request under
-        the newest adapter and tags its tokens with that adapter's version."""
-        if lora_push_mode(self.cfg) != "adapter" or self._fleet is None:
+        """Rank 0's adapter pushes (``model.lora.push=adapter``, engines of this run's own); the client
+        sends every request under the newest adapter and tags its tokens with that adapter's version."""
+        if lora_push_mode(self.cfg) != "adapter":
             return None
         r = self.cfg.rollout
         adapters = AdapterPush(self._sync_dir, peft_config(self.cfg.model.lora, self.model_path),
@@ -226,12 +238,12 @@ class RolloutService:
                                                                    control_timeout_s=r.weight_sync_timeout_s),
                                bg=self._bg, timeout_s=r.weight_sync_timeout_s, keep=ADAPTERS_KEPT,
                                in_memory=self.cfg.model.lora.adapter_transport == "memory")
-        self._client.adapter = lambda: adapters.current
         return adapters
 
     async def _open_client(self) -> None:
         # sglang-router's client, or without a router a DispatchClient over the engines (rollout/dispatch.py)
-        self._client = self._fleet.client()
+        adapters = self._adapters
+        self._client = self._fleet.client(adapter=(lambda: adapters.current) if adapters is not None else None)
 
     def _resize_client(self, concurrency: int) -> None:
         """The fleet's derived concurrency changed (engines joined or left): the client follows."""

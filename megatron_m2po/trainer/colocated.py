@@ -47,7 +47,7 @@ the state of the others, and admitted by the next full push (``WeightPushControl
   offloads, the engine is relaunched and releases its KV cache (the others hold only their weights
   then), the trainer reloads, and the push goes to every engine;
 * died during the push: the push fails; the same offload / relaunch / reload
-  (:meth:`_relaunch_in_push`, the push controller's ``relaunch``) and the push is repeated once.
+  (:meth:`relaunch_in_push`, the push controller's ``relaunch``) and the push is repeated once.
 
 Each relaunch costs one extra offload and reload of the trainer at most (time ``relaunch`` in the
 metrics); versions and per-token tags stay the push controller's.
@@ -121,9 +121,9 @@ class ColocatedPhases:
 
     def attach(self, weights: Any, service: Any) -> None:
         """The push controller (every rank) and the rollout service (rank 0; None elsewhere). A push
-        that fails because an engine died relaunches it through :meth:`_relaunch_in_push`."""
+        that fails because an engine died relaunches it through :meth:`relaunch_in_push`, which the
+        controller was built with (its ``relaunch``)."""
         self.weights, self.service = weights, service
-        weights.relaunch = self._relaunch_in_push
 
     # ------------------------------------------------------------------ transitions
     def start(self) -> None:
@@ -224,7 +224,7 @@ class ColocatedPhases:
                         len(urls), ", ".join(urls), "offloaded around it" if offload else "offloaded")
         return urls
 
-    def _relaunch_in_push(self) -> list[str]:
+    def relaunch_in_push(self) -> list[str]:
         """All ranks, after a failed push (the push controller's ``relaunch``): the others hold their
         weights, not their KV cache; so does the relaunched engine, whose base weights the repeated
         push overwrites."""

@@ -82,7 +82,7 @@ T = TypeVar("T")
 class _Lead:
     """Global rank 0's part of the run: rollout service, run directory, metrics, progress."""
 
-    def __init__(self, cfg: Config, model_path: str) -> None:
+    def __init__(self, cfg: Config, model_path: str, *, relaunch: Optional[Callable[[], list[str]]] = None) -> None:
         from transformers import AutoTokenizer
 
         from megatron_m2po.rollout_service.service import RolloutService
@@ -92,7 +92,7 @@ class _Lead:
         run_dir = Path(cfg.trainer.run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(dump_config(cfg))
-        self.service = RolloutService(cfg, model_path, AutoTokenizer.from_pretrained(model_path))
+        self.service = RolloutService(cfg, model_path, AutoTokenizer.from_pretrained(model_path), relaunch=relaunch)
         try:
             self.logger = MetricsLogger(str(run_dir), config_dict=config_to_dict(cfg),
                                         wandb_project=cfg.logging.wandb_project,
@@ -195,11 +195,14 @@ class Trainer:
                 self.colocated.start()
             # Inside from_rank0: a failure to build the rollout side (data, store, engines) reaches
             # the other ranks at once, instead of leaving them waiting for rank 0's next result.
-            self._from_rank0(lambda: self._build_lead(cfg), what="the rollout side (data, store, engines)")
+            # colocated mode relaunches dead engines with the trainer offloaded around it
+            relaunch = self.colocated.relaunch_in_push if self.colocated is not None else None
+            self._from_rank0(lambda: self._build_lead(cfg, relaunch), what="the rollout side (data, store, engines)")
             if self.lead is not None:
                 self.service = self.lead.service
                 self.weights = self.service.weights
-            self.weights.lora_push = lora_push_mode(cfg)  # every rank: adapters alone, or merged weights
+            else:  # every rank: adapters alone or merged weights, the same relaunch policy
+                self.weights = WeightPushController.follower(lora_push=lora_push_mode(cfg), relaunch=relaunch)
             if self.colocated is not None:
                 self.colocated.attach(self.weights, self.service)
         except BaseException:
@@ -217,9 +220,9 @@ class Trainer:
         passed (:func:`~.preflight.claim_checked_run_dir`)."""
         self._run_lock = claim_checked_run_dir(cfg)
 
-    def _build_lead(self, cfg: Config) -> None:
+    def _build_lead(self, cfg: Config, relaunch: Optional[Callable[[], list[str]]]) -> None:
         """Global rank 0: its part of the run (:class:`_Lead`)."""
-        self.lead = _Lead(cfg, self.model_path)
+        self.lead = _Lead(cfg, self.model_path, relaunch=relaunch)
 
     def _from_rank0(self, fn: Callable[[], T], what: str = "rank 0's result") -> T:
         """``fn()`` evaluated on global rank 0 only; every rank gets its result, waiting without

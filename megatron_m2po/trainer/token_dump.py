@@ -83,7 +83,7 @@ class TokenDump:
         """Start recording the updates of ``step``."""
         self._step, self._updates = step, []
         if self.records:
-            self.actor.token_hook = self._hook
+            self.actor.observe_tokens(self._hook)
 
     def _hook(self, rec: TokenRecord) -> None:
         self._parts.append((rec.mb.token_index.cpu().numpy(), rec.logp.float().cpu().numpy(),
@@ -133,7 +133,7 @@ class TokenDump:
 
     def write(self) -> Optional[Path]:
         """Rank 0: the step's response tokens with ``loss_mask`` (at most ``dump_tokens_max``) as one ``.npz``."""
-        self.actor.token_hook = None
+        self.actor.observe_tokens(None)
         step, updates, self._updates = self._step, self._updates, []
         if not updates:
             return None

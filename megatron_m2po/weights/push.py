@@ -94,24 +94,27 @@ class WeightPushController:
     """
 
     def __init__(self, sync: Any = None, *, fleet: Any = None, store: Any = None, bg: Any = None,
-                 drain: Callable[[], None] = lambda: None):
+                 drain: Callable[[], None] = lambda: None, adapters: Optional[AdapterPush] = None,
+                 lora_push: Optional[str] = None, relaunch: Optional[Callable[[], list[str]]] = None):
         self.sync, self.fleet, self.store, self.bg, self.drain = sync, fleet, store, bg, drain
         self.version = 0  # fresh engines start from the base model
         self._pushed: list = []  # rank 0: SyncStats of the pushes since take_metrics()
         self._first_push_s: Optional[float] = None  # the first push's seconds (what a slow push is)
-        # Every rank, after a failed push: relaunch the dead engines, return their URLs. Colocated mode
-        # sets its own (the trainer offloads around the relaunch, trainer/colocated.py).
-        self.relaunch: Optional[Callable[[], list[str]]] = None
+        # Every rank, after a failed push: relaunch the dead engines, return their URLs (None: rank 0
+        # restarts them). Colocated mode passes its own (the trainer offloads around the relaunch,
+        # trainer/colocated.py ColocatedPhases.relaunch_in_push).
+        self.relaunch = relaunch
         # Rank 0 with model.lora.push=adapter: the engines keep their base and load an adapter per
         # version (weights/lora_push.py); the weight sync above then only stays for its interface.
-        self.adapters: Optional[AdapterPush] = None
-        # Every rank (set by the trainer): model.lora.push resolved (lora_push_mode), None without LoRA.
-        self.lora_push: Optional[str] = None
+        self.adapters = adapters
+        # Every rank: model.lora.push as validated (lora_push_mode), None without LoRA.
+        self.lora_push = lora_push
 
     @classmethod
-    def follower(cls) -> "WeightPushController":
+    def follower(cls, *, lora_push: Optional[str] = None,
+                 relaunch: Optional[Callable[[], list[str]]] = None) -> "WeightPushController":
         """A rank other than global rank 0: takes part in pushes, tracks ``version``."""
-        return cls()
+        return cls(lora_push=lora_push, relaunch=relaunch)
 
     @property
     def leads(self) -> bool:

@@ -156,11 +156,11 @@ def restore(actor, snap) -> None:
 
 class Recorder:
     """The actor's :class:`~megatron_m2po.actor.global_mask.TokenRecord` s by update (installs
-    itself as ``actor.token_hook``): this rank's micro-batches, as the loss used them."""
+    itself with ``actor.observe_tokens``): this rank's micro-batches, as the loss used them."""
 
     def __init__(self, actor) -> None:
         self.updates: dict[int, list] = {}
-        actor.token_hook = self
+        actor.observe_tokens(self)
 
     def __call__(self, rec) -> None:
         self.updates.setdefault(rec.update, []).append(rec)

@@ -84,8 +84,8 @@ class _Service:
 class _Weights:
     """The push controller: a push to a dead engine fails once and is repeated after ``relaunch``."""
 
-    def __init__(self, events: list, service: _Service) -> None:
-        self.events, self.service, self.version, self.relaunch = events, service, 0, None
+    def __init__(self, events: list, service: _Service, relaunch) -> None:
+        self.events, self.service, self.version, self.relaunch = events, service, 0, relaunch
 
     def push_actor(self, actor, *, phase):
         assert actor.resident
@@ -101,7 +101,7 @@ def _phases(dies_in: str = ""):
     actor = _Actor(events)
     service = _Service(events, actor, dies_in)
     phases = ColocatedPhases(actor, from_rank0=lambda fn, what="": fn(), rank=0, local_rank=0)
-    phases.attach(_Weights(events, service), service)
+    phases.attach(_Weights(events, service, relaunch=phases.relaunch_in_push), service)
     return phases, service, events
 
 
