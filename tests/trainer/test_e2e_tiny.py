@@ -346,7 +346,10 @@ def test_external_producer_feeds_the_trainer(tmp_path):
 
         wait_until(serving, what=f"the trainer serving ingestion on port {port}", timeout=240,
                    hopeless=lambda: trainer.poll() is not None and log_path.read_text(errors="replace")[-4000:])
-        pushed = subprocess.run([sys.executable, *producer[1:], "--rounds", "3", "--prompts-per-round", "8",
+        # Two rounds of 8 prompts: exactly the 2 steps x 8 prompts the trainer trains on. A third round
+        # would race the trainer's end: once it has trained on the first 16 groups it exits, and a
+        # producer still running finds it gone (exit 3, "the trainer ... is gone"), as it should.
+        pushed = subprocess.run([sys.executable, *producer[1:], "--rounds", "2", "--prompts-per-round", "8",
                                  "--n-samples", "4"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
         assert pushed.returncode == 0, pushed.stdout[-2000:] + pushed.stderr[-3000:]
         rc = trainer.wait(timeout=300)
