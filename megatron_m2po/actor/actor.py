@@ -225,7 +225,8 @@ class MegatronActor:
         self.token_hook = hook
 
     def __init__(self, cfg: ActorConfig, chunks: list, bridge, ddp_chunks: list, optimizer, scheduler,
-                 *, pg=None, owns_parallel: bool = False, owns_process_group: bool = False, reference=None) -> None:
+                 *, pg=None, owns_parallel: bool = False, owns_process_group: bool = False, reference=None,
+                 teacher=None) -> None:
         from megatron_m2po.actor.mask_correction import check_dropout
         from megatron_m2po.actor.model import is_moe
         self.cfg = cfg
@@ -242,6 +243,8 @@ class MegatronActor:
         self.pg = pg if pg is not None else process_groups()
         # The frozen reference policy of algo.kl (actor/reference.py); None with algo.kl.coef = 0.
         self.reference = reference
+        # The frozen teacher of algo.distill (actor/teacher.py); None with algo.distill.coef = 0.
+        self.teacher = teacher
         # The previous update's reduced metrics (the same on every rank): the measured correction
         # cost that mask_strategy=auto decides on (actor/mask_correction.py); checkpoints keep it.
         self.mask_hint: Optional[dict[str, float]] = None
@@ -325,6 +328,9 @@ class MegatronActor:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else \
             torch.device("cpu")
         reference = make_reference(cfg, device)
+        from megatron_m2po.actor.teacher import make_teacher
+
+        teacher = make_teacher(cfg, device)  # host-resident like the reference
         chunks, bridge = build_model(cfg)
         if cfg.model.lora.rank:  # the base frozen before DDP and the optimizer see it (actor/lora.py)
             from megatron_m2po.actor.lora import add_adapters
@@ -351,7 +357,7 @@ class MegatronActor:
             lr_decay_style=o.lr_schedule, start_wd=o.weight_decay, end_wd=o.weight_decay,
             wd_incr_steps=total, wd_incr_style="constant")
         return cls(cfg, chunks, bridge, ddp_chunks, optimizer, scheduler, pg=process_groups(),
-                   owns_parallel=owns_parallel, owns_process_group=created, reference=reference)
+                   owns_parallel=owns_parallel, owns_process_group=created, reference=reference, teacher=teacher)
 
     # ------------------------------------------------------------------------------ schedules
 
@@ -558,11 +564,22 @@ class MegatronActor:
         update of it would use, and one all-reduce gathers the tokens. Forward only; collective."""
         if self.reference is None:
             raise ValueError("reference_logprobs needs the frozen reference: set algo.kl.coef > 0")
+        return self._frozen_logprobs(self.reference, mini, "reference")
+
+    def teacher_logprobs(self, mini: RolloutBatch | ShardedBatch) -> list[np.ndarray]:
+        """The distillation teacher's float32 log-probs of the response tokens of every sample of the
+        mini-batch, on every rank (``algo.distill.placement=advantage``: trainer/distill.py); as
+        :meth:`reference_logprobs`. Forward only; collective."""
+        if self.teacher is None:
+            raise ValueError("teacher_logprobs needs the teacher: set algo.distill.teacher and algo.distill.coef > 0")
+        return self._frozen_logprobs(self.teacher, mini, "teacher")
+
+    def _frozen_logprobs(self, frozen, mini: RolloutBatch | ShardedBatch, phase: str) -> list[np.ndarray]:
         plan, samples = (mini.plan, mini.samples) if isinstance(mini, ShardedBatch) \
             else (BatchPlan.of(mini.samples), mini.samples)
         mbs = self._microbatches(samples, self._own_shard(plan, samples), plan)
-        with TIMER.phase("reference"):
-            outs = self.reference.logprobs(self, mbs)
+        with TIMER.phase(phase):
+            outs = frozen.logprobs(self, mbs)
         lp = self._gather_to_all(int(plan.response_lengths.sum()), outs, mbs).cpu().numpy()
         return np.split(lp, np.cumsum(plan.response_lengths)[:-1])
 
@@ -600,6 +617,10 @@ class MegatronActor:
         if self.reference is not None and self.cfg.algo.kl.placement == "loss":  # "reward": in the advantages
             with TIMER.phase("reference"):
                 refs = self.reference.logprobs(self, mbs)
+        teachers: list = [None] * len(mbs)  # algo.distill.placement=loss ("advantage": in the advantages)
+        if self.teacher is not None and self.cfg.algo.distill.placement == "loss":
+            with TIMER.phase("teacher"):
+                teachers = self.teacher.logprobs(self, mbs)
 
         # 1. what the loss needs before the first backward (M2PO: the global mask, from a pre-pass;
         #    with strategy "correct" a provisional mask now and the exact one in step 3)
@@ -612,7 +633,7 @@ class MegatronActor:
         stash: Optional[list] = [] if spec.step_scale is not None else None
 
         # 2. forward-backward with the mask fixed (or provisional); the gradients stay unfinalised
-        it, ref_it = iter(keeps), iter(refs)
+        it, ref_it, teacher_it = iter(keeps), iter(refs), iter(teachers)
         for m in self.model:
             m.zero_grad_buffer()
         self.optimizer.zero_grad()
@@ -620,7 +641,8 @@ class MegatronActor:
         with TIMER.phase("forward_backward"):
             self.run_schedule(mbs, lambda mb, model, hidden: self._policy_loss(
                 mb, model, hidden, next(it), spec=spec, settings=settings, denom=denom, records=records,
-                strategy=strategy, provisional=provisional, stash=stash, ref_logp=next(ref_it)),
+                strategy=strategy, provisional=provisional, stash=stash, ref_logp=next(ref_it),
+                teacher_logp=next(teacher_it)),
                 forward_only=False)
 
         # 3. the mask's gradient correction (strategy "correct"): the exact mask, and the gradient
@@ -714,14 +736,15 @@ class MegatronActor:
     def _policy_loss(self, mb: MicroBatch, model, hidden: torch.Tensor, keep: Optional[torch.Tensor], *, spec,
                      settings, denom: float, records: list[dict], strategy: Optional[str],
                      provisional: Optional[list[dict]] = None, stash: Optional[list] = None,
-                     ref_logp: Optional[torch.Tensor] = None):
+                     ref_logp: Optional[torch.Tensor] = None, teacher_logp: Optional[torch.Tensor] = None):
         """Megatron loss function of one micro-batch: ``(loss, n_tokens, None)``; its metric records
         (each declaring its reduction) go to ``records``. With ``provisional`` (a list), the keep
         mask is the spec's guess (``provisional_keep``) and the micro-batch's log-ratios, guess,
         log-probs and entropy are appended to it; its :class:`TokenRecord` then waits for the exact
         mask (``GlobalMask.correct``). With ``ref_logp`` (the frozen reference's log-probs of the
-        micro-batch) the reference-KL term (``algo/kl.py``) is added to the loss; it does not
-        depend on the keep mask, so a mask correction pass never recomputes it."""
+        micro-batch) the reference-KL term (``algo/kl.py``) is added to the loss, with ``teacher_logp``
+        the distillation term (``algo/distill.py``); neither depends on the keep mask, so a mask
+        correction pass never recomputes them."""
         from megatron_m2po.algo.losses import compute_policy_loss, tis_weights
         from megatron_m2po.algo.metrics import Metric
 
@@ -758,6 +781,14 @@ class MegatronActor:
             kl_term, kl_metrics = reference_kl(logp, ref_logp, mb.loss_mask, denominator=denom, settings=a.kl)
             loss = loss + kl_term
             metrics.update(kl_metrics)
+        if teacher_logp is not None:  # likewise after the mask: M2PO's mask stays on the policy ratio
+            from megatron_m2po.algo.distill import distill_loss_term
+
+            d = a.distill
+            term, d_metrics = distill_loss_term(logp, teacher_logp, mb.loss_mask, denominator=denom, coef=d.coef,
+                                                estimator=d.estimator)
+            loss = loss + term
+            metrics.update(d_metrics)
         n = float(mask.sum())
         metrics["policy/entropy"] = Metric(float((ent.detach() * mask).sum() / max(n, 1.0)), "mean", n)
         if mb.engine_logprobs is not None:  # KL(engine || trainer-behaviour), k1 on engine samples
@@ -865,5 +896,7 @@ class MegatronActor:
             self.replay.close()
         if self.reference is not None:
             self.reference.close()
+        if self.teacher is not None:
+            self.teacher.close()
         if self._owns_parallel:
             destroy_parallel(self._owns_pg)

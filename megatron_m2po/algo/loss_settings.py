@@ -18,7 +18,7 @@ from typing import Literal, Optional
 from megatron_m2po.utils.settings import setting as _f
 
 __all__ = ["M2POConfig", "GRPOConfig", "GSPOConfig", "CISPOConfig", "IcePopConfig", "MISConfig", "AReaLM2POConfig",
-           "VCPOConfig", "KLConfig", "KL_ESTIMATORS", "BUILTIN_LOSS_SETTINGS"]
+           "VCPOConfig", "KLConfig", "KL_ESTIMATORS", "DistillConfig", "BUILTIN_LOSS_SETTINGS"]
 
 
 @dataclass
@@ -149,6 +149,36 @@ class KLConfig:
         "trajectory's loss tokens subtracted from its reward before the GRPO advantages (verl use_kl_in_reward; "
         "behaviour log-probs: the recomputed ones with algo.recompute_behav_logprobs), by a reference pass over "
         "the whole step; no loss term then.")
+
+
+@dataclass
+class DistillConfig:
+    """On-policy distillation (``algo.distill``; every loss; algo/distill.py, trainer/distill.py):
+    a teacher scores every sampled response token and its per-token reverse KL
+    ``log pi_student - log pi_teacher`` enters the advantage or the loss."""
+
+    teacher: str = _f("", help="The teacher: an HF model directory (or a tiny base name) whose tokenizer equals the "
+                      "student's (refused by name otherwise). Empty: no distillation.")
+    coef: float = _f(0.0, ge=0.0, help="Weight of the reverse KL; 0 = off (no teacher is built).")
+    mode: Literal["megatron", "sglang"] = _f(
+        "megatron", help="Where the teacher runs: 'megatron' = a frozen copy built by the actor's own build_model in "
+        "the actor's layout, host-resident between uses like the reference (actor/reference.py); 'sglang' = teacher "
+        "engines scoring the stored responses (not available yet: refused at validation).")
+    placement: Literal["advantage", "loss"] = _f(
+        "advantage", help="'advantage' = A_t - coef * (behav_logp_t - teacher_logp_t) on every loss token, the "
+        "student's log-prob at sampling time (slime --opd-type, prime-rl); 'loss' = coef * token-mean of the "
+        "estimator of KL(student || teacher) on the current log-probs added to every update's loss, masked like "
+        "every token term.")
+    estimator: Literal["k1", "k2", "k3"] = _f(
+        "k3", help="placement=loss: the per-token estimator of d = logp - teacher_logp (as algo.kl.estimator).")
+
+    def check(self) -> None:
+        if self.coef > 0 and not self.teacher:
+            raise ValueError("algo.distill.coef > 0 needs algo.distill.teacher (an HF model directory whose "
+                             "tokenizer equals the student's)")
+        if self.coef > 0 and self.mode == "sglang":
+            raise ValueError("algo.distill.mode=sglang is not available in this version: use algo.distill.mode=megatron "
+                             "(a frozen teacher in the actor's layout)")
 
 
 # The built-in losses' names and settings classes (None: no settings), as algo/losses.py and

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from megatron_m2po.algo.loss_settings import (BUILTIN_LOSS_SETTINGS, AReaLM2POConfig, CISPOConfig, GRPOConfig,
-                                             GSPOConfig, IcePopConfig, KLConfig, M2POConfig, MISConfig, VCPOConfig)
+                                             DistillConfig, GSPOConfig, IcePopConfig, KLConfig, M2POConfig, MISConfig,
+                                             VCPOConfig)
 from megatron_m2po.utils.settings import ConfigError, check_ranges, settings_from_dict
 from megatron_m2po.utils.settings import setting as _f
 
@@ -44,6 +45,7 @@ class AlgoConfig:
     areal_m2po: AReaLM2POConfig = field(default_factory=AReaLM2POConfig)
     vcpo: VCPOConfig = field(default_factory=VCPOConfig)
     kl: KLConfig = field(default_factory=KLConfig)  # reference-model KL, any loss (algo/kl.py)
+    distill: DistillConfig = field(default_factory=DistillConfig)  # on-policy distillation (algo/distill.py)
     loss_options: dict[str, Any] = _f(factory=dict, help="Settings of a plugin loss, checked against the settings "
                                       "dataclass it registered (built-in losses read algo.<loss>.*).")
     logratio_clamp: float = _f(20.0, gt=0.0, help="log(pi_theta / pi_behav) is clamped to [-c, c] before exp.")
@@ -66,6 +68,10 @@ class AlgoConfig:
         if self.tis and not self.recompute_behav_logprobs:
             raise ConfigError("algo.tis=true needs algo.recompute_behav_logprobs=true (TIS compares trainer and engine "
                               "behaviour log-probs)")
+        try:
+            self.distill.check()
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
 
     def _check_loss(self) -> None:
         """``algo.loss`` names a registered loss (after importing ``algo.plugins``); its settings are valid."""

@@ -59,6 +59,7 @@ from megatron_m2po.parallel.rank0 import any_rank, check_shared_run_dir, from_ra
 from megatron_m2po.trainer.colocated import ColocatedPhases
 from megatron_m2po.trainer.batching import (groups_to_batch, rollout_metrics, shard_step, step_trajectories,
                                              trajectory_to_sample)
+from megatron_m2po.trainer.distill import distill_step
 from megatron_m2po.trainer.kl_reward import LeadStep, penalise_step
 from megatron_m2po.trainer.preflight import claim_checked_run_dir
 from megatron_m2po.trainer.run_lock import RunDirLock
@@ -441,6 +442,11 @@ class Trainer:
         """``algo.kl.placement=reward`` with a reference: the penalty goes into the advantages."""
         return self.cfg.algo.kl.coef > 0 and self.cfg.algo.kl.placement == "reward"
 
+    @property
+    def _distill_in_advantage(self) -> bool:
+        """``algo.distill.placement=advantage`` with a teacher: its reverse KL goes into the advantages."""
+        return self.cfg.algo.distill.coef > 0 and self.cfg.algo.distill.placement == "advantage"
+
     def _fetch_step(self, step: int) -> Optional[tuple[list[ShardedBatch], Any, dict]]:
         """Rank 0 leases the step's groups and splits them into optimizer mini-batches; every rank
         receives, per mini-batch, the global plan (sizes and versions) and the samples of its own
@@ -463,6 +469,8 @@ class Trainer:
                 leased["full"] = [RolloutBatch(samples) for samples in minis]
             if self._kl_in_reward:
                 leased["step"] = LeadStep(step_trajectories(groups), [s for samples in minis for s in samples])
+            if self._distill_in_advantage:
+                leased["distill"] = [s for samples in minis for s in samples]
             return parts
 
         with TIMER.phase("data_wait"):
@@ -472,6 +480,9 @@ class Trainer:
         if self._kl_in_reward:  # the reference pass, then the advantages of the penalised rewards
             self._trainer_resident()
             meta = {**meta, **penalise_step(self.actor, minibatches, leased.get("step"), self.cfg.algo)}
+        if self._distill_in_advantage:  # after the KL penalty, which rewrites the task advantages
+            self._trainer_resident()
+            meta = {**meta, **distill_step(self.actor, minibatches, leased.get("distill"), self.cfg.algo)}
         self._full_minibatches = leased.get("full")  # rank 0 only: the whole mini-batches (token dumps)
         return minibatches, leased.get("lease"), meta
 

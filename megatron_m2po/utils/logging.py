@@ -303,6 +303,7 @@ _PROGRESS_FIELDS: list[tuple[tuple[str, ...], str, str]] = [
     (("staleness/max",), "max", "{:.0f}"),
     (("policy/kl_k3",), "kl", "{:.2e}"),
     (("ref/kl",), "ref kl", "{:.2e}"),
+    (("distill/reverse_kl",), "rev kl", "{:.2e}"),  # algo.distill: KL(student || teacher) per token
     (("perf/tokens_per_s",), "tok/s", "{:.0f}"),
 ]
 # Every loss that masks tokens logs "<loss>/mask_frac" (m2po, icepop, mis, areal_m2po, a plugin's):
@@ -312,7 +313,8 @@ _MASK_SUFFIX = "/mask_frac"
 
 def format_progress(metrics: Mapping[str, Any]) -> str:
     """``"reward 0.412 | acc 0.310 | mask 0.31% | stale 4.0 | max 7 | tok/s 1234"`` from what
-    is present: the mask of whichever loss masks tokens, the reference KL when ``algo.kl`` is on."""
+    is present: the mask of whichever loss masks tokens, the reference KL when ``algo.kl`` is on, the
+    reverse KL to the teacher when ``algo.distill`` is on."""
     parts = []
     masks = tuple(sorted(k for k in metrics if k.endswith(_MASK_SUFFIX) and k.count("/") == 1))
     for keys, label, fmt in _PROGRESS_FIELDS:
