@@ -24,3 +24,25 @@ def test_layout_from_config_asks_for_the_reference_with_a_kl_coefficient():
     assert not P.layout_from_config(cfg).reference
     cfg.algo.kl.coef = 0.05
     assert P.layout_from_config(cfg).reference
+
+
+def test_the_distillation_teacher_is_counted_with_its_own_shape():
+    """``algo.distill`` (actor/teacher.py): the teacher's weights, of its own shape split by the
+    actor's layout, are a transient beside the reference (never on the GPU with the activations or
+    each other) and a pinned copy in the node's host memory; the plan's table names it."""
+    student, teacher = P.model_shape("Qwen/Qwen3-8B"), P.model_shape("Qwen/Qwen3-32B")
+    base = P.Layout(tp=2, pp=2, dp=2, micro_batch_tokens=512, seq_len=512, reference=True)
+    with_t = P.Layout(**{**base.__dict__, "teacher": teacher})
+    for i, (s0, s1) in enumerate(zip(P.estimate(student, base), P.estimate(student, with_t))):
+        vocab_p = P.padded_vocab(teacher.vocab, 2, base.vocab_divisible_by)
+        by_hand = P.stage_params(teacher, base, i, vocab_p) * base.param_bytes  # dense: no experts
+        assert s0.teacher == 0.0 and s1.teacher == pytest.approx(by_hand) and s1.teacher > 3 * s1.weights
+        assert s1.total - s0.total == pytest.approx(max(s1.activations, s1.reference, s1.teacher)
+                                                    - max(s0.activations, s0.reference))
+    cfg = Config()
+    cfg.model.hf_path = "Qwen/Qwen3-8B"
+    assert P.layout_from_config(cfg).teacher is None
+    cfg.algo.distill.teacher, cfg.algo.distill.coef = "Qwen/Qwen3-32B", 1.0
+    assert P.layout_from_config(cfg).teacher == teacher
+    p = P.plan(student, with_t)
+    assert p.host.parts["teacher copy (pinned)"] == pytest.approx(p.worst.teacher * with_t.gpus_per_node)

@@ -73,16 +73,20 @@ class HostMemory:
         if self.parts.get("reference copy (pinned)"):
             fixes.append("model.lora.rank > 0 (the reference is the base with adapters disabled: no copy) or "
                          "algo.kl.coef=0")
+        if self.parts.get("teacher copy (pinned)"):
+            fixes.append("a smaller teacher (algo.distill.teacher) or algo.distill.coef=0")
         fixes += ["more tensor / pipeline parallelism (smaller stages)", "a node with more RAM (--host-mem-gib)"]
         return (f"{self.describe().replace('host memory per node: ', 'host memory per node needs ', 1)}: "
                 f"more than the node's RAM; use " + ", or ".join(fixes))
 
 
 def host_memory(*, reference_bytes: float, weights: float, optimizer: float, offload: bool, trainer_procs: int,
-                engine_procs: int, node_gib: float = NODE_GIB, process_gib: float = PROCESS_GIB) -> HostMemory:
+                engine_procs: int, node_gib: float = NODE_GIB, process_gib: float = PROCESS_GIB,
+                teacher_bytes: float = 0.0) -> HostMemory:
     """The node's host memory for a stage's figures (bytes per trainer process; module docstring)."""
     parts = {
         "reference copy (pinned)": reference_bytes * trainer_procs,
+        **({"teacher copy (pinned)": teacher_bytes * trainer_procs} if teacher_bytes else {}),
         "offloaded trainer state (pinned)": (weights + optimizer) * trainer_procs if offload else 0.0,
         "processes": (trainer_procs + engine_procs) * process_gib * GiB,
     }

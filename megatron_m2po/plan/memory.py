@@ -310,6 +310,7 @@ class Layout:
     routing_imbalance: float = 1.0          # MoE: hottest EP rank's token copies / mean (plan/routing.py)
     lease: lease.LeaseShape = lease.LeaseShape()  # a step's samples, for the lease's transient (plan/lease.py)
     reference: bool = False                 # algo.kl.coef > 0: a frozen reference copy (actor/reference.py)
+    teacher: Optional["ModelShape"] = None  # algo.distill.coef > 0: the frozen teacher's shape (actor/teacher.py)
     lora_rank: int = 0                      # model.lora.rank: frozen base, adapters train (plan/lora.py)
     lora_targets: tuple[str, ...] = plan_lora.DEFAULT_TARGETS
     offload: bool = False                   # rollout.colocate: the trainer's state waits in host memory (plan/host.py)
@@ -341,12 +342,14 @@ class StageMemory:
     in_flight: int
     lease: float = 0.0  # transient: this rank's part of a step's samples on its GPU (plan/lease.py)
     reference: float = 0.0  # transient: the frozen reference's weights during its forward (actor/reference.py)
+    teacher: float = 0.0  # transient: the distillation teacher's weights during its forward (actor/teacher.py)
 
     @property
     def total(self) -> float:
-        # the reference's weights and the forward-backward's activations are never on the GPU together
-        return (self.weights + self.gradients + self.optimizer + max(self.activations, self.reference) + self.logits
-                + self.overhead + self.lease)
+        # the frozen copies' weights and the forward-backward's activations are never on the GPU
+        # together (each frozen forward runs alone, before the update's forward-backward)
+        return (self.weights + self.gradients + self.optimizer + max(self.activations, self.reference, self.teacher)
+                + self.logits + self.overhead + self.lease)
 
 
 @dataclass
@@ -479,8 +482,19 @@ def estimate(m: ModelShape, lay: Layout) -> list[StageMemory]:
             logits_naive=logits_naive, logits_fused=logits_fused, overhead=lay.overhead_gib * GiB,
             in_flight=in_flight, lease=leased,
             # under LoRA the reference is the base with the adapters disabled: no copy
-            reference=(params + experts) * lay.param_bytes if lay.reference and lay.lora_rank <= 0 else 0.0))
+            reference=(params + experts) * lay.param_bytes if lay.reference and lay.lora_rank <= 0 else 0.0,
+            teacher=teacher_stage_bytes(lay, i)))
     return out
+
+
+def teacher_stage_bytes(lay: Layout, stage: int) -> float:
+    """The distillation teacher's weights on one GPU of ``stage`` (0 without a teacher): its own
+    shape, split by the actor's layout as the actor's build_model splits it (actor/teacher.py)."""
+    t = lay.teacher
+    if t is None:
+        return 0.0
+    vocab_p = padded_vocab(t.vocab, lay.tp, lay.vocab_divisible_by)
+    return (stage_params(t, lay, stage, vocab_p) + moe.stage_expert_params(t, lay)) * lay.param_bytes
 
 
 def _layer_bytes(m: ModelShape, lay: Layout, toks: float, sp: bool, *, score_term: bool) -> float:
@@ -551,7 +565,9 @@ def plan(m: ModelShape, lay: Layout) -> LayoutPlan:
     if worst.total > budget:
         p.refusal = _memory_refusal(worst, lay, budget, experts=m.is_moe)
         p.errors.append(p.refusal.message)
-    p.host = host_plan.host_memory(reference_bytes=worst.reference, weights=worst.weights, optimizer=worst.optimizer,
+    # the frozen copies wait in host memory between their forwards: the reference and the teacher
+    p.host = host_plan.host_memory(reference_bytes=worst.reference, teacher_bytes=worst.teacher, weights=worst.weights,
+                                   optimizer=worst.optimizer,
                                    offload=lay.offload, trainer_procs=lay.gpus_per_node, engine_procs=lay.engine_procs,
                                    node_gib=lay.host_mem_gib, process_gib=lay.host_process_gib)
     if not p.host.ok:
@@ -626,6 +642,7 @@ def layout_from_config(cfg: Config, *, nnodes: int = 1, gpus_per_node: int = 8, 
                                         routed_experts=cfg.rollout.return_routed_experts,
                                         engine_logprobs=cfg.algo.recompute_behav_logprobs),
                  reference=cfg.algo.kl.coef > 0, lora_rank=cfg.model.lora.rank,
+                 teacher=model_shape(cfg.algo.distill.teacher) if cfg.algo.distill.coef > 0 else None,
                  lora_targets=tuple(cfg.model.lora.targets), offload=cfg.rollout.colocate)
     for k, v in overrides.items():
         if v is not None:
@@ -938,6 +955,9 @@ def print_plan(p: LayoutPlan) -> None:
         if lay.reference:  # appended: rows[4] is the logits row
             rows.append(("reference (algo.kl)", "reference", "frozen weights during its forward; total counts "
                          "max(activations, reference)"))
+        if lay.teacher is not None:
+            rows.append(("teacher (algo.distill)", "teacher", f"frozen {lay.teacher.name or 'teacher'} weights "
+                         "during its forward; total counts max(activations, reference, teacher)"))
         if not lay.fused_logprobs:
             rows[4] = ("logits (naive)", "logits_naive", "T x V/tp: bf16 + fp32 copy + softmax + grad")
         for label, attr, how in rows:
