@@ -56,8 +56,9 @@ transport); an engine may take it before another stage's last bucket, but it is 
 whole push and nothing reads its version before :meth:`ColocatedWeightSync.finish`. ``fp8``
 quantises like the other transports (``weights/fp8.py`` ``quantize_named`` on the way out).
 
-With several stages :func:`~megatron_m2po.weights.stage.push_from_stages` runs each stage's sender;
-its ``run_stage`` hands a plan of kind ``"colocated"`` to :func:`run_colocated_stage`.
+:func:`~megatron_m2po.weights.stage.push_from_stages` calls every rank's part of the push as the
+plan's ``exchange``: :meth:`ColocatedPlan.exchange` runs :func:`exchange_colocated` (every rank hands
+its copy to the engine ranks on its GPU) or, in one process, :func:`run_colocated_stage`.
 """
 
 from __future__ import annotations
@@ -75,12 +76,12 @@ from megatron_m2po.utils.hf_dir import iter_safetensors
 from megatron_m2po.weights.fp8 import DEFAULT_BLOCK, is_fp8_config, quantize_named
 from megatron_m2po.weights.colocated_bucket import (HOST_BUCKETS, FlattenedTensorMetadata, bucket_layout,
                                                     pack_bucket, serialize_bucket, split_buckets)
-from megatron_m2po.weights.stage import PushPlan, StageResult, describe, each_engine, nbytes, push_from_stages
+from megatron_m2po.weights.stage import PushPlan, StageResult, describe, each_engine, nbytes
 from megatron_m2po.weights.transport import SessionWeightSync, SyncStats
 
 __all__ = ["ColocatedWeightSync", "ColocatedPlan", "EngineRank", "colocated_assignment", "pack_bucket",
            "serialize_bucket", "split_buckets", "run_colocated_stage", "Phases", "exchange_colocated",
-           "push_colocated", "colocated_servers"]
+           "colocated_servers"]
 
 
 def read_hf_config(path: str) -> dict:
@@ -150,6 +151,17 @@ class ColocatedPlan(PushPlan):
 
     engine_tp: tuple[int, ...] = ()
     servers: tuple[tuple[int, ...], ...] = ()
+
+    def exchange(self, weights: Iterable[tuple[str, torch.Tensor]], *, stage: int, sender: bool, group=None,
+                 store=None) -> Optional["StageResult"]:
+        """Every rank's part of a colocated push: with several ranks each hands its copy to the engine
+        ranks on its own GPU (:func:`exchange_colocated`); one process is the sender alone and needs no
+        collective (:func:`run_colocated_stage`)."""
+        import torch.distributed as dist
+
+        if dist.get_world_size(group) > 1:
+            return exchange_colocated(self, weights, stage=stage, sender=sender, group=group)
+        return run_colocated_stage(self, stage, weights)
 
 
 @dataclass(slots=True)
@@ -435,15 +447,6 @@ def _exchange_bucket(plan: ColocatedPlan, p: int, k: int, bucket: Optional[list]
         held.what = (f"update_weights_from_tensor of stage {p} bucket {k} ({len(metas)} tensors, "
                      f"{size / 2**20:.3g} MiB, {metas[0].name} .. {metas[-1].name})")
     return held
-
-
-def push_colocated(controller, weights: Iterable[tuple[str, torch.Tensor]], version: int, *, stage: int,
-                   n_stages: int, sender: bool, group=None):
-    """:func:`~megatron_m2po.weights.stage.push_from_stages` with the colocated hand-over as every
-    rank's part (:func:`exchange_colocated`): every rank calls it (``controller`` on rank 0);
-    returns rank 0's stats, raises the same :class:`WeightSyncError` on every rank when it fails."""
-    return push_from_stages(controller, weights, version, stage=stage, n_stages=n_stages, sender=sender,
-                            group=group, exchanges={"colocated": exchange_colocated})
 
 
 class ColocatedWeightSync(SessionWeightSync):

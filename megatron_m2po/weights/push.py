@@ -21,7 +21,7 @@ from megatron_m2po.parallel.rank0 import from_rank0
 from megatron_m2po.rollout.client import SGLangClient
 from megatron_m2po.utils.faults import fault_point
 from megatron_m2po.utils.timing import TIMER
-from megatron_m2po.weights.colocated import ColocatedWeightSync, colocated_servers, exchange_colocated, run_colocated_stage
+from megatron_m2po.weights.colocated import ColocatedWeightSync, colocated_servers
 from megatron_m2po.weights.disk import DiskWeightSync
 from megatron_m2po.weights.distributed import DistributedWeightSync
 from megatron_m2po.weights.errors import NcclVersionMismatch, WeightSyncError
@@ -66,21 +66,6 @@ def _colocated_servers(r: RolloutConfig, engine_urls: list[str]):
 
     node = node_gpus()
     return colocated_servers(engine_urls, engine_gpus(r, node), list(range(node.trainer)), node.world)
-
-
-def _colocated_exchange(plan, weights, *, stage: int, sender: bool, group=None):
-    """Every rank's part of a colocated push (``push_from_stages``' ``exchanges``): with several ranks
-    each hands its copy to the engine ranks on its own GPU (:func:`exchange_colocated`); one process is
-    the sender alone and needs no collective (:func:`run_colocated_stage`)."""
-    import torch.distributed as dist
-
-    if dist.get_world_size(group) > 1:
-        return exchange_colocated(plan, weights, stage=stage, sender=sender, group=group)
-    return run_colocated_stage(plan, stage, weights)
-
-
-#: Transports every rank takes part in, by plan kind (push_from_stages runs them instead of run_stage).
-EXCHANGES = {"colocated": _colocated_exchange}
 
 
 class WeightPushController:
@@ -134,12 +119,13 @@ class WeightPushController:
 
         The transport is rank 0's (:func:`build_weight_sync`); its plan reaches every rank, and a
         colocated plan makes every rank hand its copies to the engine ranks on its own GPU
-        (:func:`~megatron_m2po.weights.stage.push_from_stages` runs :data:`EXCHANGES` for it)."""
+        (:meth:`~megatron_m2po.weights.colocated.ColocatedPlan.exchange`, which
+        :func:`~megatron_m2po.weights.stage.push_from_stages` calls on every rank)."""
         for attempt in (1, 2):
             try:
                 with TIMER.phase(phase):
                     push_from_stages(self if self.leads else None, weights(), version, stage=stage,
-                                     n_stages=n_stages, sender=sender, exchanges=EXCHANGES)
+                                     n_stages=n_stages, sender=sender)
                 break
             except NcclVersionMismatch:
                 raise  # every retry would meet the same two NCCL builds

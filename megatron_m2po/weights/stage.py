@@ -39,7 +39,7 @@ import socket
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Iterator, Optional
+from typing import Iterable, Iterator, Optional
 
 import torch
 
@@ -83,6 +83,19 @@ class PushPlan:
     prefetch_bytes: int = 0
     flush_last: bool = False
     master_address: str = ""        # "" = each sender's own address toward the engines
+
+    def exchange(self, weights: Iterable[tuple[str, torch.Tensor]], *, stage: int, sender: bool, group=None,
+                 store=None) -> Optional["StageResult"]:
+        """This rank's part of the push (every rank of the push's group calls it): the stage's sender
+        runs it (:func:`run_stage`, returning its :class:`StageResult`); any other rank iterates its
+        tensors only to take part in the gathers behind them and returns None. Never raises: a
+        sender's failure is in its result. A transport every rank takes part in overrides it
+        (``weights/colocated.py`` ``ColocatedPlan.exchange``)."""
+        if sender:
+            return run_stage(self, stage, weights, store)
+        for _ in weights:
+            pass
+        return None
 
 
 @dataclass(slots=True)
@@ -347,17 +360,15 @@ def forget_groups(prefix: str) -> None:
 
 # ------------------------------------------------------------------------ the collective
 def push_from_stages(controller, weights: Iterable[tuple[str, torch.Tensor]], version: int, *, stage: int,
-                     n_stages: int, sender: bool, group=None, exchanges: Optional[dict[str, Callable]] = None):
+                     n_stages: int, sender: bool, group=None):
     """Every rank of the default group calls this; returns the controller's stats on rank 0 (else None).
 
     ``controller`` (rank 0 only; None elsewhere): ``begin(version, n_stages) -> PushPlan`` and
     ``finish(plan, [StageResult]) -> stats``. ``weights``: this rank's stage tensors (HF names,
     tensor-parallel shards gathered); ranks that are not their stage's ``sender`` iterate them
     only to take part in the gathers. Every rank raises the same :class:`WeightSyncError` when the
-    push fails. ``exchanges``: plan kind -> ``fn(plan, weights, *, stage, sender, group)`` that every
-    rank runs instead of :func:`run_stage` for such a plan (returns the rank's
-    :class:`StageResult` when it is a sender, else None; never raises), e.g. the colocated hand-over
-    (``weights/push.py``), which this module cannot import (``weights/colocated.py`` imports it).
+    push fails. Each rank's part is the plan's :meth:`PushPlan.exchange` (the colocated plan's
+    hands every rank's copy to the engine ranks on its GPU).
     """
     import torch.distributed as dist
 
@@ -375,15 +386,7 @@ def push_from_stages(controller, weights: Iterable[tuple[str, torch.Tensor]], ve
             pass
         raise weight_sync_error(plan)
     store = dist.distributed_c10d._get_default_store()
-    exchange = (exchanges or {}).get(plan.kind)
-    if exchange is not None:  # a transport every rank takes part in (weights/push.py: colocated)
-        result = exchange(plan, weights, stage=stage, sender=sender, group=group)
-    elif sender:
-        result = run_stage(plan, stage, weights, store)
-    else:
-        for _ in weights:
-            pass
-        result = None
+    result = plan.exchange(weights, stage=stage, sender=sender, group=group, store=store)
     results: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(results, result, group=group)
     results = sorted((r for r in results if r is not None), key=lambda r: r.stage)

@@ -19,7 +19,8 @@ from megatron_m2po.rollout.client import SGLangClient
 from megatron_m2po.rollout.engines import EngineFleet
 from megatron_m2po.standins.dist_testing import run_distributed
 from megatron_m2po.utils.hf_dir import iter_safetensors
-from megatron_m2po.weights.colocated import ColocatedWeightSync, Phases, push_colocated, run_colocated_stage
+from megatron_m2po.weights.colocated import ColocatedWeightSync, Phases, run_colocated_stage
+from megatron_m2po.weights.stage import push_from_stages
 from megatron_m2po.weights.errors import WeightSyncError
 
 pytestmark = pytest.mark.skipif(not hasattr(SGLangClient, "update_weights_from_tensor"),
@@ -178,7 +179,7 @@ def _ranks_job(rank, world, hf, urls, layout, servers, version):
     mine = [w for i, w in enumerate(_trainer_weights(hf, seed=version)) if i % n_stages == stage]
     sync = ColocatedWeightSync(urls, bucket_mb=0.03, timeout_s=60, servers=servers) if rank == 0 else None
     try:
-        stats = push_colocated(sync, iter(mine), version, stage=stage, n_stages=n_stages, sender=sender)
+        stats = push_from_stages(sync, iter(mine), version, stage=stage, n_stages=n_stages, sender=sender)
     finally:
         if sync is not None:
             sync.close()
