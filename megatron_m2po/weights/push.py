@@ -121,21 +121,17 @@ class WeightPushController:
         colocated plan makes every rank hand its copies to the engine ranks on its own GPU
         (:meth:`~megatron_m2po.weights.colocated.ColocatedPlan.exchange`, which
         :func:`~megatron_m2po.weights.stage.push_from_stages` calls on every rank)."""
-        for attempt in (1, 2):
-            try:
-                with TIMER.phase(phase):
-                    push_from_stages(self if self.leads else None, weights(), version, stage=stage,
-                                     n_stages=n_stages, sender=sender)
-                break
-            except NcclVersionMismatch:
-                raise  # every retry would meet the same two NCCL builds
-            except WeightSyncError as e:
-                restarted = (self.relaunch() if self.relaunch is not None
-                             else from_rank0(lambda: self.restart_dead_engines(), what="engine restarts"))
-                if attempt == 2 or not restarted:
-                    raise
-                if self.leads:
-                    log.warning("weight push of version %d failed (%s); pushing again to every engine", version, e)
+        def attempt() -> None:
+            with TIMER.phase(phase):
+                push_from_stages(self if self.leads else None, weights(), version, stage=stage,
+                                 n_stages=n_stages, sender=sender)
+
+        def restart() -> list[str]:
+            return (self.relaunch() if self.relaunch is not None
+                    else from_rank0(lambda: self.restart_dead_engines(), what="engine restarts"))
+
+        self._once_more_after_restart(attempt, restart, f"weight push of version {version}",
+                                      "pushing again to every engine")
         # Every rank alike (rank 0's finish() recorded it already, as soon as the engines held it).
         self.version = version
 
@@ -169,18 +165,28 @@ class WeightPushController:
         self.store.set_version(version)  # as begin(): the trainer is at ``version`` first
         if self.fleet is not None:
             self.fleet.refresh()
-        for attempt in (1, 2):
-            try:
-                stats = self.adapters.push(tensors, version, self.engine_urls)
-                break
-            except WeightSyncError as e:
-                restarted = self.restart_dead_engines()
-                if attempt == 2 or not restarted:
-                    raise
-                log.warning("LoRA adapter push of version %d failed (%s); loading it again on every engine", version, e)
+        stats = self._once_more_after_restart(lambda: self.adapters.push(tensors, version, self.engine_urls),
+                                              self.restart_dead_engines, f"LoRA adapter push of version {version}",
+                                              "loading it again on every engine")
         if self.fleet is not None:
             self.fleet.admit()
         self._record(stats)
+
+    def _once_more_after_restart(self, attempt: Callable[[], Any], restart: Callable[[], list], what: str,
+                                 again: str) -> Any:
+        """``attempt()``; when it fails because engines died (``restart()`` relaunched some), once more:
+        the repeat loads the current weights into them. A NCCL build mismatch is not repeated (every
+        retry would meet the same two builds)."""
+        for n in (1, 2):
+            try:
+                return attempt()
+            except NcclVersionMismatch:
+                raise
+            except WeightSyncError as e:
+                if n == 2 or not restart():
+                    raise
+                if self.leads:
+                    log.warning("%s failed (%s); %s", what, e, again)
 
     # ------------------------------------------------------------------ rank 0
     def begin(self, version: int, n_stages: int) -> PushPlan:
