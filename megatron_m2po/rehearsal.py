@@ -138,10 +138,17 @@ def family_of(cfg: Config) -> str:
                          "Qwen3 recipes only)")
 
 
+# A distillation recipe's teacher: the tiny base of another family stands in for it (every tiny base
+# shares the byte-level tokenizer, as a real teacher must share the student's; other weights, so the
+# teacher's reverse KL is not zero).
+TEACHER_FAMILY = {"qwen2": "qwen3", "qwen3": "qwen2", "qwen3_moe": "qwen3"}
+
+
 def plan(config_path: Path, *, shared: Path, model_dir: str, family: str, steps: int, kill_after: int,
-         extra: list[str], router_addr: str) -> RehearsalPlan:
+         extra: list[str], router_addr: str, teacher_dir: str = "") -> RehearsalPlan:
     """The recipe with the substitutions; validated as the trainer will see it (with ``router_addr``,
-    which the nodes get from ``ROUTER_ADDR`` like a user's run)."""
+    which the nodes get from ``ROUTER_ADDR`` like a user's run). ``teacher_dir``: the tiny base of
+    :data:`TEACHER_FAMILY` standing in for a distillation recipe's teacher."""
     cfg = load_config(config_path)
     t, p = cfg.trainer, cfg.parallel
     U = t.num_updates_per_step
@@ -151,6 +158,11 @@ def plan(config_path: Path, *, shared: Path, model_dir: str, family: str, steps:
         o[key] = (str(value).lower() if isinstance(value, bool) else str(value), why)
 
     put("model.hf_path", model_dir, f"the tiny {family} base stands in for {cfg.model.hf_path}")
+    if cfg.algo.distill.coef > 0:
+        if not teacher_dir:
+            raise RehearsalError("a distillation recipe's rehearsal needs a teacher_dir (the tiny stand-in teacher)")
+        put("algo.distill.teacher", teacher_dir, f"the tiny {TEACHER_FAMILY[family]} base (the student's tokenizer, "
+            f"other weights) stands in for {cfg.algo.distill.teacher}")
     put("data.train", "synthetic", f"{cfg.data.train} is not on this machine: the synthetic task, "
         f"in the recipe's '{cfg.data.template}' template")
     put("trainer.prompts_per_update", PROMPTS_PER_UPDATE, f"small batch ({t.prompts_per_update} in the recipe)")
@@ -655,10 +667,14 @@ def main(argv: Optional[list[str]] = None) -> int:
         cache = os.path.expanduser(load_config(config).model.tiny_cache_dir)
         model_dir = str(tb.ensure_tiny_base(cache, spec=tb.TinyBaseSpec(model=tb.TinyModelSpec(family=family)),
                                             progress=False))
+        teacher_dir = ""
+        if load_config(config).algo.distill.coef > 0:
+            spec = tb.TinyBaseSpec(model=tb.TinyModelSpec(family=TEACHER_FAMILY[family]))
+            teacher_dir = str(tb.ensure_tiny_base(cache, spec=spec, progress=False))
         router_port = free_port()
         p = plan(config, shared=workdir / "shared", model_dir=model_dir, family=family, steps=a.steps,
                  kill_after=a.kill_after, extra=a.overrides,
-                 router_addr=f"http://127.0.0.1:{router_port}")
+                 router_addr=f"http://127.0.0.1:{router_port}", teacher_dir=teacher_dir)
         print(f"rehearsal of {recipe} ({config}) in {workdir}")
         for k, (v, why) in p.overrides.items():
             print(f"  {k}={v}  # {why}")

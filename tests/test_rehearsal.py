@@ -108,6 +108,26 @@ def test_rehearsal_plan_keeps_the_recipe_and_names_each_substitution(tmp_path):
         assert all(why for _, why in p.overrides.values())
 
 
+def test_distillation_recipe_rehearsal_plan_substitutes_the_teacher(tmp_path):
+    """The distillation recipe keeps its distillation (coef, mode, placement) with the tiny base of
+    another family standing in for its teacher (the student's tokenizer, other weights), named as
+    a substitution; without a stand-in teacher the plan refuses."""
+    from megatron_m2po.rehearsal import TEACHER_FAMILY, RehearsalError
+
+    path = ROOT / "examples" / "qwen3-8b-distill.yaml"
+    recipe = load_config(path)
+    assert family_of(recipe) == "qwen3" and TEACHER_FAMILY["qwen3"] == "qwen2" and recipe.algo.distill.coef > 0
+    p = plan(path, shared=tmp_path / "shared", model_dir="/tiny", family="qwen3", steps=8, kill_after=4,
+             extra=[], router_addr="http://127.0.0.1:1", teacher_dir="/tiny-teacher")
+    d = p.cfg.algo.distill
+    assert (d.teacher, d.coef, d.mode, d.placement) == ("/tiny-teacher", recipe.algo.distill.coef,
+                                                        recipe.algo.distill.mode, recipe.algo.distill.placement)
+    assert "stands in for /models/Qwen3-32B" in p.overrides["algo.distill.teacher"][1]
+    with pytest.raises(RehearsalError, match="needs a teacher_dir"):
+        plan(path, shared=tmp_path / "shared", model_dir="/tiny", family="qwen3", steps=8, kill_after=4,
+             extra=[], router_addr="http://127.0.0.1:1")
+
+
 def test_rehearsal_plan_with_context_parallel(tmp_path):
     """A recipe rehearsed with context parallelism runs TP=2 x CP=2 over the 4 processes (PP=1),
     the recipe's other features kept; the CP size is named as a substitution."""

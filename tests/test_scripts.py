@@ -44,6 +44,7 @@ def test_shellcheck_clean():
     ("run_qwen2.5_32b.sh", 4, 8, "qwen2.5-32b"), ("run_qwen2.5_32b_32k.sh", 4, 8, "qwen2.5-32b-32k"),
     ("run_qwen3_32b.sh", 4, 8, "qwen3-32b"),
     ("run_qwen2.5_math_7b.sh", 1, 4, "qwen2.5-math-7b"), ("run_qwen3_8b.sh", 1, 4, "qwen3-8b"),
+    ("run_qwen3_8b_distill.sh", 1, 4, "qwen3-8b-distill"),
     ("run_qwen3_30b_a3b.sh", 2, 8, "qwen3-30b-a3b"),
     ("run_qwen2.5_math_7b_colocated.sh", 1, 8, "qwen2.5-math-7b-colocated"),
     ("run_qwen2.5_32b_lora.sh", 1, 2, "qwen2.5-32b-lora")])
