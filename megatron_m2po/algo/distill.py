@@ -80,7 +80,9 @@ def distill_loss_term(logp: torch.Tensor, teacher_logp: torch.Tensor, loss_mask:
     if not float(denominator) > 0:
         raise ValueError(f"distill_loss_term: denominator={denominator!r}; pass the policy loss's denominator")
     mask = loss_mask.to(torch.bool)
-    check_teacher_logprobs(teacher_logp.detach().cpu().numpy(), mask.cpu().numpy())
+    bad = mask & ~torch.isfinite(teacher_logp)  # on the device: one sync, no host copy (as algo/kl.py reference_kl)
+    if bool(bad.any()):
+        check_teacher_logprobs(teacher_logp.detach().cpu().numpy(), mask.cpu().numpy())  # says where
     dtype = logp.dtype if logp.dtype == torch.float64 else torch.float32
     lp = torch.where(mask, logp.to(dtype), 0.0)
     tl = torch.where(mask, teacher_logp.detach().to(dtype), 0.0)
