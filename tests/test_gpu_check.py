@@ -99,6 +99,15 @@ def test_cpu_smoke_prints_the_table_and_passes(tmp_path):
     assert coloc["verdict"] == "PASS" and "bit for bit after each of 3 pushes" in coloc["result"], coloc
     timing = by_check["colocated cycle timing"]
     assert timing["verdict"] == "INFO" and all(k in timing["result"] for k in ("release", "push", "resume_kv")), timing
+    # row 10: the expert adapters' grouped GEMMs against their loop, forward and backward; its control fails the bound
+    for pair in ("gate_up", "down"):
+        g = by_check[f"expert LoRA grouped GEMM fwd+bwd vs per-expert loop: {pair}"]
+        assert g["verdict"] == "PASS" and all(f"{k} " in g["result"] for k in ("out", "dx", "dA", "dB")), g
+        assert by_check[f"negative control: {pair} half an expert's rows given to the next"]["verdict"] == "PASS"
+    # row 11: LoRA on the TE-shaped tree against peft, and its control (the adapters' effect is many units)
+    lora = by_check["LoRA actor vs HF peft: actor cpu bf16 (te-twin spec) vs CPU fp32 peft: log-probs"]
+    assert lora["verdict"] == "PASS" and "x unit" in lora["result"], lora
+    assert by_check["negative control: peft with the adapters disabled"]["verdict"] == "PASS"
     assert r.stdout.splitlines()[0].startswith("gpu_check --cpu-smoke: device=cpu")
     # the JSON holds the same rows, with the measured values behind them
     d = json.loads(out_json.read_text())
@@ -180,6 +189,37 @@ def test_a_failing_row_group_becomes_a_fail_row(capsys):
     assert [r.verdict for r in ok] == ["PASS"]
 
 
+def test_expert_lora_row_fails_a_grouped_gemm_that_is_off_by_one_percent(monkeypatch):
+    """Row 10 judges the grouped path itself, not only its negative control: a ``_grouped_mm`` whose
+    result is 1 % off (a kernel that drops a term, a wrong scale) makes the row FAIL, on the same
+    shapes the smoke run passes with the real one."""
+    import torch
+
+    _module()
+    from gpu_checks.expert_lora import row_expert_lora
+
+    real = torch._grouped_mm
+    monkeypatch.setattr(torch, "_grouped_mm", lambda a, b, offs=None: real(a, b, offs=offs) * 1.01)
+    rows = row_expert_lora(True)
+    main = [r for r in rows if r.check.startswith("expert LoRA grouped GEMM")]
+    assert [r.verdict for r in main] == ["FAIL", "FAIL"], [(r.check, r.result) for r in main]
+    assert main[0].values["grouped"]["out"] > 5e-3 and main[0].values["loop"]["out"] < 1e-6
+
+
+@pytest.mark.slow  # an actor and a peft reference process (~10 s)
+def test_lora_row_fails_an_adapter_hooked_on_the_unnormalised_input(tmp_path, monkeypatch):
+    """Row 11 sees the defect it is there for: the adapters of ``linear_qkv`` / ``linear_fc1`` reading
+    the residual stream instead of the normalised input (what the hook did under Transformer
+    Engine's fused norm before actor/lora.py normalised it) is many units off peft."""
+    _module()
+    import megatron_m2po.actor.lora as lora
+    from gpu_checks.lora import row_lora_peft
+
+    monkeypatch.setattr(lora, "fused_norm", lambda module, x: x)
+    rows = row_lora_peft(True, tmp_path)
+    assert rows[0].verdict == "FAIL" and rows[0].values["rel_rms"] > 4, rows[0]
+
+
 def test_help_says_what_it_proves():
     r = _run("--help")
     assert r.returncode == 0
@@ -187,7 +227,8 @@ def test_help_says_what_it_proves():
                    "naive", "tokens/s and MFU", "Qwen2.5-1.5B", "--cpu-smoke", "megatron-core",
                    "packed sequences at TP=2 + sequence parallel", "needs 2 GPUs, found K", "apex",
                    "MoE numerics", "TEGroupedMLP", "algo.routing_replay=rollout", "MoE routing imbalance",
-                   "--moe-model /models/Qwen3-30B-A3B", "disk weight push bandwidth", "rollout.weight_sync_min_gbps"):
+                   "--moe-model /models/Qwen3-30B-A3B", "disk weight push bandwidth", "rollout.weight_sync_min_gbps",
+                   "expert LoRA backward through the grouped GEMM", "_grouped_mm", "LoRA against HF peft"):
         assert phrase in r.stdout, phrase
 
 

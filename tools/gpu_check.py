@@ -117,6 +117,22 @@ It prints one table, a row per claim:
    most 1 % of the training state allocated; the seconds of each phase, the push's GB/s beside a
    plain device copy of the same bytes, and the GPU memory in use in each state are reported.
 
+10. **expert LoRA backward through the grouped GEMM** -- ``actor/lora.py`` ``ExpertLoRA``'s hook on a
+   Qwen3-30B-A3B-shaped layer's experts (128 experts, hidden 2048, ffn 768, rank 32, 16,384 routed
+   token copies, two experts empty), bf16: the two ``torch._grouped_mm`` calls it makes on Hopper
+   against its per-expert loop, output and the gradients of the input and both adapter matrices,
+   each against an fp32 loop from the same bf16 values: PASS when the grouped path's relative RMS
+   error is at most twice the loop's plus 2^-10, for ``gate_up`` and ``down``; a negative control
+   (half of one expert's rows counted to the next) must fail that bound. SKIP, saying so, where the
+   grouped GEMM does not serve (then the loop trains, as on CPU). Backward milliseconds of both.
+
+11. **LoRA against HF peft on the GPU tree** -- the actor (row 1's model, bf16, Transformer Engine's
+   spec where it imports: the input norms inside ``linear_qkv`` / ``linear_fc1``) with rank-8
+   adapters on every default target and random ``B``, its response log-probs against HF peft in
+   fp32 on CPU loading the adapters the actor exported (``write_peft_dir``), in row 1's units:
+   PASS when RMS and max are each <= 4 units; negative control: peft with the adapters disabled
+   must land above 4 units (an adapter on the un-normalised input moves log-probs by as much).
+
 ``--cpu-smoke`` runs the same code at tiny shapes on CPU (CUDA hidden and the GPU-only packages
 blocked in every process, so it runs the same in the NGC image): row 1 compares CPU bf16 with the
 CPU fp32 reference (same tolerance), row 2 checks agreement and time (the memory column needs the
@@ -124,7 +140,8 @@ CUDA allocator: skipped, with the reason), row 3 measures tokens/s (no MFU: no C
 runs its two ranks on gloo with Megatron's local layer spec and the actor's packed attention (row 5: its CP attention)
 (``actor/attention.py``), row 6 compares CPU bf16 with the CPU fp32 reference on a 2-layer MoE (hidden 64), row 7
 counts routing on that MoE (INFO), row 8 writes and reads 64 MB (INFO), row 9 runs 3 colocated cycles of the tiny
-model through host memory. It proves that the table, the comparisons and
+model through host memory, row 10 compares CPU's ``_grouped_mm`` with the loop in fp32 at 16 experts, row 11 the CPU
+bf16 twin with LoRA against peft. It proves that the table, the comparisons and
 the two-rank launch run, not any GPU claim.
 
 Needs megatron-core and mbridge (the versions in constraints-cpu.txt); without them the actor
@@ -136,6 +153,7 @@ from __future__ import annotations
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import sys
@@ -166,6 +184,8 @@ import torch  # noqa: E402
 
 from gpu_checks.colocated import COLOCATED_CHECK, row_colocated  # noqa: E402
 from gpu_checks.disk_push import DISK_PUSH_CHECK, row_disk_push  # noqa: E402
+from gpu_checks.expert_lora import EXPERT_LORA_CHECK, row_expert_lora  # noqa: E402
+from gpu_checks.lora import LORA_CHECK, peft_reference_worker, row_lora_peft  # noqa: E402
 from gpu_checks.env import (GPU_ONLY_MODULES, block_gpu_only_modules, check_cpu_fallbacks,  # noqa: E402,F401
                             install_message, missing_packages, peak_tflops, spec_name)
 from gpu_checks.imbalance import IMBALANCE_CHECK, row_routing_imbalance  # noqa: E402
@@ -181,7 +201,8 @@ from gpu_checks.report import COLUMNS, Row, format_table, guarded, parse_table  
 from gpu_checks.throughput import row_throughput, train_flops  # noqa: E402,F401
 
 ROWS = {"numerics": 1, "logprobs": 2, "throughput": 3, "packed": 4, "cp": 5, "moe": 6,  # --only names -> row numbers
-        "imbalance": 7, "disk_push": 8, "colocated": 9}
+        "imbalance": 7, "disk_push": 8, "colocated": 9, "expert_lora": 10,
+        "lora": 11}
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -205,6 +226,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--only", nargs="+", choices=list(ROWS), default=list(ROWS),
                     help="run only these rows (" + ", ".join(f"{k}: row {v}" for k, v in ROWS.items()) + ")")
     ap.add_argument("--_reference", nargs=3, metavar=("HF_DIR", "BATCH_JSON", "OUT_NPZ"), help=argparse.SUPPRESS)
+    ap.add_argument("--_peft_reference", nargs=4, metavar=("HF_DIR", "ADAPTER_DIR", "BATCH_JSON", "OUT_NPZ"),
+                    help=argparse.SUPPRESS)
     ap.add_argument("--_packed_rank", nargs=5, metavar=("HF_DIR", "BATCH_JSON", "OUT_NPZ", "SMOKE", "WHICH"),
                     help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -212,6 +235,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         return _reference_worker(*a._reference)
     if a._packed_rank:
         return _packed_rank_worker(*a._packed_rank)
+    if a._peft_reference:
+        return peft_reference_worker(*a._peft_reference)
     if a.cpu_smoke:
         # CPU only, also on a GPU machine or in the NGC image: CUDA hidden before torch initialises
         # it, the GPU-only packages blocked before Megatron-Core picks its kernels.
@@ -279,6 +304,18 @@ def main(argv: Optional[list[str]] = None) -> int:
                 rows.append(Row(COLOCATED_CHECK, "-", f"skipped: {', '.join(missing)} missing", "-", "SKIP"))
             else:
                 rows += guarded(COLOCATED_CHECK, row_colocated, a.cpu_smoke, work, a.bucket_mb)
+        if "expert_lora" in a.only:
+            if missing:
+                rows.append(Row(EXPERT_LORA_CHECK, "-", f"skipped: {', '.join(missing)} missing", "-", "SKIP"))
+            else:
+                rows += guarded(EXPERT_LORA_CHECK, row_expert_lora, a.cpu_smoke)
+        if "lora" in a.only:
+            no_peft = importlib.util.find_spec("peft") is None
+            if missing or no_peft:
+                rows.append(Row(LORA_CHECK, "-", f"skipped: {', '.join(missing + ['peft'] * no_peft)} missing", "-",
+                                "SKIP"))
+            else:
+                rows += guarded(LORA_CHECK, row_lora_peft, a.cpu_smoke, work)
     print(format_table(rows, header), flush=True)
     if missing:
         print("\n" + install_message(missing), file=sys.stderr)
