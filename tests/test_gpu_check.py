@@ -108,6 +108,9 @@ def test_cpu_smoke_prints_the_table_and_passes(tmp_path):
     lora = by_check["LoRA actor vs HF peft: actor cpu bf16 (te-twin spec) vs CPU fp32 peft: log-probs"]
     assert lora["verdict"] == "PASS" and "x unit" in lora["result"], lora
     assert by_check["negative control: peft with the adapters disabled"]["verdict"] == "PASS"
+    # row 12: two gloo ranks trained and offloaded; on CPU only torch's bytes are read
+    residue = by_check["offloaded trainer's residue on its GPU (TP=2, NCCL): NCCL's default (the trainer's environment)"]
+    assert residue["verdict"] == "PASS" and "torch keeps 0.00% of the training state" in residue["result"], residue
     assert r.stdout.splitlines()[0].startswith("gpu_check --cpu-smoke: device=cpu")
     # the JSON holds the same rows, with the measured values behind them
     d = json.loads(out_json.read_text())
@@ -316,12 +319,14 @@ def test_cpu_reference_never_loads_the_images_gpu_packages(tmp_path, monkeypatch
 
 
 def test_packed_row_is_refused_by_name_without_two_gpus(monkeypatch, capsys):
-    """On a one-GPU machine rows 4 and 5 (CP=2) are SKIP rows that say why, and the exit status is 2."""
+    """On a one-GPU machine rows 4, 5 (CP=2) and 12 (the offloaded residue at TP=2) are SKIP rows that
+    say why, and the exit status is 2."""
     gc = _module()
     assert gc.gpus_refusal(4, "x", 2, 2) is None
     monkeypatch.setattr(gc.torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(gc.torch.cuda, "get_device_name", lambda *a: "NVIDIA H100 80GB HBM3")
-    for only, row, check in (("packed", 4, "actor packed TP=2+SP vs CPU fp32"), ("cp", 5, "actor packed CP=2 vs CPU fp32")):
+    for only, row, check in (("packed", 4, "actor packed TP=2+SP vs CPU fp32"), ("cp", 5, "actor packed CP=2 vs CPU fp32"),
+                             ("offload_memory", 12, "offloaded trainer's residue on its GPU (TP=2, NCCL)")):
         for found in (1, 0):
             monkeypatch.setattr(gc.torch.cuda, "device_count", lambda: found)
             rc = gc.main(["--only", only])

@@ -133,6 +133,13 @@ It prints one table, a row per claim:
    PASS when RMS and max are each <= 4 units; negative control: peft with the adapters disabled
    must land above 4 units (an adapter on the un-normalised input moves log-probs by as much).
 
+12. **what an offloaded trainer leaves on its GPU** -- two ranks (TP=2 + SP, NCCL, distributed
+   optimizer, row 1's model in bf16), one update, ``actor.offload()``: the GPU memory each rank still
+   holds beyond its CUDA context (``cudaMemGetInfo``) and torch's allocated / reserved bytes, in the
+   trainer's environment (NVLink SHARP at NCCL's default) and with ``NCCL_NVLS_ENABLE`` flipped
+   (INFO). PASS when the residue is within the planner's 3 GiB overhead and torch keeps <= 1 % of
+   the update's bytes. Needs 2 GPUs, refused by name otherwise.
+
 ``--cpu-smoke`` runs the same code at tiny shapes on CPU (CUDA hidden and the GPU-only packages
 blocked in every process, so it runs the same in the NGC image): row 1 compares CPU bf16 with the
 CPU fp32 reference (same tolerance), row 2 checks agreement and time (the memory column needs the
@@ -141,7 +148,7 @@ runs its two ranks on gloo with Megatron's local layer spec and the actor's pack
 (``actor/attention.py``), row 6 compares CPU bf16 with the CPU fp32 reference on a 2-layer MoE (hidden 64), row 7
 counts routing on that MoE (INFO), row 8 writes and reads 64 MB (INFO), row 9 runs 3 colocated cycles of the tiny
 model through host memory, row 10 compares CPU's ``_grouped_mm`` with the loop in fp32 at 16 experts, row 11 the CPU
-bf16 twin with LoRA against peft. It proves that the table, the comparisons and
+bf16 twin with LoRA against peft, row 12 offloads two gloo ranks (torch's bytes only). It proves that the table, the comparisons and
 the two-rank launch run, not any GPU claim.
 
 Needs megatron-core and mbridge (the versions in constraints-cpu.txt); without them the actor
@@ -186,6 +193,7 @@ from gpu_checks.colocated import COLOCATED_CHECK, row_colocated  # noqa: E402
 from gpu_checks.disk_push import DISK_PUSH_CHECK, row_disk_push  # noqa: E402
 from gpu_checks.expert_lora import EXPERT_LORA_CHECK, row_expert_lora  # noqa: E402
 from gpu_checks.lora import LORA_CHECK, peft_reference_worker, row_lora_peft  # noqa: E402
+from gpu_checks.offload_memory import OFFLOAD_CHECK, offload_rank_worker, row_offload_memory  # noqa: E402
 from gpu_checks.env import (GPU_ONLY_MODULES, block_gpu_only_modules, check_cpu_fallbacks,  # noqa: E402,F401
                             install_message, missing_packages, peak_tflops, spec_name)
 from gpu_checks.imbalance import IMBALANCE_CHECK, row_routing_imbalance  # noqa: E402
@@ -202,7 +210,7 @@ from gpu_checks.throughput import row_throughput, train_flops  # noqa: E402,F401
 
 ROWS = {"numerics": 1, "logprobs": 2, "throughput": 3, "packed": 4, "cp": 5, "moe": 6,  # --only names -> row numbers
         "imbalance": 7, "disk_push": 8, "colocated": 9, "expert_lora": 10,
-        "lora": 11}
+        "lora": 11, "offload_memory": 12}
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -228,6 +236,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--_reference", nargs=3, metavar=("HF_DIR", "BATCH_JSON", "OUT_NPZ"), help=argparse.SUPPRESS)
     ap.add_argument("--_peft_reference", nargs=4, metavar=("HF_DIR", "ADAPTER_DIR", "BATCH_JSON", "OUT_NPZ"),
                     help=argparse.SUPPRESS)
+    ap.add_argument("--_offload_rank", nargs=4, metavar=("HF_DIR", "BATCH_JSON", "OUT", "SMOKE"), help=argparse.SUPPRESS)
     ap.add_argument("--_packed_rank", nargs=5, metavar=("HF_DIR", "BATCH_JSON", "OUT_NPZ", "SMOKE", "WHICH"),
                     help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -235,6 +244,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         return _reference_worker(*a._reference)
     if a._packed_rank:
         return _packed_rank_worker(*a._packed_rank)
+    if a._offload_rank:
+        return offload_rank_worker(*a._offload_rank)
     if a._peft_reference:
         return peft_reference_worker(*a._peft_reference)
     if a.cpu_smoke:
@@ -316,6 +327,11 @@ def main(argv: Optional[list[str]] = None) -> int:
                                 "SKIP"))
             else:
                 rows += guarded(LORA_CHECK, row_lora_peft, a.cpu_smoke, work)
+        if "offload_memory" in a.only:
+            if missing:
+                rows.append(Row(OFFLOAD_CHECK, "-", f"skipped: {', '.join(missing)} missing", "-", "SKIP"))
+            else:
+                rows += guarded(OFFLOAD_CHECK, row_offload_memory, a.cpu_smoke, work)
     print(format_table(rows, header), flush=True)
     if missing:
         print("\n" + install_message(missing), file=sys.stderr)
