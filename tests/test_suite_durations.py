@@ -51,6 +51,7 @@ def test_costliest_files_are_scheduled_first(tmp_path):
     a file's own order kept, an unmeasured file first) and turns off xdist's reordering by scope
     size, which would undo it; the committed costs are tools/cpu_per_test.py's format."""
     import json
+    import os
     import subprocess
     import sys
 
@@ -70,7 +71,8 @@ def test_costliest_files_are_scheduled_first(tmp_path):
     (tmp_path / "tests" / "conftest.py").write_text("import json\nimport os\nfrom pathlib import Path\n\n" + src)
     out = subprocess.run([sys.executable, "-m", "pytest", "-n", "1", "--dist", "loadgroup", "-v", "-p",
                           "no:cacheprovider", "tests"],
-                         cwd=tmp_path, capture_output=True, text=True)
+                         cwd=tmp_path, capture_output=True, text=True,
+                         env={k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"})  # the outer run's options
     assert out.returncode == 0, out.stdout + out.stderr
     rows = out.stdout
     ran = [ln.split()[-1].split("@")[0] for ln in rows.splitlines() if " PASSED " in ln]
