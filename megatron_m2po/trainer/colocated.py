@@ -1,7 +1,7 @@
 """Colocated mode's phase sequence (``rollout.colocate=true``): engines and trainer time-share every GPU.
 
 Two states, and the only two ways between them (every rank calls them at the same points of the
-loop; rank 0 drives the engines through the rollout service):
+loop; rank 0 drives the engines through their owner, ``EngineControl``):
 
 * ``engines`` -- the engines hold weights + KV cache of the version the push controller names and
   generate; the trainer's parameters, gradients and optimizer states are off the device
@@ -96,14 +96,14 @@ class ColocatedPhases:
     ``actor``: the rank's :class:`~megatron_m2po.actor.actor.MegatronActor` (``offload`` /
     ``reload``); ``from_rank0``: the loop's ``fn`` -> rank 0's result on every rank (an engine call
     that fails on rank 0 raises on every rank); ``rank`` / ``local_rank``: the ledger's owner and GPU.
-    :meth:`attach` hands over the push controller (every rank) and rank 0's rollout service once
+    :meth:`attach` hands over the push controller (every rank) and rank 0's engines (EngineControl) once
     they exist.
 
     Example (every rank)::
 
         phases = ColocatedPhases(actor, from_rank0=from_rank0, rank=0, local_rank=0)
         phases.start()                         # trainer offloaded; the engines may start now
-        phases.attach(weights, service)        # service: None on ranks other than 0
+        phases.attach(weights, engines)        # engines: None on ranks other than 0
         phases.to_trainer()                    # engines released, trainer reloaded: train
         seconds = phases.to_engines()          # weights pushed, trainer offloaded: generate
     """
@@ -113,17 +113,18 @@ class ColocatedPhases:
         self.actor = actor
         self._from_rank0 = from_rank0
         self.weights: Any = None
-        self.service: Any = None
+        self.engines: Any = None
         self.state = TRAINER
         self._gpu = int(os.environ.get("LOCAL_RANK", "0")) if local_rank is None else int(local_rank)
         self._owner = f"trainer/rank{rank}"
         self._record = _ledger_recorder()
 
-    def attach(self, weights: Any, service: Any) -> None:
-        """The push controller (every rank) and the rollout service (rank 0; None elsewhere). A push
-        that fails because an engine died relaunches it through :meth:`relaunch_in_push`, which the
-        controller was built with (its ``relaunch``)."""
-        self.weights, self.service = weights, service
+    def attach(self, weights: Any, engines: Any) -> None:
+        """The push controller (every rank) and the engines' owner (rank 0's
+        ``rollout_service/engine_control.py`` ``EngineControl``; None elsewhere). A push that fails
+        because an engine died relaunches it through :meth:`relaunch_in_push`, which the controller
+        was built with (its ``relaunch``)."""
+        self.weights, self.engines = weights, engines
 
     # ------------------------------------------------------------------ transitions
     def start(self) -> None:
@@ -143,7 +144,7 @@ class ColocatedPhases:
         if self.state == TRAINER:
             return
         with TIMER.phase("release"):
-            dead = self._from_rank0(lambda: self.service.release_engines(("weights", "kv_cache")),
+            dead = self._from_rank0(lambda: self.engines.release(("weights", "kv_cache")),
                                     what="the engines' memory release")
         if dead:
             self._relaunch(("weights", "kv_cache"), offload=False)
@@ -161,13 +162,13 @@ class ColocatedPhases:
         pushed = 0.0
         for _ in range(MAX_CYCLES):
             if self.state == ENGINES:
-                if not self._from_rank0(lambda: bool(self.service.pending_engines), what="the relaunched engines"):
+                if not self._from_rank0(lambda: bool(self.engines.pending), what="the relaunched engines"):
                     assert self.weights.version == self.actor.version, (self.weights.version, self.actor.version)
                     return pushed
                 self.to_trainer()  # the relaunched engines hold the base weights: the push refits them
             pushed += self._resume_and_push()
         raise RuntimeError(f"engines died after the push in {MAX_CYCLES} moves to the engines in a row: "
-                           f"{self._from_rank0(lambda: self.service.pending_engines)}; see their logs in "
+                           f"{self._from_rank0(lambda: self.engines.pending)}; see their logs in "
                            "<run_dir>/engines/")
 
     def _resume_and_push(self) -> float:
@@ -179,7 +180,7 @@ class ColocatedPhases:
         the trainer's weights beside the engine's (``plan/colocated.py``, the pushing phase)."""
         self._offload_states()
         with TIMER.phase("resume"):
-            dead = self._from_rank0(lambda: self.service.resume_engines(("weights",)),
+            dead = self._from_rank0(lambda: self.engines.resume(("weights",)),
                                     what="the engines' weights resume")
         if dead:  # died while the trainer held the GPUs: relaunched as the others are now, weights resident
             self._relaunch(("kv_cache",), offload=True)
@@ -188,7 +189,7 @@ class ColocatedPhases:
         pushed = time.perf_counter() - t0
         self._offload()
         with TIMER.phase("resume"):
-            dead = self._from_rank0(lambda: self.service.resume_engines(("kv_cache",)),
+            dead = self._from_rank0(lambda: self.engines.resume(("kv_cache",)),
                                     what="the engines' KV cache resume")
         self.state = ENGINES
         if dead:  # the trainer is offloaded: relaunched now, with base weights, out of the router
@@ -210,16 +211,16 @@ class ColocatedPhases:
         loads its weights and reserves its KV cache at start-up). Returns their URLs."""
         states_off = self.actor.offloaded  # between offload_states and the push: back to that state after
         if offload:
-            if not self._from_rank0(lambda: bool(self.service.dead_engines()), what="the engine check"):
+            if not self._from_rank0(lambda: bool(self.engines.dead()), what="the engine check"):
                 return []
             self._offload()
         with TIMER.phase("relaunch"):
-            urls = self._from_rank0(lambda: self.service.relaunch_engines(release), what="the engines' relaunch")
+            urls = self._from_rank0(lambda: self.engines.relaunch(release), what="the engines' relaunch")
         if offload:
             self._reload()
             if states_off:
                 self._offload_states()
-        if urls and self.service is not None:
+        if urls and self.engines is not None:
             log.warning("relaunched %d engine(s) %s (the trainer %s); they get the weights with the next push",
                         len(urls), ", ".join(urls), "offloaded around it" if offload else "offloaded")
         return urls

@@ -74,6 +74,7 @@ from megatron_m2po.utils.hf_dir import resolve_model_path
 from megatron_m2po.utils.timing import TIMER
 
 if TYPE_CHECKING:
+    from megatron_m2po.rollout_service.engine_control import EngineControl
     from megatron_m2po.rollout_service.service import RolloutService
 
 log = logging.getLogger(__name__)
@@ -155,6 +156,7 @@ class Trainer:
         self.actor: Optional[MegatronActor] = None
         self.lead: Optional[_Lead] = None  # global rank 0 only
         self.service: Optional[RolloutService] = None  # global rank 0: the lead's rollout service
+        self.engines: Optional["EngineControl"] = None  # global rank 0: the service's engines
         self.token_dump: Optional[TokenDump] = None
         # The engines' weights: rank 0's push controller (the service's), a follower elsewhere; every
         # rank tracks the same version.
@@ -201,11 +203,12 @@ class Trainer:
             self._from_rank0(lambda: self._build_lead(cfg, relaunch), what="the rollout side (data, store, engines)")
             if self.lead is not None:
                 self.service = self.lead.service
+                self.engines = self.service.engines
                 self.weights = self.service.weights
             else:  # every rank: adapters alone or merged weights, the same relaunch policy
                 self.weights = WeightPushController.follower(lora_push=lora_push_mode(cfg), relaunch=relaunch)
             if self.colocated is not None:
-                self.colocated.attach(self.weights, self.service)
+                self.colocated.attach(self.weights, self.engines)
         except BaseException:
             self.close()
             raise
@@ -377,7 +380,7 @@ class Trainer:
         weights: the producer must not start on them."""
         if not self.schedule.continuous:
             return
-        off = self._from_rank0(lambda: self.weights.check_engines(), what="the engine check")
+        off = self._from_rank0(lambda: self.engines.check(), what="the engine check")
         if self.weights.version != self.actor.version or off:  # not when the groups' forming pushed them
             self._push_weights()
         if self.lead:
@@ -601,7 +604,7 @@ class Trainer:
         # where the node's memory allows, refit by the next move to the engines (trainer/colocated.py).
         if self.colocated is not None:
             self.colocated.check_engines()
-        elif self._from_rank0(lambda: self.weights.check_engines(), what="the engine check"):
+        elif self._from_rank0(lambda: self.engines.check(), what="the engine check"):
             self._push_weights()
         trained = self._train_step(step)
         if trained is None:  # a stop request ended the wait for this step's data
@@ -634,7 +637,7 @@ class Trainer:
         metrics.update(TIMER.take_step(now - self._t_mark))
         self._t_mark = now
         if self.lead:
-            metrics.update(TIMER.counters(self.service.engine_loads()))
+            metrics.update(TIMER.counters(self.engines.loads()))
             metrics.update(self.weights.take_metrics())  # this step's pushes: GB, GB/s
             self.lead.log_step(step, self.actor.version, metrics, per_update)
 

@@ -4,11 +4,13 @@ Every rank holds a :class:`WeightPushController`; its ``version`` (the weight ve
 hold) is the same on all of them, because every rank takes part in every push
 (:func:`~megatron_m2po.weights.stage.push_from_stages`: each pipeline stage sends its own
 layers) and every rank sees the same outcome. Global rank 0's controller also drives the push
-(:meth:`begin` / :meth:`finish`, through the transport of ``rollout.weight_sync``) and looks
-after the engines between pushes: dead ones are relaunched and refit (:meth:`check_engines`).
+(:meth:`begin` / :meth:`finish`, through the transport of ``rollout.weight_sync``); the engines
+themselves are ``EngineControl``'s (``rollout_service/engine_control.py``), which the push asks to
+hold them for it, to relaunch those that died, and to admit relaunched ones once they hold the
+pushed version; between pushes the training loop has it check them.
 
 A push never changes the engines' weights while a generation that must be tagged with the old
-version is in flight: :meth:`begin` first waits for it (``drain``).
+version is in flight: ``EngineControl.hold_for_push`` first waits for it (its ``drain``).
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ from typing import Any, Callable, Iterable, Optional
 
 from megatron_m2po.rollout.settings import RolloutConfig
 from megatron_m2po.parallel.rank0 import from_rank0
-from megatron_m2po.rollout.client import SGLangClient
 from megatron_m2po.utils.faults import fault_point
 from megatron_m2po.utils.timing import TIMER
 from megatron_m2po.weights.colocated import ColocatedWeightSync, colocated_servers
@@ -26,7 +27,6 @@ from megatron_m2po.weights.disk import DiskWeightSync
 from megatron_m2po.weights.distributed import DistributedWeightSync
 from megatron_m2po.weights.errors import NcclVersionMismatch, WeightSyncError
 from megatron_m2po.weights.hf_export import stage_hf_weights, stage_layout
-from megatron_m2po.weights.lora_push import AdapterPush
 from megatron_m2po.weights.stage import PushPlan, push_from_stages
 
 log = logging.getLogger(__name__)
@@ -71,28 +71,24 @@ def _colocated_servers(r: RolloutConfig, engine_urls: list[str]):
 class WeightPushController:
     """The engines' weight version (every rank) and, on global rank 0, the push itself.
 
-    Rank 0: ``sync`` (a :class:`DiskWeightSync` or :class:`DistributedWeightSync`), ``fleet`` (the
-    :class:`~megatron_m2po.rollout.engines.EngineFleet`, None when there are no engines to manage),
-    ``store`` (the push records the trainer's version there first), ``bg`` (the event loop that
-    asks engines their weight version), ``drain`` (waits until no generation is in flight). Other
-    ranks: :meth:`follower`, which only tracks ``version``.
+    Rank 0: ``sync`` (the transport of ``rollout.weight_sync``: :class:`DiskWeightSync`,
+    :class:`DistributedWeightSync` or :class:`ColocatedWeightSync`) and ``engines`` (the engines'
+    owner, ``rollout_service/engine_control.py`` ``EngineControl``: a push is bracketed by its
+    ``hold_for_push`` / ``end_hold`` / ``served``, a failed one relaunches the dead engines with its
+    ``restart_dead``, adapters load through it). Other ranks: :meth:`follower`, which only tracks
+    ``version``. Every rank: ``lora_push`` (``model.lora.push`` as validated, None without LoRA)
+    and ``relaunch``: after a failed push, relaunch the dead engines and return their URLs (None:
+    rank 0's ``engines.restart_dead``; colocated mode passes its own, the trainer offloaded
+    around it: trainer/colocated.py ``ColocatedPhases.relaunch_in_push``).
     """
 
-    def __init__(self, sync: Any = None, *, fleet: Any = None, store: Any = None, bg: Any = None,
-                 drain: Callable[[], None] = lambda: None, adapters: Optional[AdapterPush] = None,
-                 lora_push: Optional[str] = None, relaunch: Optional[Callable[[], list[str]]] = None):
-        self.sync, self.fleet, self.store, self.bg, self.drain = sync, fleet, store, bg, drain
+    def __init__(self, sync: Any = None, *, engines: Any = None, lora_push: Optional[str] = None,
+                 relaunch: Optional[Callable[[], list[str]]] = None):
+        self.sync, self.engines = sync, engines
         self.version = 0  # fresh engines start from the base model
         self._pushed: list = []  # rank 0: SyncStats of the pushes since take_metrics()
         self._first_push_s: Optional[float] = None  # the first push's seconds (what a slow push is)
-        # Every rank, after a failed push: relaunch the dead engines, return their URLs (None: rank 0
-        # restarts them). Colocated mode passes its own (the trainer offloads around the relaunch,
-        # trainer/colocated.py ColocatedPhases.relaunch_in_push).
         self.relaunch = relaunch
-        # Rank 0 with model.lora.push=adapter: the engines keep their base and load an adapter per
-        # version (weights/lora_push.py); the weight sync above then only stays for its interface.
-        self.adapters = adapters
-        # Every rank: model.lora.push as validated (lora_push_mode), None without LoRA.
         self.lora_push = lora_push
 
     @classmethod
@@ -104,10 +100,6 @@ class WeightPushController:
     @property
     def leads(self) -> bool:
         return self.sync is not None
-
-    @property
-    def engine_urls(self) -> list[str]:
-        return self.fleet.engine_urls if self.fleet is not None else []
 
     # ------------------------------------------------------------------ every rank
     def push(self, weights: Callable[[], Iterable], version: int, *, stage: int, n_stages: int, sender: bool,
@@ -128,7 +120,7 @@ class WeightPushController:
 
         def restart() -> list[str]:
             return (self.relaunch() if self.relaunch is not None
-                    else from_rank0(lambda: self.restart_dead_engines(), what="engine restarts"))
+                    else from_rank0(lambda: self.engines.restart_dead(), what="engine restarts"))
 
         self._once_more_after_restart(attempt, restart, f"weight push of version {version}",
                                       "pushing again to every engine")
@@ -160,16 +152,11 @@ class WeightPushController:
         self.version = version
 
     def _load_adapters(self, tensors, version: int) -> None:
-        if self.adapters is None:
-            raise RuntimeError("model.lora.push=adapter, but rank 0's push controller has no AdapterPush")
-        self.store.set_version(version)  # as begin(): the trainer is at ``version`` first
-        if self.fleet is not None:
-            self.fleet.refresh()
-        stats = self._once_more_after_restart(lambda: self.adapters.push(tensors, version, self.engine_urls),
-                                              self.restart_dead_engines, f"LoRA adapter push of version {version}",
+        self.engines.prepare_adapters(version)  # as begin(): the trainer is at ``version`` first
+        stats = self._once_more_after_restart(lambda: self.engines.load_adapters(tensors, version),
+                                              self.engines.restart_dead, f"LoRA adapter push of version {version}",
                                               "loading it again on every engine")
-        if self.fleet is not None:
-            self.fleet.admit()
+        self.engines.served(version)
         self._record(stats)
 
     def _once_more_after_restart(self, attempt: Callable[[], Any], restart: Callable[[], list], what: str,
@@ -191,24 +178,11 @@ class WeightPushController:
     # ------------------------------------------------------------------ rank 0
     def begin(self, version: int, n_stages: int) -> PushPlan:
         """Rank 0's start of a weight push from ``n_stages`` pipeline stages."""
-        self.drain()
-        if self.fleet is not None and self.fleet.engines:
-            # after the drain: the push fails, not a generation in flight (with one engine that
-            # generation would be lost, and the run end, as docs/design.md says of any mode)
-            fault_point("engine_dies", lambda: self.fleet.engines[0].handle.proc.kill())
-        # The trainer is at ``version`` already: record it first, so tokens an engine samples
-        # with the new weights while the push is still returning validate against it.
-        self.store.set_version(version)
-        # The fleet's current URLs: a replaced engine (e.g. a new Ray actor) may have moved, and a
-        # router-discovered fleet is re-read from the router (engines that joined get this push).
-        if self.fleet is not None:
-            self.fleet.refresh()
-            self.fleet.hold(self.engine_urls)  # paused by the push: the router's health view is not the truth
+        urls = self.engines.hold_for_push(version)
         try:
-            return self.sync.begin(version, n_stages, self.engine_urls)
+            return self.sync.begin(version, n_stages, urls)
         except BaseException:
-            if self.fleet is not None:
-                self.fleet.release()
+            self.engines.end_hold()
             raise
 
     def finish(self, plan: PushPlan, results: list):
@@ -217,11 +191,9 @@ class WeightPushController:
         try:
             stats = self.sync.finish(plan, results)
         finally:
-            if self.fleet is not None:
-                self.fleet.release()
+            self.engines.end_hold()
         self.version = plan.version
-        if self.fleet is not None:
-            self.fleet.admit()
+        self.engines.served(plan.version)
         self._record(stats)
         return stats
 
@@ -259,79 +231,3 @@ class WeightPushController:
         if loads:
             out["sync/weight_load_s"] = float(sum(loads))
         return out
-
-    def refit(self, url: str) -> None:
-        """A restarted engine gets the current weights before it serves again (the fleet's
-        ``refit_fn``; only weight syncs that :attr:`can_refit_alone` are asked, see
-        :meth:`check_engines`)."""
-        if self.version == 0:
-            return  # it launched from the base model, which is version 0
-        if self.adapters is not None:
-            self.adapters.refit(url, self.version)
-            return
-        self.sync.refit(url, self.version)
-
-    def restart_dead_engines(self) -> list[str]:
-        """Relaunch dead engines without weights or router registration (after a failed push the
-        push is repeated for every engine, which refits them and rebuilds their groups); returns
-        their URLs."""
-        if self.fleet is None:
-            return []
-        restarted = self.fleet.check_and_restart(refit=False)
-        if restarted:
-            log.warning("restarted %d engine(s): %s; they get the weights with the next push",
-                        len(restarted), ", ".join(restarted))
-            self.sync.on_engines_restarted(restarted)
-            if self.adapters is not None:
-                self.adapters.on_engines_restarted(restarted)
-        return restarted
-
-    def check_engines(self) -> list[str]:
-        """Restart dead engines; returns the URLs of those still waiting for weights.
-
-        A weight sync that can refit one engine alone (disk: from the latest version directory)
-        refits a relaunched engine here, and it is re-registered. One that cannot (distributed)
-        leaves the engine waiting (unregistered) for the trainer's next push from every stage,
-        which rebuilds the groups for it and admits it; at version 0 the engine launched from the
-        base model and needs no weights.
-        """
-        if self.fleet is None:
-            return []
-        if not self.sync.can_refit_alone and self.version > 0:
-            self.restart_dead_engines()
-            pending = self.fleet.pending_urls
-        else:
-            pending = []
-            restarted = self.fleet.check_and_restart()  # refit_fn (refit) loaded their weights or adapter
-            if restarted:
-                log.warning("restarted %d engine(s): %s", len(restarted), ", ".join(restarted))
-                self.sync.on_engines_restarted(restarted)
-        return pending + self._engines_off_version(set(pending))
-
-    def _engines_off_version(self, skip: set[str]) -> list[str]:
-        """Engines whose served weight version is not the one pushed last: restarted by someone
-        else (an external or router-discovered engine comes back with the base model), or kept
-        from a run that died (they hold weights the re-run does not have). Their tokens would be
-        tagged with versions the schedule does not expect; the trainer pushes to every engine."""
-        async def versions() -> list[str]:
-            out = []
-            for url in self.engine_urls:
-                if url in skip:
-                    out.append(str(self.version))
-                    continue
-                async with SGLangClient(url, timeout_s=30.0, max_retries=2) as c:
-                    out.append(await c.weight_version())
-            return out
-        urls = self.engine_urls
-        got = self.bg.submit(versions()).result(timeout=120)
-        off = [(u, v) for u, v in zip(urls, got) if v != str(self.version)]
-        if off:
-            log.warning("engine(s) %s serve weight version(s) %s, not version %d pushed last (restarted outside the "
-                        "trainer, or kept from a run that died): pushing the current weights to every engine",
-                        ", ".join(u for u, _ in off), ", ".join(v for _, v in off), self.version)
-        return [u for u, _ in off]
-
-    def close(self) -> None:
-        if self.sync is not None:
-            self.sync.close()
-

@@ -116,16 +116,24 @@ def test_a_step_nothing_generates_fails_at_once_and_a_stop_request_ends_the_wait
 
 
 def test_weight_push_controller_alone_with_a_disk_sync(tmp_path):
-    """begin waits for generation first and records the trainer's version in the store; finish
-    makes it the engines' version; a refit needs a version on disk; the sync says whether it can
-    refit one engine alone."""
+    """EngineControl without engines holds the push: begin waits for generation first and records
+    the trainer's version in the store; finish makes it the engines' served version and the
+    controller's; a refit needs a version on disk; the transport says whether it can refit one
+    engine alone."""
+    from megatron_m2po.rollout_service.engine_control import EngineControl
+    from megatron_m2po.utils.background_loop import BackgroundLoop
+
     store = RolloutStore(str(tmp_path / "s.sqlite"))
-    sync = DiskWeightSync([], str(tmp_path / "weights"), timeout_s=30)
+    bg = BackgroundLoop("test-engines")
     events = []
-    ctl = WeightPushController(sync, store=store, drain=lambda: events.append(("drain", store.current_version)))
+    engines = EngineControl(store=store, bg=bg,
+                            transport=lambda urls: DiskWeightSync(urls, str(tmp_path / "weights"), timeout_s=30),
+                            drain=lambda: events.append(("drain", store.current_version)))
+    sync = engines.transport
+    ctl = WeightPushController(sync, engines=engines)
     try:
-        assert ctl.leads and ctl.version == 0 and ctl.check_engines() == [] and ctl.restart_dead_engines() == []
-        ctl.refit("http://e0")  # version 0: the engine launched from the base model, nothing to load
+        assert ctl.leads and ctl.version == 0 and engines.check() == [] and engines.restart_dead() == []
+        engines.refit("http://e0")  # version 0: the engine launched from the base model, nothing to load
         with pytest.raises(RuntimeError, match="engine http://e0 was restarted at weight version 3, but there is no "
                                                "on-disk copy"):
             sync.refit("http://e0", 3)
@@ -133,10 +141,11 @@ def test_weight_push_controller_alone_with_a_disk_sync(tmp_path):
         assert events == [("drain", None)] and store.current_version == 1 and ctl.version == 0
         weights = [("model.embed_tokens.weight", torch.arange(6, dtype=torch.float32).reshape(2, 3))]
         stats = ctl.finish(plan, [run_stage(plan, 0, iter(weights))])
-        assert ctl.version == 1 and stats.version == 1 and (tmp_path / "weights" / "v1").is_dir()
+        assert ctl.version == engines.version == 1 and stats.version == 1 and (tmp_path / "weights" / "v1").is_dir()
         assert sync.can_refit_alone and sync.latest_dir == str(tmp_path / "weights" / "v1")
     finally:
-        ctl.close()
+        engines.close()
+        bg.close()
         store.close()
     follower = WeightPushController.follower()
     assert not follower.leads and follower.version == 0

@@ -1,5 +1,5 @@
 """Colocated mode's engine relaunch (issue 40, trainer/colocated.py "Relaunch"), unit level: the phase
-sequence around a dead engine with a fake trainer and rollout service, in every phase it can die in.
+sequence around a dead engine with a fake trainer and engines (EngineControl's verbs), in every phase it can die in.
 
 The rule checked in each case: an engine is relaunched only while the trainer is off the device (a
 relaunched engine holds its whole memory at start-up), and it generates only after a push that
@@ -46,60 +46,57 @@ class _Actor:
         return SimpleNamespace(resident_bytes=2)
 
 
-class _Service:
-    """One engine ``e0``; ``dies_in``: the call that finds it dead (the engine died before it)."""
+class _Engines:
+    """EngineControl's verbs colocated mode uses (rollout_service/engine_control.py), one engine ``e0``;
+    ``dies_in``: the call that finds it dead (the engine died before it)."""
 
     def __init__(self, events: list, actor: _Actor, dies_in: str = "") -> None:
         self.events, self.actor, self.dies_in = events, actor, dies_in
-        self.dead, self.pending = False, []
+        self.is_dead, self.pending = False, []
 
     def _call(self, name: str) -> list:
         self.events.append(name)
         if name == self.dies_in:
-            self.dead, self.dies_in = True, ""  # once
-        return ["e0"] if self.dead else []
+            self.is_dead, self.dies_in = True, ""  # once
+        return ["e0"] if self.is_dead else []
 
-    def release_engines(self, tags):
+    def release(self, tags):
         return self._call("release " + "+".join(tags))
 
-    def resume_engines(self, tags):
+    def resume(self, tags):
         return self._call("resume " + "+".join(tags))
 
-    def dead_engines(self):
-        return ["e0"] if self.dead else []
+    def dead(self):
+        return ["e0"] if self.is_dead else []
 
-    @property
-    def pending_engines(self):
-        return list(self.pending)
-
-    def relaunch_engines(self, release):
-        if not self.dead:
+    def relaunch(self, release):
+        if not self.is_dead:
             return []
         assert not self.actor.resident, "an engine relaunched next to the resident trainer: out of memory"
         self.events.append("relaunch, release " + "+".join(release))
-        self.dead, self.pending = False, ["e0"]
+        self.is_dead, self.pending = False, ["e0"]
         return ["e0"]
 
 
 class _Weights:
     """The push controller: a push to a dead engine fails once and is repeated after ``relaunch``."""
 
-    def __init__(self, events: list, service: _Service, relaunch) -> None:
-        self.events, self.service, self.version, self.relaunch = events, service, 0, relaunch
+    def __init__(self, events: list, engines: _Engines, relaunch) -> None:
+        self.events, self.engines, self.version, self.relaunch = events, engines, 0, relaunch
 
     def push_actor(self, actor, *, phase):
         assert actor.resident
-        if self.service.dead:
+        if self.engines.is_dead:
             self.events.append("push failed")
             assert self.relaunch() == ["e0"]
         self.events.append("push")
-        self.version, self.service.pending = actor.version, []  # finish() admits the relaunched engines
+        self.version, self.engines.pending = actor.version, []  # finish() admits the relaunched engines
 
 
 def _phases(dies_in: str = ""):
     events: list = []
     actor = _Actor(events)
-    service = _Service(events, actor, dies_in)
+    service = _Engines(events, actor, dies_in)
     phases = ColocatedPhases(actor, from_rank0=lambda fn, what="": fn(), rank=0, local_rank=0)
     phases.attach(_Weights(events, service, relaunch=phases.relaunch_in_push), service)
     return phases, service, events
@@ -135,7 +132,7 @@ def test_died_before_the_push_is_relaunched_by_the_push_controller_hook():
     events.clear()
 
     def dies_now(actor, *, phase, push=phases.weights.push_actor):
-        service.dead = True  # after the resume answered: the push finds it
+        service.is_dead = True  # after the resume answered: the push finds it
         return push(actor, phase=phase)
     phases.weights.push_actor = dies_now
     phases.to_engines()
@@ -155,7 +152,7 @@ def test_died_after_the_push_or_between_steps_is_refit_by_a_cycle_before_it_gene
                       "resume kv_cache"]
     assert service.pending == [] and phases.state == ENGINES
     events.clear()
-    service.dead = True  # dies between two steps, the engines resident: relaunched now, refit when asked for
+    service.is_dead = True  # dies between two steps, the engines resident: relaunched now, refit when asked for
     phases.check_engines()
     assert events == ["relaunch, release "] and service.pending == ["e0"]
     events.clear()
@@ -169,7 +166,7 @@ def test_check_engines_relaunches_nothing_while_the_trainer_holds_the_gpus():
     phases, service, events = _phases()
     phases.start()
     phases.to_trainer()
-    service.dead = True
+    service.is_dead = True
     events.clear()
     phases.check_engines()
     assert events == []  # the next to_engines finds it (its resume fails), with the trainer offloaded around it
@@ -183,9 +180,9 @@ def test_an_engine_that_keeps_dying_after_the_push_ends_the_run_with_its_name():
     def always_dead(tags):
         events.append("resume " + "+".join(tags))
         if tags == ("kv_cache",):
-            service.dead = True
-        return ["e0"] if service.dead else []
-    service.resume_engines = always_dead
+            service.is_dead = True
+        return ["e0"] if service.is_dead else []
+    service.resume = always_dead
     with pytest.raises(RuntimeError, match=r"died after the push in 3 moves .*e0"):
         phases.to_engines()
 

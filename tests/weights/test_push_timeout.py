@@ -53,6 +53,13 @@ class _Store:
 
 WEIGHTS = [(f"model.layers.{i}.mlp.weight", torch.ones(256, 256)) for i in range(4)]  # 4 x 256 KiB fp32
 NBYTES = 4 * 256 * 256 * 4
+
+
+def _controller(sync) -> WeightPushController:
+    """Rank 0's controller on ``sync``, with engines owned by no fleet (their URLs are the transport's)."""
+    from megatron_m2po.rollout_service.engine_control import EngineControl
+
+    return WeightPushController(sync, engines=EngineControl(store=_Store(), bg=None, transport=sync))
 CONFIGURED_S, LOAD_S = 1.0, 2.0
 
 
@@ -63,7 +70,7 @@ def test_a_load_slower_than_the_configured_timeout_but_within_the_bytes_budget_s
     floor = NBYTES / 3.0 / 1e9  # GB/s: the pushed bytes take 3 s at the floor
     engine = _SlowLoadEngine(LOAD_S)
     sync = DiskWeightSync([engine.url], str(tmp_path / "sync"), timeout_s=CONFIGURED_S, min_gbps=floor)
-    ctl = WeightPushController(sync, store=_Store())
+    ctl = _controller(sync)
     try:
         from megatron_m2po.weights.stage import run_stage
 
@@ -107,7 +114,7 @@ def test_one_push_line_then_only_slow_pushes(tmp_path, caplog):
     import types
 
     sync = DiskWeightSync(["http://127.0.0.1:9"], str(tmp_path / "sync"), timeout_s=CONFIGURED_S, min_gbps=1.0)
-    ctl = WeightPushController(sync, store=_Store())
+    ctl = _controller(sync)
     try:
         with caplog.at_level(logging.DEBUG, logger="megatron_m2po.weights.push"):
             for v, secs in ((1, 2.0), (2, 2.5), (3, 4.5)):
