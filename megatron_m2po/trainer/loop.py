@@ -1,9 +1,10 @@
 """The training loop: generate -> score -> store -> train -> push weights -> checkpoint.
 
-Every rank runs :class:`Trainer`; global rank 0 also owns the rollout side (:class:`_Lead`: the
-:class:`~megatron_m2po.rollout_service.service.RolloutService`, metric logging, progress). The
-service issues no collectives: it returns data, and the loop shares it with every rank (:meth:`Trainer._from_rank0`;
-a step's rollouts are scattered: each rank receives its data-parallel shard and the mini-batches'
+Every rank runs :class:`Trainer`; global rank 0 also owns the rollout side (the
+:class:`~megatron_m2po.rollout_service.service.RolloutService`, metric logging, progress), which every
+rank reaches through one object, :class:`_Lead`: its methods are called on every rank and act on
+rank 0 only, so the loop never asks which rank it runs on. The service issues no collectives: it
+returns data, and the loop shares it with every rank (:meth:`_Lead.call`; a step's rollouts are scattered: each rank receives its data-parallel shard and the mini-batches'
 plans, :meth:`Trainer._fetch_step`) and runs the actor's collectives (log-prob recompute, weight gathers, checkpoints) on all of them.
 The engines' weight version is the push controller's (:mod:`megatron_m2po.weights.push`; every rank
 holds one, and the loop takes rank 0's from the service once).
@@ -81,16 +82,42 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-class _Lead:
-    """Global rank 0's part of the run: rollout service, run directory, metrics, progress."""
+class _Stopped:
+    """What rank 0 shares instead of a step's data when a stop request ended its wait."""
 
-    def __init__(self, cfg: Config, model_path: str, *, relaunch: Optional[Callable[[], list[str]]] = None) -> None:
+
+class _Lead:
+    """Global rank 0's part of the run, one object on every rank: the rollout service (its engines
+    and push controller), the run directory, metrics, progress.
+
+    Every rank holds one and calls its methods at the same points of the loop; what they do happens
+    on global rank 0 only (``here``), so the loop never tests which rank it is on. Three kinds:
+    rank 0's actions (``mark_step_start``, ``ack``, ``put``, ``start_continuous``, ``log_step``, ...:
+    nothing elsewhere), rank 0's results shared with every rank (``missing_steps``, ``check_engines``,
+    ``sample``, ``evaluate``, ``call``: :func:`~megatron_m2po.parallel.rank0.from_rank0`, an error on
+    rank 0 raises on every rank) and rank 0's log lines (``info``, ``warning``)."""
+
+    def __init__(self, here: bool) -> None:
+        self.here = here
+        self.service: Optional["RolloutService"] = None
+        self.logger = self.progress = None
+
+    @property
+    def engines(self) -> Optional["EngineControl"]:
+        """Rank 0's engines (None elsewhere)."""
+        return self.service.engines if self.service is not None else None
+
+    def start(self, cfg: Config, model_path: str, *, relaunch: Optional[Callable[[], list[str]]] = None) -> None:
+        """Every rank: rank 0 builds the rollout side (data, store, engines), the metrics logger and
+        the progress bar; a failure reaches the other ranks at once instead of leaving them waiting."""
+        self.call(lambda: self._start(cfg, model_path, relaunch), what="the rollout side (data, store, engines)")
+
+    def _start(self, cfg: Config, model_path: str, relaunch: Optional[Callable[[], list[str]]]) -> None:
         from transformers import AutoTokenizer
 
         from megatron_m2po.rollout_service.service import RolloutService
         from megatron_m2po.utils.logging import MetricsLogger, TrainProgress
 
-        self.logger = self.progress = None
         run_dir = Path(cfg.trainer.run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(dump_config(cfg))
@@ -104,7 +131,121 @@ class _Lead:
             self.close()
             raise
 
-    def log_step(self, step: int, version: int, metrics: dict, per_update: list[dict]) -> None:
+    # ------------------------------------------------------------------ rank 0's results, shared
+    def call(self, fn: Callable[[], T], what: str = "rank 0's result") -> T:
+        """``fn()`` evaluated on global rank 0 only; every rank gets its result, waiting without a
+        collective that could time out (:func:`~megatron_m2po.parallel.rank0.from_rank0`)."""
+        return from_rank0(fn, what=what)
+
+    def stoppable(self, fn: Callable[[], T]) -> T | _Stopped:
+        """Rank 0: ``fn()``, or a :class:`_Stopped` marker when a stop request ended its wait."""
+        from megatron_m2po.rollout_service.waiting import StopRequested
+        try:
+            return fn()
+        except StopRequested as e:
+            log.warning("%s", e)
+            return _Stopped()
+
+    def missing_steps(self, steps: list[int]) -> list[int]:
+        return self.call(lambda: self.service.missing_steps(steps), what="the steps to catch up")
+
+    def check_engines(self) -> list[str]:
+        """Dead engines relaunched; the engines that need the trainer's next push (EngineControl.check)."""
+        return self.call(lambda: self.engines.check(), what="the engine check")
+
+    def sample(self, step: int) -> list | _Stopped:
+        return self.call(lambda: self.stoppable(lambda: self.service.sample(step)), what=f"the generation of step {step}")
+
+    def rollout_state(self, *, at_step_start: bool) -> dict:
+        """What a resume needs of the rollout side (RolloutService.state_dict), rank 0's on every rank."""
+        return self.call(lambda: self.service.state_dict(at_step_start=at_step_start), what="the rollout side's state")
+
+    def evaluate(self, step: int) -> dict[str, float]:
+        """Held-out accuracy after ``step`` steps ({} when a stop request ended it: the step's
+        checkpoint comes first)."""
+        out = self.call(lambda: self.stoppable(lambda: self.service.evaluate(step)), what="the evaluation")
+        return {} if isinstance(out, _Stopped) else out
+
+    # ------------------------------------------------------------------ rank 0's actions
+    def info(self, msg: str, *args) -> None:
+        if self.here:
+            log.info(msg, *args)
+
+    def warning(self, msg: str, *args) -> None:
+        if self.here:
+            log.warning(msg, *args)
+
+    def mark_step_start(self) -> None:
+        if self.service is not None:
+            self.service.mark_step_start()  # the dataset position before the step's generation events
+
+    def ack(self, lease) -> None:
+        if self.service is not None:
+            self.service.ack(lease)
+
+    def put(self, groups: list) -> None:
+        if self.service is not None:
+            self.service.put(groups)
+
+    def start_continuous(self) -> None:
+        if self.service is not None:
+            self.service.start_continuous()
+
+    def request_stop(self) -> None:
+        if self.service is not None:
+            self.service.request_stop()  # a wait for data ends at once
+
+    def generate(self, steps: list[int], *, background: bool) -> bool:
+        """Rank 0 generates (or starts generating) ``steps``; True when a stop request ended a wait
+        (rank 0 only: the step's lease shares it with every rank)."""
+        if self.service is None:
+            return False
+        for s in steps:
+            if isinstance(self.stoppable(lambda step=s: self.service.generate(step, background=background)), _Stopped):
+                return True
+        return False
+
+    def resume(self, extra: Optional[dict], version: int, *, retire_ahead: bool, ckpt, start_step: int) -> None:
+        """The rollout side of the restart rule (docs/design.md §5b): the dataset position of the
+        checkpoint (``extra``; None: from the base model), the store rewound to it, metrics.jsonl
+        without the records past it."""
+        if self.service is None:
+            return
+        if extra is not None:
+            self.service.load_state_dict(extra)
+        # A run that died before its first checkpoint (or during its write) left leases and, in
+        # async mode, groups of weights that are gone: rewound here as after a checkpoint.
+        r = self.service.rewind(extra["store_cursor"] if extra is not None else None, version, retire_ahead=retire_ahead)
+        # Records past the resume point are logged again (from the start: everything, the step-0 evaluation too).
+        dropped = self.logger.rewind(version if ckpt is not None else -1)
+        if ckpt is not None:
+            log.info("resumed from %s at step %d (version %d); %d lease(s) will be replayed, %d group(s) retired",
+                     ckpt, start_step, version, r["replays"], r["retired"])
+        if dropped:
+            log.info("metrics.jsonl: %d record(s) past version %d dropped (they are logged again)", dropped, version)
+
+    def checkpoint_written(self, ckpt_dir: Path, name: str, seconds: float, keep_last: int) -> None:
+        """Older checkpoints beyond ``keep_last`` and any ``.tmp`` left by a killed write removed; logged."""
+        if not self.here:
+            return
+        import shutil
+        done = sorted(p for p in ckpt_dir.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp"))
+        # A `.tmp` left by a write that was killed is never read; it must not count as a kept checkpoint.
+        stale = [p for p in ckpt_dir.glob("step_*.tmp") if p.is_dir()]
+        for p in done[:-keep_last] + stale:
+            shutil.rmtree(p, ignore_errors=True)
+        log.info("checkpoint %s written in %.1fs", name, seconds)
+
+    def log_step(self, step: int, version: int, metrics: dict, per_update: list[dict], weights) -> None:
+        """The step's record (rank 0): the engines' load and the step's pushes (``weights``, the push
+        controller) added, then :meth:`_record`."""
+        if self.service is None:
+            return
+        metrics.update(TIMER.counters(self.engines.loads()))
+        metrics.update(weights.take_metrics())  # this step's pushes: GB, GB/s
+        self._record(step, version, metrics, per_update)
+
+    def _record(self, step: int, version: int, metrics: dict, per_update: list[dict]) -> None:
         # metrics.jsonl's "step" (and W&B's): optimizer updates (the weight version after them);
         # TensorBoard plots the step records against the training step (1, 2, ...), as the console and
         # the plots count, and the update/* records against the update.
@@ -115,13 +256,11 @@ class _Lead:
         self.progress.update(step + 1, metrics)
 
     def log_start_eval(self, metrics: dict) -> None:
+        if self.service is None or not metrics:
+            return
         self.logger.log({**metrics, "eval/at_step": 0}, step=0, x=0)
         log.info("held-out before training: %s", ", ".join(f"{k} {v:.3f}" for k, v in sorted(metrics.items())
                                                           if isinstance(v, float) and k.endswith("acc")))
-
-    def rewind_metrics(self, version: int) -> int:
-        """metrics.jsonl without the records past ``version`` (the resume point logs them again)."""
-        return self.logger.rewind(version)
 
     def close(self) -> None:
         for c in (self.service, self.progress, self.logger):
@@ -131,10 +270,6 @@ class _Lead:
                 c.close()
             except Exception as e:  # noqa: BLE001
                 log.warning("shutdown: %s", e)
-
-
-class _Stopped:
-    """What rank 0 shares instead of a step's data when a stop request ended its wait."""
 
 
 @dataclasses.dataclass
@@ -154,9 +289,7 @@ class Trainer:
         self.cfg = cfg
         self._stop_requested = False
         self.actor: Optional[MegatronActor] = None
-        self.lead: Optional[_Lead] = None  # global rank 0 only
-        self.service: Optional[RolloutService] = None  # global rank 0: the lead's rollout service
-        self.engines: Optional["EngineControl"] = None  # global rank 0: the service's engines
+        self.lead = _Lead(here=False)  # global rank 0's part of the run (set up below, every rank holds one)
         self.token_dump: Optional[TokenDump] = None
         # The engines' weights: rank 0's push controller (the service's), a follower elsewhere; every
         # rank tracks the same version.
@@ -169,18 +302,19 @@ class Trainer:
         self._owns_pg = init_parallel(cfg.parallel, cfg.trainer.seed)
         try:
             self.rank = dist.get_rank()
+            self.lead = _Lead(here=self.rank == 0)
             # Before anything is created or started: rank 0 locks the run directory and checks
             # what a user can get wrong at run time; a refusal reaches every rank in one line.
             if run_lock is None:
-                self._from_rank0(lambda: self._claim_run_dir(cfg), what="the start-up checks")
+                self.lead.call(lambda: self._claim_run_dir(cfg), what="the start-up checks")
             self.run_dir = check_shared_run_dir(cfg.trainer.run_dir)
             cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, run_dir=str(self.run_dir)))
             # A finished run has nothing to do: no model, actor or engine is built (run() says so).
-            self.finished = self._from_rank0(lambda: finished_step(cfg), what="the run's progress")
+            self.finished = self.lead.call(lambda: finished_step(cfg), what="the run's progress")
             if self.finished is not None:
                 self.cfg = cfg
                 return
-            self.model_path = self._from_rank0(lambda: resolve_model_path(cfg.model, progress=cfg.logging.progress))
+            self.model_path = self.lead.call(lambda: resolve_model_path(cfg.model, progress=cfg.logging.progress))
             cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, hf_path=self.model_path))
             self.cfg = cfg
             self.U = cfg.trainer.num_updates_per_step
@@ -194,21 +328,17 @@ class Trainer:
             if dist.get_world_size() > 1:
                 dist.all_gather_object(self._dp_of, self.actor.dp_rank)
             if cfg.rollout.colocate:  # the trainer leaves the GPUs before the engines load onto them
-                self.colocated = ColocatedPhases(self.actor, from_rank0=self._from_rank0, rank=self.rank)
+                self.colocated = ColocatedPhases(self.actor, from_rank0=self.lead.call, rank=self.rank)
                 self.colocated.start()
-            # Inside from_rank0: a failure to build the rollout side (data, store, engines) reaches
-            # the other ranks at once, instead of leaving them waiting for rank 0's next result.
             # colocated mode relaunches dead engines with the trainer offloaded around it
             relaunch = self.colocated.relaunch_in_push if self.colocated is not None else None
-            self._from_rank0(lambda: self._build_lead(cfg, relaunch), what="the rollout side (data, store, engines)")
-            if self.lead is not None:
-                self.service = self.lead.service
-                self.engines = self.service.engines
-                self.weights = self.service.weights
-            else:  # every rank: adapters alone or merged weights, the same relaunch policy
-                self.weights = WeightPushController.follower(lora_push=lora_push_mode(cfg), relaunch=relaunch)
+            self.lead.start(cfg, self.model_path, relaunch=relaunch)
+            # rank 0's push controller (the service's); elsewhere a follower with the same LoRA push
+            # mode and relaunch policy
+            self.weights = self.lead.service.weights if self.lead.service is not None else \
+                WeightPushController.follower(lora_push=lora_push_mode(cfg), relaunch=relaunch)
             if self.colocated is not None:
-                self.colocated.attach(self.weights, self.engines)
+                self.colocated.attach(self.weights, self.lead.engines)
         except BaseException:
             self.close()
             raise
@@ -224,23 +354,13 @@ class Trainer:
         passed (:func:`~.preflight.claim_checked_run_dir`)."""
         self._run_lock = claim_checked_run_dir(cfg)
 
-    def _build_lead(self, cfg: Config, relaunch: Optional[Callable[[], list[str]]]) -> None:
-        """Global rank 0: its part of the run (:class:`_Lead`)."""
-        self.lead = _Lead(cfg, self.model_path, relaunch=relaunch)
-
-    def _from_rank0(self, fn: Callable[[], T], what: str = "rank 0's result") -> T:
-        """``fn()`` evaluated on global rank 0 only; every rank gets its result, waiting without
-        a collective that could time out (:func:`~megatron_m2po.parallel.rank0.from_rank0`)."""
-        return from_rank0(fn, what=what)
-
     # ------------------------------------------------------------------ signals
     def _install_signal_handlers(self) -> None:
         def handler(signum, frame):  # noqa: ARG001
             if self._stop_requested:
                 raise KeyboardInterrupt
             self._stop_requested = True
-            if self.service is not None:
-                self.service.request_stop()  # a wait for data ends at once
+            self.lead.request_stop()  # a wait for data ends at once
             log.warning("received %s: finishing the current step (or ending the wait for its data), then "
                         "checkpointing and exiting", signal.Signals(signum).name)
         for s in (signal.SIGINT, signal.SIGTERM):
@@ -251,7 +371,7 @@ class Trainer:
         """The restart rule (docs/design.md §5b): resume from the newest complete checkpoint, or
         from the base model when there is none, and rewind the store to that point either way."""
         # Rank 0 decides: every rank resumes from the same checkpoint.
-        ckpt = self._from_rank0(lambda: latest_checkpoint(self.ckpt_dir), what="the checkpoint to resume from") \
+        ckpt = self.lead.call(lambda: latest_checkpoint(self.ckpt_dir), what="the checkpoint to resume from") \
             if self.cfg.checkpoint.resume else None
         extra = None
         if ckpt is not None:
@@ -259,54 +379,25 @@ class Trainer:
             extra = self.actor.load_checkpoint(str(ckpt))
             self.start_step = int(extra["step"])
             self.schedule.load_state_dict(extra)
-        if self.lead:
-            if extra is not None:
-                self.service.load_state_dict(extra)
-            # A run that died before its first checkpoint (or during its write) left leases and, in
-            # async mode, groups of weights that are gone: rewound here as after a checkpoint.
-            r = self.service.rewind(extra["store_cursor"] if extra is not None else None, self.actor.version,
-                                    retire_ahead=self.schedule.retires_ahead)
-            # Records past the resume point are logged again (from the start: everything, the step-0
-            # evaluation too).
-            dropped = self.lead.rewind_metrics(self.actor.version if ckpt is not None else -1)
-            if ckpt is not None:
-                log.info("resumed from %s at step %d (version %d); %d lease(s) will be replayed, %d group(s) "
-                         "retired", ckpt, self.start_step, self.actor.version, r["replays"], r["retired"])
-            if dropped:
-                log.info("metrics.jsonl: %d record(s) past version %d dropped (they are logged again)", dropped,
-                         self.actor.version)
+        self.lead.resume(extra, self.actor.version, retire_ahead=self.schedule.retires_ahead, ckpt=ckpt,
+                         start_step=self.start_step)
 
     def _save(self, step: int, *, at_boundary: bool = False) -> None:
         """Checkpoint after ``step`` steps (all ranks); the actor's checkpoint moves ``latest``.
 
         ``at_boundary``: step ``step`` began (its generation events ran) but a stop request ended
         its wait for data; the checkpoint records the dataset position from before those events."""
-        extra = self._from_rank0(lambda: self._rollout_state(step, at_boundary=at_boundary))
+        # What a resume needs besides the actor: the dataset position and store cursor (rank 0's; a step
+        # stopped at its start whose prompts the resumed step re-draws: the position from before its
+        # generation events) and the schedule's part (mode, stale_k, the catch-up bookkeeping).
+        extra = {"step": step, **self.lead.rollout_state(at_step_start=at_boundary and self.schedule.redraws_step_prompts),
+                 **self.schedule.state_dict()}
         name = f"step_{step:06d}"
         self._trainer_resident()
         t0 = time.perf_counter()
         with TIMER.phase("checkpoint"):
             self.actor.save_checkpoint(str(self.ckpt_dir / name), extra)
-            if self.lead:
-                self._prune_checkpoints()
-        if self.lead:
-            log.info("checkpoint %s written in %.1fs", name, time.perf_counter() - t0)
-
-    def _rollout_state(self, step: int, at_boundary: bool = False) -> dict:
-        """Rank 0: what a resume needs besides the actor (dataset position, store cursor)."""
-        # A step stopped at its start whose prompts the resumed step re-draws: the dataset position
-        # from before its generation events (RolloutService.state_dict).
-        rollout = self.service.state_dict(at_step_start=at_boundary and self.schedule.redraws_step_prompts)
-        # The schedule's part: mode, stale_k, and the catch-up bookkeeping.
-        return {"step": step, **rollout, **self.schedule.state_dict()}
-
-    def _prune_checkpoints(self) -> None:
-        import shutil
-        done = sorted(p for p in self.ckpt_dir.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp"))
-        # A `.tmp` left by a write that was killed is never read; it must not count as a kept checkpoint.
-        stale = [p for p in self.ckpt_dir.glob("step_*.tmp") if p.is_dir()]
-        for p in done[:-self.cfg.checkpoint.keep_last] + stale:
-            shutil.rmtree(p, ignore_errors=True)
+            self.lead.checkpoint_written(self.ckpt_dir, name, time.perf_counter() - t0, self.cfg.checkpoint.keep_last)
 
     # ------------------------------------------------------------------ weights
     def _push_weights(self) -> float:
@@ -349,15 +440,14 @@ class Trainer:
         past = self.schedule.catch_up_candidates(v, self.start_step)
         if not past:
             return
-        missing = self._from_rank0(lambda: self.service.missing_steps(past), what="the steps to catch up")
+        missing = self.lead.missing_steps(past)
         # Present ones were caught up from this same checkpoint before a crash: also at version v.
         self.schedule.mark_caught_up(past, v)
         if not missing:
             return
-        if self.lead:
-            log.warning("steps %s were scheduled before the resume point (version %d) but never generated "
-                        "(trainer.num_steps raised since the checkpoint?): generating them now at version %d; "
-                        "their staleness is below the scheduled %d", missing, v, v, self.schedule.k)
+        self.lead.warning("steps %s were scheduled before the resume point (version %d) but never generated "
+                          "(trainer.num_steps raised since the checkpoint?): generating them now at version %d; "
+                          "their staleness is below the scheduled %d", missing, v, v, self.schedule.k)
         self._generate_steps(missing, v)
 
     def _form_weight_groups(self) -> None:
@@ -371,8 +461,7 @@ class Trainer:
         if self.colocated is not None or self.cfg.rollout.weight_sync != "distributed":
             return
         secs = self._push_weights()
-        if self.lead:
-            log.info("weight-update groups formed with the engines at version %d (%.1f s)", self.actor.version, secs)
+        self.lead.info("weight-update groups formed with the engines at version %d (%.1f s)", self.actor.version, secs)
 
     def _start_continuous(self) -> None:
         """A schedule that generates continuously (async, all ranks): the engines get the weights the
@@ -380,11 +469,10 @@ class Trainer:
         weights: the producer must not start on them."""
         if not self.schedule.continuous:
             return
-        off = self._from_rank0(lambda: self.engines.check(), what="the engine check")
+        off = self.lead.check_engines()
         if self.weights.version != self.actor.version or off:  # not when the groups' forming pushed them
             self._push_weights()
-        if self.lead:
-            self.service.start_continuous()
+        self.lead.start_continuous()
 
     def _generate_steps(self, steps: list[int], version: int) -> dict[str, float]:
         """Generate the rollouts of ``steps`` with the weights of ``version`` (all ranks). A stop
@@ -403,33 +491,18 @@ class Trainer:
             # takes part, so generation is synchronous here.
             for s in steps:
                 self._engines_generate(self.actor.version)  # colocated: back to the engines after a recompute
-                groups = self._from_rank0(lambda step=s: self._stoppable(lambda: self.service.sample(step)),
-                                          what=f"the generation of step {s}")
+                groups = self.lead.sample(s)
                 if isinstance(groups, _Stopped):
                     self._wait_stopped = True
                     return
                 self._trainer_resident()
                 self._recompute_behaviour(groups)
-                if self.lead:
-                    self.service.put(groups)
+                self.lead.put(groups)
             return
-        if self.lead:
-            # On-policy data is needed right away; stale data overlaps with training (schedule.background).
-            background = self.schedule.background
-            for s in steps:
-                if isinstance(self._stoppable(lambda step=s: self.service.generate(step, background=background)),
-                              _Stopped):
-                    self._wait_stopped = True  # rank 0 only: the step's lease shares it with every rank
-                    break
-
-    def _stoppable(self, fn: Callable[[], T]) -> T | _Stopped:
-        """Rank 0: ``fn()``, or a :class:`_Stopped` marker when a stop request ended its wait."""
-        from megatron_m2po.rollout_service.waiting import StopRequested
-        try:
-            return fn()
-        except StopRequested as e:
-            log.warning("%s", e)
-            return _Stopped()
+        # On-policy data is needed right away; stale data overlaps with training (schedule.background).
+        # A stop request that ends a wait is rank 0's to know: the step's lease shares it with every rank.
+        if self.lead.generate(steps, background=self.schedule.background):
+            self._wait_stopped = True
 
     def _recompute_behaviour(self, groups: list) -> None:
         """All ranks (same ``groups``): the trainer's log-probs of freshly generated groups."""
@@ -460,11 +533,12 @@ class Trainer:
         leased: dict[str, Any] = {}
 
         def lease() -> list:
-            got = _Stopped() if self._wait_stopped else self._stoppable(lambda: self.schedule.lease(self.service, step))
+            service = self.lead.service
+            got = _Stopped() if self._wait_stopped else self.lead.stoppable(lambda: self.schedule.lease(service, step))
             if isinstance(got, _Stopped):
                 return [(None, got)] * len(self._dp_of)
             groups, leased["lease"] = got
-            meta = {**rollout_metrics(groups, correct_reward=self.cfg.reward.correct), **self.service.filter_metrics()}
+            meta = {**rollout_metrics(groups, correct_reward=self.cfg.reward.correct), **service.filter_metrics()}
             batch = groups_to_batch(groups, advantage=self.cfg.algo.advantage, adv_eps=self.cfg.algo.adv_eps,
                                     use_recomputed=self.cfg.algo.recompute_behav_logprobs)
             minis, parts = shard_step(batch, self.U, self.actor.shards, self._dp_of, meta)
@@ -497,16 +571,14 @@ class Trainer:
         inside a step, stale_k with ``k`` not a multiple of ``U``), train, push when the schedule
         says; acknowledge the lease."""
         t0 = time.perf_counter()
-        if self.lead:
-            self.service.mark_step_start()  # the dataset position before the step's generation events
+        self.lead.mark_step_start()
         extra = self._generation_events()
         fetched = self._fetch_step(step)  # its wait is "data_wait"
         if fetched is None:
             return None
         minibatches, lease, rollout = fetched
         per_update, ages, age_counts = self._train_updates(step, minibatches, extra)
-        if self.lead:
-            self.service.ack(lease)
+        self.lead.ack(lease)
         step_s = time.perf_counter() - t0
         metrics = _step_metrics(per_update, ages, age_counts)
         metrics.update(extra)
@@ -541,7 +613,7 @@ class Trainer:
             per_update.append(self.actor.train_update(mb))
             fault_point("train_update")  # the step's lease is open, its updates half done
             if dump:  # rank 0 assembles the dump from the whole mini-batch it leased
-                dump.end_update(self._full_minibatches[j] if self.lead else None, update, first_sample)
+                dump.end_update(self._full_minibatches[j] if self._full_minibatches else None, update, first_sample)
             first_sample += len(mb.plan.lengths)
             if self.schedule.push_after_update(self.actor.version):
                 extra["sync/weight_s"] = extra.get("sync/weight_s", 0.0) + self._push_weights()
@@ -558,13 +630,12 @@ class Trainer:
         self._install_signal_handlers()
         self._resume()
         cfg = self.cfg
-        if self.rank == 0:
-            log.info("training steps %d..%d; SIGINT / SIGTERM: the step finishes, a checkpoint is written, the run "
-                     "exits", self.start_step + 1, cfg.trainer.num_steps)
-        if self.rank == 0 and cfg.trainer.eval_every_steps and not self._evaluates:
-            log.warning("trainer.eval_every_steps=%d: no held-out evaluation, as the trainer has no engines to sample "
-                        "with (rollout.source=external without rollout.external_addrs); list engines there to "
-                        "evaluate", cfg.trainer.eval_every_steps)
+        self.lead.info("training steps %d..%d; SIGINT / SIGTERM: the step finishes, a checkpoint is written, the run "
+                       "exits", self.start_step + 1, cfg.trainer.num_steps)
+        if cfg.trainer.eval_every_steps and not self._evaluates:
+            self.lead.warning("trainer.eval_every_steps=%d: no held-out evaluation, as the trainer has no engines to "
+                              "sample with (rollout.source=external without rollout.external_addrs); list engines "
+                              "there to evaluate", cfg.trainer.eval_every_steps)
         self._form_weight_groups()  # distributed sync: the groups form (and their NCCL builds match) now
         self._catch_up()          # exact schedules: steps scheduled before the resume point, never generated
         self._start_continuous()  # async: the engines generate from now on
@@ -585,14 +656,13 @@ class Trainer:
                 self._trainer_resident()
                 out = self.run_dir / "final_hf"
                 export_hf(self.actor, str(out))
-                if self.lead:
-                    log.info("final weights exported to %s", out)
+                self.lead.info("final weights exported to %s", out)
             ended = f"run complete: {cfg.trainer.num_steps} steps in {self.run_dir}"
             return 0
         finally:
             TIMER.finish(time.perf_counter() - self._t_mark)
             self._report_time()
-            if ended is not None and self.lead:
+            if ended is not None and self.lead.here:
                 self._print_summary(ended)
             self.close()
 
@@ -604,7 +674,7 @@ class Trainer:
         # where the node's memory allows, refit by the next move to the engines (trainer/colocated.py).
         if self.colocated is not None:
             self.colocated.check_engines()
-        elif self._from_rank0(lambda: self.engines.check(), what="the engine check"):
+        elif self.lead.check_engines():
             self._push_weights()
         trained = self._train_step(step)
         if trained is None:  # a stop request ended the wait for this step's data
@@ -636,15 +706,12 @@ class Trainer:
         now = time.perf_counter()
         metrics.update(TIMER.take_step(now - self._t_mark))
         self._t_mark = now
-        if self.lead:
-            metrics.update(TIMER.counters(self.engines.loads()))
-            metrics.update(self.weights.take_metrics())  # this step's pushes: GB, GB/s
-            self.lead.log_step(step, self.actor.version, metrics, per_update)
+        self.lead.log_step(step, self.actor.version, metrics, per_update, self.weights)
 
     def _run_finished(self) -> int:
         """:meth:`run` of a run that finished before this start: say so (rank 0) and close."""
         try:
-            if self.rank == 0:
+            if self.lead.here:
                 print(finished_message(self.cfg, self.finished), flush=True)
                 self._print_summary(None)
         finally:
@@ -667,12 +734,11 @@ class Trainer:
         if TIMER.totals()[2] == 0:
             return
         try:  # a report must not hide the exception that ends a run
-            if self.lead:
+            if self.lead.here:
                 print(TIMER.table(), flush=True)
             if TIMER.trace:
                 path = self._trace_path = TIMER.write_trace(self.run_dir, world_size=dist.get_world_size())
-                if self.lead:
-                    log.info("trace written to %s (open it in https://ui.perfetto.dev)", path)
+                self.lead.info("trace written to %s (open it in https://ui.perfetto.dev)", path)
         except Exception as e:  # noqa: BLE001
             log.warning("could not report where the time went: %s", e)
 
@@ -685,22 +751,17 @@ class Trainer:
     def _evaluate_at_start(self) -> None:
         """The base model's held-out accuracy, before the first step (``trainer.eval_at_start``):
         logged at step 0 with ``eval/at_step`` 0, so curves and the run's summary start there."""
-        metrics = self._evaluate(0)
-        if self.lead and metrics:
-            self.lead.log_start_eval(metrics)
+        self.lead.log_start_eval(self._evaluate(0))
 
     def _evaluate(self, step: int) -> dict[str, float]:
         self._engines_generate(self.actor.version)
         with TIMER.phase("evaluation"):
-            out = self._from_rank0(lambda: self._stoppable(lambda: self.service.evaluate(step)),
-                                   what="the evaluation")
-        return {} if isinstance(out, _Stopped) else out  # stopped: the step's checkpoint comes first
+            return self.lead.evaluate(step)
 
     def close(self) -> None:
         """Shut the rollout side and the actor down, then destroy the process group (if ours)."""
         try:
-            if self.lead is not None:
-                self.lead.close()
+            self.lead.close()
             if self.actor is not None:
                 self.actor.close()
         finally:

@@ -80,7 +80,7 @@ def test_tensorboard_scalars_and_histograms(tmp_path):
 
 
 def test_tensorboard_counts_steps_like_the_console_and_metrics_jsonl_keeps_versions(tmp_path):
-    """The trainer's step records (``_Lead.log_step``, 4 updates a step) go to TensorBoard at the
+    """The trainer's step records (``_Lead._record``, 4 updates a step) go to TensorBoard at the
     training step 1, 2 (the console's and plot_metrics' count) and the update/* records at updates
     1..8; metrics.jsonl keeps the weight version in "step"."""
     import types
@@ -91,7 +91,7 @@ def test_tensorboard_counts_steps_like_the_console_and_metrics_jsonl_keeps_versi
     with MetricsLogger(run) as ml:
         lead = types.SimpleNamespace(logger=ml, progress=types.SimpleNamespace(update=lambda *a: None))
         for step in (0, 1):
-            _Lead.log_step(lead, step, 4 * (step + 1), {"train/step": float(step), "rollout/reward_mean": 0.5 + step},
+            _Lead._record(lead, step, 4 * (step + 1), {"train/step": float(step), "rollout/reward_mean": 0.5 + step},
                            [{"loss": float(j)} for j in range(4)])
     acc = _tb_events(run)
     assert [(e.step, e.value) for e in acc.Scalars("rollout/reward_mean")] == [(1, 0.5), (2, 1.5)]

@@ -143,7 +143,7 @@ def test_where_the_time_goes_panels(tmp_path, monkeypatch):
 
 
 def _trainer_like_run(run_dir: Path, steps: int = 4, U: int = 2) -> None:
-    """As the trainer logs (trainer/loop.py ``_Lead.log_step``): per-update records at step = the
+    """As the trainer logs (trainer/loop.py ``_Lead._record``): per-update records at step = the
     weight version after the update, then the step's record at the step's last version."""
     with MetricsLogger(run_dir, tensorboard=False) as ml:
         for s in range(steps):
