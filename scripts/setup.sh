@@ -6,7 +6,9 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q -c constraints-cpu.txt -e ".[test]"
+# PYTHONWARNINGS reaches the build backend: setuptools' "Editable installation" notice (a banner
+# about folders shadowing the package) is not for this repository's users.
+PYTHONWARNINGS=ignore .venv/bin/python -m pip install -q -c constraints-cpu.txt -e ".[test]"
 # SGLang 0.5.23's wheel (source only, never installed): tests/rollout/test_sglang_contract.py
 # checks the client and tests/standins/test_cpu_worker_sglang_contract.py the CPU worker against
 # it. Keep in step with rollout/sglang_version.py.
