@@ -13,12 +13,17 @@
   (:data:`UPSTREAM_HOOKS`);
 * no module imports a private name (``from megatron_m2po.x import _name``) of another: what is
   shared is public (upstream libraries' private names, read where no public API exists, are
-  outside this rule and say why at their import).
+  outside this rule and say why at their import);
+* the training loop never asks which rank it runs on: rank 0's part is one object every rank holds
+  (``_Lead``), so ``if`` tests of it or of the rank number stay at :data:`MAX_RANK_TESTS` (the run
+  summary, which reads rank 0's files), and rank 0's results wrapped as lambdas at
+  :data:`MAX_RANK0_LAMBDAS` (the start-up checks, the resume checkpoint, the rollout state).
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from collections import defaultdict
 from pathlib import Path
 
@@ -26,6 +31,8 @@ PKG = Path(__file__).resolve().parents[1] / "megatron_m2po"
 MAX_FUNCTION_LINES = 80
 MAX_DEEP_CALLS = 5
 LOOP = "trainer/loop.py"
+MAX_RANK_TESTS = 1
+MAX_RANK0_LAMBDAS = 5
 
 
 def _trees() -> dict[str, ast.Module]:
@@ -136,6 +143,27 @@ def test_no_module_imports_another_modules_private_names():
 
 def test_no_component_is_wired_after_construction():
     assert collaborator_mutations(_trees()) == []
+
+
+def rank_tests(tree: ast.Module) -> tuple[list[int], list[int]]:
+    """Lines of the loop's ``Trainer`` whose ``if`` tests ``self.lead`` or ``self.rank``, and those
+    that hand a lambda to ``self.lead.call`` (rank 0's results)."""
+    trainer = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Trainer")
+    asks = re.compile(r"\bself\.rank\b|\bself\.lead(\.here|\.service)?\b(?!\s*[.(])")  # not a _Lead method's result
+    tests, lambdas = [], []
+    for n in ast.walk(trainer):
+        if isinstance(n, (ast.If, ast.IfExp)) and asks.search(ast.unparse(n.test)):
+            tests.append(n.lineno)
+        if (isinstance(n, ast.Call) and ast.unparse(n.func) == "self.lead.call" and n.args
+                and isinstance(n.args[0], ast.Lambda)):
+            lambdas.append(n.lineno)
+    return tests, lambdas
+
+
+def test_the_loop_does_not_ask_which_rank_it_is_on():
+    tests, lambdas = rank_tests(_trees()[LOOP])
+    assert len(tests) <= MAX_RANK_TESTS, f"{LOOP}: rank tests at lines {tests}: give rank 0's part to _Lead"
+    assert len(lambdas) <= MAX_RANK0_LAMBDAS, f"{LOOP}: rank 0's results as lambdas at lines {lambdas}: a _Lead method"
 
 
 def test_every_package_says_what_it_owns():

@@ -131,6 +131,13 @@ class _Lead:
             self.close()
             raise
 
+    def push_controller(self, cfg: Config, *, relaunch: Optional[Callable[[], list[str]]]) -> WeightPushController:
+        """Rank 0's push controller (the service's); elsewhere a follower with the same LoRA push mode
+        and relaunch policy (every rank tracks the same version)."""
+        if self.service is not None:
+            return self.service.weights
+        return WeightPushController.follower(lora_push=lora_push_mode(cfg), relaunch=relaunch)
+
     # ------------------------------------------------------------------ rank 0's results, shared
     def call(self, fn: Callable[[], T], what: str = "rank 0's result") -> T:
         """``fn()`` evaluated on global rank 0 only; every rank gets its result, waiting without a
@@ -167,6 +174,11 @@ class _Lead:
         return {} if isinstance(out, _Stopped) else out
 
     # ------------------------------------------------------------------ rank 0's actions
+    def say(self, text: str) -> None:
+        """Rank 0 prints ``text`` (the console's summaries)."""
+        if self.here:
+            print(text, flush=True)
+
     def info(self, msg: str, *args) -> None:
         if self.here:
             log.info(msg, *args)
@@ -333,10 +345,7 @@ class Trainer:
             # colocated mode relaunches dead engines with the trainer offloaded around it
             relaunch = self.colocated.relaunch_in_push if self.colocated is not None else None
             self.lead.start(cfg, self.model_path, relaunch=relaunch)
-            # rank 0's push controller (the service's); elsewhere a follower with the same LoRA push
-            # mode and relaunch policy
-            self.weights = self.lead.service.weights if self.lead.service is not None else \
-                WeightPushController.follower(lora_push=lora_push_mode(cfg), relaunch=relaunch)
+            self.weights = self.lead.push_controller(cfg, relaunch=relaunch)
             if self.colocated is not None:
                 self.colocated.attach(self.weights, self.lead.engines)
         except BaseException:
@@ -662,7 +671,7 @@ class Trainer:
         finally:
             TIMER.finish(time.perf_counter() - self._t_mark)
             self._report_time()
-            if ended is not None and self.lead.here:
+            if ended is not None:
                 self._print_summary(ended)
             self.close()
 
@@ -711,15 +720,16 @@ class Trainer:
     def _run_finished(self) -> int:
         """:meth:`run` of a run that finished before this start: say so (rank 0) and close."""
         try:
-            if self.lead.here:
-                print(finished_message(self.cfg, self.finished), flush=True)
-                self._print_summary(None)
+            self.lead.say(finished_message(self.cfg, self.finished))
+            self._print_summary(None)
         finally:
             self.close()
         return 0
 
     def _print_summary(self, heading: Optional[str]) -> None:
         """Rank 0: where the run's outputs are and how reward moved (:func:`~.run_report.run_summary`)."""
+        if not self.lead.here:
+            return
         try:  # a report must not hide the exception that ends a run
             final = self.run_dir / "final_hf" if self.cfg.checkpoint.export_hf_at_end else None
             # a finished run's re-run wrote no trace: the one of the run, if it wrote one
@@ -734,8 +744,7 @@ class Trainer:
         if TIMER.totals()[2] == 0:
             return
         try:  # a report must not hide the exception that ends a run
-            if self.lead.here:
-                print(TIMER.table(), flush=True)
+            self.lead.say(TIMER.table())
             if TIMER.trace:
                 path = self._trace_path = TIMER.write_trace(self.run_dir, world_size=dist.get_world_size())
                 self.lead.info("trace written to %s (open it in https://ui.perfetto.dev)", path)
