@@ -23,7 +23,7 @@ from megatron_m2po.utils.errors import UserError, debug_enabled
 # name -> module defining register(subparsers)
 COMMANDS: dict[str, str] = {
     "train": "megatron_m2po.trainer.cli",
-    "eval": "megatron_m2po.evaluation",
+    "eval": "megatron_m2po.rollout_service.evaluation",
     "store": "megatron_m2po.store.cli",
     "convert": "megatron_m2po.weights.convert",
     "plan": "megatron_m2po.plan.search",  # extends plan.memory.register with --search

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from megatron_m2po.evaluation import (
+from megatron_m2po.rollout_service.evaluation import (
     BenchmarkResult,
     average_of,
     avg_at_k,
@@ -79,7 +79,7 @@ def test_table_and_json_have_every_benchmark_and_the_average():
 def test_eval_cli_parses():
     import argparse
 
-    from megatron_m2po.evaluation import register, run
+    from megatron_m2po.rollout_service.evaluation import register, run
 
     parser = argparse.ArgumentParser(prog="m2po")
     register(parser.add_subparsers(dest="command"))
@@ -98,7 +98,7 @@ def test_eval_names_the_model_on_the_lines_that_mention_it(tmp_path, monkeypatch
     import argparse
     import os
 
-    import megatron_m2po.evaluation as ev
+    import megatron_m2po.rollout_service.evaluation as ev
     import megatron_m2po.rollout.engines as engines
     from megatron_m2po.standins.tiny_base import ensure_tiny_base
 
@@ -170,7 +170,7 @@ def test_eval_end_to_end_against_a_cpu_worker(tmp_path):
     import argparse
 
     from megatron_m2po.data import write_jsonl
-    from megatron_m2po.evaluation import register
+    from megatron_m2po.rollout_service.evaluation import register
     model = _tiny_model_dir(tmp_path)
     write_jsonl([{"problem": f"{i}+1", "answer": str(i + 1)} for i in range(4)], tmp_path / "math500.jsonl")
     write_jsonl([{"problem": "2*3", "answer": "6"}, {"problem": "9-4", "answer": 5}], tmp_path / "aime24.jsonl")

@@ -9,7 +9,8 @@
 * ``continuous.py``: continuous generation (async mode, bounded by the store's staleness);
 * ``leaser.py``: a step's groups leased from the store, and their acks;
 * ``ingestion.py``: the store's HTTP ingestion for external producers;
-* ``evaluation.py``: held-out accuracy with the engines' weights;
+* ``evaluation.py``: evaluation in one home: held-out accuracy with the engines' weights during training,
+  and ``m2po eval`` (pass@1 as avg@k over benchmark files);
 * ``waiting.py``: the bounded, interruptible waits all of them use.
 
 Layering (``tests/test_import_graph.py``): above ``rollout/``, ``store/`` and ``weights/``, below
