@@ -26,21 +26,24 @@ def resolve_model_path(model: "ModelConfig", override: Optional[str] = None, *, 
     """The HF model directory of ``override`` or ``model.hf_path``.
 
     ``"tiny"`` builds the tiny base model of ``model.tiny_family`` into ``model.tiny_cache_dir`` on first use (safe to
-    call from several processes at once). Anything else must be a local directory holding a
+    call from several processes at once); ``"tiny-teacher"`` the same base trained further (its warm-up run on to a
+    higher accuracy: a better model with the same tokenizer, the tiny task's distillation teacher). Anything else must be a local directory holding a
     ``config.json``; otherwise :class:`~megatron_m2po.utils.errors.UserError` (a ``ValueError``) names the path.
     """
     path = override or model.hf_path
-    if path == "tiny":
+    if path in ("tiny", "tiny-teacher"):
         from megatron_m2po.utils.standin import load_standin
 
         tiny_base = load_standin("tiny_base")
         spec = tiny_base.TinyBaseSpec(model=tiny_base.TinyModelSpec(family=model.tiny_family))
+        if path == "tiny-teacher":  # the same base trained further (a distillation teacher, algo.distill)
+            spec = tiny_base.teacher_spec(spec)
         return str(tiny_base.ensure_tiny_base(os.path.expanduser(model.tiny_cache_dir), spec=spec, progress=progress))
     p = Path(path).expanduser()
     if not (p / "config.json").is_file():
         what = "does not exist" if not p.exists() else "is not an HF model directory (no config.json)"
         raise UserError(f"model path {path!r} {what}; set model.hf_path (or --model) to a local HF model "
-                        "directory, or 'tiny'")
+                        "directory, or 'tiny' ('tiny-teacher' for a distillation teacher)")
     return str(p)
 
 
