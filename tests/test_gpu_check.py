@@ -210,17 +210,25 @@ def test_expert_lora_row_fails_a_grouped_gemm_that_is_off_by_one_percent(monkeyp
 
 
 @pytest.mark.slow  # an actor and a peft reference process (~10 s)
-def test_lora_row_fails_an_adapter_hooked_on_the_unnormalised_input(tmp_path, monkeypatch):
+def test_lora_row_fails_an_adapter_hooked_on_the_unnormalised_input(tmp_path):
     """Row 11 sees the defect it is there for: the adapters of ``linear_qkv`` / ``linear_fc1`` reading
     the residual stream instead of the normalised input (what the hook did under Transformer
-    Engine's fused norm before actor/lora.py normalised it) is many units off peft."""
-    _module()
-    import megatron_m2po.actor.lora as lora
-    from gpu_checks.lora import row_lora_peft
-
-    monkeypatch.setattr(lora, "fused_norm", lambda module, x: x)
-    rows = row_lora_peft(True, tmp_path)
-    assert rows[0].verdict == "FAIL" and rows[0].values["rel_rms"] > 4, rows[0]
+    Engine's fused norm before actor/lora.py normalised it) is many units off peft. In a process of
+    its own, as gpu_check runs its rows: the actor sets up torch.distributed, the CPU platform and
+    the rank's environment (RANK, MASTER_PORT), which must not leak into this worker's later tests."""
+    code = (f"import sys; sys.path[:0] = [{str(ROOT)!r}, {str(ROOT / 'tools')!r}]\n"
+            "import megatron_m2po.actor.lora as lora\n"
+            "lora.fused_norm = lambda module, x: x  # the old hook: the un-normalised input\n"
+            "from pathlib import Path\nfrom gpu_checks.lora import row_lora_peft\n"
+            f"rows = row_lora_peft(True, Path({str(tmp_path)!r}))\n"
+            "print('ROW', rows[0].verdict, rows[0].values['rel_rms'])\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                            "MASTER_PORT")}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT,
+                       env={**env, "CUDA_VISIBLE_DEVICES": "", "PYTHONWARNINGS": "ignore"})
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    verdict, rel_rms = r.stdout.split("ROW ")[1].split()
+    assert verdict == "FAIL" and float(rel_rms) > 4, r.stdout[-500:]
 
 
 def test_help_says_what_it_proves():
