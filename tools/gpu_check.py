@@ -272,66 +272,43 @@ def main(argv: Optional[list[str]] = None) -> int:
               + " ".join(f"{k}={os.environ[k]}" for k in TRAINER_ENV_VARS if os.environ.get(k)))
     rows: list[Row] = []
     rc = 0
+
+    def needing(absent: list[str], check: str, fn, *args) -> list[Row]:
+        """The rows of ``fn(*args)``, or one SKIP row naming the packages ``absent``."""
+        if absent:
+            return [Row(check, "-", f"skipped: {', '.join(absent)} missing", "-", "SKIP")]
+        return guarded(check, fn, *args)
+
     with tempfile.TemporaryDirectory(prefix="gpu_check-") as tmp:
         work = Path(a.work_dir or tmp)
         work.mkdir(parents=True, exist_ok=True)
         if "numerics" in a.only:
-            if missing:
-                rows.append(Row("actor bf16 vs CPU fp32", "-", f"skipped: {', '.join(missing)} missing", "-", "SKIP"))
-            else:
-                rows += guarded("actor bf16 vs CPU fp32", row_actor_numerics, a.cpu_smoke, work)
+            rows += needing(missing, "actor bf16 vs CPU fp32", row_actor_numerics, a.cpu_smoke, work)
         if "logprobs" in a.only:
             rows += guarded("fused log-prob vs naive", row_logprobs, a.cpu_smoke)
         if "throughput" in a.only:
-            if missing:
-                rows.append(Row("train step (M2PO update)", "-", f"skipped: {', '.join(missing)} missing", "-", "SKIP"))
-            else:
-                rows += guarded("train step (M2PO update)", row_throughput, a.cpu_smoke, work,
-                                peak_tflops(a.peak_tflops) if not a.cpu_smoke else None, a.lora_rank)
+            rows += needing(missing, "train step (M2PO update)", row_throughput, a.cpu_smoke, work,
+                            peak_tflops(a.peak_tflops) if not a.cpu_smoke else None, a.lora_rank)
         if "packed" in a.only:
-            if missing:
-                rows.append(Row(PACKED_CHECK, "-", f"skipped: {', '.join(missing)} missing", "-", "SKIP"))
-            else:
-                rows += guarded(PACKED_CHECK, row_packed_tp_sp, a.cpu_smoke, work)
+            rows += needing(missing, PACKED_CHECK, row_packed_tp_sp, a.cpu_smoke, work)
         if "cp" in a.only:
-            if missing:
-                rows.append(Row(CP_CHECK, "-", f"skipped: {', '.join(missing)} missing", "-", "SKIP"))
-            else:
-                rows += guarded(CP_CHECK, row_cp, a.cpu_smoke, work)
+            rows += needing(missing, CP_CHECK, row_cp, a.cpu_smoke, work)
         if "moe" in a.only:
-            if missing:
-                rows.append(Row(MOE_CHECK, "-", f"skipped: {', '.join(missing)} missing", "-", "SKIP"))
-            else:
-                rows += guarded(MOE_CHECK, row_moe_numerics, a.cpu_smoke, work)
+            rows += needing(missing, MOE_CHECK, row_moe_numerics, a.cpu_smoke, work)
         if "imbalance" in a.only:
-            if "transformers" in missing:
-                rows.append(Row(IMBALANCE_CHECK, "-", "skipped: transformers missing", "-", "SKIP"))
-            else:
-                rows += guarded(IMBALANCE_CHECK, row_routing_imbalance, a.cpu_smoke, work, a.moe_model, a.moe_data)
+            rows += needing([m for m in missing if m == "transformers"], IMBALANCE_CHECK, row_routing_imbalance,
+                            a.cpu_smoke, work, a.moe_model, a.moe_data)
         if "disk_push" in a.only:
             rows += guarded(DISK_PUSH_CHECK, row_disk_push, a.cpu_smoke, work, a.push_dir, a.push_gb)
         if "colocated" in a.only:
-            if missing:
-                rows.append(Row(COLOCATED_CHECK, "-", f"skipped: {', '.join(missing)} missing", "-", "SKIP"))
-            else:
-                rows += guarded(COLOCATED_CHECK, row_colocated, a.cpu_smoke, work, a.bucket_mb)
+            rows += needing(missing, COLOCATED_CHECK, row_colocated, a.cpu_smoke, work, a.bucket_mb)
         if "expert_lora" in a.only:
-            if missing:
-                rows.append(Row(EXPERT_LORA_CHECK, "-", f"skipped: {', '.join(missing)} missing", "-", "SKIP"))
-            else:
-                rows += guarded(EXPERT_LORA_CHECK, row_expert_lora, a.cpu_smoke)
+            rows += needing(missing, EXPERT_LORA_CHECK, row_expert_lora, a.cpu_smoke)
         if "lora" in a.only:
             no_peft = importlib.util.find_spec("peft") is None
-            if missing or no_peft:
-                rows.append(Row(LORA_CHECK, "-", f"skipped: {', '.join(missing + ['peft'] * no_peft)} missing", "-",
-                                "SKIP"))
-            else:
-                rows += guarded(LORA_CHECK, row_lora_peft, a.cpu_smoke, work)
+            rows += needing(missing + ["peft"] * no_peft, LORA_CHECK, row_lora_peft, a.cpu_smoke, work)
         if "offload_memory" in a.only:
-            if missing:
-                rows.append(Row(OFFLOAD_CHECK, "-", f"skipped: {', '.join(missing)} missing", "-", "SKIP"))
-            else:
-                rows += guarded(OFFLOAD_CHECK, row_offload_memory, a.cpu_smoke, work)
+            rows += needing(missing, OFFLOAD_CHECK, row_offload_memory, a.cpu_smoke, work)
     print(format_table(rows, header), flush=True)
     if missing:
         print("\n" + install_message(missing), file=sys.stderr)
