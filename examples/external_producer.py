@@ -20,7 +20,7 @@ prompt, every token tagged with ``N`` and its sampling log-prob -> ``POST /v1/gr
 Generation: an HF model on this machine (default; reloaded when a newer version appears), or
 ``--engine-url`` for an SGLang-compatible engine (a CPU worker or SGLang, e.g. engines the
 trainer updates): then the engine's reported per-token versions (or its ``weight_version``) tag
-the tokens (else the version published at submission, the oldest they can come from). See ``megatron_m2po/rollout/external.py`` for the protocol.
+the tokens (else the version published at submission, the oldest they can come from). See ``megatron_m2po/ingestion/producer.py`` for the protocol.
 
 Exit status: 0 after ``--rounds`` rounds; 3 when the trainer (or store server) is gone - its
 port closed or unreachable after the client's retries, as when a run has finished - with one
@@ -43,7 +43,7 @@ import torch
 from megatron_m2po.config import DataConfig, ModelConfig, RewardConfig
 from megatron_m2po.data import build_prompt_dataset
 from megatron_m2po.rewards import get_reward_fn
-from megatron_m2po.rollout.external import Completion, ExternalProducer, WeightsRef, make_group
+from megatron_m2po.ingestion.producer import Completion, ExternalProducer, WeightsRef, make_group
 from megatron_m2po.store.client import StoreClientError
 from megatron_m2po.utils.hf_dir import resolve_model_path
 

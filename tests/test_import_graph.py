@@ -159,6 +159,20 @@ def test_the_rollout_service_is_rank0s_side_below_the_trainer(graph):
     assert _violations(graph, below, ("rollout_service",)) == []
 
 
+def test_external_ingestion_is_one_package_between_the_store_and_the_rollout_service(graph):
+    """``ingestion/`` (producer API, HTTP service, the trainer's endpoint) uses the store and the
+    rollout side's group filter; only the rollout service, the trainer and CLI shells start it. The
+    old producer path ``rollout/external.py`` is the one alias into it (a deprecation shim)."""
+    assert f"{PKG}.ingestion.server" in graph, "the ingestion package is not where this test looks"
+    assert _violations(graph, ("ingestion",), ("actor", "weights", "rollout_service", "trainer")) == []
+    below = ("algo", "parallel", "actor", "rollout", "weights", "store", "data", "rewards", "utils")
+    shells = {f"{PKG}.store.cli", f"{PKG}.rollout.external"}
+    assert [v for v in _violations(graph, below, ("ingestion",)) if v.split(" -> ")[0] not in shells] == []
+    stray = sorted(m for m in graph if m.rsplit(".", 1)[-1] in ("server", "external", "ingestion", "endpoint")
+                   and _sub(m) != "ingestion" and m != f"{PKG}.rollout.external")
+    assert stray == [], f"external ingestion outside its package: {stray}"
+
+
 def test_settings_modules_are_leaves(graph):
     """A config section imports only the settings machinery and other sections (at module level or
     not, except the loss registry, which the algo section asks by name when it validates)."""

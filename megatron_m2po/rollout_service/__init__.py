@@ -8,7 +8,6 @@
 * ``scheduled.py``: scheduled generation (the steps of sync / stale_k, at their versions);
 * ``continuous.py``: continuous generation (async mode, bounded by the store's staleness);
 * ``leaser.py``: a step's groups leased from the store, and their acks;
-* ``ingestion.py``: the store's HTTP ingestion for external producers;
 * ``evaluation.py``: evaluation in one home: held-out accuracy with the engines' weights during training,
   and ``m2po eval`` (pass@1 as avg@k over benchmark files);
 * ``waiting.py``: the bounded, interruptible waits all of them use.

@@ -42,7 +42,7 @@ The parts, each with one job, are private and handed to each other when they are
   stale_k); ``_continuous`` (:class:`~.continuous.ContinuousGeneration`): continuous generation
   (async mode with engines; None for external producers, who push on their own);
 * ``_leaser`` (:class:`~.leaser.Leaser`): a step's groups from the store, and their acks;
-* ``_ingestion`` (:class:`~.ingestion.IngestionServer`): the store's HTTP ingestion for external
+* ``_ingestion`` (:class:`~megatron_m2po.ingestion.endpoint.IngestionServer`): the store's HTTP ingestion for external
   producers (``rollout.source=external``; else None);
 * ``_evaluator`` (:class:`~.evaluation.Evaluator`): held-out accuracy.
 
@@ -73,7 +73,7 @@ from megatron_m2po.rollout_service.continuous import ContinuousGeneration
 from megatron_m2po.rollout_service.engine_control import EngineControl
 from megatron_m2po.rollout_service.evaluation import Evaluator
 from megatron_m2po.rollout_service.groups import GroupSampler
-from megatron_m2po.rollout_service.ingestion import IngestionServer
+from megatron_m2po.ingestion.endpoint import IngestionServer
 from megatron_m2po.rollout_service.leaser import Leaser
 from megatron_m2po.rollout_service.scheduled import ScheduledGeneration
 from megatron_m2po.store.store import Lease, RolloutStore

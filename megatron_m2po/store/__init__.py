@@ -5,7 +5,8 @@
   :func:`exact_stale_k`, :func:`bounded`, :func:`fifo`; lease / ack; consumer cursor; metrics.
 * :mod:`.sqlite` — the embedded SQLite backend (WAL, ``synchronous=FULL``, compact arrays).
 * :mod:`.codec` — JSON and binary wire encodings of groups, strict decoding.
-* :mod:`.server` — ``m2po store serve``: authenticated HTTP ingestion for external producers.
+* ``m2po store serve`` (authenticated HTTP ingestion for external producers) lives in
+  :mod:`megatron_m2po.ingestion`, with the producer API and the trainer's own endpoint.
 * :mod:`.client` — :class:`StoreClient` / :class:`AsyncStoreClient` for producers.
 
 Trainer side::

@@ -1,7 +1,7 @@
 """``m2po store serve|stats|backup``.
 
 * ``m2po store serve --path P [--host 127.0.0.1] [--port 8765] [--token-file F] [--insecure-no-auth]``
-  runs the HTTP ingestion service (:mod:`megatron_m2po.store.server`). The token comes from the
+  runs the HTTP ingestion service (:mod:`megatron_m2po.ingestion.server`). The token comes from the
   env var ``--token-env`` (default ``M2PO_STORE_TOKEN``) or ``--token-file``.
   ``--producer-token-file`` (alias of ``--token-file``) holds the producer token;
   ``--trainer-token-file`` / ``$M2PO_STORE_TRAINER_TOKEN`` the trainer token (only it may set
@@ -125,7 +125,7 @@ def _store_cfg(args: argparse.Namespace) -> StoreConfig:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from megatron_m2po.store.server import load_token, run_server
+    from megatron_m2po.ingestion.server import load_token, run_server
 
     cfg = _store_cfg(args)
     path = args.path or cfg.path

@@ -85,7 +85,7 @@ def check_data(data: DataConfig, *, evaluating: bool) -> None:
 def check_ingestion(store: StoreConfig) -> None:
     """``rollout.source=external``: the ingestion token is set, and the trainer can serve on
     ``store.serve_host:serve_port``."""
-    from megatron_m2po.store.server import load_token
+    from megatron_m2po.ingestion.server import load_token
 
     fix = (f"set ${store.token_env} (or store.token_file) to a secret of your choice; external producers send it "
            "as 'Authorization: Bearer <token>'")

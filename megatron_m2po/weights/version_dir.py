@@ -2,7 +2,7 @@
 
 Engines load it with ``/update_weights_from_disk``, a relaunched engine is refit from the latest
 one, and external producers find it by its name and its ``m2po_version.json``
-(:mod:`megatron_m2po.rollout.external`). It is written as a temporary directory (the stages' shards,
+(:mod:`megatron_m2po.ingestion.producer`). It is written as a temporary directory (the stages' shards,
 then :func:`fill_version_dir`), marked and renamed by :func:`seal_version_dir` once complete: a
 rename is atomic on one filesystem, so no reader sees half a checkpoint. The FP8 base model
 (:func:`megatron_m2po.weights.fp8.export_fp8_dir`) is written the same way.

@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_m2po.rollout.external import (Completion, ExternalProducer, SlimeRolloutAdapter, latest_weights,
-                                            make_group, slime_samples_to_groups)
+from megatron_m2po.ingestion.producer import (Completion, ExternalProducer, SlimeRolloutAdapter, latest_weights,
+                                             make_group, slime_samples_to_groups)
 from megatron_m2po.weights.disk import DiskWeightSync
 from megatron_m2po.store.client import StoreClient, StoreClientError
 from megatron_m2po.store.store import RolloutStore, bounded
@@ -258,7 +258,7 @@ def test_load_weights_retries_when_the_trainer_prunes_the_directory(tmp_path):
     import json as _json
     import shutil
 
-    from megatron_m2po.rollout.external import ExternalProducer
+    from megatron_m2po.ingestion.producer import ExternalProducer
 
     for v in (1, 2):
         d = tmp_path / f"v{v}"
@@ -328,3 +328,15 @@ def test_external_producer_example_exits_with_one_line_when_the_trainer_is_gone(
     assert "Traceback" not in err, err
     lines = [ln for ln in err.splitlines() if "round " not in ln]
     assert len(lines) == 1 and lines[0].startswith(f"external_producer: the trainer at {url} is gone"), err
+
+
+def test_the_old_producer_import_path_still_works_and_names_the_new_one():
+    """Producers written against ``megatron_m2po.rollout.external`` (before external ingestion became
+    one package) keep working: the same objects, and a DeprecationWarning naming the new path."""
+    import importlib
+    sys.modules.pop("megatron_m2po.rollout.external", None)
+    with pytest.warns(DeprecationWarning, match="megatron_m2po.ingestion.producer"):
+        old = importlib.import_module("megatron_m2po.rollout.external")
+    assert old.ExternalProducer is ExternalProducer and old.make_group is make_group
+    with pytest.raises(AttributeError):
+        getattr(old, "no_such_name")

@@ -213,7 +213,7 @@ def test_async_generation_stores_only_informative_groups_and_caps_over_sampling(
 
 
 def test_external_pushes_are_filtered_at_ingestion_acknowledged_and_counted(tmp_path, monkeypatch, side):
-    from megatron_m2po.rollout_service.ingestion import IngestionServer
+    from megatron_m2po.ingestion.endpoint import IngestionServer
 
     store = side.store()
     monkeypatch.setenv("M2PO_TEST_INGEST_TOKEN", "tok")

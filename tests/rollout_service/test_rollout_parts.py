@@ -169,7 +169,7 @@ def test_ingestion_server_alone_serves_the_store_to_token_holders_and_no_one_set
     import urllib.error
     import urllib.request
 
-    from megatron_m2po.rollout_service.ingestion import IngestionServer
+    from megatron_m2po.ingestion.endpoint import IngestionServer
 
     store = RolloutStore(str(tmp_path / "s.sqlite"))
     bg = BackgroundLoop("test-ingestion")

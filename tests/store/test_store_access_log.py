@@ -11,7 +11,7 @@ import pytest
 from aiohttp import ClientSession, web
 
 from megatron_m2po.store import RolloutStore
-from megatron_m2po.store.server import build_app
+from megatron_m2po.ingestion.server import build_app
 from megatron_m2po.utils.logging import setup_logging
 from store_testlib import start_server, stop
 
@@ -43,7 +43,7 @@ def test_store_serve_counts_requests_and_logs_them_only_on_request(tmp_path, swi
 @pytest.mark.parametrize("switch", [False, True])
 def test_trainer_console_has_access_lines_only_with_logging_access_log(tmp_path, capsys, switch):
     """The trainer's own server is an ``AppRunner`` with aiohttp's default access logger
-    (rollout_service/ingestion.py); ``setup_logging(access_log=...)`` (``logging.access_log``) decides."""
+    (ingestion/endpoint.py); ``setup_logging(access_log=...)`` (``logging.access_log``) decides."""
     root = logging.getLogger()
     saved = (root.level, list(root.handlers), logging.getLogger("aiohttp.access").level)
     setup_logging(0, access_log=switch)

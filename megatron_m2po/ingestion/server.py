@@ -9,7 +9,7 @@ server says so at start-up:
 
 =======================  ==================================================================
 ``GET  /health``         ``{"status": "ok"}`` — liveness, no auth, no data.
-``POST /v1/groups``      a batch of groups, JSON or the binary framing of :mod:`.codec`
+``POST /v1/groups``      a batch of groups, JSON or the binary framing of :mod:`megatron_m2po.store.codec`
                          (by ``Content-Type``). Answers ``200 {"stored": [...],
                          "duplicates": [...], "pending": [...]}`` only after the SQLite
                          commit, so an acknowledged group is durable. Idempotent by id.
@@ -23,11 +23,11 @@ server says so at start-up:
 Errors are JSON ``{"error": message}`` naming the offending field: 400 malformed payload or
 invalid trajectory (NaN, wrong lengths, versions ahead of the trainer's — before the trainer
 published a version only version 0 is accepted —, wrong types, sizes over the limits of
-:mod:`.codec`: groups per request, trajectories per group, tokens per array, metadata depth
+:mod:`megatron_m2po.store.codec`: groups per request, trajectories per group, tokens per array, metadata depth
 and size; declared sizes are checked before anything is allocated), 401
 missing / wrong token, 403 a producer token on a trainer route, 408 a body that stalls, 409 a
 known id with different content, 413 body over the size limit (or JSON over
-:data:`~.codec.MAX_JSON_BYTES`: larger batches use the binary framing), 415 unknown content
+:data:`~megatron_m2po.store.codec.MAX_JSON_BYTES`: larger batches use the binary framing), 415 unknown content
 type, 429 store at capacity or too many request bytes in flight (with ``Retry-After``), 500 a
 failure of the store itself (never for anything a client sends). A request that fails stores
 nothing.
@@ -93,7 +93,7 @@ def build_app(store: RolloutStore, *, token: Optional[str], max_request_bytes: i
 
     Memory: at most ``max_inflight_bytes`` (default twice ``max_request_bytes``) of request
     bodies are held at once (more gets 429 + ``Retry-After``), and one body at a time is decoded
-    and stored, JSON at most :data:`~.codec.MAX_JSON_BYTES` of it.
+    and stored, JSON at most :data:`~megatron_m2po.store.codec.MAX_JSON_BYTES` of it.
 
     Roles: ``token`` is the *producer* credential (push groups, read the version, stats);
     ``trainer_token`` the *trainer* credential (everything, including ``POST /v1/version``).

@@ -53,7 +53,7 @@ class IngestionServer:
     async def _serve(self) -> None:
         from aiohttp import web
 
-        from megatron_m2po.store.server import build_app, load_token
+        from megatron_m2po.ingestion.server import build_app, load_token
         s = self.cfg
         token = load_token(s.token_env, s.token_file)
         if token is None:
