@@ -38,6 +38,7 @@ from typing import Any, Optional
 import aiohttp
 
 from megatron_m2po.rewards.result import RewardResult
+from megatron_m2po.utils.aio import gather_or_cancel
 
 logger = logging.getLogger(__name__)
 
@@ -125,7 +126,7 @@ class HttpReward:
                 except _Failed as e:
                     return e
         async with self._session() as session:
-            outs = await asyncio.gather(*(batch(session, a) for a in bounds))
+            outs = await gather_or_cancel(*(batch(session, a) for a in bounds))
         for a, out in zip(bounds, outs):
             n = len(responses[a:a + self.batch_size])
             if isinstance(out, _Failed):

@@ -45,6 +45,7 @@ from multiprocessing.connection import wait as mp_wait
 from typing import Any, Optional
 
 from megatron_m2po.utils import lifeline
+from megatron_m2po.utils.aio import gather_or_cancel
 
 logger = logging.getLogger(__name__)
 
@@ -178,7 +179,7 @@ def _coroutine_items(fn, item_timeout_s: float):
             return (None, "error", f"{type(e).__name__}: {e}")
 
     async def run(responses, answers):
-        return list(await asyncio.gather(*(one(r, a) for r, a in zip(responses, answers))))
+        return list(await gather_or_cancel(*(one(r, a) for r, a in zip(responses, answers))))
 
     return lambda responses, answers: asyncio.run(run(responses, answers))
 

@@ -75,6 +75,7 @@ from typing import Any, Callable, Optional, Sequence
 import aiohttp
 import numpy as np
 
+from megatron_m2po.utils.aio import gather_or_cancel
 from megatron_m2po.utils.timing import TIMER
 
 log = logging.getLogger("m2po.client")
@@ -85,6 +86,29 @@ class EngineError(RuntimeError):
     def __init__(self, url: str, route: str, message: str, status: Optional[int] = None) -> None:
         super().__init__(f"{url}{route}: {message}" + (f" (HTTP {status})" if status else ""))
         self.url, self.route, self.status = url, route, status
+
+
+def timeout_message(timeout_s: float) -> str:
+    """What a generate that ran past its timeout says: the setting, and the two usual causes."""
+    return (f"timed out after {timeout_s:.0f}s (rollout.request_timeout_s): the engine stopped answering "
+            "(see its log) or a response takes longer than that (raise it)")
+
+
+_ABORT_FAILURES: dict[str, int] = {}
+
+
+def log_abort_failure(url: str, rid: str, err: BaseException) -> None:
+    """An abort that did not reach ``url``: the first one per engine is a warning, then one line per
+    100 (an engine that stopped answering fails every abort of its in-flight requests at once; one
+    line each drowned the error that ended the step)."""
+    n = _ABORT_FAILURES[url] = _ABORT_FAILURES.get(url, 0) + 1
+    if n == 1:
+        log.warning("could not abort request %s on %s: %s (further failed aborts on this engine: one line per 100)",
+                    rid, url, err)
+    elif n % 100 == 0:
+        log.warning("could not abort %d requests on %s so far; the last: %s", n, url, err)
+    else:
+        log.debug("could not abort request %s on %s: %s", rid, url, err)
 
 
 @dataclass(slots=True)
@@ -443,13 +467,13 @@ class SGLangClient:
             except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as e:
                 last = f"{type(e).__name__}: {e}"
             except asyncio.TimeoutError:
-                raise EngineError(self.base_url, "/generate", f"timed out after {self.timeout_s:.0f}s") from None
+                raise EngineError(self.base_url, "/generate", timeout_message(self.timeout_s)) from None
         raise EngineError(self.base_url, "/generate", f"failed after {self.max_retries + 1} attempt(s): {last}")
 
     async def generate_many(self, prompts: Sequence[Sequence[int]], sampling_params: dict,
                             return_logprob: bool = True) -> list[GenerateOutput]:
         """Concurrent ``generate`` (bounded by ``concurrency``), results in prompt order."""
-        return list(await asyncio.gather(*(self.generate(p, sampling_params, return_logprob)
+        return list(await gather_or_cancel(*(self.generate(p, sampling_params, return_logprob)
                                            for p in prompts)))
 
     async def abort(self, rid: Optional[str] = None, *, abort_all: bool = False,
@@ -503,7 +527,7 @@ class SGLangClient:
         try:
             await asyncio.shield(self.abort(rid, timeout_s=5))
         except (EngineError, aiohttp.ClientError, asyncio.TimeoutError) as e:
-            log.warning("could not abort request %s on %s: %s", rid, self.base_url, e)
+            log_abort_failure(self.base_url, rid, e)
         except asyncio.CancelledError:
             pass
 

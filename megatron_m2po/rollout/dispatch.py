@@ -49,7 +49,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 import aiohttp
 
 from megatron_m2po.rollout.client import (RETRY_STATUS, EngineError, GenerateOutput, SGLangClient,
-                                          max_running_requests)
+                                          log_abort_failure, max_running_requests, timeout_message)
 
 log = logging.getLogger("m2po.dispatch")
 
@@ -239,7 +239,7 @@ class DispatchClient(SGLangClient):
                 await self._mark_down(slot, type(e).__name__)
             except asyncio.TimeoutError:
                 await self._abort_on(slot.url, rid)
-                raise EngineError(slot.url, "/generate", f"timed out after {self.timeout_s:.0f}s") from None
+                raise EngineError(slot.url, "/generate", timeout_message(self.timeout_s)) from None
             except asyncio.CancelledError:
                 await self._abort_on(slot.url, rid)
                 raise
@@ -253,7 +253,7 @@ class DispatchClient(SGLangClient):
         try:
             await asyncio.shield(self._post_abort(url, {"rid": rid, "abort_all": False}, 5))
         except (EngineError, aiohttp.ClientError, asyncio.TimeoutError) as e:
-            log.warning("could not abort request %s on %s: %s", rid, url, e)
+            log_abort_failure(url, rid, e)
         except asyncio.CancelledError:
             pass
 

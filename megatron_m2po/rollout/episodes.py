@@ -73,6 +73,7 @@ from megatron_m2po.rollout.group_ids import trajectory_uid
 from megatron_m2po.rollout.producer import ProducerContext, sample_one, request_seed, routed_rows
 from megatron_m2po.rollout.routing_versions import RoutedRows, keep_replayable, response_routing_version
 from megatron_m2po.store.types import Group, Trajectory
+from megatron_m2po.utils.aio import gather_or_cancel
 
 log = logging.getLogger(__name__)
 
@@ -497,7 +498,7 @@ def make_episode_producer(cfg: AgenticConfig) -> Callable:
         gids = [ctx.group_id(p) for p in range(len(prompts))]
         jobs = [run_episode(ctx, make_env, item, group=gids[p], j=j, settings=settings, errors=errors)
                 for p, item in enumerate(prompts) for j in range(ctx.n_samples)]
-        trajs = await asyncio.gather(*jobs)
+        trajs = await gather_or_cancel(*jobs)
         n = ctx.n_samples
         return [Group(gids[p], list(trajs[p * n:(p + 1) * n])) for p in range(len(prompts))]
 

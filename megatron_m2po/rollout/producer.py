@@ -41,6 +41,7 @@ import numpy as np
 from megatron_m2po.rollout.group_ids import group_id, trajectory_uid
 from megatron_m2po.rollout.routing_versions import keep_replayable, response_routing_version
 from megatron_m2po.store.types import Group, Trajectory
+from megatron_m2po.utils.aio import gather_or_cancel
 from megatron_m2po.utils.timing import TIMER
 
 logger = logging.getLogger(__name__)
@@ -151,7 +152,7 @@ async def default_producer(ctx: ProducerContext, prompts: list) -> list[Group]:
     """Sample ``ctx.n_samples`` responses per prompt, score them, return one group per prompt."""
     jobs = [sample_one(ctx, item.prompt_ids, ctx.sampling_params_for(ctx.group_id(p), j), affinity=ctx.group_id(p))
             for p, item in enumerate(prompts) for j in range(ctx.n_samples)]
-    outs = await asyncio.gather(*jobs)
+    outs = await gather_or_cancel(*jobs)
     texts = [ctx.tokenizer.decode(o.output_ids, skip_special_tokens=True) for o in outs]
     answers = [item.answer for item in prompts for _ in range(ctx.n_samples)]
     # The reward pool blocks; keep the event loop free for other producers' requests.

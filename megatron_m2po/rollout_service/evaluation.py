@@ -38,6 +38,7 @@ from typing import Any, Optional, Sequence
 from megatron_m2po.rollout import group_ids
 from megatron_m2po.rollout_service.groups import GroupSampler
 from megatron_m2po.rollout_service.scheduled import ScheduledGeneration
+from megatron_m2po.utils.aio import gather_or_cancel
 from megatron_m2po.utils.background_loop import BackgroundLoop
 from megatron_m2po.utils.faults import fault_point
 
@@ -206,7 +207,7 @@ async def evaluate_sets(client: Any, sets: dict[str, list], *, k: int, sampling_
         if not items:
             raise ValueError(f"benchmark {name!r} has no problems")
         t0 = time.perf_counter()
-        outs = await asyncio.gather(*(client.generate(it.prompt_ids, sampling_params, return_logprob=False)
+        outs = await gather_or_cancel(*(client.generate(it.prompt_ids, sampling_params, return_logprob=False)
                                       for it in items for _ in range(k)))
         texts = [o.text if o.text else tokenizer.decode(o.output_ids, skip_special_tokens=True) for o in outs]
         answers = [it.answer for it in items for _ in range(k)]
