@@ -34,7 +34,9 @@ Schema 1 files (before checksums) are migrated when first opened for writing: th
 checksummed as they are then, so damage done before the migration is not detected. Schema 3 adds
 the ``routed`` column (MoE routed experts, :func:`routed_blob`): uint16 ``(layers, top_k)`` then
 the ids as uint16, ``[P + R - 1, layers, top_k]``; a row's checksum covers it when present, so
-rows of schema 2 keep their checksums.
+rows of schema 2 keep their checksums. Schema 4 adds the ``teacher`` column (a distillation
+teacher's float32 log-probs of the response tokens, ``algo.distill.mode=sglang``), written with the
+row or later by :func:`set_teacher`; the checksum covers it when present, so older rows keep theirs.
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ from megatron_m2po.store.types import Group, Trajectory
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 SYNC_MODES = ("FULL", "NORMAL", "EXTRA")
 
 _SCHEMA = """
@@ -88,6 +90,7 @@ CREATE TABLE IF NOT EXISTS trajectories (
     min_version INTEGER NOT NULL,
     prompt BLOB, response BLOB, logp BLOB, vruns BLOB, mask BLOB, recomputed BLOB,
     routed BLOB,
+    teacher BLOB,                        -- algo.distill.mode=sglang: the teacher's log-probs (<f4 x R)
     checksum TEXT                        -- row_checksum() of the row, NULL once pruned
 );
 CREATE INDEX IF NOT EXISTS trajectories_by_group ON trajectories (group_seq, idx);
@@ -166,10 +169,12 @@ def connect(path: str, *, synchronous: str = "FULL", busy_timeout_s: float = 30.
         if row is None:
             conn.execute("INSERT INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
             conn.execute("INSERT INTO meta VALUES ('store_id', ?)", (uuid.uuid4().hex,))
-        elif int(row[0]) in (1, 2):
+        elif int(row[0]) in (1, 2, 3):
             if int(row[0]) == 1:
                 _migrate_1_to_2(conn, path)
-            _migrate_2_to_3(conn, path)
+            if int(row[0]) <= 2:
+                _migrate_2_to_3(conn, path)
+            _migrate_3_to_4(conn, path)
         elif int(row[0]) != SCHEMA_VERSION:
             raise RuntimeError(f"rollout store {path!r} has schema version {row[0]}, this code reads "
                                f"{SCHEMA_VERSION}; use the matching megatron_m2po version")
@@ -225,7 +230,7 @@ def _connect_readonly(path: str, busy_timeout_s: float) -> sqlite3.Connection:
                 "'m2po store backup' copy") from None
         conn = open_(uri + "&immutable=1")
         schema = _schema_of(conn, path)
-    if schema not in (1, 2, SCHEMA_VERSION):  # schema 1 reads fine (no checksums yet), 2 has no routed experts
+    if schema not in (1, 2, 3, SCHEMA_VERSION):  # 1: no checksums yet, 2: no routed experts, 3: no teacher
         conn.close()
         raise RuntimeError(f"rollout store {path!r} has schema version {schema}, this code reads "
                            f"{SCHEMA_VERSION}; use the matching megatron_m2po version")
@@ -255,8 +260,25 @@ def _migrate_2_to_3(conn: sqlite3.Connection, path: str) -> None:
     log.info("rollout store %s: migrated to schema %d (routed experts column)", path, SCHEMA_VERSION)
 
 
+def _migrate_3_to_4(conn: sqlite3.Connection, path: str) -> None:
+    """Schema 3 -> 4 (inside the caller's transaction): the ``teacher`` column (NULL in old rows)."""
+    if not _has_column(conn, "teacher"):
+        conn.execute("ALTER TABLE trajectories ADD COLUMN teacher BLOB")
+    set_meta(conn, "schema_version", str(SCHEMA_VERSION))
+    log.info("rollout store %s: migrated to schema %d (distillation teacher column)", path, SCHEMA_VERSION)
+
+
+def _has_column(conn: sqlite3.Connection, name: str) -> bool:
+    return any(r[1] == name for r in conn.execute("PRAGMA table_info(trajectories)"))
+
+
 def _has_routed(conn: sqlite3.Connection) -> bool:
-    return any(r[1] == "routed" for r in conn.execute("PRAGMA table_info(trajectories)"))
+    return _has_column(conn, "routed")
+
+
+def optional_cols(conn: sqlite3.Connection) -> str:
+    """``, routed, teacher`` as this file has them (NULL for a column an old read-only file lacks)."""
+    return (", routed" if _has_routed(conn) else ", NULL") + (", teacher" if _has_column(conn, "teacher") else ", NULL")
 
 
 @contextmanager
@@ -306,8 +328,11 @@ def routed_array(b: Optional[bytes], rows: int) -> Optional[np.ndarray]:
     return np.frombuffer(b[4:], "<u2").reshape(rows, layers, k).astype(np.int32)
 
 
-def checksum_blobs(blobs: Sequence[Optional[bytes]], routed: Optional[bytes]) -> tuple:
-    """The blobs row_checksum covers: the routed experts only when present (schema-2 rows hash as before)."""
+def checksum_blobs(blobs: Sequence[Optional[bytes]], routed: Optional[bytes], teacher: Optional[bytes] = None) -> tuple:
+    """The blobs row_checksum covers: the routed experts only when present (schema-2 rows hash as
+    before), the teacher's log-probs only when present (then after the routed slot, absent or not)."""
+    if teacher is not None:
+        return (*blobs, routed, teacher)
     return tuple(blobs) if routed is None else (*blobs, routed)
 
 
@@ -361,16 +386,17 @@ def insert_group(conn: sqlite3.Connection, g: Group, *, digest: str, state: str,
         blobs = (_b(t.prompt_ids, "<i4"), _b(t.response_ids, "<i4"), _b(t.behav_logprobs, "<f4"),
                  _b(runs, "<i8"), mask, rec)
         routed = routed_blob(t.routed_experts)
-        nbytes += sum(len(x) for x in (*blobs, routed) if x is not None)
+        teacher = None if t.teacher_logprobs is None else _b(t.teacher_logprobs, "<f4")
+        nbytes += sum(len(x) for x in (*blobs, routed, teacher) if x is not None)
         n_prompt += t.prompt_ids.size
         n_resp += t.response_ids.size
         scal = (t.uid, i, t.reward, t.finish_reason, json.dumps(t.metadata, allow_nan=False), t.min_version)
         conn.execute("INSERT INTO trajectories (uid, group_seq, idx, reward, finish_reason, metadata, "
-                     "min_version, prompt, response, logp, vruns, mask, recomputed, routed, checksum) "
-                     "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
-                     (scal[0], seq, *scal[1:], *blobs, routed,
-                      row_checksum(*scal, *checksum_blobs(blobs, routed))))
-        del blobs, mask, rec, routed
+                     "min_version, prompt, response, logp, vruns, mask, recomputed, routed, teacher, checksum) "
+                     "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                     (scal[0], seq, *scal[1:], *blobs, routed, teacher,
+                      row_checksum(*scal, *checksum_blobs(blobs, routed, teacher))))
+        del blobs, mask, rec, routed, teacher
         conn.execute(
             "INSERT INTO version_stats (version, trajectories, prompt_tokens) VALUES (?, 1, ?) "
             "ON CONFLICT(version) DO UPDATE SET trajectories=trajectories+1, "
@@ -402,22 +428,23 @@ def load_group(conn: sqlite3.Connection, seq: int) -> Group:
     def bad(why: str) -> CorruptGroupError:
         return CorruptGroupError(seq, gid, why)
 
-    routed_col = ", routed" if _has_routed(conn) else ", NULL"
-    rows = conn.execute(f"SELECT {ROW_COLS}{routed_col}, checksum FROM trajectories WHERE group_seq=? ORDER BY idx",
-                        (seq,)).fetchall()
+    rows = conn.execute(f"SELECT {ROW_COLS}{optional_cols(conn)}, checksum FROM trajectories WHERE group_seq=? "
+                        "ORDER BY idx", (seq,)).fetchall()
     if len(rows) != n_traj:
         raise bad(f"{len(rows)} stored trajectories, {n_traj} written")
     trajs = []
     for i, r in enumerate(rows):
-        (uid, idx, reward, fr, md, min_v, prompt, resp, logp, vruns, mask, rec), routed, cs = r[:-2], r[-2], r[-1]
+        (uid, idx, reward, fr, md, min_v, prompt, resp, logp, vruns, mask, rec), routed, teacher, cs = \
+            r[:-3], r[-3], r[-2], r[-1]
         if idx != i:
             raise bad(f"trajectory positions are not 0..{n_traj - 1} (found {idx} at {i})")
-        if cs is None or row_checksum(*r[:6], *checksum_blobs(r[6:12], routed)) != cs:
+        if cs is None or row_checksum(*r[:6], *checksum_blobs(r[6:12], routed, teacher)) != cs:
             raise bad(f"trajectory {uid!r} fails its checksum (stored data changed since it was written)")
         if any(b is None for b in (prompt, resp, logp, vruns)) or len(prompt) % 4 or len(resp) % 4 or len(vruns) % 16:
             raise bad(f"trajectory {uid!r} has arrays of impossible lengths")
         rl = len(resp) // 4
-        if len(logp) != 4 * rl or (mask is not None and len(mask) != rl) or (rec is not None and len(rec) != 4 * rl):
+        if len(logp) != 4 * rl or (mask is not None and len(mask) != rl) or any(
+                b is not None and len(b) != 4 * rl for b in (rec, teacher)):
             raise bad(f"trajectory {uid!r} has arrays whose lengths disagree with its {rl} response tokens")
         runs = np.frombuffer(vruns, "<i8").reshape(-1, 2)
         if (runs[:, 1] < 0).any() or int(runs[:, 1].sum()) != rl:
@@ -433,7 +460,8 @@ def load_group(conn: sqlite3.Connection, seq: int) -> Group:
             loss_mask=np.ones(rl, np.uint8) if mask is None else np.frombuffer(mask, "u1").copy(),
             finish_reason=fr, metadata=json.loads(md),
             recomputed_behav_logprobs=None if rec is None else np.frombuffer(rec, "<f4").copy(),
-            routed_experts=routed_ids))
+            routed_experts=routed_ids,
+            teacher_logprobs=None if teacher is None else np.frombuffer(teacher, "<f4").copy()))
         if trajs[-1].min_version != min_v:
             raise bad(f"trajectory {uid!r} has versions from {trajs[-1].min_version}, recorded {min_v}")
     g = Group(gid, trajs)
@@ -462,6 +490,7 @@ def prune_groups(conn: sqlite3.Connection, seqs: Sequence[int]) -> None:
     """Drop the arrays of these groups, keeping their ids (idempotency) and counters (metrics)."""
     for seq in seqs:
         conn.execute("UPDATE trajectories SET prompt=NULL, response=NULL, logp=NULL, vruns=NULL, mask=NULL, "
-                     f"recomputed=NULL, {'routed=NULL, ' if _has_routed(conn) else ''}checksum=NULL "
+                     f"recomputed=NULL, {'routed=NULL, ' if _has_routed(conn) else ''}"
+                     f"{'teacher=NULL, ' if _has_column(conn, 'teacher') else ''}checksum=NULL "
                      "WHERE group_seq=?", (seq,))
         conn.execute("UPDATE groups SET pruned=1, nbytes=0 WHERE seq=?", (seq,))

@@ -34,6 +34,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterable, Literal, Mapping, Optional, Union
 
+import numpy as np
+
 from megatron_m2po.store import sqlite as db
 from megatron_m2po.store.codec import group_digest
 from megatron_m2po.store.types import Group, RoutingSpec
@@ -435,9 +437,9 @@ class RolloutStore:
                     raise ValueError(f"set_rewards: uid {uid!r} belongs to a {row[1]} group; only pending groups "
                                      "are scored (rewards of served data never change)")
                 # The row checksum covers the reward: check the row as written, then rewrite both.
-                cur = c.execute(f"SELECT {db.ROW_COLS}, routed, checksum FROM trajectories WHERE uid=?",
+                cur = c.execute(f"SELECT {db.ROW_COLS}, routed, teacher, checksum FROM trajectories WHERE uid=?",
                                 (uid,)).fetchone()
-                blobs = db.checksum_blobs(cur[6:12], cur[12])
+                blobs = db.checksum_blobs(cur[6:12], cur[12], cur[13])
                 if db.row_checksum(*cur[:6], *blobs) != cur[-1]:
                     reason = f"trajectory {uid!r} fails its checksum (stored data changed since it was written)"
                     db.quarantine_group(c, row[0], row[2], reason, time.time())
@@ -454,6 +456,42 @@ class RolloutStore:
                     c.execute("UPDATE groups SET state='available' WHERE seq=?", (seq,))
                     out.append(c.execute("SELECT group_id FROM groups WHERE seq=?", (seq,)).fetchone()[0])
         return out
+
+    def set_teacher_logprobs(self, values: Mapping[str, np.ndarray]) -> int:
+        """Store a distillation teacher's log-probs of the response tokens (``algo.distill.mode=sglang``)
+        by uid, once: a trajectory that has them already keeps them (the same frozen teacher scored the
+        same tokens; a resumed or replayed step reads what the first scoring wrote). Any state but
+        quarantined or pruned. Returns how many rows were written. Each row's checksum is verified
+        before and rewritten after, in one transaction."""
+        written = 0
+        with self._lock, db.transaction(self._conn) as c:
+            for uid, v in values.items():
+                arr = np.asarray(v, dtype=np.float32).reshape(-1)
+                cols = ", ".join(f"t.{col}" for col in db.ROW_COLS.split(", "))
+                cur = c.execute(f"SELECT {cols}, t.routed, t.teacher, t.checksum, t.group_seq, g.state, g.group_id "
+                                "FROM trajectories t JOIN groups g ON g.seq=t.group_seq WHERE t.uid=?",
+                                (uid,)).fetchone()
+                if cur is None:
+                    raise ValueError(f"set_teacher_logprobs: uid {uid!r} is not in the store")
+                (*row, routed, teacher, cs, seq, state, gid) = cur
+                if state == "quarantined" or row[7] is None:
+                    continue  # set aside or pruned: nothing will train on it
+                if teacher is not None:
+                    continue
+                if arr.size * 4 != len(row[7]):
+                    raise ValueError(f"set_teacher_logprobs: {arr.size} log-probs for trajectory {uid!r} of "
+                                     f"{len(row[7]) // 4} response tokens")
+                if db.row_checksum(*row[:6], *db.checksum_blobs(row[6:12], routed)) != cs:
+                    reason = f"trajectory {uid!r} fails its checksum (stored data changed since it was written)"
+                    db.quarantine_group(c, seq, gid, reason, time.time())
+                    log.error("rollout store %s: group %r quarantined while storing teacher log-probs: %s",
+                              self.path, gid, reason)
+                    continue
+                blob = arr.astype("<f4").tobytes()
+                c.execute("UPDATE trajectories SET teacher=?, checksum=? WHERE uid=?",
+                          (blob, db.row_checksum(*row[:6], *db.checksum_blobs(row[6:12], routed, blob)), uid))
+                written += 1
+        return written
 
     # -------------------------------------------------------------------- consume
 

@@ -49,6 +49,10 @@ class Trajectory:
             position ``i`` of prompt + response (SGLang 0.5.23's ``meta_info["routed_experts"]``
             with ``routed_experts_start_len=0``: every position but the last, whose forward
             never ran). Replayed by the trainer with ``algo.routing_replay=rollout``.
+        teacher_logprobs: optional float32 [R]: a distillation teacher's log-prob of each response
+            token (``algo.distill.mode=sglang``: the teacher engines' scoring, stored with the
+            trajectory so a resumed or replayed step reads the same numbers; any value where
+            ``loss_mask`` is 0, finite and <= 0 where it is 1).
     """
 
     uid: str
@@ -63,6 +67,7 @@ class Trajectory:
     metadata: dict = field(default_factory=dict)
     recomputed_behav_logprobs: Optional[np.ndarray] = None
     routed_experts: Optional[np.ndarray] = None
+    teacher_logprobs: Optional[np.ndarray] = None
 
     def __post_init__(self) -> None:
         self.prompt_ids = _arr(self.prompt_ids, np.int32)
@@ -78,6 +83,8 @@ class Trajectory:
             self.loss_mask = _arr(self.loss_mask, np.uint8)
         if self.recomputed_behav_logprobs is not None:
             self.recomputed_behav_logprobs = _arr(self.recomputed_behav_logprobs, np.float32)
+        if self.teacher_logprobs is not None:
+            self.teacher_logprobs = _arr(self.teacher_logprobs, np.float32)
         if self.routed_experts is not None:
             a = np.asarray(self.routed_experts)
             if a.dtype.kind not in "iu":
@@ -127,6 +134,15 @@ class Trajectory:
             bad = np.flatnonzero(lp > 1e-6)
             if bad.size:
                 raise ValueError(f"{who}: behav_logprobs[{bad[0]}]={lp[bad[0]]} > 0 is not a log-probability")
+            tea = self.teacher_logprobs
+            if tea is not None:
+                if tea.shape[0] != r:
+                    raise ValueError(f"{who}: teacher_logprobs has {tea.shape[0]} entries but response_ids has {r}")
+                on = self.loss_mask > 0
+                bad = np.flatnonzero(on & (~np.isfinite(tea) | (tea > 1e-6)))
+                if bad.size:
+                    raise ValueError(f"{who}: teacher_logprobs[{bad[0]}]={tea[bad[0]]} on a trained token must be "
+                                     "finite and <= 0 (a log-probability)")
             rec = self.recomputed_behav_logprobs
             if rec is not None:
                 bad = np.flatnonzero(~np.isfinite(rec) | (rec > 1e-6))
