@@ -120,6 +120,11 @@ class Config:
                               "trainer's weights are not the ones that generated the data")
         if self.rollout.n_samples_per_prompt == 1 and a.advantage.startswith("grpo"):
             raise ConfigError("rollout.n_samples_per_prompt=1 gives GRPO groups of one sample (all advantages 0); use >= 2")
+        d = a.distill
+        if d.coef > 0 and d.mode == "sglang" and self.rollout.temperature != 1.0:
+            raise ConfigError(f"algo.distill.mode=sglang with rollout.temperature={self.rollout.temperature}: SGLang "
+                              "scores input tokens from the raw logits (temperature 1), while the student's log-probs "
+                              "are at the sampling temperature; use rollout.temperature=1 or algo.distill.mode=megatron")
         _check_routing_replay(self)
         _check_lora_push(self)
         return self

@@ -91,6 +91,19 @@ def test_routing_replay_cross_field_checks(overrides, message):
     assert (ok.parallel.recompute, ok.parallel.pipeline_parallel) == ("full", 2)
 
 
+def test_sglang_teacher_rules():
+    """The teacher engines score from the raw logits: a sampling temperature other than 1 is refused by
+    name, and so is the loss placement (not supported in this mode yet); the advantage placement at
+    temperature 1 is accepted."""
+    base = ["algo.distill.teacher=/t", "algo.distill.coef=1", "algo.distill.mode=sglang"]
+    with pytest.raises(ConfigError, match="rollout.temperature=0.7: SGLang scores input tokens from the raw logits"):
+        load_config(None, [*base, "rollout.temperature=0.7"])
+    with pytest.raises(ConfigError, match="mode=sglang with placement=loss"):
+        load_config(None, [*base, "algo.distill.placement=loss"])
+    ok = load_config(None, [*base, "algo.distill.teacher_addrs=[http://t:1]"])
+    assert ok.algo.distill.teacher_addrs == ["http://t:1"]
+
+
 # Each section lives next to the code that reads it and checks its own fields; Config.validate adds
 # only the rules that span sections.
 SETTINGS_MODULES = ["actor/settings.py", "algo/settings.py", "algo/loss_settings.py", "rollout/settings.py",

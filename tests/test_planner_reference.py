@@ -44,5 +44,7 @@ def test_the_distillation_teacher_is_counted_with_its_own_shape():
     assert P.layout_from_config(cfg).teacher is None
     cfg.algo.distill.teacher, cfg.algo.distill.coef = "Qwen/Qwen3-32B", 1.0
     assert P.layout_from_config(cfg).teacher == teacher
+    cfg.algo.distill.mode = "sglang"  # teacher engines of their own: nothing in the trainer's memory
+    assert P.layout_from_config(cfg).teacher is None
     p = P.plan(student, with_t)
     assert p.host.parts["teacher copy (pinned)"] == pytest.approx(p.worst.teacher * with_t.gpus_per_node)

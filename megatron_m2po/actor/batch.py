@@ -39,6 +39,8 @@ class Sample:
             (``actor/routing_replay.py``). Kept compact all the way to the router: 48 layers x top-8
             are 384 B a token in uint8 against 3 KB in int64, and a step's samples travel to every
             rank (``parallel/rank0.py``); only the targets of one layer of one micro-batch are widened.
+        teacher_logprobs: optional float32 [R]: the distillation teacher's log-probs stored with the
+            trajectory (``algo.distill.mode=sglang``; trainer/distill.py puts them in the advantages).
     """
 
     uid: str
@@ -50,6 +52,7 @@ class Sample:
     versions: np.ndarray
     engine_logprobs: Optional[np.ndarray] = None
     routed_experts: Optional[np.ndarray] = None
+    teacher_logprobs: Optional[np.ndarray] = None
 
     def __post_init__(self) -> None:
         self.prompt_ids = np.asarray(self.prompt_ids, dtype=np.int64).reshape(-1)
@@ -63,6 +66,11 @@ class Sample:
         self.versions = np.full(r, int(v), np.int64) if v.ndim == 0 else v.reshape(-1)
         if self.engine_logprobs is not None:
             self.engine_logprobs = np.asarray(self.engine_logprobs, dtype=np.float32).reshape(-1)
+        if self.teacher_logprobs is not None:
+            self.teacher_logprobs = np.asarray(self.teacher_logprobs, dtype=np.float32).reshape(-1)
+            if self.teacher_logprobs.shape[0] != r:
+                raise ValueError(f"sample {self.uid!r}: teacher_logprobs has {self.teacher_logprobs.shape[0]} "
+                                 f"entries, response has {r}")
         for name in ("behav_logprobs", "advantages", "loss_mask", "versions"):
             n = getattr(self, name).shape[0]
             if n != r:

@@ -18,31 +18,8 @@ from typing import Any, Optional
 import torch
 
 from megatron_m2po.actor.reference import FrozenReference
-from megatron_m2po.utils.errors import UserError
 
-__all__ = ["make_teacher", "check_same_tokenizer"]
-
-
-def _tokenizer_view(path: str) -> tuple[dict, dict]:
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(path)
-    return tok.get_vocab(), {k: str(v) for k, v in tok.special_tokens_map.items()}
-
-
-def check_same_tokenizer(student: str, teacher: str) -> None:
-    """UserError (one line) unless the two model directories' tokenizers map the same tokens to the
-    same ids with the same special tokens."""
-    (sv, ss), (tv, ts) = _tokenizer_view(student), _tokenizer_view(teacher)
-    if sv == tv and ss == ts:
-        return
-    if sv != tv:
-        diff = sorted(set(sv.items()) ^ set(tv.items()), key=str)[:3]
-        why = f"vocabularies differ ({len(sv)} vs {len(tv)} tokens; e.g. {diff})"
-    else:
-        why = f"special tokens differ ({ss} vs {ts})"
-    raise UserError(f"algo.distill.teacher={teacher}: its tokenizer is not the student's ({student}): {why}; the "
-                    "teacher must score the student's own tokens, so use a teacher of the same tokenizer")
+__all__ = ["make_teacher"]
 
 
 def make_teacher(cfg: Any, device: torch.device) -> Optional[FrozenReference]:
@@ -51,9 +28,9 @@ def make_teacher(cfg: Any, device: torch.device) -> Optional[FrozenReference]:
     d = cfg.algo.distill
     if d.coef == 0:
         return None
-    if d.mode != "megatron":  # Config.validate refuses the others (algo/loss_settings.py DistillConfig.check)
-        raise ValueError(f"algo.distill.mode={d.mode!r}: only the megatron teacher is built in the actor")
-    from megatron_m2po.utils.hf_dir import resolve_model_path
+    if d.mode != "megatron":  # mode=sglang: teacher engines on rank 0's rollout side (rollout_service/teacher.py)
+        return None
+    from megatron_m2po.utils.hf_dir import check_same_tokenizer, resolve_model_path
 
     teacher = resolve_model_path(cfg.model, override=d.teacher)
     check_same_tokenizer(cfg.model.hf_path, teacher)

@@ -163,7 +163,16 @@ class DistillConfig:
     mode: Literal["megatron", "sglang"] = _f(
         "megatron", help="Where the teacher runs: 'megatron' = a frozen copy built by the actor's own build_model in "
         "the actor's layout, host-resident between uses like the reference (actor/reference.py); 'sglang' = teacher "
-        "engines scoring the stored responses (not available yet: refused at validation).")
+        "engines (started like the rollout fleet, or at teacher_addrs) score each leased response once, and the "
+        "log-probs are stored with it (rollout_service/teacher.py).")
+    teacher_addrs: list[str] = _f(factory=list, help="mode=sglang: http://host:port of teacher SGLang servers started "
+                                  "elsewhere (serving algo.distill.teacher); empty: start teacher_engines here.")
+    teacher_engines: int = _f(1, ge=1, help="mode=sglang without teacher_addrs: teacher engines to start, of "
+                              "rollout.engine's kind through rollout.launcher.")
+    teacher_engine_tp: int = _f(1, ge=1, help="mode=sglang: tensor-parallel size of each started teacher engine.")
+    teacher_gpu_ids: list[int] = _f(factory=list, help="mode=sglang, launcher=local: the node's GPUs for the started "
+                                    "teacher engines (teacher_engines x teacher_engine_tp of them, apart from the "
+                                    "rollout engines' and the trainer's).")
     placement: Literal["advantage", "loss"] = _f(
         "advantage", help="'advantage' = A_t - coef * (behav_logp_t - teacher_logp_t) on every loss token, the "
         "student's log-prob at sampling time (slime --opd-type, prime-rl); 'loss' = coef * token-mean of the "
@@ -176,9 +185,10 @@ class DistillConfig:
         if self.coef > 0 and not self.teacher:
             raise ValueError("algo.distill.coef > 0 needs algo.distill.teacher (an HF model directory whose "
                              "tokenizer equals the student's)")
-        if self.coef > 0 and self.mode == "sglang":
-            raise ValueError("algo.distill.mode=sglang is not available in this version: use algo.distill.mode=megatron "
-                             "(a frozen teacher in the actor's layout)")
+        if self.coef > 0 and self.mode == "sglang" and self.placement == "loss":
+            raise ValueError("algo.distill.mode=sglang with placement=loss is not supported yet (the stored teacher "
+                             "log-probs reach the advantages, not the loss's micro-batches); use placement=advantage, "
+                             "or mode=megatron for the loss placement")
 
 
 # The built-in losses' names and settings classes (None: no settings), as algo/losses.py and

@@ -642,7 +642,9 @@ def layout_from_config(cfg: Config, *, nnodes: int = 1, gpus_per_node: int = 8, 
                                         routed_experts=cfg.rollout.return_routed_experts,
                                         engine_logprobs=cfg.algo.recompute_behav_logprobs),
                  reference=cfg.algo.kl.coef > 0, lora_rank=cfg.model.lora.rank,
-                 teacher=model_shape(cfg.algo.distill.teacher) if cfg.algo.distill.coef > 0 else None,
+                 # mode=sglang: the teacher runs on engines of its own, not in the trainer's memory
+                 teacher=model_shape(cfg.algo.distill.teacher)
+                 if cfg.algo.distill.coef > 0 and cfg.algo.distill.mode == "megatron" else None,
                  lora_targets=tuple(cfg.model.lora.targets), offload=cfg.rollout.colocate)
     for k, v in overrides.items():
         if v is not None:

@@ -121,6 +121,10 @@ class GenerateOutput:
     the request finished; ``token_weight_versions`` gives the version per token, expanded from
     SGLang 0.5.23's ``meta_info["weight_versions"]`` spans (None when the engine sends no spans);
     ``cached_tokens`` is ``meta_info["cached_tokens"]``: prompt tokens served by the prefix cache.
+    ``input_logprobs`` (a request with ``logprob_start_len`` L >= 0): ``meta_info["input_token_logprobs"]``'s
+    values, the log-prob of each input token from position L on given the tokens before it, from the raw
+    logits (no temperature); the first is None (SGLang 0.5.23 ``logprob_result_processor.py``
+    ``_process_input_token_logprobs``: the token at L gets None even when L > 0).
     """
 
     output_ids: list[int]
@@ -133,6 +137,7 @@ class GenerateOutput:
     token_weight_versions: Optional[list[str]] = None
     cached_tokens: int = 0  # prompt tokens the engine's prefix cache supplied (meta_info.cached_tokens)
     routed_experts: Optional[str] = None  # meta_info.routed_experts: base64 of int32 ids (routed_experts_array)
+    input_logprobs: Optional[list[Optional[float]]] = None
 
     def routed_experts_array(self, num_layers: int, top_k: int, rows: int) -> np.ndarray:
         """``meta_info["routed_experts"]`` as int32 ``[rows, num_layers, top_k]``.
@@ -183,6 +188,8 @@ class GenerateOutput:
                    prompt_tokens=int(meta.get("prompt_tokens", 0)),
                    cached_tokens=int(meta.get("cached_tokens") or 0),
                    routed_experts=meta.get("routed_experts"),
+                   input_logprobs=None if meta.get("input_token_logprobs") is None else
+                   [None if x[0] is None else float(x[0]) for x in meta["input_token_logprobs"]],
                    token_weight_versions=expand_weight_version_spans(meta.get("weight_versions"),
                                                                      len(ids or [])))
 
@@ -238,9 +245,10 @@ def max_running_requests(server_info: Any) -> Optional[int]:
 
 def generate_payload(input_ids: Sequence[int], sampling_params: dict, return_logprob: bool, *, rid: Optional[str],
                      return_routed_experts: bool, routed_experts_start_len: int,
-                     lora_path: Optional[str] = None) -> dict:
+                     lora_path: Optional[str] = None, logprob_start_len: int = -1) -> dict:
     """The JSON body of one ``/generate`` request (SGLang's ``GenerateReqInput`` fields), with a fresh
-    ``rid`` unless given; ``lora_path``: the name of a loaded LoRA adapter (None: the base model).
+    ``rid`` unless given; ``lora_path``: the name of a loaded LoRA adapter (None: the base model);
+    ``logprob_start_len`` >= 0 asks for the input tokens' log-probs from there on (with ``return_logprob``).
     ``n > 1`` is refused: SGLang answers it with n outputs under new rids."""
     if (sampling_params or {}).get("n", 1) not in (None, 1):
         raise ValueError(f"sampling_params.n={sampling_params['n']}: SGLang answers n > 1 with a list of "
@@ -251,6 +259,8 @@ def generate_payload(input_ids: Sequence[int], sampling_params: dict, return_log
         payload.update(return_routed_experts=True, routed_experts_start_len=int(routed_experts_start_len))
     if lora_path is not None:
         payload["lora_path"] = str(lora_path)
+    if logprob_start_len >= 0:
+        payload["logprob_start_len"] = int(logprob_start_len)
     return payload
 
 
@@ -412,14 +422,15 @@ class SGLangClient:
     async def generate(self, input_ids: Sequence[int], sampling_params: dict, return_logprob: bool = True,
                        *, rid: Optional[str] = None, return_routed_experts: bool = False,
                        routed_experts_start_len: int = 0, affinity: Optional[str] = None,
-                       lora_path: Optional[str] = None) -> GenerateOutput:
+                       lora_path: Optional[str] = None, logprob_start_len: int = -1) -> GenerateOutput:
         """POST /generate for one prompt (under the LoRA adapter named ``lora_path``, if given). ``rid`` lets ``abort(rid)`` stop it later.
         ``return_routed_experts``: ask for every MoE layer's top-k expert ids of the positions from
         ``routed_experts_start_len`` on (:meth:`GenerateOutput.routed_experts_array`). ``affinity``
         is not sent: one URL has nothing to choose (a router picks by prompt prefix); the
         ``DispatchClient`` (``rollout/dispatch.py``) keeps requests with one key on one engine."""
         payload, adapter_version = self._generate_request(input_ids, sampling_params, return_logprob, rid,
-                                                          return_routed_experts, routed_experts_start_len, lora_path)
+                                                          return_routed_experts, routed_experts_start_len, lora_path,
+                                                          logprob_start_len)
         rid = payload["rid"]
         async with self._sem:
             IN_FLIGHT.change(+1)
@@ -439,13 +450,14 @@ class SGLangClient:
 
     def _generate_request(self, input_ids: Sequence[int], sampling_params: dict, return_logprob: bool,
                           rid: Optional[str], return_routed_experts: bool, routed_experts_start_len: int,
-                          lora_path: Optional[str]) -> tuple[dict, Optional[int]]:
+                          lora_path: Optional[str], logprob_start_len: int = -1) -> tuple[dict, Optional[int]]:
         """A ``/generate`` body (under the adapter ``lora_path`` resolves to) and that adapter's version,
         with the HTTP session open (the plain and the dispatching client send the same body)."""
         lora_path, adapter_version = self._adapter_for(lora_path)
         payload = generate_payload(input_ids, sampling_params, return_logprob, rid=rid,
                                    return_routed_experts=return_routed_experts,
-                                   routed_experts_start_len=routed_experts_start_len, lora_path=lora_path)
+                                   routed_experts_start_len=routed_experts_start_len, lora_path=lora_path,
+                                   logprob_start_len=logprob_start_len)
         self._sess()
         return payload, adapter_version
 

@@ -208,11 +208,12 @@ class DispatchClient(SGLangClient):
     async def generate(self, input_ids: Sequence[int], sampling_params: dict, return_logprob: bool = True,
                        *, rid: Optional[str] = None, return_routed_experts: bool = False,
                        routed_experts_start_len: int = 0, affinity: Optional[str] = None,
-                       lora_path: Optional[str] = None) -> GenerateOutput:
+                       lora_path: Optional[str] = None, logprob_start_len: int = -1) -> GenerateOutput:
         """:meth:`SGLangClient.generate` on the engine the policy picks; ``affinity`` (e.g. the group
         id) keeps requests with the same key on one engine."""
         payload, adapter_version = self._generate_request(input_ids, sampling_params, return_logprob, rid,
-                                                          return_routed_experts, routed_experts_start_len, lora_path)
+                                                          return_routed_experts, routed_experts_start_len, lora_path,
+                                                          logprob_start_len)
         rid = payload["rid"]
         timeout = aiohttp.ClientTimeout(total=self.timeout_s)
         last = ""

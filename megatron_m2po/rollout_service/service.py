@@ -74,6 +74,7 @@ from megatron_m2po.rollout_service.engine_control import EngineControl
 from megatron_m2po.rollout_service.evaluation import Evaluator
 from megatron_m2po.rollout_service.groups import GroupSampler
 from megatron_m2po.ingestion.endpoint import IngestionServer
+from megatron_m2po.rollout_service.teacher import TeacherEngines
 from megatron_m2po.rollout_service.leaser import Leaser
 from megatron_m2po.rollout_service.scheduled import ScheduledGeneration
 from megatron_m2po.store.store import Lease, RolloutStore
@@ -131,6 +132,7 @@ class RolloutService:
         self._scheduled: Optional[ScheduledGeneration] = None
         self._ingestion: Optional[IngestionServer] = None
         self._continuous: Optional[ContinuousGeneration] = None
+        self._teacher: Optional[TeacherEngines] = None  # algo.distill.mode=sglang
         # The dataset position at the start of the step being trained (mark_step_start).
         self._step_start_dataset: Optional[dict] = None
         try:
@@ -139,6 +141,13 @@ class RolloutService:
                 transport=lambda urls: build_weight_sync(cfg.rollout, urls, sync_dir=str(self._sync_dir),
                                                          base_model_dir=model_path, external=self._external))
             self._build_parts(tokenizer, eval_sets)
+            d = cfg.algo.distill
+            if d.coef > 0 and d.mode == "sglang":
+                from megatron_m2po.utils.hf_dir import check_same_tokenizer, resolve_model_path
+
+                teacher = resolve_model_path(cfg.model, override=d.teacher)
+                check_same_tokenizer(model_path, teacher)
+                self._teacher = TeacherEngines.launch(cfg, teacher, run_dir=run_dir, bg=self._bg, store=self._store)
         except BaseException:
             self.close()  # no engine processes left behind
             raise
@@ -205,6 +214,12 @@ class RolloutService:
     def put(self, groups: list[Group]) -> None:
         """Store groups :meth:`sample` returned."""
         self._scheduled.put(groups)
+
+    def score_teacher(self, groups: list[Group]) -> None:
+        """``algo.distill.mode=sglang``: the leased ``groups``' trajectories that have no teacher log-probs
+        yet scored by the teacher engines and stored (rollout_service/teacher.py); else nothing."""
+        if self._teacher is not None:
+            self._teacher.score(groups)
 
     def missing_steps(self, steps: list[int]) -> list[int]:
         """Those of ``steps`` whose groups the store does not hold completely (never generated)."""
@@ -324,6 +339,8 @@ class RolloutService:
             self._engines.close_client()
         if self._ingestion is not None:
             self._ingestion.close()
+        if self._teacher is not None:
+            self._teacher.close()
         self._bg.close()
         closers = (self._engines.close if self._engines else None, self._reward.close, self._store.close)
         for closer in closers:

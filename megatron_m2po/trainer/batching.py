@@ -82,7 +82,7 @@ def trajectory_to_sample(t: Trajectory, advantage: float = 0.0, *, use_recompute
         behav, engine = t.recomputed_behav_logprobs, t.behav_logprobs
     return Sample(uid=t.uid, prompt_ids=t.prompt_ids, response_ids=t.response_ids, behav_logprobs=behav,
                   advantages=np.float32(advantage), loss_mask=t.loss_mask, versions=t.versions,
-                  engine_logprobs=engine, routed_experts=t.routed_experts)
+                  engine_logprobs=engine, routed_experts=t.routed_experts, teacher_logprobs=t.teacher_logprobs)
 
 
 def rollout_metrics(groups: list[Group], *, correct_reward: float) -> dict[str, float]:

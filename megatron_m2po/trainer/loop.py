@@ -547,6 +547,7 @@ class Trainer:
             if isinstance(got, _Stopped):
                 return [(None, got)] * len(self._dp_of)
             groups, leased["lease"] = got
+            service.score_teacher(groups)  # algo.distill.mode=sglang: stored with the trajectories first
             meta = {**rollout_metrics(groups, correct_reward=self.cfg.reward.correct), **service.filter_metrics()}
             batch = groups_to_batch(groups, advantage=self.cfg.algo.advantage, adv_eps=self.cfg.algo.adv_eps,
                                     use_recomputed=self.cfg.algo.recompute_behav_logprobs)

@@ -47,6 +47,28 @@ def resolve_model_path(model: "ModelConfig", override: Optional[str] = None, *, 
     return str(p)
 
 
+def _tokenizer_view(path: str) -> tuple[dict, dict]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    return tok.get_vocab(), {k: str(v) for k, v in tok.special_tokens_map.items()}
+
+
+def check_same_tokenizer(student: str, teacher: str) -> None:
+    """UserError (one line) unless the two model directories' tokenizers map the same tokens to the
+    same ids with the same special tokens."""
+    (sv, ss), (tv, ts) = _tokenizer_view(student), _tokenizer_view(teacher)
+    if sv == tv and ss == ts:
+        return
+    if sv != tv:
+        diff = sorted(set(sv.items()) ^ set(tv.items()), key=str)[:3]
+        why = f"vocabularies differ ({len(sv)} vs {len(tv)} tokens; e.g. {diff})"
+    else:
+        why = f"special tokens differ ({ss} vs {ts})"
+    raise UserError(f"algo.distill.teacher={teacher}: its tokenizer is not the student's ({student}): {why}; the "
+                    "teacher must score the student's own tokens, so use a teacher of the same tokenizer")
+
+
 def iter_safetensors(path: str | os.PathLike) -> Iterator[tuple[str, "torch.Tensor"]]:
     """``(name, tensor)`` of every ``*.safetensors`` file in ``path``, files in name order."""
     from safetensors.torch import load_file

@@ -65,7 +65,7 @@ def _tokenized(d: str, extra: str = "") -> str:
 
 
 def test_a_teacher_of_another_tokenizer_is_refused_in_one_line(tmp_path):
-    from megatron_m2po.actor.teacher import check_same_tokenizer
+    from megatron_m2po.utils.hf_dir import check_same_tokenizer
     from megatron_m2po.utils.errors import UserError
 
     a, b, c = (_tokenized(str(tmp_path / n), x) for n, x in (("a", ""), ("b", ""), ("c", "<tool>")))
