@@ -48,3 +48,27 @@ def test_the_distillation_teacher_is_counted_with_its_own_shape():
     assert P.layout_from_config(cfg).teacher is None
     p = P.plan(student, with_t)
     assert p.host.parts["teacher copy (pinned)"] == pytest.approx(p.worst.teacher * with_t.gpus_per_node)
+
+
+def test_the_teachers_forward_is_in_the_step_time():
+    """``--search`` charges a Megatron teacher's step: its weights back from pinned host memory (at
+    ``h2d_gbs``) and a forward-only pass over every micro-batch of the step with one pipeline fill and
+    drain. A teacher of the student's own shape costs exactly M2PO's forward-only mask pre-pass (the
+    same passes) plus the copy; a teacher 4x the student's matmul size costs about 4x that."""
+    from megatron_m2po.plan import search as S
+
+    student = P.model_shape("Qwen/Qwen3-8B")
+    work = S.Workload(sequences=64, seq_len=4096, packing=True, prepass=True, updates_per_step=1)
+    lay = P.Layout(tp=2, pp=2, dp=1, micro_batch_tokens=4096, seq_len=4096)
+    cm = S.CostModel()
+    _, plain = S.step_time(student, lay, work, 1, cm)
+    assert "teacher" not in plain
+    same = P.Layout(**{**lay.__dict__, "teacher": student})
+    _, t = S.step_time(student, same, work, 1, cm)
+    copy = max(P.teacher_stage_bytes(same, i) for i in range(same.pp)) / (cm.h2d_gbs * 1e9)
+    assert t["teacher"] == pytest.approx(plain["mask"] + copy, rel=1e-9)
+    assert t["step"] == pytest.approx(plain["step"] + t["teacher"], rel=1e-9)
+    big = P.model_shape("Qwen/Qwen3-32B")
+    _, tb = S.step_time(student, P.Layout(**{**lay.__dict__, "teacher": big}), work, 1, cm)
+    ratio = big.matmul_params() * big.layers / (student.matmul_params() * student.layers)
+    assert 0.8 * ratio < tb["teacher"] / t["teacher"] < 1.2 * ratio

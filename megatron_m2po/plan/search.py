@@ -95,6 +95,10 @@ class CostModel:
     on the staleness_tiny regime at staleness 32 (docs/planner.md). Long responses hold more
     tokens near the cut per sequence, so at 16k contexts it is likely larger: an assumption."""
 
+    h2d_gbs: float = 25.0
+    """Pinned host-to-device copies per GPU (PCIe Gen5 x16, ~25 GB/s achieved): how fast a frozen
+    copy that waits in host memory (the distillation teacher) comes back to its GPU."""
+
     alltoall_eff: float = 0.6
     """MoE all-to-alls (token dispatch and combine) reach this fraction of the bus bandwidth above:
     many peer-to-peer messages of uneven size instead of one ring (an assumption)."""
@@ -360,6 +364,21 @@ def _mask_time(lay: Layout, work: Workload, n_mb: int, forward_mb: float, t_mb: 
     return options[work.mask_strategy]
 
 
+def _teacher_time(lay: Layout, work: Workload, mb: _MicroBatchWork, cm: CostModel) -> float:
+    """Seconds per update of ``algo.distill.mode=megatron``'s teacher (0 without one): once a step
+    (placement=advantage, trainer/distill.py) its weights come back from pinned host memory (the
+    stage with the most of them, at ``h2d_gbs``) and it runs forward only, in the actor's layout,
+    over every micro-batch of the step with one pipeline fill and drain; a forward of the teacher's
+    own shape on the same tokens (its FLOPs, not the student's). Charged per update: the step's
+    cost over its updates."""
+    if lay.teacher is None:
+        return 0.0
+    forward = _micro_batch_times(lay.teacher, lay, work, mb, cm)["forward"]
+    passes = work.updates_per_step * mb.n + (lay.pp - 1) / (lay.vpp or 1)
+    copy = max(memory.teacher_stage_bytes(lay, i) for i in range(lay.pp)) / (cm.h2d_gbs * 1e9)
+    return (forward * passes + copy) / work.updates_per_step
+
+
 def _gradient_sync_and_optimizer(m: ModelShape, lay: Layout, cm: CostModel) -> tuple[float, float]:
     """``(dp_comm, optimizer)`` seconds of one update on the stage with the most parameters.
 
@@ -393,7 +412,8 @@ def step_time(m: ModelShape, lay: Layout, work: Workload, budget_k: int, cm: Cos
     Returns ``(micro-batches per update per DP rank, times)``; ``times`` holds seconds per update
     for ``compute``, ``recompute``, ``tp_comm``, ``cp_comm``, ``ep_comm`` (MoE all-to-alls and expert-TP
     gathers, :func:`megatron_m2po.plan.moe.comm_times`), ``pp_comm``, ``overhead``, ``bubble``,
-    ``dp_comm`` and ``optimizer``, and ``update`` (their sum) and ``step`` (x updates per step).
+    ``dp_comm`` and ``optimizer`` (and ``teacher`` with a Megatron distillation teacher:
+    :func:`_teacher_time`), and ``update`` (their sum) and ``step`` (x updates per step).
 
     Context parallelism (``lay.cp``) splits every micro-batch's tokens over ``cp`` GPUs with
     Megatron's load-balanced chunks, so each GPU runs ``1 / cp`` of its dense and attention
@@ -406,11 +426,14 @@ def step_time(m: ModelShape, lay: Layout, work: Workload, budget_k: int, cm: Cos
             + one["overhead"])
     bubble = t_mb * (lay.pp - 1) / (lay.vpp or 1)  # 1F1B: (pp - 1) micro-batch times, / vpp interleaved
     mask = _mask_time(lay, work, n_mb, one["forward"], t_mb, cm)
+    teacher = _teacher_time(lay, work, mb, cm)
     dp_comm, optimizer = _gradient_sync_and_optimizer(m, lay, cm)
     if cm.overlap_comm:
         one["tp_comm"] = one["cp_comm"] = one["pp_comm"] = dp_comm = 0.0
     t = {k: n_mb * one[k] for k in ("compute", "recompute", "tp_comm", "cp_comm", "ep_comm", "pp_comm", "overhead")}
     t.update(bubble=bubble, mask=mask, dp_comm=dp_comm, optimizer=optimizer)
+    if lay.teacher is not None:
+        t["teacher"] = teacher
     t["update"] = sum(t.values())
     t["step"] = t["update"] * work.updates_per_step
     return n_mb, t
@@ -801,8 +824,9 @@ def print_search(res: SearchResult, top: int = 5) -> None:
     best = res.best
     t = Table(title=f"{len(res.ranked)} of {len(res.ranked) + len(res.rejected)} layouts fit; fastest first "
                     f"(seconds per step)")
-    cols = ["#", "layout", "GiB", "mb/upd", "step s", "compute", "recomp", "mask", "tp", "cp", "ep", "pp", "bubble",
-            "dp", "optim", "MFU"]
+    teacher = best.layout.teacher is not None  # algo.distill.mode=megatron: its forward passes (_teacher_time)
+    cols = ["#", "layout", "GiB", "mb/upd", "step s", "compute", "recomp", "mask", *(["teacher"] if teacher else []),
+            "tp", "cp", "ep", "pp", "bubble", "dp", "optim", "MFU"]
     for ccol in cols:
         t.add_column(ccol, justify="left" if ccol == "layout" else "right", no_wrap=ccol == "layout")
     shown = list(res.ranked[:top])
@@ -816,7 +840,8 @@ def print_search(res: SearchResult, top: int = 5) -> None:
         name = r["layout"] + (" (config)" if res.current is not None and same_layout(c, res.current) else "") \
             + ((" (chosen)" if same_layout(c, res.ranked[0]) else " (chosen*)") if same_layout(c, best) else "")
         t.add_row(str(rank) if rank is not None else "-", name, f"{r['memory_gib']:.1f}", str(r["micro_batches"]), f"{r['step_s']:.1f}",
-                  f"{r['compute']:.1f}", f"{r['recompute']:.1f}", f"{r['mask']:.1f}", f"{r['tp_comm']:.1f}", f"{r['cp_comm']:.1f}",
+                  f"{r['compute']:.1f}", f"{r['recompute']:.1f}", f"{r['mask']:.1f}",
+                  *([f"{r.get('teacher', 0.0):.1f}"] if teacher else []), f"{r['tp_comm']:.1f}", f"{r['cp_comm']:.1f}",
                   f"{r['ep_comm']:.1f}", f"{r['pp_comm']:.1f}",
                   f"{r['bubble']:.1f}", f"{r['dp_comm']:.1f}", f"{r['optimizer']:.2f}", f"{r['mfu']:.2f}")
     con.print(t)
