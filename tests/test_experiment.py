@@ -15,7 +15,7 @@ import launcher
 from megatron_m2po.config import ConfigError, load_config
 from megatron_m2po.utils.logging import read_metrics
 from megatron_m2po.experiment import (
-    ARMS, FAST_K, FAST_OVERRIDES, CollapseRule, MetricsTail, collapse_verdict, format_table, plan,
+    ARMS, CORE, FAST_K, FAST_OVERRIDES, CollapseRule, MetricsTail, collapse_verdict, format_table, plan,
     pooled_base_reward, step_records, summarize_arm, write_figures)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -122,7 +122,7 @@ def test_table_markdown():
 # ------------------------------------------------------------------------------ planning / resume
 
 def test_plan_arms_differ_only_in_loss_and_staleness(tmp_path):
-    runs, spec = plan(CONFIG, ["optim.lr=2e-4"], list(ARMS), None, str(tmp_path), fast=False)
+    runs, spec = plan(CONFIG, ["optim.lr=2e-4"], list(CORE), None, str(tmp_path), fast=False)
     cfg = load_config(CONFIG, ["optim.lr=2e-4"])
     k = cfg.trainer.stale_k
     assert spec["k"] == k >= 1 and spec["seed"] == cfg.trainer.seed
@@ -332,3 +332,19 @@ def test_fast_experiment_m2po_masks_far_less_than_grpo_clips_and_does_not_collap
     p2 = launcher.run_captured(cmd, env=env, cwd=REPO, timeout=120)
     assert p2.returncode == 0 and "| M2PO s=8 |" in p2.stdout, p2.stderr[-2000:]
     assert (out / "figures" / "trust_region.png").is_file()
+
+
+def test_the_distillation_arms_are_their_core_arm_plus_the_teacher(tmp_path):
+    """``grpo_distill_s0`` / ``m2po_distill_sk`` (docs/measurements/distill_tiny) run exactly as
+    ``grpo_s0`` / ``m2po_sk`` of the same seed, with on-policy distillation from the tiny teacher
+    added: the paired comparison differs in nothing else."""
+    runs, _ = plan(CONFIG, ["optim.lr=2e-4"], ["grpo_s0", "grpo_distill_s0", "m2po_sk", "m2po_distill_sk"], None,
+                   str(tmp_path), fast=False)
+    by = {r.arm.name: dict(o.split("=", 1) for o in r.overrides) for r in runs}
+    for core, arm in (("grpo_s0", "grpo_distill_s0"), ("m2po_sk", "m2po_distill_sk")):
+        a, b = by[arm], by[core]
+        extra = {k: v for k, v in a.items() if k.startswith("algo.distill.")}
+        assert extra == {"algo.distill.teacher": "tiny-teacher", "algo.distill.coef": "1", "algo.distill.mode": "megatron"}
+        assert {k: v for k, v in a.items() if k not in extra and k != "trainer.run_dir"} == \
+            {k: v for k, v in b.items() if k != "trainer.run_dir"}
+        assert load_config(CONFIG, [o for o in runs if o.arm.name == arm][0].overrides).algo.distill.coef == 1

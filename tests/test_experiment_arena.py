@@ -41,6 +41,8 @@ def test_arena_has_every_registered_offpolicy_loss_and_the_references():
     mis = {v.name: v.overrides for v in vs if v.loss == "mis"}
     assert mis == {"mis_sk": ("algo.mis.level=sequence",), "mis_tok_sk": ("algo.mis.level=token",)}
     assert len({v.name for v in vs}) == len(vs) and len({v.color for v in vs}) == len(vs)
+    (distill,) = [v for v in arena_variants(256, teacher="/models/t") if v.name == "m2po_distill_sk"]
+    assert (distill.loss, distill.k) == ("m2po", 256) and "algo.distill.teacher=/models/t" in distill.overrides
 
 
 def test_plan_arena_defaults_k256_1024_updates_3_seeds(tmp_path):
@@ -50,7 +52,8 @@ def test_plan_arena_defaults_k256_1024_updates_3_seeds(tmp_path):
     assert spec["k"] == 256 and spec["updates"] == 1024 and spec["num_steps"] == 1024 // U
     assert len(spec["seeds"]) == 3 and len(runs) == 3 * len(arena_variants(256))
     assert spec["max_staleness"] >= 256 + U - 1 and spec["lr"] == cfg.optim.lr
-    varying = {"algo.loss", "trainer.stale_k", "trainer.run_dir", "trainer.seed", "algo.mis.level"}
+    varying = {"algo.loss", "trainer.stale_k", "trainer.run_dir", "trainer.seed", "algo.mis.level",
+               "algo.distill.teacher", "algo.distill.coef", "algo.distill.mode"}
     rest = [{k: v for k, v in (o.split("=", 1) for o in r.overrides) if k not in varying} for r in runs]
     assert all(x == rest[0] for x in rest), "arms must differ only in loss (and its setting), staleness, seed"
     for r in runs[::3]:

@@ -55,7 +55,7 @@ from megatron_m2po.experiment.analysis import (  # noqa: F401
     SPREAD_Z, TR_KEY, ArmAggregate, ArmSummary, CollapseRule, SeedStat, aggregate_seeds, collapse_verdict,
     exceeds_spread, format_seed_table, format_table, pooled_base_reward, seed_stat, step_records, summarize_arm)
 from megatron_m2po.experiment.commands import (  # noqa: F401
-    ARMS, FAST_K, FAST_OVERRIDES, Arm, plan, plan_staleness_sweep, plan_threshold_sweep)
+    ARMS, CORE, FAST_K, FAST_OVERRIDES, Arm, plan, plan_staleness_sweep, plan_threshold_sweep)
 from megatron_m2po.experiment.figures import FIGURES, write_figures, write_sweep_figure  # noqa: F401
 from megatron_m2po.experiment.runner import (  # noqa: F401
     DONE_FILE, SPEC_FILE, ArmRun, MetricsTail, Variant, execute, mark_finished, plan_runs, report)

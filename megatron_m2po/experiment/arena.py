@@ -6,7 +6,8 @@ seed, ``--parallel``, resume, figures, seed tables) with more arms, at the paper
 * ``grpo_s0``: on-policy GRPO (k = 0), the reference;
 * at staleness ``k`` (default 256 optimizer updates): ``grpo_sk``, ``no_tr_sk``, ``m2po_sk`` and
   one arm per off-policy loss registered by ``algo/offpolicy_losses.py`` (:func:`arena_variants`;
-  ``mis`` twice, at sequence and token level);
+  ``mis`` twice, at sequence and token level), and ``m2po_distill_sk``: M2PO at ``k`` with on-policy
+  distillation from ``--teacher`` (algo.distill; the tiny task's teacher by default);
 * every arm ``--updates`` optimizer updates long (default 1,024), at ``--seeds`` seeds (default 3).
 
 Before anything runs the compute is estimated (:mod:`.cost`) and printed: from the arena's own
@@ -27,6 +28,7 @@ then runs with ``--lr`` that value (docs/staleness_experiment.md, "Arena").
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -56,13 +58,18 @@ def offpolicy_losses() -> list[str]:
     return [name for name, spec in LOSSES.items() if spec.objective.__module__ == module.__name__]
 
 
-def arena_variants(k: int) -> list[Variant]:
-    """Every arm of the arena at staleness ``k`` (module docstring), in run order."""
+def arena_variants(k: int, teacher: str = "tiny-teacher") -> list[Variant]:
+    """Every arm of the arena at staleness ``k`` (module docstring), in run order; the distillation
+    arm (M2PO at k plus on-policy distillation) learns from ``teacher`` (an HF directory with the
+    student's tokenizer; the tiny task's own teacher by default)."""
     out = [ARMS[a].variant(k) for a in CORE_ARMS]
     for loss in offpolicy_losses():
         for suffix, title, overrides in SETTING_ARMS.get(loss, [("", TITLES.get(loss, loss), ())]):
             out.append(Variant(name=f"{loss}{suffix}_sk", label=f"{title} s={k}", loss=loss, k=k,
                                overrides=overrides, color=COLORS[(len(out) - len(CORE_ARMS)) % len(COLORS)]))
+    d = ARMS["m2po_distill_sk"]
+    out.append(dataclasses.replace(d.variant(k), overrides=tuple(
+        f"algo.distill.teacher={teacher}" if o.startswith("algo.distill.teacher=") else o for o in d.overrides)))
     return out
 
 
@@ -73,7 +80,8 @@ def arena_base(overrides: Sequence[str], fast: bool, lr: Optional[float]) -> lis
 
 def plan_arena(config: str, overrides: Sequence[str], *, k: Optional[int] = None, updates: Optional[int] = None,
                seeds: int = ARENA_SEEDS, lr: Optional[float] = None, arms: Optional[Sequence[str]] = None,
-               out: Optional[str] = None, fast: bool = False) -> tuple[list[ArmRun], dict[str, Any]]:
+               out: Optional[str] = None, fast: bool = False, teacher: str = "tiny-teacher"
+               ) -> tuple[list[ArmRun], dict[str, Any]]:
     """The arena's runs (nothing runs): ``arms`` of :func:`arena_variants` (default all), each
     ``updates`` optimizer updates long at ``seeds`` seeds."""
     from megatron_m2po.config import load_config
@@ -93,7 +101,7 @@ def plan_arena(config: str, overrides: Sequence[str], *, k: Optional[int] = None
     if updates <= k:
         raise ConfigError(f"--updates={updates} <= --k={k}: the stale arms would never train on data k updates "
                           f"old; give more than k updates (the issue's arena: k = 256, 1,024 updates)")
-    variants = arena_variants(k)
+    variants = arena_variants(k, teacher)
     chosen = list(arms) if arms else [v.name for v in variants]
     unknown = [a for a in chosen if a not in {v.name for v in variants}]
     if unknown:
@@ -122,6 +130,9 @@ def register(esub: argparse._SubParsersAction) -> None:
     a.add_argument("--updates", type=int, default=None,
                    help=f"Optimizer updates per run (default {ARENA_UPDATES}; a multiple of the updates per step)")
     a.add_argument("--lr", type=float, default=None, help="optim.lr of every arm (wins over a dotted override)")
+    a.add_argument("--teacher", default="tiny-teacher",
+                   help="The distillation arm's teacher (algo.distill.teacher: an HF directory with the student's "
+                        "tokenizer; default: the tiny task's teacher)")
     a.add_argument("--arms", type=csv_of(str), default=None,
                    help="Comma-separated subset of the arms (default all; --dry-run lists them)")
     a.add_argument("--dry-run", action="store_true",
@@ -150,7 +161,7 @@ def run_arena(args: argparse.Namespace) -> int:
     from megatron_m2po.experiment.runner import resolve_parallel, skip_finished
 
     runs, spec = plan_arena(args.config, args.overrides, k=args.k, updates=args.updates, seeds=args.seeds,
-                            lr=args.lr, arms=args.arms, out=args.out, fast=args.fast)
+                            lr=args.lr, arms=args.arms, out=args.out, fast=args.fast, teacher=args.teacher)
     out_dir = Path(spec["out"])
     if args.calibrate_lr is not None:
         return run_calibration(args, spec, resolve_parallel(args.parallel))

@@ -37,21 +37,29 @@ class Arm:
     stale: bool  # staleness k (True) or 0 (False)
     title: str
     color: str
+    overrides: tuple[str, ...] = ()  # what else the arm sets (the distillation arms: algo.distill)
 
     def label(self, k: int) -> str:
         return f"{self.title} s={k if self.stale else 0}"
 
     def variant(self, k: int) -> Variant:
         return Variant(name=self.name, label=self.label(k), loss=self.loss, k=k if self.stale else 0,
-                       color=self.color)
+                       overrides=self.overrides, color=self.color)
 
+
+# On-policy distillation from the tiny task's teacher (algo.distill; the tiny base trained further,
+# standins/tiny_base.py teacher_spec): the distillation arms are a core arm plus these.
+DISTILL_OVERRIDES = ("algo.distill.teacher=tiny-teacher", "algo.distill.coef=1", "algo.distill.mode=megatron")
 
 ARMS: dict[str, Arm] = {a.name: a for a in (
     Arm("grpo_s0", "grpo", False, "GRPO", "tab:blue"),
     Arm("grpo_sk", "grpo", True, "GRPO", "tab:orange"),
     Arm("no_tr_sk", "no_tr", True, "no trust region", "tab:red"),
     Arm("m2po_sk", "m2po", True, "M2PO", "tab:green"),
+    Arm("grpo_distill_s0", "grpo", False, "GRPO + distillation", "navy", DISTILL_OVERRIDES),
+    Arm("m2po_distill_sk", "m2po", True, "M2PO + distillation", "darkgoldenrod", DISTILL_OVERRIDES),
 )}
+CORE = ("grpo_s0", "grpo_sk", "no_tr_sk", "m2po_sk")  # the staleness experiment's default arms
 
 SWEEP_FIGURES = [
     ("heldout_acc", "Held-out accuracy (eval/synthetic/acc)", "eval/synthetic/acc"),
@@ -165,8 +173,8 @@ def register(sub: argparse._SubParsersAction) -> argparse._SubParsersAction:
                     "that differ only in algo.loss and trainer.stale_k (same config, seed and data), then writes "
                     "one figure per metric and the paper-style table. Resumable: re-run the same command.")
     add_common_args(s, fast)
-    s.add_argument("--arms", nargs="+", default=list(ARMS), metavar="ARM",
-                   help=f"Arms to run, any of {', '.join(ARMS)} (default: all four)")
+    s.add_argument("--arms", nargs="+", default=list(CORE), metavar="ARM",
+                   help=f"Arms to run, any of {', '.join(ARMS)} (default: {', '.join(CORE)})")
     s.add_argument("--k", type=int, default=None, help="Staleness k of the stale arms (default: trainer.stale_k)")
     s.set_defaults(func=run_staleness)
 
