@@ -65,6 +65,7 @@ def register(sub) -> None:
     """``m2po experiment ...`` (megatron_m2po/cli.py): the commands of :mod:`.commands` and ``arena``."""
     from megatron_m2po.experiment.arena import register as register_arena
     from megatron_m2po.experiment.commands import register as register_commands
+    from megatron_m2po.experiment.distill_report import register as register_distill
     from megatron_m2po.experiment.drift import register as register_drift
     from megatron_m2po.experiment.ladder import register as register_ladder
 
@@ -72,3 +73,4 @@ def register(sub) -> None:
     register_arena(esub)
     register_drift(esub)
     register_ladder(esub)
+    register_distill(esub)

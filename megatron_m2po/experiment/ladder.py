@@ -63,7 +63,8 @@ class Ladder:
     missing: list[str]
 
 
-def _records(d: Path) -> Optional[list[dict]]:
+def read_records(d: Path) -> Optional[list[dict]]:
+    """A run directory's metrics records (``metrics.jsonl.gz`` or ``metrics.jsonl``), None without either."""
     for name in ("metrics.jsonl.gz", "metrics.jsonl"):
         p = d / name
         if p.is_file():
@@ -82,7 +83,7 @@ def load(root: Path) -> Ladder:
     for arm, k, d in cells:
         for s in SEEDS:
             rd = d / f"seed_{s}"
-            recs = _records(rd) if (rd / "experiment_done.json").is_file() else None
+            recs = read_records(rd) if (rd / "experiment_done.json").is_file() else None
             if recs is None:
                 missing.append(f"{'on-policy' if k == 0 else f'k={k} {arm}'} seed {s}")
                 continue

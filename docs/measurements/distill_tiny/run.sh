@@ -24,6 +24,7 @@ harvest() {
         if [ -f "$OUT/$d/$f" ]; then cp -p "$OUT/$d/$f" "$HARVEST/$d/$f"; fi
       done
     done
+  if [ -f "$OUT/preflight/verdict.txt" ]; then mkdir -p "$HARVEST/preflight"; cp -p "$OUT/preflight/verdict.txt" "$HARVEST/preflight/"; fi
   (cd "$OUT" && find . -name experiment.json -print0) |
     while IFS= read -r -d '' f; do mkdir -p "$HARVEST/$(dirname "$f")"; cp -p "$OUT/$f" "$HARVEST/$f"; done
 }
