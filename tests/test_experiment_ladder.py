@@ -112,3 +112,45 @@ def test_unfinished_runs_are_missing_and_criteria_say_not_testable(tmp_path, cap
     assert "**Not finished yet (3):** k=32 m2po_sk seed 1236" in (tmp_path / "r.md").read_text()
     assert main(["experiment", "ladder-report", str(tmp_path / "nowhere")]) == 2
     assert "is not a directory" in capsys.readouterr().out
+
+
+def test_runs_of_different_base_weights_are_never_paired(tmp_path):
+    """Amendment 1: a run's environment is the base-weights fingerprint in its experiment_done.json, or
+    for older runs the label environments.json gives it; the report is one per environment, each
+    pairing only its own runs. Here on-policy and k=32 M2PO seed 1234 ran from another base: M2PO's
+    seed 1234 is paired with nothing in either environment, and a rerun of the on-policy seed under
+    reruns/ in M2PO's environment pairs it there."""
+    root = _results(tmp_path)
+    (root / "environments.json").write_text(json.dumps({"runs": {"k32/m2po_sk/seed_1234": "B"}}))
+    done = root / "k32" / "m2po_sk" / "seed_1235" / "experiment_done.json"
+    done.write_text(json.dumps({"environment": {"base": "B"}}))  # a recorded fingerprint wins
+    envs = L.environments(root)
+    assert envs == ["unknown", "B"]
+    a, b = L.load(root, "unknown"), L.load(root, "B")
+    assert L.primary(a, "m2po_sk", 32).n == 1 and L.primary(b, "m2po_sk", 32).n == 0
+    assert sorted(b.runs[("m2po_sk", 32)]) == [1234, 1235] and "on-policy seed 1234" in b.missing
+    _run(root / "reruns" / "onpolicy" / "grpo_s0" / "seed_1234", late=ON[1234], k=0, loss="grpo")
+    (root / "reruns" / "onpolicy" / "grpo_s0" / "seed_1234" / "experiment_done.json").write_text(
+        json.dumps({"environment": {"base": "B"}}))
+    b = L.load(root, "B")
+    p = L.primary(b, "m2po_sk", 32)
+    assert p.n == 1 and p.per_seed == pytest.approx({1234: LATE[("m2po_sk", 32)][0]})
+    text = L.report(b)
+    assert text.startswith("# The drift ladder: report, environment B")
+
+
+def test_a_runs_environment_is_its_cpu_and_base_weights(tmp_path):
+    from megatron_m2po.experiment.environment import run_environment, weights_fingerprint
+
+    m = tmp_path / "model"
+    m.mkdir()
+    (m / "model.safetensors").write_bytes(b"\x00" * 64)
+    fp = weights_fingerprint(m)
+    assert len(fp) == 16 and weights_fingerprint(tmp_path / "none") == "unknown"
+    (m / "model.safetensors").write_bytes(b"\x00" * 63 + b"\x01")
+    assert weights_fingerprint(m) != fp
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps({"model": {"hf_path": str(m)}}))
+    env = run_environment(run)
+    assert env["base"] == weights_fingerprint(m) and env["base_path"] == str(m) and env["cpu"]

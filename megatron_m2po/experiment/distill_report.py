@@ -20,6 +20,7 @@ criterion without its data is **not testable** and says what is missing.
 from __future__ import annotations
 
 import argparse
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -42,6 +43,7 @@ class Run:
     collapsed: Optional[bool]
     rkl_first: Optional[float] = None
     rkl_last: Optional[float] = None
+    env: str = "unknown"  # the base weights it ran from (experiment/environment.py)
 
 
 def _early(acc: list[tuple[int, float]]) -> Optional[float]:
@@ -59,9 +61,17 @@ def _load_run(d: Path) -> Optional[list[dict]]:
     return read_records(d) if (d / "experiment_done.json").is_file() else None
 
 
+def _env(d: Path) -> str:
+    try:
+        return (json.loads((d / "experiment_done.json").read_text()).get("environment") or {}).get("base") or "unknown"
+    except (OSError, ValueError):
+        return "unknown"
+
+
 def load(results: Path, controls: Path) -> tuple[dict[tuple[str, int], dict[int, Run]], list[str]]:
     """(arm, k) -> seed -> run, and what is missing (module docstring)."""
     raw: dict[tuple[str, int], dict[int, list[dict]]] = {}
+    envs: dict[tuple[str, int, int], str] = {}
     missing: list[str] = []
     for k, (arm, control, ladder_dir) in PAIRS.items():
         for name, where in ((arm, results / f"k{k}" / arm),
@@ -73,6 +83,7 @@ def load(results: Path, controls: Path) -> tuple[dict[tuple[str, int], dict[int,
                     missing.append(f"k={k} {name} seed {s}")
                 else:
                     raw.setdefault((name, k), {})[s] = recs
+                    envs[(name, k, s)] = _env(where / f"seed_{s}")
     base = pooled_base_reward([(r, k, UPDATES_PER_STEP) for (_, k), by in raw.items() for r in by.values()])
     runs: dict[tuple[str, int], dict[int, Run]] = {}
     for (name, k), by in raw.items():
@@ -83,14 +94,18 @@ def load(results: Path, controls: Path) -> tuple[dict[tuple[str, int], dict[int,
             summ = summarize_arm(recs, arm=name, label=name, loss=loss, staleness=k, base_reward=base,
                                  rule=CollapseRule())
             first, last = _rkl(recs)
-            runs.setdefault((name, k), {})[s] = Run(_early(acc), late_window(acc, UPDATES), summ.collapsed, first, last)
+            runs.setdefault((name, k), {})[s] = Run(_early(acc), late_window(acc, UPDATES), summ.collapsed, first, last,
+                                                    envs[(name, k, s)])
     return runs, missing
 
 
 def _diff(runs, k: int, attr: str) -> Paired:
+    """``attr`` of the distillation arm minus its control, paired by seed over the seeds whose two
+    runs ran from the same base weights (a pair across environments is confounded: environment.py)."""
     arm, control, _ = PAIRS[k]
-    return paired({s: getattr(r, attr) for s, r in runs.get((arm, k), {}).items()},
-                  {s: getattr(r, attr) for s, r in runs.get((control, k), {}).items()})
+    a, b = runs.get((arm, k), {}), runs.get((control, k), {})
+    seeds = [s for s in a if s in b and a[s].env == b[s].env]
+    return paired({s: getattr(a[s], attr) for s in seeds}, {s: getattr(b[s], attr) for s in seeds})
 
 
 def criteria(runs) -> list[Verdict]:

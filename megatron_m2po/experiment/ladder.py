@@ -16,6 +16,13 @@ data are missing is **not testable** and says what is missing.
   fraction on stale steps;
 * the x-axis: D(k) from the on-policy checkpoints, mean and SE over seeds;
 * P1-P3 and the drift at which each method breaks, as worded in the registration.
+
+Environments (Amendment 1): runs are compared only with runs of the same base weights. Each run's
+environment is its ``experiment_done.json`` ``environment.base`` (the fingerprint of the base model it
+ran from, recorded since the amendment), or for runs finished before, the label ``environments.json``
+in the results gives it; reruns of a cell in another environment go under ``<results>/reruns/`` in
+the same layout. The report is written once per environment, each with its own endpoints and
+criteria from its own runs only.
 """
 
 from __future__ import annotations
@@ -54,6 +61,7 @@ class Run:
     collapse_why: str = ""
     tr_frac: Optional[float] = None        # clip (GRPO) / mask (M2PO) fraction on stale steps
     reward_by_version: dict[int, float] = field(default_factory=dict)
+    env: str = "unknown"                   # the base weights it ran from (module docstring)
 
 
 @dataclass
@@ -61,6 +69,7 @@ class Ladder:
     runs: dict[tuple[str, int], dict[int, Run]]   # (arm, k) -> seed -> run; on-policy is (ONPOLICY, 0)
     drift: dict[int, dict[int, float]]            # k -> seed -> D(k)
     missing: list[str]
+    env: str = "unknown"
 
 
 def read_records(d: Path) -> Optional[list[dict]]:
@@ -73,25 +82,63 @@ def read_records(d: Path) -> Optional[list[dict]]:
     return None
 
 
-def load(root: Path) -> Ladder:
-    """Every finished run and drift under ``root`` (module docstring), with the endpoints of each run."""
+def _cells(root: Path) -> list[tuple[str, int, str]]:
+    return [(ONPOLICY, 0, f"onpolicy/{ONPOLICY}")] + [(arm, k, f"k{k}/{arm}") for k in KS for arm in METHODS]
+
+
+def run_env(root: Path, rel: str) -> Optional[str]:
+    """The environment of the finished run at ``root / rel`` (module docstring); None if unfinished."""
+    done = root / rel / "experiment_done.json"
+    if not done.is_file():
+        return None
+    try:
+        env = (json.loads(done.read_text()).get("environment") or {}).get("base")
+    except ValueError:
+        env = None
+    if env and env != "unknown":
+        return env
+    legacy = root / "environments.json"
+    labels = json.loads(legacy.read_text()).get("runs", {}) if legacy.is_file() else {}
+    return labels.get(rel.removeprefix("reruns/"), "unknown")
+
+
+def environments(root: Path) -> list[str]:
+    """Every environment with a finished run under ``root``, the one with the most runs first."""
+    count: dict[str, int] = {}
+    for _, _, cell in _cells(root):
+        for tree in ("", "reruns/"):
+            for s in SEEDS:
+                env = run_env(root, f"{tree}{cell}/seed_{s}")
+                if env is not None:
+                    count[env] = count.get(env, 0) + 1
+    return sorted(count, key=lambda e: -count[e])
+
+
+def load(root: Path, env: Optional[str] = None) -> Ladder:
+    """Every finished run and drift under ``root`` of environment ``env`` (default: the one with the
+    most runs; module docstring), with the endpoints of each run."""
     root = Path(root)
+    if env is None:
+        found = environments(root)
+        env = found[0] if found else "unknown"
     runs: dict[tuple[str, int], dict[int, Run]] = {}
     missing: list[str] = []
-    cells = [(ONPOLICY, 0, root / "onpolicy" / ONPOLICY)] + [
-        (arm, k, root / f"k{k}" / arm) for k in KS for arm in METHODS]
-    for arm, k, d in cells:
+    where: dict[tuple[str, int, int], str] = {}
+    for arm, k, cell in _cells(root):
         for s in SEEDS:
-            rd = d / f"seed_{s}"
-            recs = read_records(rd) if (rd / "experiment_done.json").is_file() else None
+            rels = [f"{tree}{cell}/seed_{s}" for tree in ("", "reruns/")]
+            rel = next((r for r in rels if run_env(root, r) == env), None)
+            recs = read_records(root / rel) if rel is not None else None
             if recs is None:
                 missing.append(f"{'on-policy' if k == 0 else f'k={k} {arm}'} seed {s}")
                 continue
-            runs.setdefault((arm, k), {})[s] = Run(recs, k)
+            runs.setdefault((arm, k), {})[s] = Run(recs, k, env=env)
+            where[(arm, k, s)] = rel
     drift: dict[int, dict[int, float]] = {}
     for s in SEEDS:
-        p = root / "onpolicy" / ONPOLICY / f"seed_{s}" / "drift" / "drift.json"
-        if not p.is_file():
+        rel = where.get((ONPOLICY, 0, s))
+        p = root / rel / "drift" / "drift.json" if rel else None
+        if p is None or not p.is_file():
             missing.append(f"drift of seed {s}")
             continue
         got = json.loads(p.read_text()).get("k", {})
@@ -110,7 +157,7 @@ def load(root: Path) -> Ladder:
             r.best, r.collapsed, r.collapse_why = summ.best_acc, summ.collapsed, summ.collapse_reason
             r.tr_frac = summ.stale_tr_frac
             r.reward_by_version = reward_by_generating_version(r.records, k)
-    return Ladder(runs, drift, missing)
+    return Ladder(runs, drift, missing, env)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -220,7 +267,11 @@ def p3(lad: Ladder, p1_first: dict[int, Optional[bool]]) -> Verdict:
             continue
         collapsed = sum(bool(r.collapsed) for r in runs.values())
         prim = primary(lad, "m2po_sk", k)
-        ok = collapsed == 0 and prim.mean is not None and prim.mean >= -0.02
+        if prim.mean is None:
+            testable = False
+            parts.append(f"k={k}: no on-policy run pairs with M2PO's ({prim.n} paired seeds)")
+            continue
+        ok = collapsed == 0 and prim.mean >= -0.02
         if p1_first.get(k):
             vs = paired(_by_seed(lad, "m2po_sk", k, "late"), _by_seed(lad, "grpo_sk", k, "late"))
             ok = ok and vs.mean is not None and vs.mean > 0 and bool(vs.exceeds(2.0))
@@ -260,9 +311,10 @@ def _f(v: Optional[float], digits: int = 3) -> str:
 
 
 def report(lad: Ladder) -> str:
-    out = ["# The drift ladder: report", "",
+    out = [f"# The drift ladder: report, environment {lad.env}", "",
            "Computed by `m2po experiment ladder-report` from the harvested runs, as registered "
-           "(PREREGISTRATION.md). Every cell is shown; n/a is a cell without its data.", ""]
+           "(PREREGISTRATION.md, with Amendment 1: only runs of this environment, i.e. of one base model's "
+           "weights). Every cell is shown; n/a is a cell without its data.", ""]
     if lad.missing:
         out += [f"**Not finished yet ({len(lad.missing)}):** " + ", ".join(lad.missing) + ".", ""]
     out += ["## Drift D(k) (on-policy checkpoints; mean KL(pi_{v-k} || pi_v) per token)", "",
@@ -349,8 +401,10 @@ def _run(args: argparse.Namespace) -> int:
     if not root.is_dir():
         print(f"m2po experiment ladder-report: {root} is not a directory (run_ladder.sh's HARVEST)")
         return 2
-    lad = load(root)
-    text = report(lad)
+    envs = environments(root) or ["unknown"]
+    ladders = [load(root, env) for env in envs]
+    lad = ladders[0]
+    text = "\n".join(report(x) for x in ladders)
     if args.out:
         Path(args.out).write_text(text)
         print(f"report written to {args.out}")

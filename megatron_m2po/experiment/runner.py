@@ -30,6 +30,7 @@ from megatron_m2po.experiment.analysis import (
     TR_KEY, ArmAggregate, ArmSummary, CollapseRule, aggregate_seeds, format_seed_table, format_table,
     per_seed, pooled_base_reward, summarize_arm, tr_kind)
 from megatron_m2po.experiment.timing import TIME_FILE, TimeLedger, children_cpu, fmt_duration
+from megatron_m2po.experiment.environment import run_environment
 
 DONE_FILE = "experiment_done.json"
 SPEC_FILE = "experiment.json"
@@ -212,7 +213,9 @@ class ArmRun:
             self.done_file.write_text(json.dumps({
                 "arm": self.arm.name, "overrides": self.overrides, "config_sha256": self.config_sha256,
                 "command": self.command, "rc": self.rc, "wall_s": round(self.wall_s, 1), "cpu_s": self.cpu_s,
-                "parallel": self.parallel, "finished_at": time.strftime("%Y-%m-%d %H:%M:%S")}, indent=2))
+                "parallel": self.parallel, "finished_at": time.strftime("%Y-%m-%d %H:%M:%S"),
+                # the machine and base weights it ran on: runs are compared only within one (ladder.py)
+                "environment": run_environment(self.run_dir)}, indent=2))
         elif self.rc == 0:
             self.status = "stopped"  # it checkpointed on a signal before the last step
         else:

@@ -80,4 +80,35 @@ for k in 128 32 8; do
       --seeds 3 --parallel 1 --no-progress --out "$OUT/k$k"
   harvest
 done
+# Amendment 1 (PREREGISTRATION.md): the cells the second machine's environment lacks, run there into
+# reruns/ (same layout). Only on that environment: elsewhere they would start a third one.
+here=$(python -c "from megatron_m2po.experiment.environment import weights_fingerprint as f; \
+from megatron_m2po.config import load_config; from megatron_m2po.utils.hf_dir import resolve_model_path as r; \
+print(f(r(load_config('examples/staleness_tiny.yaml', []).model)))")
+if [ "$here" != "${LADDER_ENV:-393e5f0e33d61620}" ]; then
+  echo "ladder: this machine's tiny base is $here, not the ladder's environment ${LADDER_ENV:-393e5f0e33d61620}: the reruns of Amendment 1 need that one"
+  exit 0
+fi
+echo "ladder: Amendment 1, on-policy again in this environment ($(date -u +%FT%TZ))"
+"$M2PO" experiment staleness "${COMMON[@]}" checkpoint.save_every_steps=2 checkpoint.keep_last=1000 \
+    --arms grpo_s0 --seeds 3 --parallel 1 --no-progress --out "$OUT/reruns/onpolicy"
+harvest
+for s in 1234 1235 1236; do
+  run="$OUT/reruns/onpolicy/grpo_s0/seed_$s"
+  if [ ! -f "$run/drift/drift.json" ]; then
+    echo "ladder: drift of seed $s in this environment ($(date -u +%FT%TZ))"
+    "$M2PO" experiment drift "$run" --ks 8,32,128
+  fi
+  harvest
+done
+echo "ladder: Amendment 1, k=32 GRPO and no trust region ($(date -u +%FT%TZ))"
+# (no trust region lacks seed 1234 here; the harness runs an arm's seeds together, and the report uses
+# the first run of a seed it finds in this environment: the original 1235 and 1236, not their reruns)
+"$M2PO" experiment staleness "${COMMON[@]}" --arms grpo_sk no_tr_sk --k 32 --seeds 3 --parallel 1 --no-progress \
+    --out "$OUT/reruns/k32"
+harvest
+echo "ladder: Amendment 1, k=128 ($(date -u +%FT%TZ))"
+"$M2PO" experiment staleness "${COMMON[@]}" --arms grpo_sk no_tr_sk m2po_sk --k 128 --seeds 3 --parallel 1 \
+    --no-progress --out "$OUT/reruns/k128"
+harvest
 echo "ladder: done ($(date -u +%FT%TZ))"
