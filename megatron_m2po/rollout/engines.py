@@ -158,6 +158,9 @@ class EngineFleet:
     extra_engine_args: list[str] = field(default_factory=list)
     on_concurrency: Optional[Callable[[int], None]] = None
     on_engines: Optional[Callable[[dict[str, int]], None]] = None
+    # "teacher": a distillation teacher's fleet (rollout_service/teacher.py): it only scores, so its
+    # engines need no integer weight version, and its errors name algo.distill.teacher_addrs
+    role: str = "rollout"
     engines: list[_Engine] = field(default_factory=list, init=False)
     concurrency: int = field(default=0, init=False)
     _held: set = field(default_factory=set, init=False)
@@ -225,7 +228,7 @@ class EngineFleet:
             return self
         if cfg.launcher == "external":
             self.engines = [_Engine(i, a.rstrip("/"), None) for i, a in enumerate(cfg.external_addrs)]
-            self._validate_external(self.engines)
+            self._validate_external(self.engines, " (algo.distill.teacher_addrs)" if self.role == "teacher" else "")
         else:
             if cfg.num_engines < 1:
                 raise FleetSetupError(f"rollout.num_engines={cfg.num_engines}: launch at least one engine")
@@ -533,7 +536,7 @@ class EngineFleet:
                 if not info.get("is_generation", True):
                     problems.append(f"{e.url}: serves a non-generation model ({info.get('model_path')})")
                 wv = str(info.get("weight_version", "0"))
-                if not wv.isdigit():
+                if not wv.isdigit() and self.role != "teacher":
                     # SGLang 0.5.23 tags weights "default" unless --weight-version is given
                     # (srt/arg_groups/fields/serving.py); token versions must be integers for the store.
                     problems.append(f"{e.url}: reports weight version {wv!r}, not an integer: start it with "

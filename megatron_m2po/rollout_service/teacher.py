@@ -86,7 +86,7 @@ class TeacherEngines:
             engine_gpu_ids=list(d.teacher_gpu_ids), use_router=False, router_addr=None, base_port=0,
             colocate=False, fp8_weights=False, return_routed_experts=False, concurrency=None)
         node = node_gpus(count=cuda_count(), trainer_on_gpu=cuda_count() is not None)
-        fleet = EngineFleet(tcfg, teacher_path, run_dir=str(Path(run_dir) / "teacher"), node=node)
+        fleet = EngineFleet(tcfg, teacher_path, run_dir=str(Path(run_dir) / "teacher"), node=node, role="teacher")
         return cls(fleet, bg, store=store)
 
     def score(self, groups: list[Group]) -> int:

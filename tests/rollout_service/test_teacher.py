@@ -50,3 +50,47 @@ def test_an_answer_of_the_wrong_length_is_refused_with_what_was_expected():
     with pytest.raises(EngineError, match=r"returned 2 values .* for a 3-token prompt and 2-token response scored "
                                           r"from position 2; expected 3"):
         asyncio.run(score_response(_Engine(drop=1), [5, 6, 7], [8, 9]))
+
+
+def test_teacher_servers_started_elsewhere_need_no_weight_version_and_errors_name_the_setting(tmp_path):
+    """algo.distill.teacher_addrs: a plain SGLang server (its weights tagged "default": no
+    --weight-version, which rollout engines need) is accepted as a teacher; an address that does not
+    answer is refused naming algo.distill.teacher_addrs, not the rollout's setting."""
+    from aiohttp import web
+
+    from megatron_m2po.config import load_config
+    from megatron_m2po.rollout.engines import FleetSetupError
+    from megatron_m2po.rollout_service.teacher import TeacherEngines
+    from megatron_m2po.utils.background_loop import BackgroundLoop
+    from rollout_testlib import ThreadedApp
+    from sglang_source import SUPPORTED_SGLANG
+
+    async def health(_request):
+        return web.Response(status=200)
+
+    async def model_info(_request):
+        return web.json_response({"is_generation": True, "weight_version": "default"})
+
+    async def server_info(_request):
+        return web.json_response({"version": SUPPORTED_SGLANG})
+
+    class Teacher(ThreadedApp):
+        def __init__(self):
+            app = web.Application()
+            for route, handler in (("/health", health), ("/model_info", model_info), ("/server_info", server_info)):
+                app.router.add_get(route, handler)
+            self.serve(app)
+
+    t = Teacher()
+    bg = BackgroundLoop("test-teacher")
+    try:
+        cfg = load_config(None, ["algo.distill.teacher=/t", "algo.distill.coef=1", "algo.distill.mode=sglang",
+                                 f"algo.distill.teacher_addrs=[{t.url}]", f"trainer.run_dir={tmp_path}"])
+        engines = TeacherEngines.launch(cfg, "/t", run_dir=tmp_path, bg=bg, store=None)
+        engines.close()
+        cfg.algo.distill.teacher_addrs = ["http://127.0.0.1:1"]
+        with pytest.raises(FleetSetupError, match=r"\(algo\.distill\.teacher_addrs\) failed validation"):
+            TeacherEngines.launch(cfg, "/t", run_dir=tmp_path, bg=bg, store=None)
+    finally:
+        bg.close()
+        t.close()
