@@ -93,13 +93,11 @@ def test_routing_replay_cross_field_checks(overrides, message):
 
 def test_sglang_teacher_rules():
     """The teacher engines score from the raw logits: a sampling temperature other than 1 is refused by
-    name, and so is the loss placement (not supported in this mode yet); the advantage placement at
-    temperature 1 is accepted."""
+    name; both placements at temperature 1 are accepted."""
     base = ["algo.distill.teacher=/t", "algo.distill.coef=1", "algo.distill.mode=sglang"]
     with pytest.raises(ConfigError, match="rollout.temperature=0.7: SGLang scores input tokens from the raw logits"):
         load_config(None, [*base, "rollout.temperature=0.7"])
-    with pytest.raises(ConfigError, match="mode=sglang with placement=loss"):
-        load_config(None, [*base, "algo.distill.placement=loss"])
+    assert load_config(None, [*base, "algo.distill.placement=loss"]).algo.distill.placement == "loss"
     ok = load_config(None, [*base, "algo.distill.teacher_addrs=[http://t:1]"])
     assert ok.algo.distill.teacher_addrs == ["http://t:1"]
 

@@ -439,7 +439,7 @@ class MegatronActor:
         for mb in mbs:
             for name in ("tokens", "position_ids", "row_pos", "row_seq", "targets", "behav_logprobs",
                          "advantages", "loss_mask", "engine_logprobs", "seq_index", "token_index", "cu_seqlens",
-                         "routed_experts"):
+                         "routed_experts", "teacher_logprobs"):
                 t = getattr(mb, name)
                 if t is not None:
                     setattr(mb, name, t.to(self.device))
@@ -618,9 +618,16 @@ class MegatronActor:
             with TIMER.phase("reference"):
                 refs = self.reference.logprobs(self, mbs)
         teachers: list = [None] * len(mbs)  # algo.distill.placement=loss ("advantage": in the advantages)
-        if self.teacher is not None and self.cfg.algo.distill.placement == "loss":
-            with TIMER.phase("teacher"):
-                teachers = self.teacher.logprobs(self, mbs)
+        d = self.cfg.algo.distill
+        if d.coef > 0 and d.placement == "loss":
+            if self.teacher is not None:  # mode=megatron: the frozen teacher's pass
+                with TIMER.phase("teacher"):
+                    teachers = self.teacher.logprobs(self, mbs)
+            else:  # mode=sglang: the scores stored with the trajectories, laid out as the policy's log-probs
+                teachers = [mb.teacher_logprobs if self.is_last_stage else None for mb in mbs]
+                if self.is_last_stage and any(t is None for t in teachers):
+                    raise ValueError("algo.distill.mode=sglang with placement=loss: samples without stored teacher "
+                                     "log-probs reached the update (the rollout service scores them at lease)")
 
         # 1. what the loss needs before the first backward (M2PO: the global mask, from a pre-pass;
         #    with strategy "correct" a provisional mask now and the exact one in step 3)

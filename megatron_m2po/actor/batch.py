@@ -274,6 +274,8 @@ class MicroBatch:
         row_pos, row_seq: int64 [T], position / batch row of the predicting hidden state.
         targets: int64 [T]. behav_logprobs, advantages: float32 [T]. loss_mask: bool [T].
         engine_logprobs: float32 [T] or None (only when every sample has them).
+        teacher_logprobs: float32 [T] or None: the distillation teacher's stored log-probs
+            (``algo.distill.mode=sglang``; only when every sample has them).
         seq_index: int64 [T], sample index within the micro-batch (sequence-level losses).
         token_index: int64 [T], canonical index of the token in its optimizer mini-batch
             (sample order, then position): the tie-break order of the global M2 mask.
@@ -303,6 +305,7 @@ class MicroBatch:
     cu_seqlens: Optional[torch.Tensor] = None
     max_seqlen: int = 0
     routed_experts: Optional[torch.Tensor] = None
+    teacher_logprobs: Optional[torch.Tensor] = None
 
     @property
     def num_tokens(self) -> int:
@@ -366,6 +369,7 @@ def make_microbatches(samples, groups: list[list[int]], *, pad_multiple: int = 1
             tok_index.append(np.arange(offsets[i], offsets[i] + r))
         cat = lambda name: np.concatenate([getattr(samples[i], name) for i in part])  # noqa: E731
         has_engine = all(samples[i].engine_logprobs is not None for i in part)
+        has_teacher = all(samples[i].teacher_logprobs is not None for i in part)
         routed = _routed_rows([samples[i] for i in part], tokens.shape,
                               [(0, int(starts[b])) if packing else (b, 0) for b in range(len(part))])
         out.append(MicroBatch(
@@ -384,6 +388,7 @@ def make_microbatches(samples, groups: list[list[int]], *, pad_multiple: int = 1
             cu_seqlens=cu_seqlens,
             max_seqlen=max_seqlen,
             routed_experts=routed,
+            teacher_logprobs=torch.from_numpy(cat("teacher_logprobs")) if has_teacher else None,
         ))
     return out
 
@@ -478,4 +483,5 @@ def cp_split(mb: MicroBatch, cp_size: int, cp_rank: int) -> MicroBatch:
         loss_mask=pick(mb.loss_mask), engine_logprobs=pick(mb.engine_logprobs), seq_index=pick(mb.seq_index),
         token_index=pick(mb.token_index), sample_index=list(mb.sample_index), cu_seqlens=mb.cu_seqlens,
         max_seqlen=mb.max_seqlen,
-        routed_experts=None if mb.routed_experts is None else mb.routed_experts[:, :, index.to(mb.routed_experts.device)])
+        routed_experts=None if mb.routed_experts is None else mb.routed_experts[:, :, index.to(mb.routed_experts.device)],
+        teacher_logprobs=pick(mb.teacher_logprobs))

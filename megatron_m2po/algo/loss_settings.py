@@ -185,10 +185,6 @@ class DistillConfig:
         if self.coef > 0 and not self.teacher:
             raise ValueError("algo.distill.coef > 0 needs algo.distill.teacher (an HF model directory whose "
                              "tokenizer equals the student's)")
-        if self.coef > 0 and self.mode == "sglang" and self.placement == "loss":
-            raise ValueError("algo.distill.mode=sglang with placement=loss is not supported yet (the stored teacher "
-                             "log-probs reach the advantages, not the loss's micro-batches); use placement=advantage, "
-                             "or mode=megatron for the loss placement")
 
 
 # The built-in losses' names and settings classes (None: no settings), as algo/losses.py and

@@ -292,3 +292,32 @@ def test_packed_rope_gather_equals_megatrons_loop():
 
     (same,) = run_distributed(_rope_thd, 1, timeout_s=120)
     assert same == [True, True]
+
+
+def test_stored_teacher_log_probs_ride_with_their_tokens_through_packing_and_the_cp_split():
+    """algo.distill.mode=sglang with placement=loss: each sample's stored teacher log-probs become the
+    micro-batch's ``teacher_logprobs``, one per response token in ``targets``' order, and every CP rank
+    keeps exactly its own tokens' values (the loss pairs them with the policy's log-probs token by
+    token); a micro-batch with a sample that has none carries none."""
+    from megatron_m2po.actor.batch import cp_pad_multiple, cp_split
+
+    samples = lib.make_samples(3, seed=6)
+    for i, s in enumerate(samples):
+        s.teacher_logprobs = -(np.arange(s.response_ids.size, dtype=np.float32) + 100 * i)
+    value_of = {(i, j): float(-(j + 100 * i)) for i, s in enumerate(samples) for j in range(s.response_ids.size)}
+    m = cp_pad_multiple(2, 1, False)
+    (mb,) = make_microbatches(samples, [[0, 1, 2]], packing=True, pad_multiple=m, seq_multiple=m)
+    assert torch.equal(mb.teacher_logprobs, torch.from_numpy(np.concatenate([s.teacher_logprobs for s in samples])))
+    seen = []
+    for rank in range(2):
+        part = cp_split(mb, 2, rank)
+        assert part.teacher_logprobs.shape == part.targets.shape
+        for t, seq, tok in zip(part.teacher_logprobs.tolist(), part.seq_index.tolist(), part.token_index.tolist()):
+            i = part.sample_index[seq]
+            j = tok - sum(samples[k].response_ids.size for k in range(i))
+            assert t == value_of[(i, j)]
+            seen.append((i, j))
+    assert sorted(seen) == sorted(value_of)
+    samples[1].teacher_logprobs = None
+    (none,) = make_microbatches(samples, [[0, 1]], packing=True)
+    assert none.teacher_logprobs is None

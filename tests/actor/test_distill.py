@@ -111,6 +111,15 @@ def _teacher_layouts(rank, world_size, root, layouts):
         else:
             res["update"] = actor.train_step(RolloutBatch(samples), num_minibatches=1)[0]
         actor.close()
+        if placement == "loss":  # mode=sglang: no teacher in the actor, the scores the samples carry
+            cfg.algo.distill.mode = "sglang"
+            actor = MegatronActor.from_config(ActorConfig.from_config(cfg, total_updates=10))
+            assert actor.teacher is None
+            scored = [copy.copy(s) for s in samples]
+            for smp, lp in zip(scored, lps):
+                smp.teacher_logprobs = lp
+            res["update_sglang"] = actor.train_step(RolloutBatch(scored), num_minibatches=1)[0]
+            actor.close()
         out.append(res)
     return out
 
@@ -120,7 +129,8 @@ def test_megatron_teacher_equals_hf_at_tp2_pp2_cp2_and_both_placements(tmp_path)
     """The teacher (another model than the student, same tokenizer) gives the log-probs of an HF
     forward of the teacher at TP=2, PP=2 and CP=2; the advantage placement writes A - coef * (behav -
     teacher) into every rank's shard and rank 0's whole step, with the step's metrics on every rank;
-    the loss placement adds ``loss/distill`` to the update's loss."""
+    the loss placement adds ``loss/distill`` to the update's loss, and gives the very same update in
+    mode=sglang from the teacher's scores carried by the samples (no teacher in the actor)."""
     layouts = [(2, 1, 1, "advantage"), (1, 2, 1, "loss"), (1, 1, 2, "advantage")]
     per_rank = run_distributed(_teacher_layouts, 2, args=(str(tmp_path), layouts), timeout_s=420)
     samples = lib.make_samples(8, seed=5)
@@ -147,3 +157,5 @@ def test_megatron_teacher_equals_hf_at_tp2_pp2_cp2_and_both_placements(tmp_path)
                 u = res["update"]
                 assert u["loss/total"] == pytest.approx(u["loss/policy"] + u["loss/distill"], rel=1e-5, abs=1e-9)
                 assert u["loss/distill"] > 0 and np.isfinite(u["distill/reverse_kl"])
+                # the same update from the scores stored with the samples (mode=sglang, no teacher pass)
+                assert res["update_sglang"] == pytest.approx(u, rel=1e-6, abs=1e-9)
