@@ -363,11 +363,7 @@ class EngineControl:
     def close_client(self) -> None:
         """The client closed (on the background loop, before the loop itself closes)."""
         client, self._client = self._client, None
-        if client is not None:
-            try:
-                self._bg.submit(client.close()).result(timeout=10)
-            except Exception:  # noqa: BLE001 - best effort at shutdown
-                pass
+        self._bg.close_quietly(client)
 
     def close(self) -> None:
         """The client (:meth:`close_client`, if still open), the transport and the engines, each shut

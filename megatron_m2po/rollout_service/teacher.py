@@ -105,11 +105,7 @@ class TeacherEngines:
 
     def close(self) -> None:
         client, self._client = self._client, None
-        if client is not None:
-            try:
-                self._bg.submit(client.close()).result(timeout=10)
-            except Exception:  # noqa: BLE001 - best effort at shutdown
-                pass
+        self._bg.close_quietly(client)
         try:
             self._fleet.stop()
         except Exception as e:  # noqa: BLE001

@@ -35,6 +35,16 @@ class BackgroundLoop:
         """Run ``coro`` on the loop and wait for its result (``TimeoutError`` after ``timeout``)."""
         return self.submit(coro).result(timeout)
 
+    def close_quietly(self, client: Any, timeout_s: float = 10.0) -> None:
+        """``client.close()`` run on the loop, best effort (shutdown: a failure or timeout is ignored);
+        nothing with ``None``."""
+        if client is None:
+            return
+        try:
+            self.run(client.close(), timeout_s)
+        except Exception:  # noqa: BLE001 - best effort at shutdown
+            pass
+
     def close(self, join_timeout_s: float = 10.0) -> None:
         """Stop the loop and wait up to ``join_timeout_s`` for its thread."""
         self.loop.call_soon_threadsafe(self.loop.stop)

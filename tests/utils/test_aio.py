@@ -15,29 +15,37 @@ from megatron_m2po.rollout.client import EngineError, log_abort_failure
 from megatron_m2po.utils.aio import gather_or_cancel
 
 
+async def _value(v: int) -> int:
+    return v
+
+
 def test_the_first_failure_cancels_the_others_and_is_raised_as_itself():
     ended: list[str] = []
     unretrieved: list[dict] = []
+    started: list[asyncio.Event] = []
 
     async def stuck(i: int) -> int:
         try:
+            started[i].set()
             await asyncio.Event().wait()  # an engine that never answers
             return i
         finally:
             ended.append(f"stuck{i}")
 
     async def fails(exc: BaseException) -> None:
-        await asyncio.sleep(0)
+        for e in started:  # the state: both stuck requests are in flight
+            await e.wait()
         raise exc
 
     async def main():
         asyncio.get_running_loop().set_exception_handler(lambda loop, ctx: unretrieved.append(ctx))
+        started.extend([asyncio.Event(), asyncio.Event()])
         with pytest.raises(EngineError, match="timed out"):
             await gather_or_cancel(stuck(0), fails(EngineError("http://e", "/generate", "timed out")),
                                    stuck(1), fails(RuntimeError("second failure, same turn")))
         assert sorted(ended) == ["stuck0", "stuck1"]  # cancelled and finished before the raise
         gc.collect()
-        assert await gather_or_cancel(asyncio.sleep(0, result=1), asyncio.sleep(0, result=2)) == [1, 2]
+        assert await gather_or_cancel(_value(1), _value(2)) == [1, 2]
         assert await gather_or_cancel() == []
 
     asyncio.run(main())
@@ -48,15 +56,19 @@ def test_the_first_failure_cancels_the_others_and_is_raised_as_itself():
 def test_a_cancelled_caller_cancels_its_jobs():
     ended: list[int] = []
 
-    async def stuck(i: int) -> None:
-        try:
-            await asyncio.Event().wait()
-        finally:
-            ended.append(i)
-
     async def main():
+        started = [asyncio.Event(), asyncio.Event()]
+
+        async def stuck(i: int) -> None:
+            try:
+                started[i].set()
+                await asyncio.Event().wait()
+            finally:
+                ended.append(i)
+
         outer = asyncio.ensure_future(gather_or_cancel(stuck(0), stuck(1)))
-        await asyncio.sleep(0)
+        for e in started:  # the state: both jobs running
+            await e.wait()
         outer.cancel()
         with pytest.raises(asyncio.CancelledError):
             await outer

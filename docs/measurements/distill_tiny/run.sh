@@ -14,20 +14,8 @@ HARVEST=${HARVEST:-docs/measurements/distill_tiny/results}
 M2PO=${M2PO:-m2po}
 COMMON=(examples/staleness_tiny.yaml optim.lr=5e-5 trainer.num_steps=256)
 
-harvest() {
-  (cd "$OUT" && find . -name experiment_done.json -not -path '*/checkpoints/*' -print0) |
-    while IFS= read -r -d '' done_file; do
-      d=$(dirname "$done_file")
-      mkdir -p "$HARVEST/$d"
-      gzip -9nc "$OUT/$d/metrics.jsonl" > "$HARVEST/$d/metrics.jsonl.gz"
-      for f in config.yaml config.json experiment_done.json; do
-        if [ -f "$OUT/$d/$f" ]; then cp -p "$OUT/$d/$f" "$HARVEST/$d/$f"; fi
-      done
-    done
-  if [ -f "$OUT/preflight/verdict.txt" ]; then mkdir -p "$HARVEST/preflight"; cp -p "$OUT/preflight/verdict.txt" "$HARVEST/preflight/"; fi
-  (cd "$OUT" && find . -name experiment.json -print0) |
-    while IFS= read -r -d '' f; do mkdir -p "$HARVEST/$(dirname "$f")"; cp -p "$OUT/$f" "$HARVEST/$f"; done
-}
+# shellcheck source=../harvest.sh
+source "$(dirname "${BASH_SOURCE[0]}")/../harvest.sh"
 
 echo "distill: pre-flight, grpo_s0 seed 1234, 8 steps from this commit ($(date -u +%FT%TZ))"
 "$M2PO" experiment staleness "${COMMON[@]}" trainer.num_steps=8 --arms grpo_s0 --seeds 1 --parallel 1 \

@@ -19,24 +19,8 @@ HARVEST=${HARVEST:-docs/measurements/drift_ladder/results}
 M2PO=${M2PO:-m2po}
 COMMON=(examples/staleness_tiny.yaml optim.lr=5e-5 trainer.num_steps=256)
 
-harvest() {
-  # Copy the small files of every finished run under $OUT (experiment_done.json), and every finished
-  # drift, into $HARVEST (same layout).
-  (cd "$OUT" && find . -name experiment_done.json -not -path '*/checkpoints/*' -print0) |
-    while IFS= read -r -d '' done_file; do
-      d=$(dirname "$done_file")
-      mkdir -p "$HARVEST/$d"
-      gzip -9nc "$OUT/$d/metrics.jsonl" > "$HARVEST/$d/metrics.jsonl.gz"
-      for f in config.yaml config.json experiment_done.json; do
-        if [ -f "$OUT/$d/$f" ]; then cp -p "$OUT/$d/$f" "$HARVEST/$d/$f"; fi
-      done
-    done
-  (cd "$OUT" && find . \( -name experiment.json -o -path '*/drift/drift.json' \) -print0) |
-    while IFS= read -r -d '' f; do
-      mkdir -p "$HARVEST/$(dirname "$f")"
-      cp -p "$OUT/$f" "$HARVEST/$f"
-    done
-}
+# shellcheck source=../harvest.sh
+source "$(dirname "${BASH_SOURCE[0]}")/../harvest.sh"
 
 restore() {
   # A new machine: every run and drift finished (and harvested) before is put back under $OUT as the
